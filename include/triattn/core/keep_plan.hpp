@@ -1,0 +1,72 @@
+// SPDX-License-Identifier: Apache-2.0
+// KeepPlan: which physical slots of one sequence survive a compression round, per layer and KV
+// head. It is what a selector produces and what a compactor consumes.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <triattn/core/error.hpp>
+
+namespace triattn {
+
+/// Kept slot indices, per (layer, KV head), strictly increasing, all lists of the same length
+/// `keep` (the sequence has one physical length). Slot i of the result holds old slot
+/// indices[layer, head, i].
+struct KeepPlan {
+  int num_layers = 0;
+  int num_kv_heads = 0;
+  int keep = 0;
+  std::vector<std::int32_t> indices;  // [num_layers, num_kv_heads, keep], ascending per row
+
+  KeepPlan() = default;
+  KeepPlan(int layers, int kv_heads, int keep_count)
+      : num_layers(layers), num_kv_heads(kv_heads), keep(keep_count),
+        indices(static_cast<std::size_t>(layers) * kv_heads * keep_count) {}
+
+  [[nodiscard]] std::int32_t* row(int layer, int head) noexcept {
+    return indices.data() + (static_cast<std::size_t>(layer) * num_kv_heads + head) * keep;
+  }
+  [[nodiscard]] const std::int32_t* row(int layer, int head) const noexcept {
+    return indices.data() + (static_cast<std::size_t>(layer) * num_kv_heads + head) * keep;
+  }
+
+  /// Throws triattn::logic_error naming the first problem: wrong shape, an index out of
+  /// [0, length), or a row that is not strictly increasing (unsorted or duplicated).
+  void validate(int expected_layers, int expected_kv_heads, int length) const {
+    TRIATTN_EXPECTS(num_layers == expected_layers && num_kv_heads == expected_kv_heads,
+                    "keep plan shape [" + std::to_string(num_layers) + ", " + std::to_string(num_kv_heads) +
+                        ", keep] does not match the cache's [" + std::to_string(expected_layers) + ", " +
+                        std::to_string(expected_kv_heads) + ", keep]");
+    TRIATTN_EXPECTS(keep >= 0 && keep <= length,
+                    "keep plan keeps " + std::to_string(keep) + " tokens of a sequence of " + std::to_string(length));
+    TRIATTN_EXPECTS(indices.size() == static_cast<std::size_t>(num_layers) * num_kv_heads * keep,
+                    "keep plan holds " + std::to_string(indices.size()) + " indices, expected layers*kv_heads*keep = " +
+                        std::to_string(static_cast<std::size_t>(num_layers) * num_kv_heads * keep));
+    for (int l = 0; l < num_layers; ++l) {
+      for (int h = 0; h < num_kv_heads; ++h) {
+        const std::int32_t* r = row(l, h);
+        for (int i = 0; i < keep; ++i) {
+          const std::string where = "keep plan (layer " + std::to_string(l) + ", kv head " + std::to_string(h) +
+                                    ", entry " + std::to_string(i) + ")";
+          TRIATTN_EXPECTS(r[i] >= 0 && r[i] < length,
+                          where + ": slot " + std::to_string(r[i]) + " is out of range [0, " + std::to_string(length) + ")");
+          TRIATTN_EXPECTS(i == 0 || r[i] > r[i - 1],
+                          where + ": slot " + std::to_string(r[i]) + (i > 0 && r[i] == r[i - 1] ? " is duplicated" : " is not in ascending order"));
+        }
+      }
+    }
+  }
+
+  /// True when every row is 0..keep-1, i.e. applying the plan moves nothing.
+  [[nodiscard]] bool is_prefix() const noexcept {
+    for (int l = 0; l < num_layers; ++l)
+      for (int h = 0; h < num_kv_heads; ++h)
+        for (int i = 0; i < keep; ++i)
+          if (row(l, h)[i] != i) return false;
+    return true;
+  }
+};
+
+}  // namespace triattn
