@@ -48,12 +48,13 @@ struct KeepPlan {
       for (int h = 0; h < num_kv_heads; ++h) {
         const std::int32_t* r = row(l, h);
         for (int i = 0; i < keep; ++i) {
+          const bool in_range = r[i] >= 0 && r[i] < length;
+          const bool ascending = i == 0 || r[i] > r[i - 1];
+          if (in_range && ascending) continue;  // messages are built only on failure
           const std::string where = "keep plan (layer " + std::to_string(l) + ", kv head " + std::to_string(h) +
-                                    ", entry " + std::to_string(i) + ")";
-          TRIATTN_EXPECTS(r[i] >= 0 && r[i] < length,
-                          where + ": slot " + std::to_string(r[i]) + " is out of range [0, " + std::to_string(length) + ")");
-          TRIATTN_EXPECTS(i == 0 || r[i] > r[i - 1],
-                          where + ": slot " + std::to_string(r[i]) + (i > 0 && r[i] == r[i - 1] ? " is duplicated" : " is not in ascending order"));
+                                    ", entry " + std::to_string(i) + "): slot " + std::to_string(r[i]);
+          if (!in_range) TRIATTN_FAIL(where + " is out of range [0, " + std::to_string(length) + ")");
+          TRIATTN_FAIL(where + (r[i] == r[i - 1] ? " is duplicated" : " is not in ascending order"));
         }
       }
     }

@@ -26,6 +26,7 @@ struct RopeScaling {
   double mscale = 1.0;                   ///< yarn (DeepSeek style; 0 = unset)
   double mscale_all_dim = 0.0;           ///< yarn (DeepSeek style; 0 = unset)
   double attention_factor = 0.0;         ///< yarn; 0 = derive from factor (0.1 ln s + 1)
+  bool truncate = true;                  ///< yarn: floor/ceil the correction range (HF default; gpt-oss: false)
 };
 
 struct RopeConfig {

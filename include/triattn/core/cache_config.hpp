@@ -1,0 +1,83 @@
+// SPDX-License-Identifier: Apache-2.0
+// Model geometry and cache configuration, validated on construction: every error names the bad
+// value and why it is bad.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include <triattn/core/dtype.hpp>
+#include <triattn/core/error.hpp>
+#include <triattn/core/layout.hpp>
+
+namespace triattn {
+
+/// Attention shape of a model (the part the KV cache cares about).
+struct ModelGeometry {
+  int num_layers = 0;
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+
+  /// Query heads per KV head (GQA group size).
+  [[nodiscard]] int group_size() const noexcept { return num_kv_heads > 0 ? num_q_heads / num_kv_heads : 0; }
+
+  void validate() const {
+    TRIATTN_EXPECTS(num_layers > 0, "num_layers = " + std::to_string(num_layers) + " must be positive");
+    TRIATTN_EXPECTS(num_q_heads > 0, "num_q_heads = " + std::to_string(num_q_heads) + " must be positive");
+    TRIATTN_EXPECTS(num_kv_heads > 0, "num_kv_heads = " + std::to_string(num_kv_heads) + " must be positive");
+    TRIATTN_EXPECTS(num_q_heads % num_kv_heads == 0,
+                    "num_q_heads = " + std::to_string(num_q_heads) + " must be a multiple of num_kv_heads = " +
+                        std::to_string(num_kv_heads) + " (GQA groups are whole)");
+    TRIATTN_EXPECTS(head_dim > 0 && head_dim % 2 == 0,
+                    "head_dim = " + std::to_string(head_dim) + " must be positive and even (RoPE pairs)");
+  }
+};
+
+/// Everything needed to lay out the paged cache.
+struct CacheConfig {
+  ModelGeometry model;
+  int block_size = 16;          ///< tokens per block
+  int num_blocks = 0;           ///< blocks per (layer, K|V) range; one block id spans all ranges
+  int max_seqs = 256;           ///< sequence slots (rows of the block table)
+  int max_blocks_per_seq = 0;   ///< block-table row length; 0 means num_blocks
+  KvLayout layout = KvLayout::kNHD;
+  DType dtype = DType::kBF16;
+
+  [[nodiscard]] int blocks_per_seq() const noexcept { return max_blocks_per_seq > 0 ? max_blocks_per_seq : num_blocks; }
+  [[nodiscard]] BlockLayout block_layout() const noexcept {
+    return BlockLayout{layout, block_size, model.num_kv_heads, model.head_dim};
+  }
+  /// Bytes of one block in one (layer, K|V) range.
+  [[nodiscard]] std::int64_t block_bytes() const noexcept {
+    return block_layout().block_elems() * static_cast<std::int64_t>(dtype_size(dtype));
+  }
+  /// Bytes one token occupies across all layers, K and V.
+  [[nodiscard]] std::int64_t token_bytes() const noexcept {
+    return 2LL * model.num_layers * model.num_kv_heads * model.head_dim * static_cast<std::int64_t>(dtype_size(dtype));
+  }
+  /// Bytes one block id owns across all layers, K and V.
+  [[nodiscard]] std::int64_t block_bytes_all_ranges() const noexcept { return 2LL * model.num_layers * block_bytes(); }
+
+  void validate() const {
+    model.validate();
+    TRIATTN_EXPECTS(block_size > 0, "block_size = " + std::to_string(block_size) + " must be positive");
+    TRIATTN_EXPECTS(num_blocks > 0, "num_blocks = " + std::to_string(num_blocks) + " must be positive");
+    TRIATTN_EXPECTS(max_seqs > 0, "max_seqs = " + std::to_string(max_seqs) + " must be positive");
+    TRIATTN_EXPECTS(max_blocks_per_seq >= 0 && max_blocks_per_seq <= num_blocks,
+                    "max_blocks_per_seq = " + std::to_string(max_blocks_per_seq) +
+                        " must be in [0, num_blocks = " + std::to_string(num_blocks) + "] (0 means num_blocks)");
+    TRIATTN_EXPECTS(dtype == DType::kF32 || dtype == DType::kF16 || dtype == DType::kBF16,
+                    "dtype = " + std::to_string(static_cast<int>(dtype)) + " is not one of float32, float16, bfloat16");
+    TRIATTN_EXPECTS(layout == KvLayout::kNHD || layout == KvLayout::kHND,
+                    "layout = " + std::to_string(static_cast<int>(layout)) + " is not NHD (0) or HND (1)");
+    // Kernels index tokens of one sequence with int32 and elements of one range with int64.
+    TRIATTN_EXPECTS(static_cast<std::int64_t>(blocks_per_seq()) * block_size <= std::numeric_limits<std::int32_t>::max(),
+                    "max_blocks_per_seq * block_size = " +
+                        std::to_string(static_cast<std::int64_t>(blocks_per_seq()) * block_size) +
+                        " tokens per sequence overflows int32 token indices");
+  }
+};
+
+}  // namespace triattn

@@ -1,0 +1,477 @@
+// SPDX-License-Identifier: Apache-2.0
+// KvCache<Policy...>: the owning API. It keeps the per-sequence bookkeeping (block tables,
+// logical position, physical length, pinned prompt) on the host, owns the memory through its
+// allocator policy, and hands kernels a KvCacheView whose type does not depend on the policies.
+//
+// Roles (order-free, each at most once, each with a default):
+//   allocator  StaticAllocator<HostBackend> (CPU) | StaticAllocator<cuda::DeviceBackend> | cuda::VmmAllocator
+//   compactor  HostCompactor (CPU) | cuda::DeviceCompactor
+//   scorer     NoScorer | TriAttentionScorer | ... (what makes compress() possible)
+//   selector   TopKSelector (the spec's selection)
+//
+// Error model: bad arguments throw triattn::logic_error and leave the cache exactly as it was;
+// running out of blocks is an expected outcome and comes back as AppendStatus::kOutOfBlocks.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <triattn/core/cache_config.hpp>
+#include <triattn/core/concepts.hpp>
+#include <triattn/core/dtype.hpp>
+#include <triattn/core/error.hpp>
+#include <triattn/core/keep_plan.hpp>
+#include <triattn/core/kv_view.hpp>
+#include <triattn/core/policy/host_backend.hpp>
+#include <triattn/core/policy/host_compactor.hpp>
+#include <triattn/core/policy/no_scorer.hpp>
+#include <triattn/core/policy/static_allocator.hpp>
+#include <triattn/core/ref/compact.hpp>
+
+namespace triattn {
+
+using SeqId = std::int32_t;
+
+/// Whether appended tokens belong to the prompt (prefill) or are generated (decode). Prompt
+/// tokens can be pinned by the selector; the trigger fires on decode steps.
+enum class Phase : int { kPrefill = 0, kDecode = 1 };
+
+enum class AppendStatus : int { kOk = 0, kOutOfBlocks = 1 };
+
+/// Outcome of extend()/append(). On kOutOfBlocks nothing changed.
+struct AppendResult {
+  AppendStatus status = AppendStatus::kOk;
+  int first_slot = 0;   ///< physical slot of the first new token
+  int blocks_needed = 0;  ///< new blocks the request needed (on failure: how many were missing is blocks_needed - free)
+  [[nodiscard]] bool ok() const noexcept { return status == AppendStatus::kOk; }
+};
+
+/// Memory accounting of one cache.
+struct MemoryStats {
+  std::size_t blocks_total = 0;
+  std::size_t blocks_used = 0;
+  std::size_t blocks_free = 0;
+  std::size_t bytes_resident = 0;     ///< what the allocator holds from its backend / the driver
+  std::size_t bytes_in_used_blocks = 0;  ///< blocks_used * bytes per block id (all layers, K and V)
+  std::size_t bytes_live = 0;         ///< cached tokens * bytes per token (all layers, K and V)
+  std::int64_t cached_tokens = 0;     ///< sum of physical lengths
+  std::int64_t logical_tokens = 0;    ///< sum of logical positions
+};
+
+/// What one compression round did to one sequence.
+struct CompressionReport {
+  SeqId seq = -1;
+  int length_before = 0;
+  int length_after = 0;
+  int blocks_freed = 0;
+};
+
+template <class... Policies>
+class KvCache {
+  static_assert(detail::count_role<allocator_role, Policies...> <= 1, "KvCache<...>: more than one allocator policy");
+  static_assert(detail::count_role<compactor_role, Policies...> <= 1, "KvCache<...>: more than one compactor policy");
+  static_assert(detail::count_role<scorer_role, Policies...> <= 1, "KvCache<...>: more than one scorer policy");
+  static_assert(detail::count_role<selector_role, Policies...> <= 1, "KvCache<...>: more than one selector policy");
+  static_assert(((plays_role<Policies, allocator_role> || plays_role<Policies, compactor_role> ||
+                  plays_role<Policies, scorer_role> || plays_role<Policies, selector_role>) && ...),
+                "KvCache<...>: every policy must declare policy_role = allocator_role, compactor_role, scorer_role "
+                "or selector_role");
+
+ public:
+  using allocator_type = detail::pick_role_t<allocator_role, StaticAllocator<HostBackend>, Policies...>;
+  using compactor_type = detail::pick_role_t<compactor_role, HostCompactor, Policies...>;
+  using scorer_type = detail::pick_role_t<scorer_role, NoScorer, Policies...>;
+  using selector_type = detail::pick_role_t<selector_role, NoSelector, Policies...>;
+  using index_type = std::int32_t;
+  static constexpr MemorySpace memory_space = allocator_type::memory_space;
+
+  static_assert(BlockAllocator<allocator_type>,
+                "KvCache<...>: the allocator policy must provide allocate(span)->bool, retain, release->bool, "
+                "num_free, capacity, ref_count, bytes_resident, data, range_stride_bytes and memory_space");
+  static_assert(compactor_type::memory_space == memory_space,
+                "KvCache<...>: the compactor works on another memory space than the allocator (device memory needs "
+                "triattn::cuda::DeviceCompactor, host memory HostCompactor)");
+
+  /// Builds the cache. Policy objects may be passed in any order (e.g. a configured scorer);
+  /// roles not passed are constructed from `cfg` when they can be, else default-constructed.
+  /// @throws logic_error when cfg is invalid (the message names the value).
+  template <class... Given>
+  explicit KvCache(const CacheConfig& cfg, Given&&... given)
+      : config_(validated(cfg)),
+        allocator_(make_policy<allocator_type>(config_, std::forward<Given>(given)...)),
+        compactor_(make_policy<compactor_type>(config_, std::forward<Given>(given)...)),
+        scorer_(make_policy<scorer_type>(config_, std::forward<Given>(given)...)),
+        selector_(make_policy<selector_type>(config_, std::forward<Given>(given)...)),
+        seqs_(static_cast<std::size_t>(config_.max_seqs)),
+        tables_(static_cast<std::size_t>(config_.max_seqs) * config_.blocks_per_seq(), index_type{-1}),
+        lens_(static_cast<std::size_t>(config_.max_seqs), 0) {
+    static_assert(((std::is_same_v<std::remove_cvref_t<Given>, allocator_type> ||
+                    std::is_same_v<std::remove_cvref_t<Given>, compactor_type> ||
+                    std::is_same_v<std::remove_cvref_t<Given>, scorer_type> ||
+                    std::is_same_v<std::remove_cvref_t<Given>, selector_type>) && ...),
+                  "KvCache(cfg, policies...): an argument is not one of this cache's policy types");
+    free_seq_slots_.reserve(seqs_.size());
+    for (int s = config_.max_seqs - 1; s >= 0; --s) free_seq_slots_.push_back(s);
+  }
+
+  KvCache(const KvCache&) = delete;
+  KvCache& operator=(const KvCache&) = delete;
+  KvCache(KvCache&&) noexcept = default;
+  KvCache& operator=(KvCache&&) noexcept = default;
+  ~KvCache() = default;
+
+  // ---- sequences ------------------------------------------------------------------------------
+
+  /// Opens a sequence slot. @throws logic_error when all max_seqs slots are in use.
+  [[nodiscard]] SeqId add_sequence() {
+    TRIATTN_EXPECTS(!free_seq_slots_.empty(),
+                    "add_sequence: all max_seqs = " + std::to_string(config_.max_seqs) + " sequence slots are in use");
+    const SeqId s = free_seq_slots_.back();
+    free_seq_slots_.pop_back();
+    seqs_[static_cast<std::size_t>(s)] = SeqState{true, 0, 0};
+    return s;
+  }
+
+  /// Opens a new sequence sharing the first `tokens` cached tokens of `parent` (a whole number of
+  /// blocks), e.g. a common prompt. Shared blocks are reference counted and never rewritten.
+  [[nodiscard]] SeqId fork_prefix(SeqId parent, int tokens) {
+    const SeqState& p = state(parent, "fork_prefix");
+    TRIATTN_EXPECTS(tokens >= 0 && tokens <= lens_[idx(parent)] && tokens % config_.block_size == 0,
+                    "fork_prefix: tokens = " + std::to_string(tokens) + " must be a multiple of block_size = " +
+                        std::to_string(config_.block_size) + " within the parent's length " +
+                        std::to_string(lens_[idx(parent)]));
+    const int prompt = std::min(p.prompt_len, tokens);
+    const SeqId child = add_sequence();
+    const int nb = tokens / config_.block_size;
+    for (int j = 0; j < nb; ++j) {
+      const index_type b = tables_[row(parent) + j];
+      allocator_.retain(b);
+      tables_[row(child) + j] = b;
+    }
+    seqs_[idx(child)] = SeqState{true, tokens, prompt};
+    lens_[idx(child)] = tokens;
+    return child;
+  }
+
+  /// Frees the sequence's blocks (shared ones lose one reference) and its slot.
+  void release(SeqId seq) {
+    (void)state(seq, "release");
+    const int nb = num_blocks_of(seq);
+    for (int j = 0; j < nb; ++j) {
+      allocator_.release(tables_[row(seq) + j]);
+      tables_[row(seq) + j] = -1;
+    }
+    lens_[idx(seq)] = 0;
+    seqs_[idx(seq)] = SeqState{};
+    free_seq_slots_.push_back(seq);
+  }
+
+  // ---- appending ------------------------------------------------------------------------------
+
+  /// Makes room for n new tokens at the end of `seq` (allocating blocks all-or-nothing) and
+  /// advances its physical length and logical position by n. The caller then writes the
+  /// tokens' K/V at slots [first_slot, first_slot + n), layer by layer (write() on the CPU, the
+  /// append kernel on the GPU).
+  [[nodiscard]] AppendResult extend(SeqId seq, int n, Phase phase = Phase::kDecode) {
+    SeqState& s = state(seq, "extend");
+    TRIATTN_EXPECTS(n >= 0, "extend: n = " + std::to_string(n) + " must be non-negative");
+    const int len = lens_[idx(seq)];
+    const std::int64_t new_len = static_cast<std::int64_t>(len) + n;
+    const std::int64_t cap = static_cast<std::int64_t>(config_.blocks_per_seq()) * config_.block_size;
+    const int have = num_blocks_of(seq);
+    const int need = static_cast<int>(detail::ceil_div<std::int64_t>(new_len, config_.block_size)) - have;
+    AppendResult r{AppendStatus::kOk, len, need > 0 ? need : 0};
+    if (new_len > cap) {  // the block-table row is full: same typed outcome as an empty pool
+      r.status = AppendStatus::kOutOfBlocks;
+      return r;
+    }
+    if (need > 0) {
+      std::span<index_type> fresh(tables_.data() + row(seq) + have, static_cast<std::size_t>(need));
+      if (!allocator_.allocate(fresh)) {
+        std::fill(fresh.begin(), fresh.end(), index_type{-1});
+        r.status = AppendStatus::kOutOfBlocks;
+        return r;
+      }
+    }
+    lens_[idx(seq)] = static_cast<index_type>(new_len);
+    s.logical += n;
+    if (phase == Phase::kPrefill) {
+      TRIATTN_EXPECTS(s.prompt_len == len,
+                      "extend: prefill tokens must come before any decode token (sequence " + std::to_string(seq) + ")");
+      s.prompt_len += n;
+    }
+    return r;
+  }
+
+  /// Writes K and V of n tokens of one layer at slots [first_slot, first_slot + n), CPU path.
+  /// k, v: [n, num_kv_heads, head_dim] of the cache's dtype.
+  template <class T>
+  void write(SeqId seq, int layer, int first_slot, const T* k, const T* v, int n)
+    requires(memory_space == MemorySpace::kHost)
+  {
+    check_dtype<T>("write");
+    (void)state(seq, "write");
+    TRIATTN_EXPECTS(layer >= 0 && layer < config_.model.num_layers,
+                    "write: layer " + std::to_string(layer) + " out of [0, " + std::to_string(config_.model.num_layers) + ")");
+    TRIATTN_EXPECTS(n >= 0 && first_slot >= 0 && static_cast<std::int64_t>(first_slot) + n <= lens_[idx(seq)],
+                    "write: slots [" + std::to_string(first_slot) + ", " + std::to_string(static_cast<std::int64_t>(first_slot) + n) +
+                        ") are outside the sequence's length " + std::to_string(lens_[idx(seq)]) + " (call extend first)");
+    TRIATTN_EXPECTS(n == 0 || (k != nullptr && v != nullptr), "write: k and v must not be null");
+    ref::append(view<T>(), seq, layer, first_slot, k, v, n);
+  }
+
+  /// extend() + write() for every layer, CPU path. k, v: [num_layers, n, num_kv_heads, head_dim].
+  /// On kOutOfBlocks nothing was written and nothing changed.
+  template <class T>
+  [[nodiscard]] AppendResult append(SeqId seq, std::span<const T> k, std::span<const T> v, int n,
+                                    Phase phase = Phase::kDecode)
+    requires(memory_space == MemorySpace::kHost)
+  {
+    check_dtype<T>("append");
+    (void)state(seq, "append");
+    const std::size_t per_layer = static_cast<std::size_t>(n) * config_.model.num_kv_heads * config_.model.head_dim;
+    const std::size_t expect = per_layer * static_cast<std::size_t>(config_.model.num_layers);
+    TRIATTN_EXPECTS(n >= 0 && k.size() == expect && v.size() == expect,
+                    "append: k has " + std::to_string(k.size()) + " and v " + std::to_string(v.size()) +
+                        " elements; [num_layers, n, num_kv_heads, head_dim] = " + std::to_string(expect));
+    const AppendResult r = extend(seq, n, phase);
+    if (!r.ok()) return r;
+    for (int l = 0; l < config_.model.num_layers; ++l)
+      write(seq, l, r.first_slot, k.data() + l * per_layer, v.data() + l * per_layer, n);
+    return r;
+  }
+
+  // ---- compaction -----------------------------------------------------------------------------
+
+  /// Compacts every (layer, KV head) of `seq` to the plan's kept slots, in order, into slots
+  /// 0..keep-1, and frees the blocks past ceil(keep / block_size). The logical position is
+  /// unchanged. @throws logic_error (cache unchanged) on a bad plan or when compaction would
+  /// rewrite a block shared with another sequence.
+  void apply_keep_plan(SeqId seq, const KeepPlan& plan) {
+    (void)state(seq, "apply_keep_plan");
+    const int len = lens_[idx(seq)];
+    plan.validate(config_.model.num_layers, config_.model.num_kv_heads, len);
+    const int first_changed = first_moved_slot(plan);
+    if (first_changed < plan.keep) {
+      const int b_end = static_cast<int>(detail::ceil_div(plan.keep, config_.block_size));
+      for (int j = first_changed / config_.block_size; j < b_end; ++j) {
+        const index_type b = tables_[row(seq) + j];
+        TRIATTN_EXPECTS(allocator_.ref_count(b) == 1,
+                        "apply_keep_plan: compaction would rewrite block " + std::to_string(b) + " (slots from " +
+                            std::to_string(j * config_.block_size) + ") that sequence " + std::to_string(seq) +
+                            " shares with another sequence; shared prefix blocks must stay untouched");
+      }
+      dispatch_dtype([&](auto tag) {
+        using T = typename decltype(tag)::type;
+        compactor_.apply(view<T>(), seq, plan);
+      });
+    }
+    shrink_to(seq, plan.keep);
+  }
+
+  /// True when `seq`'s counted length reached budget + divide_length (the selector's trigger).
+  [[nodiscard]] bool needs_compression(SeqId seq) const
+    requires(!std::is_same_v<selector_type, NoSelector>)
+  {
+    const SeqState& s = state(seq, "needs_compression");
+    return selector_.should_compress(lens_[idx(seq)], s.prompt_len, s.logical > s.prompt_len);
+  }
+
+  /// One compression round for `seq`: score every cached key, select the keep set, compact, free
+  /// tail blocks. CPU path (and any scorer whose memory space matches).
+  CompressionReport compress(SeqId seq)
+    requires(!std::is_same_v<scorer_type, NoScorer> && !std::is_same_v<selector_type, NoSelector>)
+  {
+    const SeqState& s = state(seq, "compress");
+    const int len = lens_[idx(seq)];
+    const ModelGeometry& g = config_.model;
+    scores_.resize(static_cast<std::size_t>(g.num_layers) * g.num_q_heads * len);
+    dispatch_dtype([&](auto tag) {
+      using T = typename decltype(tag)::type;
+      scorer_.score(view<T>(), seq, len, s.logical, std::span<float>(scores_));  // [L, Hq, len]
+    });
+    const KeepPlan plan = selector_.select(std::span<const float>(scores_), g, len, s.prompt_len);
+    CompressionReport rep{seq, len, plan.keep, num_blocks_of(seq)};
+    apply_keep_plan(seq, plan);
+    rep.blocks_freed -= num_blocks_of(seq);
+    return rep;
+  }
+
+  /// Runs compress() on every sequence of `seqs` whose trigger fired; returns what was done.
+  std::vector<CompressionReport> compress_if_needed(std::span<const SeqId> seqs)
+    requires(!std::is_same_v<scorer_type, NoScorer> && !std::is_same_v<selector_type, NoSelector>)
+  {
+    std::vector<CompressionReport> done;
+    for (SeqId s : seqs)
+      if (needs_compression(s)) done.push_back(compress(s));
+    return done;
+  }
+
+  // ---- queries --------------------------------------------------------------------------------
+
+  /// Block ids of `seq`, in slot order ([ceil(physical_length / block_size)]).
+  [[nodiscard]] std::span<const index_type> block_table(SeqId seq) const {
+    (void)state(seq, "block_table");
+    return {tables_.data() + row(seq), static_cast<std::size_t>(num_blocks_of(seq))};
+  }
+  /// Next RoPE position: tokens processed so far (never decreases).
+  [[nodiscard]] std::int64_t logical_position(SeqId seq) const { return state(seq, "logical_position").logical; }
+  /// Cached tokens (what attention reads and where the next token is written).
+  [[nodiscard]] int physical_length(SeqId seq) const {
+    (void)state(seq, "physical_length");
+    return lens_[idx(seq)];
+  }
+  /// Prompt (prefill) tokens of `seq`; they occupy slots [0, prompt_length) while pinned.
+  [[nodiscard]] int prompt_length(SeqId seq) const { return state(seq, "prompt_length").prompt_len; }
+  [[nodiscard]] bool is_active(SeqId seq) const noexcept {
+    return seq >= 0 && seq < config_.max_seqs && seqs_[idx(seq)].active;
+  }
+  [[nodiscard]] int num_active() const noexcept { return config_.max_seqs - static_cast<int>(free_seq_slots_.size()); }
+
+  [[nodiscard]] MemoryStats memory() const {
+    MemoryStats m;
+    m.blocks_total = allocator_.capacity();
+    m.blocks_free = allocator_.num_free();
+    m.blocks_used = m.blocks_total - m.blocks_free;
+    m.bytes_resident = allocator_.bytes_resident();
+    m.bytes_in_used_blocks = m.blocks_used * static_cast<std::size_t>(config_.block_bytes_all_ranges());
+    for (int s = 0; s < config_.max_seqs; ++s) {
+      if (!seqs_[static_cast<std::size_t>(s)].active) continue;
+      m.cached_tokens += lens_[static_cast<std::size_t>(s)];
+      m.logical_tokens += seqs_[static_cast<std::size_t>(s)].logical;
+    }
+    m.bytes_live = static_cast<std::size_t>(m.cached_tokens) * static_cast<std::size_t>(config_.token_bytes());
+    return m;
+  }
+
+  /// View for kernels and the CPU reference. T must be the configured dtype's storage type.
+  /// Block tables and lengths are the allocator's published copy (device memory for device
+  /// allocators, after their publish step; the host arrays otherwise).
+  template <class T>
+  [[nodiscard]] KvCacheView<T, index_type> view() const {
+    check_dtype<T>("view");
+    const index_type* tables = tables_.data();
+    const index_type* lens = lens_.data();
+    if constexpr (requires { allocator_.published_tables(); }) {
+      tables = allocator_.published_tables();
+      lens = allocator_.published_lengths();
+    }
+    return KvCacheView<T, index_type>{static_cast<T*>(allocator_.data()),
+                                      allocator_.range_stride_bytes() / static_cast<std::int64_t>(sizeof(T)),
+                                      config_.block_layout(),
+                                      config_.model.num_layers,
+                                      config_.num_blocks,
+                                      config_.max_seqs,
+                                      config_.blocks_per_seq(),
+                                      tables,
+                                      lens};
+  }
+  /// Host copies of the block tables ([max_seqs, max_blocks_per_seq], -1 padded) and physical
+  /// lengths ([max_seqs]): what an engine's own page table is built from.
+  [[nodiscard]] std::span<const index_type> host_block_tables() const noexcept { return tables_; }
+  [[nodiscard]] std::span<const index_type> host_lengths() const noexcept { return lens_; }
+
+  [[nodiscard]] const CacheConfig& config() const noexcept { return config_; }
+  [[nodiscard]] allocator_type& allocator() noexcept { return allocator_; }
+  [[nodiscard]] const allocator_type& allocator() const noexcept { return allocator_; }
+  [[nodiscard]] compactor_type& compactor() noexcept { return compactor_; }
+  [[nodiscard]] scorer_type& scorer() noexcept { return scorer_; }
+  [[nodiscard]] selector_type& selector() noexcept { return selector_; }
+
+ private:
+  struct SeqState {
+    bool active = false;
+    std::int64_t logical = 0;  ///< tokens processed (next RoPE position)
+    int prompt_len = 0;        ///< prefill tokens
+  };
+
+  static const CacheConfig& validated(const CacheConfig& c) {
+    c.validate();
+    return c;
+  }
+
+  template <class P, class First, class... Rest>
+  static P&& pick_arg(First&& first, Rest&&... rest) {
+    if constexpr (std::is_same_v<std::remove_cvref_t<First>, P>) return static_cast<P&&>(first);
+    else return pick_arg<P>(std::forward<Rest>(rest)...);
+  }
+  template <class P, class... Given>
+  static P make_policy(const CacheConfig& cfg, Given&&... given) {
+    if constexpr ((std::is_same_v<std::remove_cvref_t<Given>, P> || ...)) return P(pick_arg<P>(std::forward<Given>(given)...));
+    else if constexpr (std::is_constructible_v<P, const CacheConfig&>) return P(cfg);
+    else return P{};
+  }
+
+  template <class F>
+  void dispatch_dtype(F&& f) const {
+    switch (config_.dtype) {
+      case DType::kF32: f(std::type_identity<float>{}); break;
+      case DType::kF16: f(std::type_identity<f16_storage>{}); break;
+      case DType::kBF16: f(std::type_identity<bf16_storage>{}); break;
+    }
+  }
+
+  template <class T>
+  void check_dtype(const char* op) const {
+    TRIATTN_EXPECTS(dtype_of<T> == config_.dtype, std::string(op) + ": element type is " + dtype_name(dtype_of<T>) +
+                                                     " but the cache stores " + dtype_name(config_.dtype));
+  }
+
+  SeqState& state(SeqId seq, const char* op) {
+    return const_cast<SeqState&>(static_cast<const KvCache*>(this)->state(seq, op));
+  }
+  const SeqState& state(SeqId seq, const char* op) const {
+    TRIATTN_EXPECTS(seq >= 0 && seq < config_.max_seqs,
+                    std::string(op) + ": sequence " + std::to_string(seq) + " is not a sequence id of this cache");
+    const SeqState& s = seqs_[idx(seq)];
+    TRIATTN_EXPECTS(s.active, std::string(op) + ": sequence " + std::to_string(seq) + " is not active (released or never added)");
+    return s;
+  }
+  static std::size_t idx(SeqId s) noexcept { return static_cast<std::size_t>(s); }
+  std::size_t row(SeqId s) const noexcept { return idx(s) * static_cast<std::size_t>(config_.blocks_per_seq()); }
+  int num_blocks_of(SeqId s) const noexcept {
+    return static_cast<int>(detail::ceil_div(lens_[idx(s)], config_.block_size));
+  }
+  static int first_moved_slot(const KeepPlan& plan) noexcept {
+    int first = plan.keep;
+    for (int l = 0; l < plan.num_layers; ++l)
+      for (int h = 0; h < plan.num_kv_heads; ++h) {
+        const std::int32_t* r = plan.row(l, h);
+        for (int i = 0; i < first; ++i)
+          if (r[i] != i) {
+            first = i;
+            break;
+          }
+      }
+    return first;
+  }
+  void shrink_to(SeqId seq, int keep) {
+    const int before = num_blocks_of(seq);
+    const int after = static_cast<int>(detail::ceil_div(keep, config_.block_size));
+    for (int j = after; j < before; ++j) {
+      allocator_.release(tables_[row(seq) + j]);
+      tables_[row(seq) + j] = -1;
+    }
+    lens_[idx(seq)] = keep;
+  }
+
+  CacheConfig config_;
+  allocator_type allocator_;
+  compactor_type compactor_;
+  scorer_type scorer_;
+  selector_type selector_;
+  std::vector<SeqState> seqs_;          // [max_seqs]
+  std::vector<index_type> tables_;      // [max_seqs, max_blocks_per_seq], -1 padded
+  std::vector<index_type> lens_;        // [max_seqs] physical lengths
+  std::vector<SeqId> free_seq_slots_;   // stack of unused sequence slots
+  std::vector<float> scores_;           // [L, Hq, len] scratch of compress()
+};
+
+}  // namespace triattn

@@ -1,0 +1,22 @@
+// SPDX-License-Identifier: Apache-2.0
+// Compactor policy of the CPU path: applies a KeepPlan to host memory through ref::compact.
+#pragma once
+
+#include <triattn/core/concepts.hpp>
+#include <triattn/core/keep_plan.hpp>
+#include <triattn/core/kv_view.hpp>
+#include <triattn/core/ref/compact.hpp>
+
+namespace triattn {
+
+struct HostCompactor {
+  using policy_role = compactor_role;
+  static constexpr MemorySpace memory_space = MemorySpace::kHost;
+
+  template <class T, class Id>
+  void apply(const KvCacheView<T, Id>& view, int seq, const KeepPlan& plan) const {
+    ref::compact(view, seq, plan);
+  }
+};
+
+}  // namespace triattn
