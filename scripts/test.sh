@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The README's test command. On a fresh Debian machine (root) it installs what it needs, then:
+#   1. CPU-only configure (CUDA never enabled): build, run the host tests
+#   2. full configure (CUDA compiled for sm_90, not run): build tests, benchmarks, examples,
+#      header tests; CPU reference benchmarks run briefly
+#   3. AddressSanitizer + UBSan build of the core tests, run
+#   4. install to a staging prefix; build and run the two downstream consumers
+#   5. fuzz each loader for a bounded time (when clang's libFuzzer runtime is available)
+#   6. last: ctest on the full build, everything but the `gpu` label (its summary ends the log)
+# GPU tests (`ctest -L gpu`) and GPU benchmarks run on a GPU machine: benchmarks/run_gpu.sh.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+JOBS=${JOBS:-$(nproc)}
+B=${BUILD_ROOT:-$ROOT/build-ci}
+FUZZ_SECONDS=${FUZZ_SECONDS:-20}
+step() { printf '\n=== %s [%s] ===\n' "$*" "$(date +%T)"; }
+
+step "dependencies"
+missing=()
+for p in cmake g++ ninja-build doctest-dev libbenchmark-dev clang-14 libclang-rt-14-dev; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "installing: ${missing[*]}"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+HAVE_NVCC=0; command -v nvcc >/dev/null 2>&1 && HAVE_NVCC=1
+[ -x /usr/local/cuda/bin/nvcc ] && { export PATH=/usr/local/cuda/bin:$PATH; HAVE_NVCC=1; }
+
+step "1. CPU-only build (TRIATTN_ENABLE_CUDA=OFF)"
+cmake -S . -B "$B/cpu" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTRIATTN_ENABLE_CUDA=OFF >/dev/null
+cmake --build "$B/cpu" -j "$JOBS"
+ctest --test-dir "$B/cpu" -LE gpu -j "$JOBS" --output-on-failure
+
+if [ "$HAVE_NVCC" = 1 ]; then
+  step "2. full build (CUDA sm_90 compiled, not run)"
+  cmake -S . -B "$B/full" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+  cmake --build "$B/full" -j "$JOBS"
+else
+  echo "nvcc not found: the full (CUDA) configuration is skipped" >&2
+  exit 1
+fi
+for b in "$B"/cpu/benchmarks/bench_ref_*; do
+  [ -x "$b" ] && "$b" --benchmark_min_time=0.01 >/dev/null && echo "ran $(basename "$b")"
+done
+
+step "3. sanitizer build of the host tests (ASan + UBSan)"
+cmake -S . -B "$B/asan" -G Ninja -DCMAKE_BUILD_TYPE=Debug -DTRIATTN_ENABLE_CUDA=OFF -DTRIATTN_SANITIZE=ON \
+      -DTRIATTN_BUILD_BENCHMARKS=OFF -DCMAKE_CXX_FLAGS=-O1 >/dev/null
+cmake --build "$B/asan" -j "$JOBS"
+ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+  ctest --test-dir "$B/asan" -LE gpu -j "$JOBS" --output-on-failure
+
+step "4. staged install and downstream consumers"
+STAGE="$B/stage"
+rm -rf "$STAGE"
+cmake --install "$B/full" --prefix "$STAGE" >/dev/null
+cmake -S tests/downstream/cpu -B "$B/downstream-cpu" -G Ninja -DCMAKE_PREFIX_PATH="$STAGE" \
+      -DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=ON >/dev/null
+cmake --build "$B/downstream-cpu" -j "$JOBS"
+"$B/downstream-cpu/consumer_cpu"
+cmake -S tests/downstream/cuda -B "$B/downstream-cuda" -G Ninja -DCMAKE_PREFIX_PATH="$STAGE" \
+      -DCMAKE_CUDA_ARCHITECTURES=90 >/dev/null
+cmake --build "$B/downstream-cuda" -j "$JOBS"
+"$B/downstream-cuda/consumer_cuda"
+
+if [ -f fuzz/run_fuzzers.sh ] && command -v clang++-14 >/dev/null 2>&1; then
+  step "5. fuzzers (${FUZZ_SECONDS}s each)"
+  cmake -S . -B "$B/fuzz" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTRIATTN_ENABLE_CUDA=OFF \
+        -DTRIATTN_BUILD_TESTS=OFF -DTRIATTN_BUILD_BENCHMARKS=OFF -DTRIATTN_BUILD_EXAMPLES=OFF \
+        -DTRIATTN_BUILD_FUZZERS=ON -DCMAKE_CXX_COMPILER=clang++-14 >/dev/null
+  cmake --build "$B/fuzz" -j "$JOBS"
+  bash fuzz/run_fuzzers.sh "$B/fuzz" "$FUZZ_SECONDS"
+fi
+
+step "6. all host tests of the full build (ctest -LE gpu)"
+ctest --test-dir "$B/full" -LE gpu -j "$JOBS" --output-on-failure
