@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One command to build triattn on a GPU machine, run every `gpu`-labelled test (plus the host
+# tests), optionally compute-sanitizer, and every CUDA benchmark, writing JSON results.
+#   benchmarks/run_gpu.sh [OUT_DIR]          (default: benchmarks/results/<date>)
+# Env: BUILD (build dir, default build-gpu), BENCH_FILTER (regex of benchmark binaries to run),
+#      BENCH_MIN_TIME (default 0.2), SANITIZE=1 (run compute-sanitizer memcheck+racecheck on the
+#      gpu tests), DEPS (a prefix with doctest and Google Benchmark, if the machine lacks them).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT_DIR=${1:-$ROOT/benchmarks/results/$(date +%F)}
+BUILD=${BUILD:-$ROOT/build-gpu}
+mkdir -p "$OUT_DIR"
+COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+GPU=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)
+echo "device: $GPU  commit: $COMMIT  date: $(date -u +%FT%TZ)" | tee "$OUT_DIR/device.txt"
+
+PREFIX_ARGS=()
+[ -n "${DEPS:-}" ] && PREFIX_ARGS=(-DCMAKE_PREFIX_PATH="$DEPS")
+GEN=(); command -v ninja >/dev/null && GEN=(-G Ninja)
+cmake -S . -B "$BUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release "${PREFIX_ARGS[@]}" >"$OUT_DIR/configure.log" 2>&1 \
+  || { tail -30 "$OUT_DIR/configure.log"; exit 1; }
+if ! cmake --build "$BUILD" -j "$(nproc)" >"$OUT_DIR/build.log" 2>&1; then
+  grep -E "error|Error" "$OUT_DIR/build.log" | head -40
+  exit 1
+fi
+echo "build ok"
+
+ctest --test-dir "$BUILD" -L gpu --output-on-failure --timeout 600 >"$OUT_DIR/ctest_gpu.log" 2>&1
+GPU_RC=$?
+tail -15 "$OUT_DIR/ctest_gpu.log"
+if [ "${SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
+  for t in "$BUILD"/tests/test_cuda_*; do
+    for tool in memcheck racecheck; do
+      compute-sanitizer --tool $tool --error-exitcode 9 "$t" -ts=gpu >"$OUT_DIR/sanitizer_${tool}_$(basename "$t").log" 2>&1
+      echo "compute-sanitizer $tool $(basename "$t"): rc=$? $(grep -E 'ERROR SUMMARY' "$OUT_DIR/sanitizer_${tool}_$(basename "$t").log" | tail -1)"
+    done
+  done | tee "$OUT_DIR/sanitizer_summary.txt"
+fi
+
+for b in "$BUILD"/benchmarks/bench_*; do
+  name=$(basename "$b")
+  [[ "$name" == bench_ref_* ]] && continue
+  [ -n "${BENCH_FILTER:-}" ] && ! [[ "$name" =~ $BENCH_FILTER ]] && continue
+  "$b" --benchmark_min_time="${BENCH_MIN_TIME:-0.2}" --benchmark_out="$OUT_DIR/$name.json" \
+       --benchmark_out_format=json --benchmark_context=commit="$COMMIT" --benchmark_context=device="$GPU" \
+       >"$OUT_DIR/$name.txt" 2>&1
+  echo "$name rc=$?"
+done
+exit $GPU_RC
