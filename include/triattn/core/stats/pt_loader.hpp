@@ -63,16 +63,18 @@ class PtInterpreter {
   [[noreturn]] void fail(const std::string& what) const { throw format_error(path_ + ": " + what); }
 
   const PyObj& obj(std::uint32_t id) const { return doc_[id]; }
-  void require(std::uint32_t id, PyKind kind, const std::string& what) const {
+  // Context strings are `what` + `suffix`, joined only when a check fails (the success path runs
+  // thousands of times per file).
+  void require(std::uint32_t id, PyKind kind, const std::string& what, const char* suffix = "") const {
     if (obj(id).kind != kind)
-      fail(what + " is a " + py_kind_name(obj(id).kind) + ", expected a " + py_kind_name(kind));
+      fail(what + suffix + " is a " + py_kind_name(obj(id).kind) + ", expected a " + py_kind_name(kind));
   }
-  const std::string& str(std::uint32_t id, const std::string& what) const {
-    require(id, PyKind::kStr, what);
+  const std::string& str(std::uint32_t id, const std::string& what, const char* suffix = "") const {
+    require(id, PyKind::kStr, what, suffix);
     return obj(id).text;
   }
-  std::int64_t integer(std::uint32_t id, const std::string& what) const {
-    require(id, PyKind::kInt, what);
+  std::int64_t integer(std::uint32_t id, const std::string& what, const char* suffix = "") const {
+    require(id, PyKind::kInt, what, suffix);
     return obj(id).integer;
   }
   // Value of string key `key` in a dict; missing or duplicated keys are errors.
@@ -92,27 +94,30 @@ class PtInterpreter {
     if (!v) fail(what + " has no '" + std::string(key) + "' entry");
     return *v;
   }
-  std::vector<std::uint32_t> sequence(std::uint32_t id, const std::string& what) const {
+  const std::vector<std::uint32_t>& sequence(std::uint32_t id, const std::string& what, const char* suffix = "") const {
     const PyObj& o = obj(id);
     if (o.kind != PyKind::kList && o.kind != PyKind::kTuple)
-      fail(what + " is a " + py_kind_name(o.kind) + ", expected a list or tuple");
+      fail(what + suffix + " is a " + py_kind_name(o.kind) + ", expected a list or tuple");
     return o.items;
   }
 
   // sampled_heads must list every (layer, head) of a full [L, Hq] grid exactly once.
   void read_sampled_heads(std::uint32_t id, QueryStats& out) const {
-    const auto pairs = sequence(id, "metadata.sampled_heads");
+    const auto& pairs = sequence(id, "metadata.sampled_heads");
     if (pairs.empty()) fail("metadata.sampled_heads is empty");
     std::vector<std::pair<int, int>> heads;
     heads.reserve(pairs.size());
     int layers = 0, q_heads = 0;
+    const std::string what = "an element of metadata.sampled_heads";
     for (std::size_t i = 0; i < pairs.size(); ++i) {
-      const std::string what = "metadata.sampled_heads[" + std::to_string(i) + "]";
-      const auto lh = sequence(pairs[i], what);
-      if (lh.size() != 2) fail(what + " has " + std::to_string(lh.size()) + " elements, expected [layer, head]");
-      const std::int64_t l = integer(lh[0], what + "[0]"), h = integer(lh[1], what + "[1]");
+      const auto& lh = sequence(pairs[i], what);
+      if (lh.size() != 2)
+        fail("metadata.sampled_heads[" + std::to_string(i) + "] has " + std::to_string(lh.size()) +
+             " elements, expected [layer, head]");
+      const std::int64_t l = integer(lh[0], what, " (layer)"), h = integer(lh[1], what, " (head)");
       if (l < 0 || l >= kMaxStatsLayers || h < 0 || h >= kMaxStatsHeads)
-        fail(what + " = [" + std::to_string(l) + ", " + std::to_string(h) + "] is out of range");
+        fail("metadata.sampled_heads[" + std::to_string(i) + "] = [" + std::to_string(l) + ", " + std::to_string(h) +
+             "] is out of range");
       heads.emplace_back(static_cast<int>(l), static_cast<int>(h));
       layers = std::max(layers, static_cast<int>(l) + 1);
       q_heads = std::max(q_heads, static_cast<int>(h) + 1);
@@ -172,9 +177,9 @@ class PtInterpreter {
       const std::string what = "stats['" + key + "']";
       require(entry, PyKind::kDict, what);
       const std::size_t off = out.offset(l, h);
-      read_tensor(get(entry, "q_mean_real", what), what + "['q_mean_real']", nf, out.q_mean_real.data() + off);
-      read_tensor(get(entry, "q_mean_imag", what), what + "['q_mean_imag']", nf, out.q_mean_imag.data() + off);
-      read_tensor(get(entry, "q_abs_mean", what), what + "['q_abs_mean']", nf, out.q_abs_mean.data() + off);
+      read_tensor(get(entry, "q_mean_real", what), what, "['q_mean_real']", nf, out.q_mean_real.data() + off);
+      read_tensor(get(entry, "q_mean_imag", what), what, "['q_mean_imag']", nf, out.q_mean_imag.data() + off);
+      read_tensor(get(entry, "q_abs_mean", what), what, "['q_abs_mean']", nf, out.q_abs_mean.data() + off);
     }
     for (std::size_t i = 0; i < seen.size(); ++i) {
       if (seen[i]) continue;
@@ -193,8 +198,10 @@ class PtInterpreter {
     return s + (dims.size() == 1 ? ",)" : ")");
   }
 
-  // Decodes one _rebuild_tensor_v2 call and copies its F float32 values into `dst` [F].
-  void read_tensor(std::uint32_t id, const std::string& what, int nf, float* dst) const {
+  // Decodes one _rebuild_tensor_v2 call (named entry + field) and copies its F float32 values
+  // into `dst` [F].
+  void read_tensor(std::uint32_t id, const std::string& head, const char* field, int nf, float* dst) const {
+    const std::string what = head + field;
     const PyObj& call = obj(id);
     const bool is_call = call.kind == PyKind::kReduce && obj(call.items[0]).kind == PyKind::kGlobal &&
                          obj(call.items[0]).text == "torch._utils" && obj(call.items[0]).name == "_rebuild_tensor_v2";
@@ -203,8 +210,8 @@ class PtInterpreter {
     if (args.size() != 6 && args.size() != 7)
       fail(what + ": _rebuild_tensor_v2 has " + std::to_string(args.size()) + " arguments, expected 6 or 7");
     // Storage: persistent_id(("storage", torch.<T>Storage, key, location, numel)).
-    require(args[0], PyKind::kPersId, what + " storage");
-    const auto pid = sequence(obj(args[0]).items[0], what + " storage id");
+    require(args[0], PyKind::kPersId, what, " storage");
+    const auto& pid = sequence(obj(args[0]).items[0], what, " storage id");
     if (pid.size() != 5 || obj(pid[0]).kind != PyKind::kStr || obj(pid[0]).text != "storage")
       fail(what + ": storage id is not ('storage', type, key, location, numel)");
     const PyObj& type = obj(pid[1]);
@@ -212,17 +219,17 @@ class PtInterpreter {
     if (type.text != "torch" || type.name != "FloatStorage")
       fail(what + ": storage type " + type.text + "." + type.name +
            " is not supported (only torch.FloatStorage, i.e. float32)");
-    const std::string& key = str(pid[2], what + " storage key");
-    str(pid[3], what + " storage location");
-    const std::int64_t numel = integer(pid[4], what + " storage numel");
-    const std::int64_t offset = integer(args[1], what + " storage offset");
-    const auto size = sequence(args[2], what + " size");
-    const auto stride = sequence(args[3], what + " stride");
+    const std::string& key = str(pid[2], what, " storage key");
+    str(pid[3], what, " storage location");
+    const std::int64_t numel = integer(pid[4], what, " storage numel");
+    const std::int64_t offset = integer(args[1], what, " storage offset");
+    const auto& size = sequence(args[2], what, " size");
+    const auto& stride = sequence(args[3], what, " stride");
     if (size.size() != 1 || obj(size[0]).kind != PyKind::kInt || obj(size[0]).integer != nf)
       fail(what + " has shape " + shape_text(size) + ", expected (" + std::to_string(nf) + ",) = (head_dim / 2,)");
     if (stride.size() != 1 || obj(stride[0]).kind != PyKind::kInt || obj(stride[0]).integer != 1)
       fail(what + " has stride " + shape_text(stride) + ", expected (1,) (contiguous)");
-    require(args[4], PyKind::kBool, what + " requires_grad");
+    require(args[4], PyKind::kBool, what, " requires_grad");
 
     const std::string entry_name = root_ + "data/" + key;
     const ZipEntry* entry = zip_.find(entry_name);
