@@ -1,6 +1,0 @@
-#include <triattn/core/error.hpp>
-#include <triattn/core/error.hpp>  // twice: include guards work
-#if defined(__CUDA_RUNTIME_H__) || defined(__CUDACC__) || defined(__CUDA_FP16_H__) || defined(CUB_VERSION)
-#error "core header triattn/core/error.hpp pulled in CUDA"
-#endif
-int triattn_core_error_hpp_anchor = 0;
