@@ -189,7 +189,7 @@ TEST_CASE("rope pair index maps") {
   CHECK(rope_pair_im(RopeStyle::kInterleaved, 63, 128) == 127);
 }
 
-TEST_CASE("apply_rope: complex multiply by e^{i pos omega}, norms preserved") {
+TEST_CASE("apply_rope: complex multiply by e^{i pos omega} and norms preserved") {
   std::mt19937 rng(1234);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   for (RopeStyle style : {RopeStyle::kHalf, RopeStyle::kInterleaved}) {

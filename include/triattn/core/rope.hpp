@@ -18,7 +18,7 @@
 namespace triattn {
 
 /// Index in a head vector of the real component of pair f (spec §2).
-TRIATTN_HOST_DEVICE constexpr int rope_pair_re(RopeStyle style, int f, int head_dim) {
+TRIATTN_HOST_DEVICE constexpr int rope_pair_re(RopeStyle style, int f, int /*head_dim*/) {
   return style == RopeStyle::kInterleaved ? 2 * f : f;
 }
 /// Index in a head vector of the imaginary component of pair f (spec §2).
