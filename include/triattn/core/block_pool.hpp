@@ -18,10 +18,10 @@ class BlockPool {
   using block_id = std::int32_t;
 
   BlockPool() = default;
-  explicit BlockPool(int num_blocks) : ref_count_(static_cast<std::size_t>(num_blocks), 0) {
-    TRIATTN_EXPECTS(num_blocks > 0, "BlockPool: num_blocks = " + std::to_string(num_blocks) + " must be positive");
+  explicit BlockPool(int num_blocks) : ref_count_(checked_size(num_blocks), 0) {
     free_.reserve(static_cast<std::size_t>(num_blocks));
-    // Stack popped from the back: lowest ids are handed out first, which keeps live data packed.
+    // Stack popped from the back: a fresh pool hands out the lowest ids first, which keeps live
+    // data packed; released ids are reused most recently freed first (O(1), no search).
     for (int b = num_blocks - 1; b >= 0; --b) free_.push_back(b);
   }
 
@@ -60,6 +60,12 @@ class BlockPool {
   }
 
  private:
+  // Validates before the vectors are sized: a negative count must not reach std::vector (which
+  // would throw length_error / bad_alloc instead of the documented logic_error).
+  static std::size_t checked_size(int num_blocks) {
+    TRIATTN_EXPECTS(num_blocks > 0, "BlockPool: num_blocks = " + std::to_string(num_blocks) + " must be positive");
+    return static_cast<std::size_t>(num_blocks);
+  }
   void check_live(block_id b, const char* op) const {
     TRIATTN_EXPECTS(b >= 0 && static_cast<std::size_t>(b) < ref_count_.size(),
                     std::string("BlockPool::") + op + ": block " + std::to_string(b) + " does not belong to this pool of " +

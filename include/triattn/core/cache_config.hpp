@@ -77,6 +77,23 @@ struct CacheConfig {
                     "max_blocks_per_seq * block_size = " +
                         std::to_string(static_cast<std::int64_t>(blocks_per_seq()) * block_size) +
                         " tokens per sequence overflows int32 token indices");
+    // Byte counts (range strides, the pool's size) are int64: the product must not wrap, or a
+    // huge configuration would silently become a tiny allocation.
+    std::int64_t bytes = static_cast<std::int64_t>(dtype_size(dtype));
+    bool fits = true;
+    for (const std::int64_t f : {std::int64_t{block_size}, std::int64_t{model.num_kv_heads}, std::int64_t{model.head_dim},
+                                 std::int64_t{num_blocks}, std::int64_t{model.num_layers}, std::int64_t{2}}) {
+      if (bytes > std::numeric_limits<std::int64_t>::max() / f) {
+        fits = false;
+        break;
+      }
+      bytes *= f;
+    }
+    TRIATTN_EXPECTS(fits, "cache size 2 * num_layers (" + std::to_string(model.num_layers) + ") * num_blocks (" +
+                              std::to_string(num_blocks) + ") * block_size (" + std::to_string(block_size) +
+                              ") * num_kv_heads (" + std::to_string(model.num_kv_heads) + ") * head_dim (" +
+                              std::to_string(model.head_dim) + ") * " + std::to_string(dtype_size(dtype)) +
+                              " bytes overflows 64-bit byte counts");
   }
 };
 

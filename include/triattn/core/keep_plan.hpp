@@ -21,9 +21,10 @@ struct KeepPlan {
   std::vector<std::int32_t> indices;  // [num_layers, num_kv_heads, keep], ascending per row
 
   KeepPlan() = default;
+  /// @throws logic_error when a count is negative (instead of a wrapped, huge allocation).
   KeepPlan(int layers, int kv_heads, int keep_count)
       : num_layers(layers), num_kv_heads(kv_heads), keep(keep_count),
-        indices(static_cast<std::size_t>(layers) * kv_heads * keep_count) {}
+        indices(checked_size(layers, kv_heads, keep_count)) {}
 
   [[nodiscard]] std::int32_t* row(int layer, int head) noexcept {
     return indices.data() + (static_cast<std::size_t>(layer) * num_kv_heads + head) * keep;
@@ -58,6 +59,13 @@ struct KeepPlan {
         }
       }
     }
+  }
+
+  static std::size_t checked_size(int layers, int kv_heads, int keep_count) {
+    TRIATTN_EXPECTS(layers >= 0 && kv_heads >= 0 && keep_count >= 0,
+                    "KeepPlan(layers = " + std::to_string(layers) + ", kv_heads = " + std::to_string(kv_heads) +
+                        ", keep = " + std::to_string(keep_count) + "): counts must be non-negative");
+    return static_cast<std::size_t>(layers) * static_cast<std::size_t>(kv_heads) * static_cast<std::size_t>(keep_count);
   }
 
   /// True when every row is 0..keep-1, i.e. applying the plan moves nothing.

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <span>
 #include <string>
@@ -135,7 +136,7 @@ class KvCache {
                     "add_sequence: all max_seqs = " + std::to_string(config_.max_seqs) + " sequence slots are in use");
     const SeqId s = free_seq_slots_.back();
     free_seq_slots_.pop_back();
-    seqs_[static_cast<std::size_t>(s)] = SeqState{true, 0, 0};
+    seqs_[static_cast<std::size_t>(s)] = SeqState{true, 0, 0, false};
     return s;
   }
 
@@ -155,7 +156,7 @@ class KvCache {
       allocator_.retain(b);
       tables_[row(child) + j] = b;
     }
-    seqs_[idx(child)] = SeqState{true, tokens, prompt};
+    seqs_[idx(child)] = SeqState{true, tokens, prompt, tokens > prompt};
     lens_[idx(child)] = tokens;
     return child;
   }
@@ -183,10 +184,17 @@ class KvCache {
     SeqState& s = state(seq, "extend");
     TRIATTN_EXPECTS(n >= 0, "extend: n = " + std::to_string(n) + " must be non-negative");
     const int len = lens_[idx(seq)];
+    // Checked before anything changes: a refused call leaves the cache exactly as it was.
+    TRIATTN_EXPECTS(phase != Phase::kPrefill || s.prompt_len == len,
+                    "extend: prefill tokens must come before any decode token (sequence " + std::to_string(seq) +
+                        " caches " + std::to_string(len) + " tokens of which " + std::to_string(s.prompt_len) +
+                        " are prompt)");
     const std::int64_t new_len = static_cast<std::int64_t>(len) + n;
     const std::int64_t cap = static_cast<std::int64_t>(config_.blocks_per_seq()) * config_.block_size;
     const int have = num_blocks_of(seq);
-    const int need = static_cast<int>(detail::ceil_div<std::int64_t>(new_len, config_.block_size)) - have;
+    // int64: with block_size 1 an absurd n would overflow int before the capacity check.
+    const std::int64_t need64 = detail::ceil_div<std::int64_t>(new_len, config_.block_size) - have;
+    const int need = static_cast<int>(std::min<std::int64_t>(need64, std::numeric_limits<int>::max()));
     AppendResult r{AppendStatus::kOk, len, need > 0 ? need : 0};
     if (new_len > cap) {  // the block-table row is full: same typed outcome as an empty pool
       r.status = AppendStatus::kOutOfBlocks;
@@ -202,11 +210,8 @@ class KvCache {
     }
     lens_[idx(seq)] = static_cast<index_type>(new_len);
     s.logical += n;
-    if (phase == Phase::kPrefill) {
-      TRIATTN_EXPECTS(s.prompt_len == len,
-                      "extend: prefill tokens must come before any decode token (sequence " + std::to_string(seq) + ")");
-      s.prompt_len += n;
-    }
+    if (phase == Phase::kPrefill) s.prompt_len += n;
+    else if (n > 0) s.decoded = true;
     return r;
   }
 
@@ -224,6 +229,13 @@ class KvCache {
                     "write: slots [" + std::to_string(first_slot) + ", " + std::to_string(static_cast<std::int64_t>(first_slot) + n) +
                         ") are outside the sequence's length " + std::to_string(lens_[idx(seq)]) + " (call extend first)");
     TRIATTN_EXPECTS(n == 0 || (k != nullptr && v != nullptr), "write: k and v must not be null");
+    for (int j = first_slot / config_.block_size; n > 0 && j <= (first_slot + n - 1) / config_.block_size; ++j) {
+      const index_type b = tables_[row(seq) + static_cast<std::size_t>(j)];
+      TRIATTN_EXPECTS(allocator_.ref_count(b) == 1,
+                      "write: slots [" + std::to_string(first_slot) + ", " + std::to_string(first_slot + n) +
+                          ") fall in block " + std::to_string(b) + " that sequence " + std::to_string(seq) +
+                          " shares with another sequence; shared prefix blocks are never rewritten");
+    }
     ref::append(view<T>(), seq, layer, first_slot, k, v, n);
   }
 
@@ -236,11 +248,13 @@ class KvCache {
   {
     check_dtype<T>("append");
     (void)state(seq, "append");
+    TRIATTN_EXPECTS(n >= 0, "append: n = " + std::to_string(n) + " must be non-negative");
     const std::size_t per_layer = static_cast<std::size_t>(n) * config_.model.num_kv_heads * config_.model.head_dim;
     const std::size_t expect = per_layer * static_cast<std::size_t>(config_.model.num_layers);
-    TRIATTN_EXPECTS(n >= 0 && k.size() == expect && v.size() == expect,
+    TRIATTN_EXPECTS(k.size() == expect && v.size() == expect,
                     "append: k has " + std::to_string(k.size()) + " and v " + std::to_string(v.size()) +
-                        " elements; [num_layers, n, num_kv_heads, head_dim] = " + std::to_string(expect));
+                        " elements; for n = " + std::to_string(n) +
+                        " tokens [num_layers, n, num_kv_heads, head_dim] = " + std::to_string(expect));
     const AppendResult r = extend(seq, n, phase);
     if (!r.ok()) return r;
     for (int l = 0; l < config_.model.num_layers; ++l)
@@ -252,10 +266,12 @@ class KvCache {
 
   /// Compacts every (layer, KV head) of `seq` to the plan's kept slots, in order, into slots
   /// 0..keep-1, and frees the blocks past ceil(keep / block_size). The logical position is
-  /// unchanged. @throws logic_error (cache unchanged) on a bad plan or when compaction would
-  /// rewrite a block shared with another sequence.
+  /// unchanged; the prompt length becomes min(prompt length, first slot the plan moves in any
+  /// row), the prompt prefix that is still in place. @throws logic_error (cache unchanged) on a
+  /// bad plan, when compaction would rewrite a block shared with another sequence, or when it
+  /// would leave a shared block partly filled (the next append would write into it).
   void apply_keep_plan(SeqId seq, const KeepPlan& plan) {
-    (void)state(seq, "apply_keep_plan");
+    SeqState& s = state(seq, "apply_keep_plan");
     const int len = lens_[idx(seq)];
     plan.validate(config_.model.num_layers, config_.model.num_kv_heads, len);
     const int first_changed = first_moved_slot(plan);
@@ -268,12 +284,25 @@ class KvCache {
                             std::to_string(j * config_.block_size) + ") that sequence " + std::to_string(seq) +
                             " shares with another sequence; shared prefix blocks must stay untouched");
       }
+    }
+    if (plan.keep < len && plan.keep % config_.block_size != 0) {
+      const int j = (plan.keep - 1) / config_.block_size;
+      const index_type b = tables_[row(seq) + static_cast<std::size_t>(j)];
+      TRIATTN_EXPECTS(allocator_.ref_count(b) == 1,
+                      "apply_keep_plan: keeping " + std::to_string(plan.keep) + " of " + std::to_string(len) +
+                          " tokens would leave block " + std::to_string(b) + " (slots from " +
+                          std::to_string(j * config_.block_size) + "), which sequence " + std::to_string(seq) +
+                          " shares with another sequence, partly filled: the next append would rewrite it (keep a "
+                          "multiple of block_size = " + std::to_string(config_.block_size) + " there)");
+    }
+    if (first_changed < plan.keep) {
       dispatch_dtype([&](auto tag) {
         using T = typename decltype(tag)::type;
         compactor_.apply(view<T>(), seq, plan);
       });
     }
     shrink_to(seq, plan.keep);
+    s.prompt_len = std::min(s.prompt_len, first_changed);
   }
 
   /// True when `seq`'s counted length reached budget + divide_length (the selector's trigger).
@@ -281,7 +310,7 @@ class KvCache {
     requires(!std::is_same_v<selector_type, NoSelector>)
   {
     const SeqState& s = state(seq, "needs_compression");
-    return selector_.should_compress(lens_[idx(seq)], s.prompt_len, s.logical > s.prompt_len);
+    return selector_.should_compress(lens_[idx(seq)], s.prompt_len, s.decoded);
   }
 
   /// One compression round for `seq`: score every cached key, select the keep set, compact, free
@@ -329,6 +358,7 @@ class KvCache {
     return lens_[idx(seq)];
   }
   /// Prompt (prefill) tokens of `seq`; they occupy slots [0, prompt_length) while pinned.
+  /// Never more than physical_length (compaction that moves prompt slots shortens it).
   [[nodiscard]] int prompt_length(SeqId seq) const { return state(seq, "prompt_length").prompt_len; }
   [[nodiscard]] bool is_active(SeqId seq) const noexcept {
     return seq >= 0 && seq < config_.max_seqs && seqs_[idx(seq)].active;
@@ -389,7 +419,8 @@ class KvCache {
   struct SeqState {
     bool active = false;
     std::int64_t logical = 0;  ///< tokens processed (next RoPE position)
-    int prompt_len = 0;        ///< prefill tokens
+    int prompt_len = 0;        ///< prefill tokens still in place in slots [0, prompt_len)
+    bool decoded = false;      ///< a decode token was appended (prompt_len alone cannot tell once compaction shortened it)
   };
 
   static const CacheConfig& validated(const CacheConfig& c) {
@@ -397,9 +428,11 @@ class KvCache {
     return c;
   }
 
+  // Returns the argument of type P with its value category: lvalues (const or not) are copied
+  // from, rvalues moved from (a caller's lvalue policy is never moved from behind its back).
   template <class P, class First, class... Rest>
-  static P&& pick_arg(First&& first, Rest&&... rest) {
-    if constexpr (std::is_same_v<std::remove_cvref_t<First>, P>) return static_cast<P&&>(first);
+  static decltype(auto) pick_arg(First&& first, Rest&&... rest) {
+    if constexpr (std::is_same_v<std::remove_cvref_t<First>, P>) return std::forward<First>(first);
     else return pick_arg<P>(std::forward<Rest>(rest)...);
   }
   template <class P, class... Given>

@@ -54,7 +54,8 @@ namespace detail {
 // below them (Qwen3-8B: 36 layers, 32 heads, head_dim 128).
 inline constexpr int kMaxStatsLayers = 1 << 12;
 inline constexpr int kMaxStatsHeads = 1 << 12;
-inline constexpr int kMaxStatsHeadDim = 1 << 14;
+inline constexpr int kMaxStatsHeadDim = 1 << 12;
+inline constexpr std::uint64_t kMaxStatsValues = std::uint64_t{1} << 24;  // per array: 64 MiB of float
 
 // Fuzz builds define FUZZING_BUILD_MODE_UNSAFE_FOR_PRODUCTION (the libFuzzer / OSS-Fuzz
 // convention) so that mutated inputs get past checksums into the parsers behind them.
@@ -155,14 +156,24 @@ inline void write_file_bytes(const std::string& path, std::span<const std::uint8
   if (!out) throw error(path + ": write error");
 }
 
+/// Problems of a geometry (range limits, odd head_dim), or nullopt.
+[[nodiscard]] inline std::optional<std::string> geometry_problem(int num_layers, int num_q_heads, int head_dim) {
+  if (num_layers < 1 || num_layers > kMaxStatsLayers)
+    return "num_layers " + std::to_string(num_layers) + " is outside [1, " + std::to_string(kMaxStatsLayers) + "]";
+  if (num_q_heads < 1 || num_q_heads > kMaxStatsHeads)
+    return "num_q_heads " + std::to_string(num_q_heads) + " is outside [1, " + std::to_string(kMaxStatsHeads) + "]";
+  if (head_dim < 2 || head_dim > kMaxStatsHeadDim || head_dim % 2 != 0)
+    return "head_dim " + std::to_string(head_dim) + " must be even and in [2, " + std::to_string(kMaxStatsHeadDim) + "]";
+  if (static_cast<std::uint64_t>(num_layers) * num_q_heads * (head_dim / 2) > kMaxStatsValues)
+    return std::to_string(num_layers) + " layers x " + std::to_string(num_q_heads) + " heads x " +
+           std::to_string(head_dim / 2) + " frequencies exceed the supported " + std::to_string(kMaxStatsValues) +
+           " values per array";
+  return std::nullopt;
+}
+
 /// Shape problems of a QueryStats object (wrong vector sizes, odd head_dim...), or nullopt.
 [[nodiscard]] inline std::optional<std::string> stats_shape_problem(const QueryStats& s) {
-  if (s.num_layers < 1 || s.num_layers > kMaxStatsLayers)
-    return "num_layers " + std::to_string(s.num_layers) + " is outside [1, " + std::to_string(kMaxStatsLayers) + "]";
-  if (s.num_q_heads < 1 || s.num_q_heads > kMaxStatsHeads)
-    return "num_q_heads " + std::to_string(s.num_q_heads) + " is outside [1, " + std::to_string(kMaxStatsHeads) + "]";
-  if (s.head_dim < 2 || s.head_dim > kMaxStatsHeadDim || s.head_dim % 2 != 0)
-    return "head_dim " + std::to_string(s.head_dim) + " must be even and in [2, " + std::to_string(kMaxStatsHeadDim) + "]";
+  if (auto p = geometry_problem(s.num_layers, s.num_q_heads, s.head_dim)) return p;
   if (s.first_q_head < 0) return "first_q_head " + std::to_string(s.first_q_head) + " is negative";
   if (s.rope_style != RopeStyle::kHalf && s.rope_style != RopeStyle::kInterleaved)
     return "rope_style " + std::to_string(static_cast<int>(s.rope_style)) + " is not a RopeStyle";

@@ -156,6 +156,8 @@ class PtInterpreter {
   }
 
   void read_stats(std::uint32_t stats, QueryStats& out) const {
+    // Check the size before allocating: a small hostile pickle can claim a huge grid.
+    if (auto p = geometry_problem(out.num_layers, out.num_q_heads, out.head_dim)) fail("unsupported geometry: " + *p);
     const int nf = out.num_freqs();
     const std::size_t n = static_cast<std::size_t>(out.num_layers) * out.num_q_heads * nf;
     out.q_mean_real.assign(n, 0.0f);

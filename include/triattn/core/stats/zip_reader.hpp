@@ -274,10 +274,11 @@ class ZipReader {
     const bool descriptor = (e.flags & 0x0008u) != 0;
     std::uint64_t l_crc = load_le32(p + 14), l_comp = load_le32(p + 18), l_size = load_le32(p + 22);
     check_local_extra(e, p + kLocalSize + name_len, extra_len, l_comp, l_size);
-    // Without a descriptor the local values are authoritative; with one they may be zero.
-    auto same = [&](std::uint64_t local, std::uint64_t central) { return local == central || (descriptor && local == 0); };
-    if (!same(l_crc, e.crc32) || !same(l_comp, e.compressed_size) || !same(l_size, e.uncompressed_size))
-      fail_entry(e, "local header CRC or sizes disagree with the central directory");
+    // Without a descriptor the local values are authoritative; with one they are all zero (or
+    // all copies): a mix means a damaged header.
+    const bool copies = l_crc == e.crc32 && l_comp == e.compressed_size && l_size == e.uncompressed_size;
+    const bool zeros = descriptor && l_crc == 0 && l_comp == 0 && l_size == 0;
+    if (!copies && !zeros) fail_entry(e, "local header CRC or sizes disagree with the central directory");
 
     e.data_offset = pos + kLocalSize + name_len + extra_len;
     if (!fits(e.data_offset, e.compressed_size, limit))

@@ -1,0 +1,234 @@
+// SPDX-License-Identifier: Apache-2.0
+// cuda::score (TriAttention key scoring, one pass over K) on the brief's shape: one layer, one
+// sequence of 32,768 tokens, 8 KV heads x 32 query heads (G = 4), head_dim 128, bf16 (64 MiB of K),
+// mean (exact fold) and max (|D| = 17) aggregation, page sizes 16 and 64, NHD and HND.
+// Four such sequences are scored in rotation (256 MiB of K) so the 50 MB L2 never holds the
+// input. Bytes = K read once + block-table entries + scores written (G floats per key);
+// pct_read_roofline compares with the 4.49 TB/s read ceiling. BM_read_k streams the same K
+// bytes with 16-byte loads and nothing else (the achievable read rate on this device).
+// BM_score_round_shape: the scoring part of a Qwen3-8B round (36 layers, 2,560 tokens).
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "common/cuda_event_timer.hpp"
+
+#include <triattn/core/dtype.hpp>
+#include <triattn/cuda/algorithms/score.cuh>
+#include <triattn/cuda/policy/triattention_device_scorer.cuh>
+
+namespace {
+
+using namespace triattn;
+using T = bf16_storage;
+using triattn::bench::CudaEventTimer;
+using triattn::bench::L2Flusher;
+
+constexpr double kReadRoofline = 4.49e12;  // bytes/s
+constexpr int kHeadDim = 128;
+
+/// bf16 values roughly N(0, 1.5), from a hash of the index (no host traffic).
+__global__ void fill_keys(std::uint16_t* p, std::size_t n, std::uint32_t seed) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    std::uint32_t x = static_cast<std::uint32_t>(i) * 2654435761u ^ seed;
+    x ^= x >> 15;
+    x *= 2246822519u;
+    x ^= x >> 13;
+    x *= 3266489917u;
+    x ^= x >> 16;
+    const float u = (static_cast<float>(x & 0xffffu) + 0.5f) / 65536.0f;
+    const float v = (static_cast<float>(x >> 16) + 0.5f) / 65536.0f;
+    const float g = sqrtf(-2.0f * logf(u)) * cospif(2.0f * v) * 1.5f;
+    p[i] = static_cast<std::uint16_t>(__float_as_uint(g) >> 16);
+  }
+}
+
+template <class U>
+U* device_alloc(std::size_t n) {
+  U* p = nullptr;
+  TRIATTN_BENCH_CUDA(cudaMalloc(&p, n * sizeof(U)));
+  return p;
+}
+template <class U>
+U* upload(const std::vector<U>& h) {
+  U* d = device_alloc<U>(h.size());
+  TRIATTN_BENCH_CUDA(cudaMemcpy(d, h.data(), h.size() * sizeof(U), cudaMemcpyHostToDevice));
+  return d;
+}
+
+QueryStats random_stats(int L, int Hq, int d) {
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> ua(0.05f, 3.0f), uu(0.0f, 1.0f), ang(-3.14159f, 3.14159f);
+  QueryStats s;
+  s.model_name = "bench";
+  s.num_layers = L;
+  s.num_q_heads = Hq;
+  s.head_dim = d;
+  const std::size_t n = static_cast<std::size_t>(L) * Hq * (d / 2);
+  s.q_mean_real.resize(n);
+  s.q_mean_imag.resize(n);
+  s.q_abs_mean.resize(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    const float a = ua(rng), r = a * uu(rng), t = ang(rng);
+    s.q_abs_mean[i] = a;
+    s.q_mean_real[i] = r * std::cos(t);
+    s.q_mean_imag[i] = r * std::sin(t);
+  }
+  return s;
+}
+
+/// A device cache of `seqs` sequences x `len` tokens with shuffled blocks, plus a scorer.
+struct Setup {
+  int L, Hq, Hkv, len, seqs, bs;
+  BlockLayout bl;
+  int per_seq, blocks;
+  T* data = nullptr;
+  std::int32_t *tables = nullptr, *lens = nullptr, *seq_ids = nullptr;
+  std::int64_t* t0 = nullptr;
+  float* scores = nullptr;
+  std::unique_ptr<cuda::TriAttentionDeviceScorer> scorer;
+
+  Setup(int L_, int Hq_, int Hkv_, int len_, int seqs_, int bs_, KvLayout layout, Aggregation agg, int batch)
+      : L(L_), Hq(Hq_), Hkv(Hkv_), len(len_), seqs(seqs_), bs(bs_), bl{layout, bs_, Hkv_, kHeadDim} {
+    per_seq = (len + bs - 1) / bs;
+    blocks = seqs * per_seq;
+    const std::size_t elems = 2ull * L * static_cast<std::size_t>(blocks) * static_cast<std::size_t>(bl.block_elems());
+    data = device_alloc<T>(elems);
+    fill_keys<<<2048, 256>>>(reinterpret_cast<std::uint16_t*>(data), elems, 7);
+    std::vector<std::int32_t> ids(static_cast<std::size_t>(blocks));
+    for (int i = 0; i < blocks; ++i) ids[static_cast<std::size_t>(i)] = i;
+    std::shuffle(ids.begin(), ids.end(), std::mt19937(3));  // row s = blocks [s*per_seq, (s+1)*per_seq)
+    tables = upload(ids);
+    lens = upload(std::vector<std::int32_t>(static_cast<std::size_t>(seqs), len));
+    std::vector<std::int32_t> sid(static_cast<std::size_t>(seqs) + batch);
+    for (std::size_t i = 0; i < sid.size(); ++i) sid[i] = static_cast<std::int32_t>(i % seqs);
+    seq_ids = upload(sid);
+    t0 = upload(std::vector<std::int64_t>(sid.size(), static_cast<std::int64_t>(len) + 100000));
+    scores = device_alloc<float>(static_cast<std::size_t>(batch) * L * Hq * len);
+    RopeConfig rope;
+    rope.theta = 1e6;
+    ScoringParams sp;
+    sp.aggregation = agg;
+    scorer = std::make_unique<cuda::TriAttentionDeviceScorer>(random_stats(L, Hq, kHeadDim), rope, sp, Hkv);
+    TRIATTN_BENCH_CUDA(cudaDeviceSynchronize());
+  }
+  ~Setup() {
+    for (void* p : {static_cast<void*>(data), static_cast<void*>(tables), static_cast<void*>(lens),
+                    static_cast<void*>(seq_ids), static_cast<void*>(t0), static_cast<void*>(scores)})
+      cudaFree(p);
+  }
+  KvCacheView<T, std::int32_t> view() const {
+    return {data, static_cast<std::int64_t>(blocks) * bl.block_elems(), bl, L, blocks, seqs, per_seq, tables, lens};
+  }
+  /// Bytes one scoring of `batch` sequences moves at least.
+  double bytes(int batch) const {
+    const double tokens = static_cast<double>(batch) * L * len;
+    return tokens * Hkv * kHeadDim * sizeof(T) + tokens * Hq * sizeof(float) +
+           static_cast<double>(batch) * L * Hkv * per_seq * sizeof(std::int32_t);
+  }
+};
+
+void report(benchmark::State& state, double bytes) {
+  state.SetBytesProcessed(static_cast<std::int64_t>(bytes) * state.iterations());
+  state.counters["GB/s"] = benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["pct_read_roofline"] =
+      benchmark::Counter(bytes / kReadRoofline * 100.0, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+/// args: aggregation (0 mean, 1 max), page size, layout (0 NHD, 1 HND)
+void BM_score(benchmark::State& state) {
+  const Aggregation agg = state.range(0) ? Aggregation::kMax : Aggregation::kMean;
+  const int bs = static_cast<int>(state.range(1));
+  const KvLayout layout = state.range(2) ? KvLayout::kHND : KvLayout::kNHD;
+  constexpr int kSeqs = 4;  // 4 x 64 MiB of K in rotation: more than 5x the L2
+  Setup s(1, 32, 8, 32768, kSeqs, bs, layout, agg, 1);
+  cudaStream_t stream;
+  TRIATTN_BENCH_CUDA(cudaStreamCreate(&stream));
+  const auto view = s.view();
+  int i = 0;
+  for (int w = 0; w < 3; ++w)  // warm-up: module load, occupancy queries
+    TRIATTN_BENCH_CUDA(s.scorer->score_async(view, cuda::ScoreBatch{s.seq_ids, s.t0, 1, s.len}, s.scores, stream));
+  for (auto _ : state) {
+    const cuda::ScoreBatch batch{s.seq_ids + i, s.t0 + i, 1, s.len};
+    i = (i + 1) % kSeqs;
+    CudaEventTimer timer(state, stream);
+    TRIATTN_BENCH_CUDA(s.scorer->score_async(view, batch, s.scores, stream));
+  }
+  report(state, s.bytes(1));
+  cudaStreamDestroy(stream);
+}
+
+/// Context: the K bytes of one BM_score iteration streamed with 16-byte loads (rotating too).
+__global__ void read_kernel(const int4* __restrict__ p, std::size_t n, int* out) {
+  int acc = 0;
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    const int4 v = __ldcs(p + i);
+    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x7fffffff) *out = acc;
+}
+void BM_read_k(benchmark::State& state) {
+  constexpr std::size_t kBytes = 32768ull * 8 * kHeadDim * sizeof(T);
+  constexpr int kCopies = 4;
+  char* buf = device_alloc<char>(kBytes * kCopies);
+  TRIATTN_BENCH_CUDA(cudaMemset(buf, 1, kBytes * kCopies));
+  int* sink = device_alloc<int>(1);
+  int sms = 0;
+  TRIATTN_BENCH_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  cudaStream_t stream;
+  TRIATTN_BENCH_CUDA(cudaStreamCreate(&stream));
+  int i = 0;
+  for (auto _ : state) {
+    const int4* p = reinterpret_cast<const int4*>(buf + kBytes * static_cast<std::size_t>(i));
+    i = (i + 1) % kCopies;
+    CudaEventTimer timer(state, stream);
+    read_kernel<<<sms * 8, 256, 0, stream>>>(p, kBytes / sizeof(int4), sink);
+  }
+  report(state, static_cast<double>(kBytes));
+  cudaStreamDestroy(stream);
+  cudaFree(buf);
+  cudaFree(sink);
+}
+
+/// Scoring part of a compression round at Qwen3-8B shape: 36 layers, 32/8 heads, 2,560 tokens.
+/// args: batch, aggregation. L2 flushed before each iteration.
+void BM_score_round_shape(benchmark::State& state) {
+  const int batch = static_cast<int>(state.range(0));
+  const Aggregation agg = state.range(1) ? Aggregation::kMax : Aggregation::kMean;
+  Setup s(36, 32, 8, 2560, batch, 16, KvLayout::kNHD, agg, batch);
+  cudaStream_t stream;
+  TRIATTN_BENCH_CUDA(cudaStreamCreate(&stream));
+  const auto view = s.view();
+  const cuda::ScoreBatch sb{s.seq_ids, s.t0, batch, s.len};
+  TRIATTN_BENCH_CUDA(s.scorer->score_async(view, sb, s.scores, stream));
+  L2Flusher flush;
+  for (auto _ : state) {
+    CudaEventTimer timer(state, stream, &flush);
+    TRIATTN_BENCH_CUDA(s.scorer->score_async(view, sb, s.scores, stream));
+  }
+  report(state, s.bytes(batch));
+  cudaStreamDestroy(stream);
+}
+
+}  // namespace
+
+BENCHMARK(BM_score)
+    ->ArgNames({"max", "page", "hnd"})
+    ->ArgsProduct({{0, 1}, {16, 64}, {0, 1}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_read_k)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_score_round_shape)
+    ->ArgNames({"batch", "max"})
+    ->ArgsProduct({{1, 8, 32}, {0, 1}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+
+BENCHMARK_MAIN();

@@ -1,0 +1,222 @@
+// SPDX-License-Identifier: Apache-2.0
+// The CPU reference backend of Model<Backend>: plain loops in float32, with the accumulation
+// order of llama2.c's run.c (row-wise dot products from j = 0 up; RMSNorm sum of squares; softmax
+// with max subtraction; value accumulation in slot order), so stories260K reproduces run.c.
+// K/V go through triattn::KvCache::write (converted to the cache dtype) and attention reads them
+// back through the cache's KvCacheView, slot by slot, via the block table.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <triattn/core/dtype.hpp>
+#include <triattn/core/error.hpp>
+#include <triattn/core/kv_view.hpp>
+#include <triattn/core/rope.hpp>
+
+#include "backend.hpp"
+#include "model_config.hpp"
+
+namespace triattn_example {
+
+class CpuBackend {
+ public:
+  static constexpr const char* kName = "cpu";
+  using Buffer = std::vector<float>;
+
+  /// Weights stay where they are: a non-owning set of host pointers.
+  class WeightStore {
+   public:
+    explicit WeightStore(const ModelWeights& w) {
+      p_.tok_emb = w.tok_emb.data();
+      p_.rms_att = w.rms_att.data();
+      p_.wq = w.wq.data();
+      p_.wk = w.wk.data();
+      p_.wv = w.wv.data();
+      p_.wo = w.wo.data();
+      p_.rms_ffn = w.rms_ffn.data();
+      p_.w1 = w.w1.data();
+      p_.w2 = w.w2.data();
+      p_.w3 = w.w3.data();
+      p_.rms_final = w.rms_final.data();
+      p_.wcls = w.classifier();
+      if (w.config.has_qkv_bias) {
+        p_.bq = w.bq.data();
+        p_.bk = w.bk.data();
+        p_.bv = w.bv.data();
+      }
+    }
+    [[nodiscard]] const WeightPtrs& ptrs() const noexcept { return p_; }
+
+   private:
+    WeightPtrs p_;
+  };
+
+  [[nodiscard]] Buffer alloc(std::size_t n) const { return Buffer(n, 0.0f); }
+  [[nodiscard]] static float* data(Buffer& b) noexcept { return b.data(); }
+  [[nodiscard]] static const float* data(const Buffer& b) noexcept { return b.data(); }
+  [[nodiscard]] static std::size_t size(const Buffer& b) noexcept { return b.size(); }
+  [[nodiscard]] WeightStore upload(const ModelWeights& w) const { return WeightStore(w); }
+  [[nodiscard]] const float* host_view(const float* p, std::size_t) const noexcept { return p; }
+
+  void embed(float* x, const float* table, std::span<const int> tokens, int dim) const {
+    for (std::size_t r = 0; r < tokens.size(); ++r) {
+      const float* src = table + static_cast<std::size_t>(tokens[r]) * dim;
+      float* dst = x + r * static_cast<std::size_t>(dim);
+      for (int i = 0; i < dim; ++i) dst[i] = src[i];
+    }
+  }
+
+  /// out = w * x / sqrt(mean(x²) + eps), row by row (run.c's rmsnorm).
+  void rmsnorm(float* out, const float* x, const float* w, int n, int dim, float eps) const {
+    for (int r = 0; r < n; ++r) {
+      const float* xr = x + static_cast<std::size_t>(r) * dim;
+      float* o = out + static_cast<std::size_t>(r) * dim;
+      float ss = 0.0f;
+      for (int j = 0; j < dim; ++j) ss += xr[j] * xr[j];
+      ss /= static_cast<float>(dim);
+      ss += eps;
+      ss = 1.0f / std::sqrt(ss);
+      for (int j = 0; j < dim; ++j) o[j] = w[j] * (ss * xr[j]);
+    }
+  }
+
+  /// out[r, i] = Σ_j W[i, j] · x[r, j] (W row-major [out_dim, in_dim]).
+  void matmul(float* out, const float* W, const float* x, int n, int out_dim, int in_dim) const {
+    for (int r = 0; r < n; ++r) {
+      const float* xr = x + static_cast<std::size_t>(r) * in_dim;
+      float* o = out + static_cast<std::size_t>(r) * out_dim;
+      for (int i = 0; i < out_dim; ++i) {
+        const float* wi = W + static_cast<std::size_t>(i) * in_dim;
+        float val = 0.0f;
+        for (int j = 0; j < in_dim; ++j) val += wi[j] * xr[j];
+        o[i] = val;
+      }
+    }
+  }
+
+  void add_bias(float* y, const float* b, int n, int dim) const {
+    for (int r = 0; r < n; ++r)
+      for (int i = 0; i < dim; ++i) y[static_cast<std::size_t>(r) * dim + i] += b[i];
+  }
+
+  /// Rotates every head of every row at the row's logical position.
+  void rope(float* x, int n, int n_heads, int head_dim, std::span<const TokenInfo> rows, const RopeTables& t) const {
+    for (int r = 0; r < n; ++r) {
+      const std::int64_t pos = rows[static_cast<std::size_t>(r)].pos;
+      for (int h = 0; h < n_heads; ++h) {
+        float* v = x + (static_cast<std::size_t>(r) * n_heads + h) * head_dim;
+        if (t.f32_angles)
+          triattn::apply_rope_f32_angles(v, head_dim, static_cast<int>(pos), t.inv_freq_f32.data(), t.style);
+        else
+          triattn::apply_rope(v, head_dim, pos, t.inv_freq.data(), t.style);
+      }
+    }
+  }
+
+  /// Writes n rows of K and V ([n, kv_dim] float) at slots [first_slot, first_slot + n),
+  /// converting to the cache's storage type T.
+  template <class T, class Cache>
+  void write_kv(Cache& cache, triattn::SeqId seq, int layer, int first_slot, const float* k, const float* v, int n,
+                int kv_dim) {
+    if constexpr (std::is_same_v<T, float>) {
+      cache.template write<float>(seq, layer, first_slot, k, v, n);
+    } else {
+      const std::size_t count = static_cast<std::size_t>(n) * kv_dim;
+      std::vector<T>& kbuf = scratch<T>(0);
+      std::vector<T>& vbuf = scratch<T>(1);
+      kbuf.resize(count);
+      vbuf.resize(count);
+      T* kt = kbuf.data();
+      T* vt = vbuf.data();
+      for (std::size_t i = 0; i < count; ++i) {
+        kt[i] = triattn::from_float<T>(k[i]);
+        vt[i] = triattn::from_float<T>(v[i]);
+      }
+      cache.template write<T>(seq, layer, first_slot, kt, vt, n);
+    }
+  }
+
+  /// Causal paged attention: row r attends to the physical slots [0, rows[r].slot] of its
+  /// sequence, reading K/V through the cache view (GQA: query head h reads KV head h / group).
+  /// out, q: [n, n_heads * head_dim].
+  template <class T, class Cache>
+  void attention(float* out, const float* q, std::span<const TokenInfo> rows, const Cache& cache, int layer,
+                 const ModelConfig& c, const AttentionObserver* observer) {
+    const auto view = cache.template view<T>();
+    const int d = c.head_dim;
+    const int group = c.group_size();
+    const float sqrt_d = std::sqrt(static_cast<float>(d));
+    for (std::size_t r = 0; r < rows.size(); ++r) {
+      const TokenInfo& info = rows[r];
+      const int len = info.slot + 1;
+      TRIATTN_EXPECTS(len <= view.seq_lens[info.seq], "attention: slot " + std::to_string(info.slot) +
+                                                          " is beyond the physical length of sequence " +
+                                                          std::to_string(info.seq));
+      att_.resize(static_cast<std::size_t>(len));
+      for (int h = 0; h < c.n_heads; ++h) {
+        const float* qh = q + (r * c.n_heads + static_cast<std::size_t>(h)) * d;
+        const int kvh = h / group;
+        for (int t = 0; t < len; ++t) {
+          const T* k = view.token(layer, triattn::KvKind::kKey, info.seq, t, kvh);
+          float score = 0.0f;
+          for (int i = 0; i < d; ++i) score += qh[i] * triattn::to_float(k[i]);
+          att_[static_cast<std::size_t>(t)] = score / sqrt_d;  // run.c divides
+        }
+        softmax(att_.data(), len);
+        if (observer != nullptr && *observer)
+          (*observer)(layer, static_cast<int>(r), info.seq, h, std::span<const float>(att_.data(), att_.size()));
+        float* oh = out + (r * c.n_heads + static_cast<std::size_t>(h)) * d;
+        for (int i = 0; i < d; ++i) oh[i] = 0.0f;
+        for (int t = 0; t < len; ++t) {
+          const T* v = view.token(layer, triattn::KvKind::kValue, info.seq, t, kvh);
+          const float a = att_[static_cast<std::size_t>(t)];
+          for (int i = 0; i < d; ++i) oh[i] += a * triattn::to_float(v[i]);
+        }
+      }
+    }
+  }
+
+  /// gate = silu(gate) * up.
+  void swiglu(float* gate, const float* up, int n) const {
+    for (int i = 0; i < n; ++i) {
+      float val = gate[i];
+      val *= 1.0f / (1.0f + std::exp(-val));
+      val *= up[i];
+      gate[i] = val;
+    }
+  }
+
+  void add(float* x, const float* y, int n) const {
+    for (int i = 0; i < n; ++i) x[i] += y[i];
+  }
+
+  /// In-place softmax with max subtraction (run.c's order).
+  static void softmax(float* x, int n) {
+    float max_val = x[0];
+    for (int i = 1; i < n; ++i)
+      if (x[i] > max_val) max_val = x[i];
+    float sum = 0.0f;
+    for (int i = 0; i < n; ++i) {
+      x[i] = std::exp(x[i] - max_val);
+      sum += x[i];
+    }
+    for (int i = 0; i < n; ++i) x[i] /= sum;
+  }
+
+ private:
+  std::vector<float> att_;
+  template <class T>
+  std::vector<T>& scratch(int which) {
+    if constexpr (std::is_same_v<T, triattn::bf16_storage>) return which == 0 ? bf16_k_ : bf16_v_;
+    else return which == 0 ? f16_k_ : f16_v_;
+  }
+  std::vector<triattn::bf16_storage> bf16_k_, bf16_v_;
+  std::vector<triattn::f16_storage> f16_k_, f16_v_;
+};
+
+}  // namespace triattn_example

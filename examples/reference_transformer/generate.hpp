@@ -1,0 +1,147 @@
+// SPDX-License-Identifier: Apache-2.0
+// A minimal continuous-batching loop over Model<Backend> and a KvCache: prefill every prompt in
+// one step, then decode all unfinished sequences together, one token each per step. After every
+// step an optional hook may run compression rounds (the engine's scheduler decides; see
+// docs/integration.md). This is the worked example of where an engine calls what.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <triattn/core/error.hpp>
+#include <triattn/core/kv_cache.hpp>
+
+#include "model.hpp"
+#include "sampler.hpp"
+
+namespace triattn_example {
+
+struct GenerationOptions {
+  int max_new_tokens = 256;  ///< tokens sampled per sequence (the prefill step samples the first)
+  bool stop_at_bos = true;   ///< llama2.c ends a story when it samples BOS
+  bool stop_at_eos = false;
+};
+
+struct SequenceResult {
+  triattn::SeqId seq = -1;       ///< the cache's sequence id (left open: the caller releases it)
+  std::vector<int> prompt;
+  std::vector<int> generated;    ///< sampled tokens, without the stop token
+  int stop_token = -1;           ///< BOS/EOS that ended generation, or -1
+  int compression_rounds = 0;
+  std::int64_t tokens_evicted = 0;
+};
+
+struct GenerationStats {
+  double prefill_seconds = 0.0;
+  double decode_seconds = 0.0;
+  double compress_seconds = 0.0;
+  std::int64_t prefill_tokens = 0;
+  std::int64_t decode_tokens = 0;  ///< tokens run through decode steps
+  int decode_steps = 0;
+};
+
+struct GenerationCallbacks {
+  /// After each sampled token of prompt `index`; `pos` is the logical position whose logits were
+  /// sampled (the prompt's last position for the first token).
+  std::function<void(int index, int token, std::int64_t pos, std::span<const float> logits)> on_token;
+  /// After each step, with the sequences still decoding: run compression rounds if due and return
+  /// what was done (e.g. [&](auto seqs) { return cache.compress_if_needed(seqs); }).
+  std::function<std::vector<triattn::CompressionReport>(std::span<const triattn::SeqId> seqs)> after_step;
+  /// After each decode step (1-based count), for progress output; `results` so far.
+  std::function<void(int step, std::span<const SequenceResult> results)> on_step;
+};
+
+/// Runs prompts[i] with samplers[i] to completion. Opens one cache sequence per prompt.
+/// @throws OutOfKvBlocks when the cache runs out; triattn::logic_error on bad arguments.
+template <class ModelT, class Cache>
+std::vector<SequenceResult> generate(ModelT& model, Cache& cache, std::span<const std::vector<int>> prompts,
+                                     std::span<Sampler> samplers, const GenerationOptions& opt,
+                                     const GenerationCallbacks& cb = {}, GenerationStats* stats = nullptr) {
+  using clock = std::chrono::steady_clock;
+  TRIATTN_EXPECTS(samplers.size() == prompts.size(), "generate: one sampler per prompt is needed");
+  const ModelConfig& mc = model.config();
+  GenerationStats local;
+  GenerationStats& st = stats != nullptr ? *stats : local;
+  std::vector<SequenceResult> res(prompts.size());
+  std::vector<bool> done(prompts.size(), false);
+  for (std::size_t i = 0; i < prompts.size(); ++i) {
+    TRIATTN_EXPECTS(!prompts[i].empty(), "generate: prompt " + std::to_string(i) + " is empty (start it with BOS)");
+    res[i].prompt = prompts[i];
+    res[i].seq = cache.add_sequence();
+  }
+  if (prompts.empty()) return res;
+
+  auto accept = [&](std::size_t i, int token, std::int64_t pos, std::span<const float> logits) {
+    if (cb.on_token) cb.on_token(static_cast<int>(i), token, pos, logits);
+    if ((opt.stop_at_bos && token == mc.bos_id) || (opt.stop_at_eos && token == mc.eos_id)) {
+      res[i].stop_token = token;
+      done[i] = true;
+      return;
+    }
+    res[i].generated.push_back(token);
+    if (static_cast<int>(res[i].generated.size()) >= opt.max_new_tokens) done[i] = true;
+  };
+  auto compress = [&] {
+    if (!cb.after_step) return;
+    std::vector<triattn::SeqId> live;
+    for (std::size_t i = 0; i < res.size(); ++i)
+      if (!done[i]) live.push_back(res[i].seq);
+    if (live.empty()) return;
+    const auto t0 = clock::now();
+    for (const triattn::CompressionReport& r : cb.after_step(live))
+      for (SequenceResult& s : res)
+        if (s.seq == r.seq) {
+          ++s.compression_rounds;
+          s.tokens_evicted += r.length_before - r.length_after;
+        }
+    st.compress_seconds += std::chrono::duration<double>(clock::now() - t0).count();
+  };
+
+  // Prefill: every prompt in one step.
+  std::vector<Chunk> chunks;
+  for (std::size_t i = 0; i < prompts.size(); ++i) {
+    chunks.push_back(Chunk{res[i].seq, prompts[i], triattn::Phase::kPrefill});
+    st.prefill_tokens += static_cast<std::int64_t>(prompts[i].size());
+  }
+  auto t0 = clock::now();
+  StepOutput out = model.step(cache, chunks, opt.max_new_tokens > 0 ? LogitsFor::kLastOfEachChunk : LogitsFor::kNone);
+  st.prefill_seconds += std::chrono::duration<double>(clock::now() - t0).count();
+  if (opt.max_new_tokens <= 0) return res;
+  for (std::size_t i = 0; i < prompts.size(); ++i)
+    accept(i, samplers[i].sample(out.row(static_cast<int>(i))), static_cast<std::int64_t>(prompts[i].size()) - 1,
+           out.row(static_cast<int>(i)));
+  compress();
+
+  // Decode: one token per unfinished sequence per step.
+  std::vector<std::size_t> idx;
+  std::vector<int> last(prompts.size());
+  for (;;) {
+    chunks.clear();
+    idx.clear();
+    for (std::size_t i = 0; i < res.size(); ++i) {
+      if (done[i]) continue;
+      last[i] = res[i].generated.back();
+      chunks.push_back(Chunk{res[i].seq, std::span<const int>(&last[i], 1), triattn::Phase::kDecode});
+      idx.push_back(i);
+    }
+    if (chunks.empty()) break;
+    t0 = clock::now();
+    out = model.step(cache, chunks, LogitsFor::kLastOfEachChunk);
+    for (std::size_t j = 0; j < idx.size(); ++j) {
+      const std::size_t i = idx[j];
+      accept(i, samplers[i].sample(out.row(static_cast<int>(j))), out.rows[j].pos, out.row(static_cast<int>(j)));
+    }
+    st.decode_seconds += std::chrono::duration<double>(clock::now() - t0).count();
+    st.decode_tokens += static_cast<std::int64_t>(idx.size());
+    ++st.decode_steps;
+    compress();
+    if (cb.on_step) cb.on_step(st.decode_steps, std::span<const SequenceResult>(res));
+  }
+  return res;
+}
+
+}  // namespace triattn_example

@@ -1,0 +1,447 @@
+// SPDX-License-Identifier: Apache-2.0
+// reference_transformer: runs a Llama-family model (llama2.c's stories260K by default, or a
+// synthetic model of any shape) with its KV cache in a triattn::KvCache, optionally compressed
+// by TriAttention rounds, and reports cached vs logical lengths, rounds and KV memory.
+//
+//   reference_transformer                                  # stories260K, greedy, 256 tokens
+//   reference_transformer --prompt "Once upon a time" --prompt "The dog" --temperature 0.8 --seed 7
+//   reference_transformer --calibrate stats.safetensors --steps 512       # write query statistics
+//   reference_transformer --stats stats.safetensors --budget 64 --divide-length 16 --steps 400
+//   reference_transformer --synthetic tiny --steps 64
+//
+// CPU path (CpuBackend). The model code (model.hpp) is written against a backend interface
+// (backend.hpp), so a CUDA backend plugs in behind the same Model and generate() code.
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <triattn/core/kv_cache.hpp>
+#include <triattn/core/policy/host_backend.hpp>
+#include <triattn/core/policy/host_compactor.hpp>
+#include <triattn/core/policy/static_allocator.hpp>
+#include <triattn/core/policy/topk_selector.hpp>
+#include <triattn/core/policy/triattention_scorer.hpp>
+#include <triattn/core/stats/calibrator.hpp>
+#include <triattn/core/stats/pt_loader.hpp>
+#include <triattn/core/stats/safetensors.hpp>
+
+#include "generate.hpp"
+#include "llama2c.hpp"
+#include "model.hpp"
+#include "sampler.hpp"
+#include "synthetic.hpp"
+
+#ifndef TRIATTN_SHARED_DATA_DIR
+#define TRIATTN_SHARED_DATA_DIR "../shared/data"
+#endif
+
+namespace ex = triattn_example;
+
+namespace {
+
+/// A cache without compression (the engine may still apply plans itself).
+using PlainCache = triattn::KvCache<triattn::StaticAllocator<triattn::HostBackend>, triattn::HostCompactor>;
+/// A cache that runs TriAttention rounds: compress_if_needed() scores, selects and compacts.
+using TriCache = triattn::KvCache<triattn::StaticAllocator<triattn::HostBackend>, triattn::HostCompactor,
+                                  triattn::TriAttentionScorer, triattn::TopKSelector>;
+
+struct Options {
+  std::string model_path;       // empty = default
+  std::string tokenizer_path;   // empty = next to the model
+  std::string synthetic;        // shape name; empty = llama2.c file
+  int synthetic_layers = 0;     // 0 = the shape's
+  int synthetic_vocab = 0;
+  std::vector<std::string> prompts;
+  int steps = 256;
+  float temperature = 0.0f;
+  float top_p = 0.9f;
+  std::uint64_t seed = 42;
+  int budget = 2048;
+  int divide_length = 128;
+  std::string stats_path;
+  std::string calibrate_out;
+  bool no_compress = false;
+  triattn::DType kv_dtype = triattn::DType::kF32;
+  int block_size = 16;
+  int report_every = 64;
+  bool quiet = false;
+};
+
+void usage() {
+  std::printf(
+      "usage: reference_transformer [options]\n"
+      "  --model PATH          llama2.c v0 checkpoint (default: %s/models/stories260K.bin;\n"
+      "                        when that is absent, the synthetic 'tiny' model)\n"
+      "  --tokenizer PATH      llama2.c tokenizer (default: tok512.bin next to the model)\n"
+      "  --synthetic SHAPE     synthetic model: tiny | small | qwen3-8b-like\n"
+      "  --synthetic-layers N  override the synthetic shape's layer count\n"
+      "  --synthetic-vocab N   override the synthetic shape's vocabulary size\n"
+      "  --prompt TEXT         a prompt; repeat for a batch (default: one empty prompt = BOS)\n"
+      "  --steps N             tokens to generate per sequence (default 256)\n"
+      "  --temperature T       0 = greedy (default); > 0 samples\n"
+      "  --top-p P             nucleus sampling threshold (default 0.9; 1 = off)\n"
+      "  --seed S              sampling seed (sequence i uses S + i)\n"
+      "  --stats PATH          TriAttention statistics (.pt or .safetensors): compression on\n"
+      "  --budget B            tokens kept per compression round (default 2048)\n"
+      "  --divide-length D     compress when the cache reaches B + D (default 128)\n"
+      "  --no-compress         ignore --stats' compression\n"
+      "  --calibrate OUT       record pre-RoPE query statistics over the run, save to OUT (.safetensors)\n"
+      "  --kv-dtype T          f32 (default) | bf16 | f16\n"
+      "  --block-size N        tokens per KV block (default 16)\n"
+      "  --report-every N      status line every N decode steps (default 64; 0 = off)\n"
+      "  --quiet               do not stream the text\n",
+      TRIATTN_SHARED_DATA_DIR);
+}
+
+Options parse_args(int argc, char** argv) {
+  Options o;
+  auto need = [&](int& i) -> std::string {
+    if (i + 1 >= argc) throw std::runtime_error(std::string("option ") + argv[i] + " needs a value");
+    return argv[++i];
+  };
+  auto to_int = [](const std::string& flag, const std::string& v) {
+    std::size_t used = 0;
+    long long x = 0;
+    try {
+      x = std::stoll(v, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != v.size() || x < -2147483647LL || x > 2147483647LL)
+      throw std::runtime_error("option " + flag + ": '" + v + "' is not an integer");
+    return static_cast<int>(x);
+  };
+  auto to_float = [](const std::string& flag, const std::string& v) {
+    std::size_t used = 0;
+    float x = 0;
+    try {
+      x = std::stof(v, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != v.size()) throw std::runtime_error("option " + flag + ": '" + v + "' is not a number");
+    return x;
+  };
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--help" || a == "-h") {
+      usage();
+      std::exit(0);
+    } else if (a == "--model") o.model_path = need(i);
+    else if (a == "--tokenizer") o.tokenizer_path = need(i);
+    else if (a == "--synthetic") o.synthetic = need(i);
+    else if (a == "--synthetic-layers") o.synthetic_layers = to_int(a, need(i));
+    else if (a == "--synthetic-vocab") o.synthetic_vocab = to_int(a, need(i));
+    else if (a == "--prompt") o.prompts.push_back(need(i));
+    else if (a == "--steps") o.steps = to_int(a, need(i));
+    else if (a == "--temperature") o.temperature = to_float(a, need(i));
+    else if (a == "--top-p") o.top_p = to_float(a, need(i));
+    else if (a == "--seed") o.seed = static_cast<std::uint64_t>(to_int(a, need(i)));
+    else if (a == "--budget") o.budget = to_int(a, need(i));
+    else if (a == "--divide-length") o.divide_length = to_int(a, need(i));
+    else if (a == "--stats") o.stats_path = need(i);
+    else if (a == "--calibrate") o.calibrate_out = need(i);
+    else if (a == "--no-compress") o.no_compress = true;
+    else if (a == "--kv-dtype") {
+      const std::string v = need(i);
+      if (v == "f32") o.kv_dtype = triattn::DType::kF32;
+      else if (v == "bf16") o.kv_dtype = triattn::DType::kBF16;
+      else if (v == "f16") o.kv_dtype = triattn::DType::kF16;
+      else throw std::runtime_error("--kv-dtype: '" + v + "' is not f32, bf16 or f16");
+    } else if (a == "--block-size") o.block_size = to_int(a, need(i));
+    else if (a == "--report-every") o.report_every = to_int(a, need(i));
+    else if (a == "--quiet") o.quiet = true;
+    else throw std::runtime_error("unknown option '" + a + "' (--help lists them)");
+  }
+  if (o.steps < 0) throw std::runtime_error("--steps must be >= 0");
+  if (o.temperature < 0) throw std::runtime_error("--temperature must be >= 0");
+  if (!(o.top_p > 0)) throw std::runtime_error("--top-p must be > 0");
+  if (o.block_size <= 0) throw std::runtime_error("--block-size must be positive");
+  if (!o.calibrate_out.empty() && !o.stats_path.empty())
+    throw std::runtime_error("--calibrate and --stats exclude each other (calibration runs uncompressed)");
+  if (o.prompts.empty()) o.prompts.emplace_back();
+  return o;
+}
+
+/// Text <-> tokens: the llama2.c tokenizer when there is one, else bytes (id = byte + 3).
+struct TextCodec {
+  std::optional<ex::Tokenizer> tok;
+  int vocab = 0;
+  int bos = 1;
+
+  [[nodiscard]] std::vector<int> encode(const std::string& text) const {
+    if (tok) return tok->encode(text, true, false);
+    std::vector<int> ids{bos};
+    for (unsigned char c : text) ids.push_back(c + 3 < vocab ? c + 3 : c % vocab);
+    return ids;
+  }
+  [[nodiscard]] std::string piece(int prev, int token) const {
+    if (tok) return tok->decode_piece(prev, token);
+    const int byte = token - 3;  // synthetic models: printable bytes as text, anything else as <id>
+    if ((byte >= 32 && byte < 127) || byte == '\n') return std::string(1, static_cast<char>(byte));
+    return "<" + std::to_string(token) + ">";
+  }
+};
+
+std::string human_bytes(double b) {
+  const char* unit[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (b >= 1024.0 && u < 4) {
+    b /= 1024.0;
+    ++u;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.2f %s", b, unit[u]);
+  return buf;
+}
+
+/// The cache configuration for these prompts: every sequence gets the blocks it can ever need
+/// (prompt + steps, or with compression the saw-tooth's peak max(prompt, B) + D + 1).
+triattn::CacheConfig make_cache_config(const ex::ModelConfig& mc, const std::vector<std::vector<int>>& prompts,
+                                       const Options& o, bool compress) {
+  triattn::CacheConfig cfg;
+  cfg.model = mc.geometry();
+  cfg.block_size = o.block_size;
+  cfg.dtype = o.kv_dtype;
+  cfg.layout = triattn::KvLayout::kNHD;
+  cfg.max_seqs = static_cast<int>(prompts.size());
+  std::int64_t total = 0, widest = 1;
+  for (const auto& p : prompts) {
+    std::int64_t peak = static_cast<std::int64_t>(p.size()) + o.steps;
+    if (compress)
+      peak = std::min<std::int64_t>(peak, std::max<std::int64_t>(static_cast<std::int64_t>(p.size()), o.budget) +
+                                              o.divide_length + 1);
+    const std::int64_t blocks = (peak + o.block_size - 1) / o.block_size + 1;
+    total += blocks;
+    widest = std::max(widest, blocks);
+  }
+  if (total > 0x7fffffffLL) throw std::runtime_error("the KV pool would need more than 2^31 blocks");
+  cfg.num_blocks = static_cast<int>(total);
+  cfg.max_blocks_per_seq = static_cast<int>(widest);
+  return cfg;
+}
+
+template <class Cache>
+void print_status(const Cache& cache, std::span<const ex::SequenceResult> res) {
+  const triattn::MemoryStats m = cache.memory();
+  std::fprintf(stderr, "  KV: %zu/%zu blocks used (%s in used blocks, %s live, %s resident)\n", m.blocks_used,
+               m.blocks_total, human_bytes(static_cast<double>(m.bytes_in_used_blocks)).c_str(),
+               human_bytes(static_cast<double>(m.bytes_live)).c_str(),
+               human_bytes(static_cast<double>(m.bytes_resident)).c_str());
+  for (std::size_t i = 0; i < res.size(); ++i) {
+    const ex::SequenceResult& r = res[i];
+    if (!cache.is_active(r.seq)) continue;
+    std::fprintf(stderr, "  seq %zu: cached %d / logical %lld tokens, %d compression round(s), %lld evicted\n", i,
+                 cache.physical_length(r.seq), static_cast<long long>(cache.logical_position(r.seq)),
+                 r.compression_rounds, static_cast<long long>(r.tokens_evicted));
+  }
+}
+
+template <class Cache, class ModelT>
+int run(ModelT& model, Cache& cache, const TextCodec& codec, const std::vector<std::vector<int>>& prompts,
+        const Options& o, triattn::Calibrator* calibrator) {
+  constexpr bool kCompress = !std::is_same_v<typename Cache::scorer_type, triattn::NoScorer>;
+  const bool stream = !o.quiet && prompts.size() == 1;
+  std::vector<ex::Sampler> samplers;
+  for (std::size_t i = 0; i < prompts.size(); ++i) samplers.emplace_back(o.temperature, o.top_p, o.seed + i);
+
+  if (calibrator != nullptr)
+    model.set_query_observer([&](int layer, const float* q, int n) { calibrator->add(layer, q, n); });
+
+  std::vector<int> prev(prompts.size());
+  for (std::size_t i = 0; i < prompts.size(); ++i) prev[i] = prompts[i].back();
+
+  if (stream) {
+    std::string shown;
+    for (std::size_t t = 1; t < prompts[0].size(); ++t) shown += codec.piece(prompts[0][t - 1], prompts[0][t]);
+    std::printf("%s", shown.c_str());
+    std::fflush(stdout);
+  }
+
+  ex::GenerationOptions go;
+  go.max_new_tokens = o.steps;
+  go.stop_at_bos = codec.tok.has_value();  // llama2.c ends a story at BOS; a random model would stop anywhere
+  ex::GenerationCallbacks cb;
+  cb.on_token = [&](int i, int token, std::int64_t, std::span<const float>) {
+    if (stream && token != model.config().bos_id) {
+      std::printf("%s", codec.piece(prev[static_cast<std::size_t>(i)], token).c_str());
+      std::fflush(stdout);
+    }
+    prev[static_cast<std::size_t>(i)] = token;
+  };
+  if constexpr (kCompress) {
+    // After every step: a TriAttention round for each sequence whose cache reached B + D.
+    cb.after_step = [&](std::span<const triattn::SeqId> live) { return cache.compress_if_needed(live); };
+  }
+  auto t_start = std::chrono::steady_clock::now();
+  auto t_last = t_start;
+  std::int64_t tokens_last = 0;
+  ex::GenerationStats st;
+  cb.on_step = [&](int step, std::span<const ex::SequenceResult> results) {
+    if (o.report_every <= 0 || step % o.report_every != 0) return;
+    const auto now = std::chrono::steady_clock::now();
+    const double dt = std::chrono::duration<double>(now - t_last).count();
+    const double tps = dt > 0 ? static_cast<double>(st.decode_tokens - tokens_last) / dt : 0.0;
+    t_last = now;
+    tokens_last = st.decode_tokens;
+    std::fprintf(stderr, "\n[decode step %d] %.1f tok/s\n", step, tps);
+    print_status(cache, results);
+  };
+
+  std::vector<ex::SequenceResult> res = ex::generate(model, cache, std::span<const std::vector<int>>(prompts),
+                                                     std::span<ex::Sampler>(samplers), go, cb, &st);
+  const double total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  if (stream) std::printf("\n");
+
+  if (!o.quiet && prompts.size() > 1) {
+    for (std::size_t i = 0; i < res.size(); ++i) {
+      std::string text;
+      for (std::size_t t = 1; t < prompts[i].size(); ++t) text += codec.piece(prompts[i][t - 1], prompts[i][t]);
+      int p = prompts[i].back();
+      for (int t : res[i].generated) {
+        text += codec.piece(p, t);
+        p = t;
+      }
+      std::printf("--- sequence %zu ---\n%s\n", i, text.c_str());
+    }
+  }
+
+  std::fprintf(stderr, "\n=== summary ===\n");
+  std::fprintf(stderr, "model %s (%d layers, dim %d, %d q / %d kv heads, d %d, vocab %d), backend %s, KV %s\n",
+               model.config().name.c_str(), model.config().n_layers, model.config().dim, model.config().n_heads,
+               model.config().n_kv_heads, model.config().head_dim, model.config().vocab_size,
+               ModelT::backend_type::kName, triattn::dtype_name(cache.config().dtype));
+  std::fprintf(stderr, "compression: %s\n",
+               kCompress ? ("TriAttention, budget " + std::to_string(o.budget) + ", divide_length " +
+                            std::to_string(o.divide_length))
+                               .c_str()
+                         : "off");
+  std::int64_t generated = 0;
+  for (std::size_t i = 0; i < res.size(); ++i) {
+    const auto& r = res[i];
+    generated += static_cast<std::int64_t>(r.generated.size());
+    std::fprintf(stderr,
+                 "seq %zu: prompt %zu tokens, generated %zu%s, cached %d / logical %lld, %d round(s), %lld evicted\n", i,
+                 r.prompt.size(), r.generated.size(), r.stop_token >= 0 ? " (stopped at BOS/EOS)" : "",
+                 cache.physical_length(r.seq), static_cast<long long>(cache.logical_position(r.seq)),
+                 r.compression_rounds, static_cast<long long>(r.tokens_evicted));
+  }
+  std::fprintf(stderr, "prefill: %lld tokens in %.3f s (%.1f tok/s)\n", static_cast<long long>(st.prefill_tokens),
+               st.prefill_seconds, st.prefill_seconds > 0 ? static_cast<double>(st.prefill_tokens) / st.prefill_seconds : 0.0);
+  std::fprintf(stderr, "decode: %lld tokens in %d steps, %.3f s (%.1f tok/s); compression %.3f s\n",
+               static_cast<long long>(st.decode_tokens), st.decode_steps, st.decode_seconds,
+               st.decode_seconds > 0 ? static_cast<double>(st.decode_tokens) / st.decode_seconds : 0.0,
+               st.compress_seconds);
+  std::fprintf(stderr, "total: %lld tokens generated in %.3f s\n", static_cast<long long>(generated), total_s);
+  print_status(cache, std::span<const ex::SequenceResult>(res));
+
+  if (calibrator != nullptr) {
+    calibrator->save(o.calibrate_out);
+    std::fprintf(stderr, "calibration: %lld tokens per layer, statistics written to %s\n",
+                 static_cast<long long>(calibrator->token_count(0)), o.calibrate_out.c_str());
+  }
+  for (const auto& r : res) cache.release(r.seq);
+  return 0;
+}
+
+triattn::QueryStats load_stats(const std::string& path, const ex::ModelConfig& mc) {
+  triattn::StatsExpectation expect;
+  expect.num_layers = mc.n_layers;
+  expect.num_q_heads = mc.n_heads;
+  expect.head_dim = mc.head_dim;
+  expect.rope_style = mc.rope_style;
+  std::ifstream f(path, std::ios::binary);
+  char magic[2] = {0, 0};
+  f.read(magic, 2);
+  if (magic[0] == 'P' && magic[1] == 'K') return triattn::load_pt_stats(path, expect);  // torch.save zip
+  return triattn::load_safetensors_stats(path, expect);
+}
+
+int real_main(int argc, char** argv) {
+  const Options o = parse_args(argc, argv);
+  const std::string data_dir = TRIATTN_SHARED_DATA_DIR;
+
+  ex::ModelWeights weights;
+  TextCodec codec;
+  std::string shape = o.synthetic;
+  if (shape.empty()) {
+    const std::string path = o.model_path.empty() ? data_dir + "/models/stories260K.bin" : o.model_path;
+    if (o.model_path.empty() && !std::filesystem::exists(path)) {
+      std::fprintf(stderr, "note: %s not found; using the synthetic 'tiny' model\n", path.c_str());
+      shape = "tiny";
+    } else {
+      weights = ex::load_llama2c_checkpoint(path);
+      const std::string tok_path = !o.tokenizer_path.empty()
+                                       ? o.tokenizer_path
+                                       : (std::filesystem::path(path).parent_path() / "tok512.bin").string();
+      codec.tok = ex::Tokenizer::load(tok_path, weights.config.vocab_size);
+    }
+  }
+  if (!shape.empty()) {
+    ex::ModelConfig c = ex::synthetic_config(shape);
+    if (o.synthetic_layers > 0) c.n_layers = o.synthetic_layers;
+    if (o.synthetic_vocab > 0) c.vocab_size = o.synthetic_vocab;
+    constexpr std::size_t kCpuLimit = std::size_t{8} << 30;
+    if (ex::weight_bytes(c) > kCpuLimit)
+      throw std::runtime_error("synthetic '" + shape + "' needs " + human_bytes(static_cast<double>(ex::weight_bytes(c))) +
+                               " of float32 weights, over the CPU path's 8 GiB limit; shrink it with "
+                               "--synthetic-layers / --synthetic-vocab (the full shape is meant for the GPU path)");
+    weights = ex::make_synthetic_weights(c, o.seed);
+  }
+  codec.vocab = weights.config.vocab_size;
+  codec.bos = weights.config.bos_id;
+
+  std::vector<std::vector<int>> prompts;
+  for (const std::string& p : o.prompts) prompts.push_back(codec.encode(p));
+
+  ex::Model<ex::CpuBackend> model(weights);
+  const ex::ModelConfig& mc = model.config();
+  std::fprintf(stderr, "model %s: %zu parameters, %d layers, dim %d, %d q / %d kv heads, head_dim %d, %s RoPE\n",
+               mc.name.c_str(), mc.parameter_count(), mc.n_layers, mc.dim, mc.n_heads, mc.n_kv_heads, mc.head_dim,
+               mc.rope_style == triattn::RopeStyle::kHalf ? "half" : "interleaved");
+
+  std::unique_ptr<triattn::Calibrator> calibrator;
+  if (!o.calibrate_out.empty())
+    calibrator = std::make_unique<triattn::Calibrator>(mc.n_layers, mc.n_heads, mc.head_dim, mc.rope_style, mc.name);
+
+  const bool compress = !o.stats_path.empty() && !o.no_compress;
+  if (!o.stats_path.empty() && o.no_compress) std::fprintf(stderr, "note: --no-compress: statistics ignored\n");
+  if (o.stats_path.empty() && !o.no_compress && o.calibrate_out.empty())
+    std::fprintf(stderr, "note: no --stats given: compression off (make statistics with --calibrate OUT)\n");
+
+  const triattn::CacheConfig cfg = make_cache_config(mc, prompts, o, compress);
+  if (!compress) {
+    PlainCache cache(cfg);
+    return run(model, cache, codec, prompts, o, calibrator.get());
+  }
+  const triattn::QueryStats stats = load_stats(o.stats_path, mc);
+  triattn::RopeConfig rope;
+  rope.style = mc.rope_style;
+  rope.theta = mc.rope_theta;
+  triattn::SelectionParams sel;
+  sel.budget = o.budget;
+  sel.divide_length = o.divide_length;
+  TriCache cache(cfg, triattn::TriAttentionScorer(stats, rope, triattn::ScoringParams{}, mc.n_kv_heads),
+                 triattn::TopKSelector(sel));
+  return run(model, cache, codec, prompts, o, nullptr);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return real_main(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "reference_transformer: error: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,254 @@
+// SPDX-License-Identifier: Apache-2.0
+// A small JSON reader for the example's reference files (stories260K_greedy_ref.json): objects,
+// arrays, strings (with escapes, \u to UTF-8), numbers (as double), true/false/null. Depth is
+// limited; errors throw triattn::format_error with the byte offset.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cctype>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <triattn/core/error.hpp>
+
+namespace triattn_example::json {
+
+struct Value {
+  enum class Kind { kNull, kBool, kNumber, kString, kArray, kObject };
+  Kind kind = Kind::kNull;
+  bool boolean = false;
+  double number = 0.0;
+  std::string string;
+  std::vector<Value> array;
+  std::map<std::string, Value> object;
+
+  [[nodiscard]] const Value& at(const std::string& key) const {
+    if (kind != Kind::kObject) throw triattn::format_error("json: not an object (looking up \"" + key + "\")");
+    const auto it = object.find(key);
+    if (it == object.end()) throw triattn::format_error("json: missing key \"" + key + "\"");
+    return it->second;
+  }
+  [[nodiscard]] const Value& at(std::size_t i) const {
+    if (kind != Kind::kArray) throw triattn::format_error("json: not an array");
+    if (i >= array.size()) throw triattn::format_error("json: index " + std::to_string(i) + " out of range");
+    return array[i];
+  }
+  [[nodiscard]] bool has(const std::string& key) const { return kind == Kind::kObject && object.count(key) != 0; }
+  [[nodiscard]] double num() const {
+    if (kind != Kind::kNumber) throw triattn::format_error("json: not a number");
+    return number;
+  }
+  [[nodiscard]] const std::string& str() const {
+    if (kind != Kind::kString) throw triattn::format_error("json: not a string");
+    return string;
+  }
+  [[nodiscard]] std::size_t size() const { return kind == Kind::kArray ? array.size() : object.size(); }
+  /// Array of numbers as floats / ints.
+  [[nodiscard]] std::vector<float> floats() const {
+    std::vector<float> v;
+    for (std::size_t i = 0; i < size(); ++i) v.push_back(static_cast<float>(at(i).num()));
+    return v;
+  }
+  [[nodiscard]] std::vector<double> doubles() const {
+    std::vector<double> v;
+    for (std::size_t i = 0; i < size(); ++i) v.push_back(at(i).num());
+    return v;
+  }
+  [[nodiscard]] std::vector<int> ints() const {
+    std::vector<int> v;
+    for (std::size_t i = 0; i < size(); ++i) v.push_back(static_cast<int>(at(i).num()));
+    return v;
+  }
+};
+
+class Parser {
+ public:
+  Parser(std::string_view text, std::string where) : s_(text), where_(std::move(where)) {}
+
+  Value parse() {
+    Value v = value(0);
+    ws();
+    if (p_ != s_.size()) fail("trailing characters");
+    return v;
+  }
+
+ private:
+  [[noreturn]] void fail(const std::string& what) const {
+    throw triattn::format_error(where_ + ": JSON error at byte " + std::to_string(p_) + ": " + what);
+  }
+  void ws() {
+    while (p_ < s_.size() && (s_[p_] == ' ' || s_[p_] == '\n' || s_[p_] == '\r' || s_[p_] == '\t')) ++p_;
+  }
+  char peek() {
+    ws();
+    if (p_ >= s_.size()) fail("unexpected end");
+    return s_[p_];
+  }
+  void expect(char c) {
+    if (peek() != c) fail(std::string("expected '") + c + "'");
+    ++p_;
+  }
+  bool literal(std::string_view lit) {
+    if (s_.substr(p_, lit.size()) != lit) return false;
+    p_ += lit.size();
+    return true;
+  }
+
+  Value value(int depth) {
+    if (depth > 64) fail("nesting too deep");
+    Value v;
+    const char c = peek();
+    if (c == '{') {
+      v.kind = Value::Kind::kObject;
+      ++p_;
+      if (peek() == '}') {
+        ++p_;
+        return v;
+      }
+      for (;;) {
+        if (peek() != '"') fail("expected a key");
+        std::string key = string();
+        expect(':');
+        Value item = value(depth + 1);
+        if (!v.object.emplace(key, std::move(item)).second) fail("duplicate key \"" + key + "\"");
+        const char n = peek();
+        ++p_;
+        if (n == '}') break;
+        if (n != ',') fail("expected ',' or '}'");
+      }
+    } else if (c == '[') {
+      v.kind = Value::Kind::kArray;
+      ++p_;
+      if (peek() == ']') {
+        ++p_;
+        return v;
+      }
+      for (;;) {
+        v.array.push_back(value(depth + 1));
+        const char n = peek();
+        ++p_;
+        if (n == ']') break;
+        if (n != ',') fail("expected ',' or ']'");
+      }
+    } else if (c == '"') {
+      v.kind = Value::Kind::kString;
+      v.string = string();
+    } else if (literal("true")) {
+      v.kind = Value::Kind::kBool;
+      v.boolean = true;
+    } else if (literal("false")) {
+      v.kind = Value::Kind::kBool;
+    } else if (literal("null")) {
+      v.kind = Value::Kind::kNull;
+    } else {
+      v.kind = Value::Kind::kNumber;
+      v.number = number();
+    }
+    return v;
+  }
+
+  double number() {
+    const std::size_t start = p_;
+    while (p_ < s_.size() && (std::isdigit(static_cast<unsigned char>(s_[p_])) || s_[p_] == '-' || s_[p_] == '+' ||
+                              s_[p_] == '.' || s_[p_] == 'e' || s_[p_] == 'E'))
+      ++p_;
+    if (start == p_) fail("unexpected character");
+    const std::string tok(s_.substr(start, p_ - start));
+    char* end = nullptr;
+    const double d = std::strtod(tok.c_str(), &end);
+    if (end != tok.c_str() + tok.size()) fail("bad number '" + tok + "'");
+    return d;
+  }
+
+  static void put_utf8(std::string& out, std::uint32_t cp) {
+    if (cp < 0x80) {
+      out += static_cast<char>(cp);
+    } else if (cp < 0x800) {
+      out += static_cast<char>(0xC0 | (cp >> 6));
+      out += static_cast<char>(0x80 | (cp & 0x3F));
+    } else if (cp < 0x10000) {
+      out += static_cast<char>(0xE0 | (cp >> 12));
+      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+      out += static_cast<char>(0x80 | (cp & 0x3F));
+    } else {
+      out += static_cast<char>(0xF0 | (cp >> 18));
+      out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+      out += static_cast<char>(0x80 | (cp & 0x3F));
+    }
+  }
+  std::uint32_t hex4() {
+    if (p_ + 4 > s_.size()) fail("short \\u escape");
+    std::uint32_t v = 0;
+    for (int i = 0; i < 4; ++i) {
+      const char h = s_[p_++];
+      v <<= 4;
+      if (h >= '0' && h <= '9') v |= static_cast<std::uint32_t>(h - '0');
+      else if (h >= 'a' && h <= 'f') v |= static_cast<std::uint32_t>(h - 'a' + 10);
+      else if (h >= 'A' && h <= 'F') v |= static_cast<std::uint32_t>(h - 'A' + 10);
+      else fail("bad \\u escape");
+    }
+    return v;
+  }
+  std::string string() {
+    expect('"');
+    std::string out;
+    for (;;) {
+      if (p_ >= s_.size()) fail("unterminated string");
+      const char c = s_[p_++];
+      if (c == '"') break;
+      if (c != '\\') {
+        out += c;
+        continue;
+      }
+      if (p_ >= s_.size()) fail("unterminated escape");
+      const char e = s_[p_++];
+      switch (e) {
+        case '"': out += '"'; break;
+        case '\\': out += '\\'; break;
+        case '/': out += '/'; break;
+        case 'b': out += '\b'; break;
+        case 'f': out += '\f'; break;
+        case 'n': out += '\n'; break;
+        case 'r': out += '\r'; break;
+        case 't': out += '\t'; break;
+        case 'u': {
+          std::uint32_t cp = hex4();
+          if (cp >= 0xD800 && cp < 0xDC00 && s_.substr(p_, 2) == "\\u") {
+            p_ += 2;
+            const std::uint32_t lo = hex4();
+            if (lo < 0xDC00 || lo >= 0xE000) fail("bad surrogate pair");
+            cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+          }
+          put_utf8(out, cp);
+          break;
+        }
+        default: fail(std::string("bad escape \\") + e);
+      }
+    }
+    return out;
+  }
+
+  std::string_view s_;
+  std::string where_;
+  std::size_t p_ = 0;
+};
+
+inline Value parse(std::string_view text, const std::string& where = "json") { return Parser(text, where).parse(); }
+
+inline Value parse_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw triattn::format_error(path + ": cannot open the file");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return parse(ss.str(), path);
+}
+
+}  // namespace triattn_example::json

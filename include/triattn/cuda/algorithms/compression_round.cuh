@@ -1,0 +1,133 @@
+// SPDX-License-Identifier: Apache-2.0
+// One TriAttention compression round for a batch of sequences, entirely on the device:
+//   score (one pass over K) → row statistics → normalise + reduce → top-k select → keep plan
+//   → in-place compaction (cuda::compact)
+// Caller-owned workspace (workspace_size), no allocation, no host synchronisation, no host
+// data: sequence slots, lengths (the view's seq_lens), round starts t0 and prompt lengths are read
+// from device memory, so a whole round can be captured once in a CUDA graph and replayed.
+//
+// After the round, sequence b holds plan.keep[b] slots per (layer, KV head). The device lengths
+// and block tables are the caller's (KvCache's host bookkeeping): the kept count is a pure
+// function of (length, prompt length, SelectionParams), so the host computes the same number with
+// ref::keep_counts without waiting for the device, shrinks its tables and publishes them.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <triattn/core/kv_view.hpp>
+#include <triattn/core/scoring_params.hpp>
+#include <triattn/cuda/algorithms/compact.cuh>
+#include <triattn/cuda/algorithms/normalize.cuh>
+#include <triattn/cuda/algorithms/score.cuh>
+#include <triattn/cuda/algorithms/select.cuh>
+#include <triattn/cuda/config.cuh>
+#include <triattn/cuda/error.cuh>
+
+namespace triattn::cuda {
+
+/// Per-sequence inputs of a round (device arrays) and the row capacity.
+struct RoundBatch {
+  const std::int32_t* seq_ids = nullptr;      ///< [batch] sequence slots; no slot twice
+  const std::int64_t* t0 = nullptr;           ///< [batch] round start = logical position
+  const std::int32_t* prompt_lens = nullptr;  ///< [batch] prompt (prefill) length
+  int batch = 0;
+  int max_len = 0;  ///< >= every sequence's physical length
+};
+
+/// Scratch buffers of a round, carved from one caller-owned allocation.
+struct RoundWorkspace {
+  float* scores = nullptr;       ///< [batch, L, Hq, max_len] raw scores (union: Ŝ)
+  RowStats* stats = nullptr;     ///< [batch, L, Hq]
+  float* reduced = nullptr;      ///< [batch, reduced_rows, max_len]
+  std::uint8_t* flags = nullptr; ///< [batch, max_len] (union)
+};
+
+namespace detail {
+inline std::size_t round_up_256(std::size_t x) noexcept { return (x + 255) / 256 * 256; }
+
+/// Carves the buffers; returns the bytes used (pass base = nullptr to only measure).
+inline std::size_t carve_round_workspace(void* base, const RoundShape& s, PruningMode mode, int batch, int max_len,
+                                         RoundWorkspace* out) noexcept {
+  const std::size_t B = static_cast<std::size_t>(batch > 0 ? batch : 0);
+  const std::size_t T = static_cast<std::size_t>(max_len > 0 ? max_len : 0);
+  const std::size_t rows = B * static_cast<std::size_t>(s.num_layers) * static_cast<std::size_t>(s.num_q_heads);
+  const std::size_t sizes[4] = {rows * T * sizeof(float), rows * sizeof(RowStats),
+                                B * static_cast<std::size_t>(reduced_rows(s, mode)) * T * sizeof(float),
+                                mode == PruningMode::kUnion ? B * T : 0};
+  std::size_t off[4], total = 0;
+  for (int i = 0; i < 4; ++i) {
+    off[i] = total;
+    total += round_up_256(sizes[i]);
+  }
+  if (base != nullptr && out != nullptr) {
+    char* p = static_cast<char*>(base);
+    out->scores = reinterpret_cast<float*>(p + off[0]);
+    out->stats = reinterpret_cast<RowStats*>(p + off[1]);
+    out->reduced = reinterpret_cast<float*>(p + off[2]);
+    out->flags = sizes[3] ? reinterpret_cast<std::uint8_t*>(p + off[3]) : nullptr;
+  }
+  return total;
+}
+}  // namespace detail
+
+struct compression_round {
+  /// Bytes of workspace a round of `batch` sequences of up to `max_len` slots needs.
+  [[nodiscard]] static std::size_t workspace_size(const RoundShape& shape, PruningMode mode, int batch,
+                                                  int max_len) noexcept {
+    return detail::carve_round_workspace(nullptr, shape, mode, batch, max_len, nullptr);
+  }
+
+  /// Capacity of a keep-plan row that can never overflow: max_len (a round that keeps
+  /// everything, keep = length, writes the identity row). A caller that knows more (e.g. rounds
+  /// only run on triggered sequences) may pass less; an overflowing sequence gets keep = -1, no
+  /// rows, and is left untouched by compaction.
+  [[nodiscard]] static int safe_max_keep(int max_len) noexcept { return max_len; }
+
+  /// Score → select → plan, without compaction (the plan is what compaction consumes).
+  /// @param view      paged cache in device memory (data, published block tables and lengths)
+  /// @param model     per-model constants in device memory (TriAttentionDeviceScorer)
+  /// @param params    selection parameters (by value: nothing is read from the host later)
+  /// @param batch     per-sequence device inputs
+  /// @param plan      kept [batch, L, Hkv, max_keep], keep [batch] device outputs
+  /// @param workspace caller-owned device memory of at least workspace_size(...) bytes
+  /// @return cudaErrorInvalidValue on inconsistent arguments or a short workspace, else the
+  ///         first failing launch's status
+  /// @note asynchronous on `stream`; never allocates, synchronises or throws; capturable.
+  template <class T, class Id>
+  [[nodiscard]] static cudaError_t plan(const KvCacheView<T, Id>& view, const ScoreModelView& model,
+                                        const DeviceSelectParams& params, const RoundBatch& batch,
+                                        const DeviceKeepPlanView& plan, void* workspace, std::size_t workspace_bytes,
+                                        cudaStream_t stream = nullptr) noexcept {
+    const RoundShape shape{model.num_layers, model.num_q_heads, model.num_kv_heads};
+    if (!shape.valid() || batch.batch < 0 || batch.max_len < 0 || batch.batch > 65535) return cudaErrorInvalidValue;
+    if (batch.batch == 0) return cudaSuccess;
+    if (batch.seq_ids == nullptr || batch.t0 == nullptr || batch.prompt_lens == nullptr || workspace == nullptr ||
+        !is_aligned(workspace, 256))
+      return cudaErrorInvalidValue;
+    RoundWorkspace ws;
+    if (detail::carve_round_workspace(workspace, shape, params.mode, batch.batch, batch.max_len, &ws) > workspace_bytes)
+      return cudaErrorInvalidValue;
+    const RoundSeqs<Id> seqs{batch.seq_ids, view.seq_lens, batch.prompt_lens, batch.batch, batch.max_len};
+
+    TRIATTN_CUDA_RETURN_IF_ERROR(
+        score(view, model, ScoreBatch{batch.seq_ids, batch.t0, batch.batch, batch.max_len}, ws.scores, stream));
+    if (params.normalize) TRIATTN_CUDA_RETURN_IF_ERROR(row_stats(ws.scores, ws.stats, seqs, params, shape, stream));
+    TRIATTN_CUDA_RETURN_IF_ERROR(gqa_reduce(ws.scores, ws.stats, ws.reduced, ws.flags, seqs, params, shape, stream));
+    return select_keep(ws.scores, ws.reduced, ws.flags, plan, seqs, params, shape, stream);
+  }
+
+  /// The whole round: plan(...) then cuda::compact::run on the same plan. Same contract as plan().
+  template <class T, class Id>
+  [[nodiscard]] static cudaError_t run(const KvCacheView<T, Id>& view, const ScoreModelView& model,
+                                       const DeviceSelectParams& params, const RoundBatch& batch,
+                                       const DeviceKeepPlanView& plan_out, void* workspace,
+                                       std::size_t workspace_bytes, cudaStream_t stream = nullptr) noexcept {
+    TRIATTN_CUDA_RETURN_IF_ERROR(plan(view, model, params, batch, plan_out, workspace, workspace_bytes, stream));
+    if (batch.batch == 0) return cudaSuccess;
+    return compact::run(view, CompactParams{plan_out.kept, plan_out.keep, batch.seq_ids, plan_out.max_keep},
+                        batch.batch, stream);
+  }
+};
+
+}  // namespace triattn::cuda

@@ -1,0 +1,127 @@
+// SPDX-License-Identifier: Apache-2.0
+// Host launcher of the TriAttention scorer: scores every cached key of a batch of sequences for
+// every (layer, query head) into a [batch, L, Hq, max_len] buffer. No allocation, no host
+// synchronisation, no host-to-device copy: sequence slots, lengths and round starts are read
+// from device memory, so the launch can be captured in a CUDA graph.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+#include <triattn/core/kv_view.hpp>
+#include <triattn/core/rope_types.hpp>
+#include <triattn/core/scoring_params.hpp>
+#include <triattn/cuda/config.cuh>
+#include <triattn/cuda/dispatch.cuh>
+#include <triattn/cuda/error.cuh>
+#include <triattn/cuda/kernels/score_kernel.cuh>
+#include <triattn/cuda/launch.cuh>
+
+namespace triattn::cuda {
+
+namespace detail {
+
+/// CTAs of `kernel` that fit on one multiprocessor (at least 1).
+template <class Kernel>
+inline int resident_ctas(Kernel kernel, int threads, std::size_t smem) noexcept {
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem) != cudaSuccess || n <= 0) {
+    (void)cudaGetLastError();
+    return 1;
+  }
+  return n;
+}
+
+/// Grid of a persistent-style scoring launch: one wave of resident CTAs, capped by the items.
+inline unsigned score_grid(long long items, int sms, int per_sm) noexcept {
+  const long long cap = static_cast<long long>(sms) * per_sm;
+  const long long g = items < cap ? items : cap;
+  return static_cast<unsigned>(g > 0 ? g : 1);
+}
+
+template <class T, class Id>
+[[nodiscard]] inline cudaError_t check_score_args(const KvCacheView<T, Id>& view, const ScoreModelView& m,
+                                                  const ScoreBatch& a, const float* scores) noexcept {
+  if (m.num_layers != view.num_layers || m.num_kv_heads != view.block.num_kv_heads ||
+      m.head_dim != view.block.head_dim || m.num_kv_heads <= 0 || m.num_q_heads % m.num_kv_heads != 0 ||
+      m.num_q_heads <= 0 || a.batch < 0 || a.max_len < 0 || view.block.block_size <= 0)
+    return cudaErrorInvalidValue;
+  if (m.aggregation == Aggregation::kMax && !m.disable_trig && m.num_offsets <= 0) return cudaErrorInvalidValue;
+  if (a.batch > 0 && a.max_len > 0 && (scores == nullptr || a.seq_ids == nullptr || a.t0 == nullptr))
+    return cudaErrorInvalidValue;
+  // 16-byte loads need 16-byte aligned head vectors.
+  if (!is_aligned(view.data, 16) ||
+      (view.range_stride * static_cast<std::int64_t>(sizeof(T))) % 16 != 0)
+    return cudaErrorMisalignedAddress;
+  return cudaSuccess;
+}
+
+template <class T, class Id, int HD, RopeStyle S, int GMAX>
+[[nodiscard]] inline cudaError_t launch_score_kernel(const KvCacheView<T, Id>& view, const ScoreModelView& m,
+                                                     const ScoreBatch& a, float* scores, cudaStream_t stream) noexcept {
+  const FastDiv fd(view.block.block_size);
+  const int G = m.num_q_heads / m.num_kv_heads;
+  const long long rows = static_cast<long long>(a.batch) * m.num_layers * m.num_kv_heads * ((G + GMAX - 1) / GMAX);
+  int sms = 0;
+  TRIATTN_CUDA_RETURN_IF_ERROR(current_device_sm_count(&sms));
+  if (m.aggregation == Aggregation::kMean || m.disable_trig) {
+    using Shape = ScoreShape<T, HD, GMAX, 8>;
+    auto kernel = score_mean_kernel<T, Id, HD, S, GMAX>;
+    static const int per_sm = resident_ctas(kernel, Shape::kThreads, 0);
+    const long long items = rows * ((a.max_len + Shape::kTile - 1) / Shape::kTile);
+    kernel<<<score_grid(items, sms, per_sm), Shape::kThreads, 0, stream>>>(view, m, a, scores, fd);
+    return check_launch(stream);
+  }
+  using Shape = ScoreShape<T, HD, GMAX, 4>;
+  auto kernel = score_max_kernel<T, Id, HD, S, GMAX>;
+  const std::size_t smem = score_max_smem_bytes<HD, GMAX>(m.num_offsets);
+  if (smem > 48 * 1024) TRIATTN_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  // Occupancy depends on |D| (shared memory): cached per instantiation as (smem << 16 | CTAs),
+  // so a round captured in a graph makes no occupancy query.
+  static std::atomic<unsigned long long> cached{0};
+  unsigned long long c = cached.load(std::memory_order_relaxed);
+  if ((c >> 16) != smem || c == 0) {
+    c = (static_cast<unsigned long long>(smem) << 16) |
+        static_cast<unsigned long long>(resident_ctas(kernel, Shape::kThreads, smem) & 0xffff);
+    cached.store(c, std::memory_order_relaxed);
+  }
+  const int per_sm = static_cast<int>(c & 0xffff) > 0 ? static_cast<int>(c & 0xffff) : 1;
+  const long long items = rows * ((a.max_len + Shape::kTile - 1) / Shape::kTile);
+  kernel<<<score_grid(items, sms, per_sm), Shape::kThreads, smem, stream>>>(view, m, a, scores, fd);
+  return check_launch(stream);
+}
+
+}  // namespace detail
+
+/// Scores slots [0, length) of every sequence of the batch for every (layer, query head).
+/// Query head h reads KV head h / (Hq / Hkv). Mean aggregation (or disable_trig) uses the exact
+/// fold; max aggregation the |D| per-offset weight sets.
+///
+/// @param view    paged cache (device memory); its seq_lens give each sequence's length
+/// @param model   per-model constants in device memory (TriAttentionDeviceScorer::device_model())
+/// @param batch   seq_ids [batch], t0 [batch] in device memory; max_len >= every length
+/// @param scores  [batch, L, Hq, max_len] device output; row (b, l, h) holds slots [0, length_b),
+///                slots past the length are left untouched
+/// @return cudaErrorInvalidValue on inconsistent shapes, cudaErrorMisalignedAddress when head
+///         vectors are not 16-byte aligned, cudaErrorNotSupported for an uncompiled head dim
+///         (the owning API calls dispatch_head_dim first for the message), else the launch status
+/// @note asynchronous on `stream`; allocates nothing, never throws; capturable in a CUDA graph.
+template <class T, class Id>
+[[nodiscard]] cudaError_t score(const KvCacheView<T, Id>& view, const ScoreModelView& model, const ScoreBatch& batch,
+                                float* scores, cudaStream_t stream = nullptr) noexcept {
+  TRIATTN_CUDA_RETURN_IF_ERROR(detail::check_score_args(view, model, batch, scores));
+  if (batch.batch == 0 || batch.max_len == 0) return cudaSuccess;
+  const int G = model.num_q_heads / model.num_kv_heads;
+  return dispatch_head_dim_status(view.block.head_dim, [&](auto hd) -> cudaError_t {
+    constexpr int HD = decltype(hd)::value;
+    const auto by_group = [&](auto style) -> cudaError_t {
+      constexpr RopeStyle S = decltype(style)::value;
+      if (G <= 4) return detail::launch_score_kernel<T, Id, HD, S, 4>(view, model, batch, scores, stream);
+      return detail::launch_score_kernel<T, Id, HD, S, 8>(view, model, batch, scores, stream);  // G > 8: chunks of 8
+    };
+    if (model.style == RopeStyle::kHalf) return by_group(std::integral_constant<RopeStyle, RopeStyle::kHalf>{});
+    return by_group(std::integral_constant<RopeStyle, RopeStyle::kInterleaved>{});
+  });
+}
+
+}  // namespace triattn::cuda

@@ -1,0 +1,103 @@
+// SPDX-License-Identifier: Apache-2.0
+// Append kernel: writes the K and V head vectors of new tokens into the paged cache, for one or
+// many layers in one launch. A copy: bit-exact with ref::append. One thread moves one 16-byte
+// vector of K and the matching one of V; grid = [vectors / threads, layers].
+#pragma once
+
+#include <cstdint>
+
+#include <triattn/core/kv_view.hpp>
+#include <triattn/cuda/config.cuh>
+#include <triattn/cuda/tuning/sm90.cuh>
+
+namespace triattn::cuda {
+
+/// Where each input token goes in the cache.
+enum class SlotSource : int {
+  kSlotMapping = 0,  ///< slot_mapping[token] = block_id * block_size + offset; -1 skips (vLLM padding)
+  kContiguous = 1,   ///< slot first_slot + token of sequence `seq`, through the view's block tables
+  kLastSlot = 2,     ///< slot seq_lens[s] - 1 of sequence s = seq_ids[token] (decode after extend)
+};
+
+/// POD parameters of append_kernel. T is the cache's storage type.
+template <class T>
+struct AppendParams {
+  const T* k;                        ///< [num_layers, num_tokens, num_kv_heads, head_dim] (strides below)
+  const T* v;                        ///< [num_layers, num_tokens, num_kv_heads, head_dim]
+  std::int64_t token_stride;         ///< elements between consecutive tokens of k and v (>= num_kv_heads * head_dim)
+  std::int64_t layer_stride;         ///< elements between consecutive layers of k and v (any value when num_layers == 1)
+  int num_tokens;
+  int first_layer;                   ///< cache layer that input layer 0 goes to
+  int num_layers;                    ///< input layers, written to [first_layer, first_layer + num_layers)
+  SlotSource source;
+  const std::int64_t* slot_mapping;  ///< [num_tokens] (kSlotMapping), device
+  const std::int32_t* seq_ids;       ///< [num_tokens] (kLastSlot), device
+  int seq;                           ///< sequence slot (kContiguous)
+  int first_slot;                    ///< slot of token 0 (kContiguous)
+};
+
+namespace detail {
+
+/// Block id and offset in block of `token`'s destination; block < 0 means skip.
+template <class T, class Id>
+__device__ __forceinline__ void append_destination(const KvCacheView<T, Id>& view, const AppendParams<T>& p, int token,
+                                                   std::int64_t& block, int& offset) {
+  const int bs = view.block.block_size;
+  if (p.source == SlotSource::kSlotMapping) {
+    const std::int64_t slot = p.slot_mapping[token];
+    block = slot < 0 ? -1 : slot / bs;
+    offset = static_cast<int>(slot - block * bs);
+    return;
+  }
+  int seq, pos;
+  if (p.source == SlotSource::kContiguous) {
+    seq = p.seq;
+    pos = p.first_slot + token;
+  } else {
+    seq = p.seq_ids[token];
+    pos = seq < 0 ? -1 : view.seq_lens[seq] - 1;
+  }
+  if (pos < 0) {
+    block = -1;
+    offset = 0;
+    return;
+  }
+  block = view.block_tables[static_cast<std::int64_t>(seq) * view.max_blocks_per_seq + pos / bs];
+  offset = pos % bs;
+}
+
+}  // namespace detail
+
+template <int HeadDim, class T, class Id>
+__global__ void __launch_bounds__(tuning::sm90::Append::kThreads)
+    append_kernel(KvCacheView<T, Id> view, AppendParams<T> p) {
+  constexpr int kVecElems = 16 / static_cast<int>(sizeof(T));
+  constexpr int kVecs = HeadDim / kVecElems;  // 16-byte vectors per head vector
+  static_assert(HeadDim % kVecElems == 0, "head vectors must be whole 16-byte vectors");
+  const int heads = view.block.num_kv_heads;
+  const int idx = static_cast<int>(blockIdx.x) * static_cast<int>(blockDim.x) + static_cast<int>(threadIdx.x);
+  const int row = idx / kVecs;  // (token, head)
+  const int vec = idx % kVecs;
+  const int token = row / heads;
+  if (token >= p.num_tokens) return;
+  const int head = row - token * heads;
+
+  std::int64_t block;
+  int offset;
+  detail::append_destination(view, p, token, block, offset);
+  if (block < 0) return;
+
+  const int layer_in = static_cast<int>(blockIdx.y);
+  const std::int64_t src = static_cast<std::int64_t>(layer_in) * p.layer_stride +
+                           static_cast<std::int64_t>(token) * p.token_stride +
+                           static_cast<std::int64_t>(head) * HeadDim + vec * kVecElems;
+  // Inputs are read once: streaming loads keep them from evicting the cache lines just written.
+  const uint4 kx = __ldcs(reinterpret_cast<const uint4*>(p.k + src));
+  const uint4 vx = __ldcs(reinterpret_cast<const uint4*>(p.v + src));
+  const int layer = p.first_layer + layer_in;
+  const std::int64_t dst = view.block.offset(block, offset, head) + vec * kVecElems;
+  *reinterpret_cast<uint4*>(view.range(layer, KvKind::kKey) + dst) = kx;
+  *reinterpret_cast<uint4*>(view.range(layer, KvKind::kValue) + dst) = vx;
+}
+
+}  // namespace triattn::cuda

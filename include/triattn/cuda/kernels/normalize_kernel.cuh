@@ -1,0 +1,264 @@
+// SPDX-License-Identifier: Apache-2.0
+// From raw scores to the values a round selects on (spec §4), on the device:
+//   row_stats_kernel   z-normalisation statistics of every (sequence, layer, query head) row over
+//                      the selectable slots: mean and population std in float64, two passes, as
+//                      ref::normalize_scores computes them (only the summation order differs)
+//   gqa_reduce_kernel  normalises on the fly and reduces per pruning mode:
+//                        per_head           agg[b, g, j]    = mean_l max_{h∈g} Ŝ[l, h, j]
+//                        per_layer_per_head gmax[b, l, g, j] = max_{h∈g} Ŝ[l, h, j]
+//                        union              Ŝ written back in place, lmax[b, l, j] = max_h Ŝ[l, h, j],
+//                                           candidate flags of sequence b cleared
+// Ŝ = (float)((x − mean) / std) with a float64 division (one Newton step on the reciprocal), so
+// the normalised floats equal the CPU reference's except in the rare case that the two float64
+// summation orders round the mean or std differently right at a float rounding boundary.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include <triattn/core/config.hpp>
+#include <triattn/core/scoring_params.hpp>
+#include <triattn/cuda/config.cuh>
+
+namespace triattn::cuda {
+
+/// Selection parameters the device needs (plain data; built from SelectionParams).
+struct DeviceSelectParams {
+  int budget = 2048;
+  int n_sink = 0;
+  int window = 0;
+  PruningMode mode = PruningMode::kPerHead;
+  PromptMode prompt = PromptMode::kPinnedInBudget;
+  bool normalize = true;
+
+  DeviceSelectParams() = default;
+  explicit DeviceSelectParams(const SelectionParams& p)
+      : budget(p.budget), n_sink(p.n_sink), window(p.window), mode(p.mode), prompt(p.prompt), normalize(p.normalize) {}
+};
+static_assert(std::is_trivially_copyable_v<DeviceSelectParams>);
+
+/// ref::KeepCounts, computed on the device from a sequence's length and prompt length.
+struct DeviceKeepCounts {
+  int length = 0;
+  int num_protected = 0;
+  int begin = 0;   ///< selectable slots are [begin, end)
+  int end = 0;
+  int quota = 0;   ///< selectable slots kept
+  int keep = 0;    ///< slots after the round
+  bool identity = false;
+};
+
+/// Mirror of ref::keep_counts (same formulas, same integer widths). prompt_len is clamped to
+/// [0, length] (the reference throws instead).
+TRIATTN_HOST_DEVICE DeviceKeepCounts device_keep_counts(int length, int prompt_len, const DeviceSelectParams& p) {
+  DeviceKeepCounts k;
+  length = length > 0 ? length : 0;
+  prompt_len = prompt_len < 0 ? 0 : (prompt_len > length ? length : prompt_len);
+  k.length = length;
+  const int pinned = p.prompt != PromptMode::kCompete ? prompt_len : 0;
+  const int sinks = p.n_sink < length ? p.n_sink : length;
+  k.begin = pinned > sinks ? pinned : sinks;
+  const long long tail = static_cast<long long>(length) - p.window;
+  k.end = static_cast<int>(tail > k.begin ? tail : k.begin);
+  k.num_protected = k.begin + (length - k.end);
+  const long long total = static_cast<long long>(p.budget) + (p.prompt == PromptMode::kPinnedOnTop ? prompt_len : 0);
+  const long long quota = total - k.num_protected;
+  k.quota = static_cast<int>(quota > 0 ? quota : 0);
+  k.identity = k.quota >= k.end - k.begin;
+  if (k.identity) k.quota = k.end - k.begin;
+  k.keep = k.identity ? length : k.num_protected + k.quota;
+  return k;
+}
+
+/// Per-sequence inputs of a round, in device memory.
+template <class Id>
+struct RoundSeqs {
+  const std::int32_t* seq_ids = nullptr;      ///< [batch] sequence slots
+  const Id* seq_lens = nullptr;               ///< [max_seqs] physical lengths (the view's seq_lens)
+  const std::int32_t* prompt_lens = nullptr;  ///< [batch] pinned prompt length per sequence
+  int batch = 0;
+  int max_len = 0;                            ///< row capacity of every per-slot buffer
+
+  [[nodiscard]] __device__ __forceinline__ DeviceKeepCounts counts(int b, const DeviceSelectParams& p) const {
+    const int len = static_cast<int>(seq_lens[seq_ids[b]]);
+    return device_keep_counts(len < max_len ? len : max_len, prompt_lens[b], p);
+  }
+};
+
+/// z-normalisation statistics of one row: x̂ = (x − mean) / sd, inv ≈ 1/sd.
+struct RowStats {
+  double mean;
+  double sd;
+  double inv;
+};
+
+namespace detail {
+
+/// (float)((x − mean) / sd) in float64: reciprocal product refined by one Newton step, which gives
+/// the correctly rounded quotient except in rare hard cases (then 1 float64 ulp off).
+__device__ __forceinline__ float normalized(float x, const RowStats& s) {
+  const double d = static_cast<double>(x) - s.mean;
+  double q = d * s.inv;
+  const double r = fma(-q, s.sd, d);
+  q = fma(r, s.inv, q);
+  return static_cast<float>(q);
+}
+
+template <int kThreads>
+__device__ __forceinline__ double block_sum(double v, double* scratch) {
+  constexpr int kWarps = kThreads / 32;
+#pragma unroll
+  for (int m = 16; m >= 1; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  double total = 0.0;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) total += scratch[w];  // fixed order: deterministic
+  __syncthreads();
+  return total;
+}
+
+}  // namespace detail
+
+inline constexpr int kRowStatsThreads = 256;
+inline constexpr int kRowStatsCache = 16;  // values per thread kept in registers between the passes
+
+/// One CTA per (b, l, h) row: mean and population std of the row's selectable slots.
+/// @param scores [batch, L, Hq, max_len] raw scores
+/// @param stats  [batch, L, Hq] output (rows of identity rounds or with no selectable slot get {0, 1, 1})
+template <class Id>
+__global__ void __launch_bounds__(kRowStatsThreads)
+    row_stats_kernel(const float* __restrict__ scores, RowStats* __restrict__ stats, RoundSeqs<Id> seqs,
+                     DeviceSelectParams p, int rows_per_seq) {
+  __shared__ double scratch[kRowStatsThreads / 32];
+  const long long row = blockIdx.x;
+  const int b = static_cast<int>(row / rows_per_seq);
+  const DeviceKeepCounts kc = seqs.counts(b, p);
+  const int n = kc.end - kc.begin;
+  if (kc.identity || n <= 0) {
+    if (threadIdx.x == 0) stats[row] = RowStats{0.0, 1.0, 1.0};
+    return;
+  }
+  const float* x = scores + row * seqs.max_len + kc.begin;
+  float cache[kRowStatsCache];
+  double sum = 0.0;
+#pragma unroll
+  for (int c = 0; c < kRowStatsCache; ++c) {
+    const int j = threadIdx.x + c * kRowStatsThreads;
+    cache[c] = j < n ? x[j] : 0.0f;
+    sum += static_cast<double>(cache[c]);
+  }
+  for (int j = threadIdx.x + kRowStatsCache * kRowStatsThreads; j < n; j += kRowStatsThreads)
+    sum += static_cast<double>(x[j]);
+  const double mean = detail::block_sum<kRowStatsThreads>(sum, scratch) / n;
+  double ss = 0.0;
+#pragma unroll
+  for (int c = 0; c < kRowStatsCache; ++c) {
+    const int j = threadIdx.x + c * kRowStatsThreads;
+    const double d = static_cast<double>(cache[c]) - mean;
+    if (j < n) ss += d * d;
+  }
+  for (int j = threadIdx.x + kRowStatsCache * kRowStatsThreads; j < n; j += kRowStatsThreads) {
+    const double d = static_cast<double>(x[j]) - mean;
+    ss += d * d;
+  }
+  ss = detail::block_sum<kRowStatsThreads>(ss, scratch);
+  if (threadIdx.x == 0) {
+    double sd = sqrt(ss / n);
+    sd = sd > 1e-6 ? sd : 1e-6;
+    stats[row] = RowStats{mean, sd, 1.0 / sd};
+  }
+}
+
+inline constexpr int kReduceThreads = 256;
+inline constexpr int kReduceBatch = 16;  // loads in flight per thread
+
+/// Normalise-and-reduce. Grid: (ceil(max_len / kReduceThreads), groups, batch) with groups = Hkv
+/// (per_head), L·Hkv (per_layer_per_head) or L (union). Only selectable slots of non-identity
+/// rounds are touched.
+/// @param scores  [batch, L, Hq, max_len] raw scores (union: overwritten with Ŝ on the selectable slots)
+/// @param stats   [batch, L, Hq] (unused when p.normalize is false)
+/// @param out     per_head [batch, Hkv, max_len]; per_layer_per_head [batch, L, Hkv, max_len];
+///                union [batch, L, max_len]
+/// @param flags   union only: [batch, max_len] candidate flags, cleared on the selectable slots
+template <class Id>
+__global__ void __launch_bounds__(kReduceThreads)
+    gqa_reduce_kernel(float* __restrict__ scores, const RowStats* __restrict__ stats, float* __restrict__ out,
+                      std::uint8_t* __restrict__ flags, RoundSeqs<Id> seqs, DeviceSelectParams p, int L, int Hq,
+                      int Hkv) {
+  const int b = blockIdx.z;
+  const int grp = blockIdx.y;
+  const int t = blockIdx.x * kReduceThreads + threadIdx.x;
+  const DeviceKeepCounts kc = seqs.counts(b, p);
+  if (kc.identity || t < kc.begin || t >= kc.end) return;
+  const int G = Hq / Hkv;
+  const long long T = seqs.max_len;
+  const long long seq_row0 = static_cast<long long>(b) * L * Hq;  // first (l, h) row of sequence b
+  const auto value = [&](long long row, float x) { return p.normalize ? detail::normalized(x, stats[row]) : x; };
+
+  if (p.mode == PruningMode::kPerHead) {
+    // rows (l, g·G + h) in layer order, kReduceBatch loads in flight
+    const int g = grp;
+    const int n = L * G;
+    double s = 0.0;
+    float m = 0.0f;
+    int l = 0, h = 0;
+    for (int base = 0; base < n; base += kReduceBatch) {
+      float v[kReduceBatch];
+#pragma unroll
+      for (int k = 0; k < kReduceBatch; ++k) {
+        const int idx = base + k;
+        if (idx < n) {
+          const int li = idx / G, hi = idx - li * G;
+          v[k] = scores[(seq_row0 + static_cast<long long>(li) * Hq + g * G + hi) * T + t];
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kReduceBatch; ++k) {
+        if (base + k < n) {
+          const float xh = value(seq_row0 + static_cast<long long>(l) * Hq + g * G + h, v[k]);
+          m = (h == 0 || m < xh) ? xh : m;  // std::max(m, xh) of the reference
+          if (++h == G) {
+            s += static_cast<double>(m);  // float64, layer order, as ref::mean_over_layers
+            h = 0;
+            ++l;
+          }
+        }
+      }
+    }
+    out[(static_cast<long long>(b) * Hkv + g) * T + t] = static_cast<float>(s / L);
+  } else if (p.mode == PruningMode::kPerLayerPerHead) {
+    const int l = grp / Hkv, g = grp % Hkv;
+    const long long row0 = seq_row0 + static_cast<long long>(l) * Hq + g * G;
+    float m = 0.0f;
+    for (int h = 0; h < G; ++h) {
+      const float xh = value(row0 + h, scores[(row0 + h) * T + t]);
+      m = (h == 0 || m < xh) ? xh : m;
+    }
+    out[((static_cast<long long>(b) * L + l) * Hkv + g) * T + t] = m;
+  } else {
+    const int l = grp;
+    const long long row0 = seq_row0 + static_cast<long long>(l) * Hq;
+    float m = 0.0f;
+    for (int base = 0; base < Hq; base += kReduceBatch) {
+      float v[kReduceBatch];
+#pragma unroll
+      for (int k = 0; k < kReduceBatch; ++k)
+        if (base + k < Hq) v[k] = scores[(row0 + base + k) * T + t];
+#pragma unroll
+      for (int k = 0; k < kReduceBatch; ++k) {
+        const int h = base + k;
+        if (h < Hq) {
+          const float xh = value(row0 + h, v[k]);
+          if (p.normalize) scores[(row0 + h) * T + t] = xh;
+          m = (h == 0 || m < xh) ? xh : m;
+        }
+      }
+    }
+    out[(static_cast<long long>(b) * L + l) * T + t] = m;
+    if (l == 0) flags[b * T + t] = 0;
+  }
+}
+
+}  // namespace triattn::cuda

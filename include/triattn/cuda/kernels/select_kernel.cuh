@@ -1,0 +1,265 @@
+// SPDX-License-Identifier: Apache-2.0
+// Top-k selection of a round (spec §4) on the device: one CTA per (sequence, row) finds the
+// `quota` best selectable slots of its row by (value descending, slot ascending), exactly as
+// ref::top_k_with_ties orders them, and writes the kept slots in ascending order:
+//   [0, begin) ∪ chosen ∪ [end, T)     (protected prefix, selection, protected window)
+// into the device keep plan (or, for union-mode member rows, sets candidate flags).
+//
+// Algorithm: values become order-preserving 32-bit keys (larger float → larger key; −0 → +0 so
+// it ties with +0 as in the reference's float compare; NaN → key 1, below every finite value;
+// key 0 marks slots that do not compete). A 4-pass 8-bit radix select (warp-aggregated shared
+// histogram, bin search by one warp) finds the threshold key and how many slots equal to it are
+// taken; a pass with ballot-based block scans then ranks slots in index order, so ties go to the
+// lower slot and the output comes out sorted without a sort. Rows up to kSelectCacheMax values
+// keep their keys in shared memory; longer rows re-read the values (L2) on each pass.
+#pragma once
+
+#include <climits>
+#include <cstdint>
+#include <type_traits>
+
+#include <triattn/core/config.hpp>
+#include <triattn/cuda/config.cuh>
+#include <triattn/cuda/kernels/normalize_kernel.cuh>
+
+namespace triattn::cuda {
+
+/// The device compaction plan of a round: for sequence b, kept[b, l, g, 0 .. keep[b]) are the
+/// slots that survive in (layer l, KV head g), strictly ascending.
+struct DeviceKeepPlanView {
+  std::int32_t* kept = nullptr;  ///< [batch, L, Hkv, max_keep]
+  std::int32_t* keep = nullptr;  ///< [batch] slots kept per (l, g) row; -1 when it exceeds max_keep
+  int max_keep = 0;              ///< row capacity of kept
+};
+static_assert(std::is_trivially_copyable_v<DeviceKeepPlanView>);
+
+/// Where a select CTA's row writes its result.
+enum class SelectTarget : int {
+  kPerHead = 0,         ///< row r = KV head g; written to (l, g) for every layer l
+  kPerLayerPerHead = 1, ///< row r = l·Hkv + g; written to (l, g)
+  kAll = 2,             ///< one row per sequence; written to every (l, g)
+  kFlags = 3,           ///< chosen slots set flags[b, slot] = 1 (union members)
+};
+
+/// Values a select CTA ranks: row r of sequence b is max over `planes` planes of
+/// values[((b·rows + r)·planes + p)·max_len + slot]; with `candidates`, only flagged slots compete.
+struct SelectInput {
+  const float* values = nullptr;             ///< [batch, rows, planes, max_len]
+  int rows = 1;
+  int planes = 1;
+  const std::uint8_t* candidates = nullptr;  ///< [batch, max_len] or null
+};
+static_assert(std::is_trivially_copyable_v<SelectInput>);
+
+inline constexpr int kSelectThreads = 512;
+inline constexpr int kSelectCacheMax = 11264;  // 44 KB of keys + 1.3 KB static: under the 48 KB no-opt-in limit
+
+namespace detail {
+
+/// Order-preserving key of a float (see file comment). Finite values map to keys >= 0x007fffff.
+__device__ __forceinline__ std::uint32_t order_key(float x) {
+  std::uint32_t u = __float_as_uint(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 1u;  // NaN: lowest priority
+  if ((u & 0x7fffffffu) == 0u) u = 0u;             // -0 ties with +0
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ unsigned lanemask_lt() {
+  unsigned m;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+  return m;
+}
+
+/// Block-wide exclusive counts of two predicates in thread order, plus their totals.
+__device__ __forceinline__ void block_count2(bool a, bool b, int& pre_a, int& pre_b, int& tot_a, int& tot_b,
+                                             int* s_a, int* s_b) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const unsigned ba = __ballot_sync(0xffffffffu, a), bb = __ballot_sync(0xffffffffu, b);
+  if (lane == 0) {
+    s_a[warp] = __popc(ba);
+    s_b[warp] = __popc(bb);
+  }
+  __syncthreads();
+  int off_a = 0, off_b = 0, all_a = 0, all_b = 0;
+  for (int w = 0; w < nwarps; ++w) {
+    const int ca = s_a[w], cb = s_b[w];
+    if (w < warp) {
+      off_a += ca;
+      off_b += cb;
+    }
+    all_a += ca;
+    all_b += cb;
+  }
+  const unsigned lt = lanemask_lt();
+  pre_a = off_a + __popc(ba & lt);
+  pre_b = off_b + __popc(bb & lt);
+  tot_a = all_a;
+  tot_b = all_b;
+  __syncthreads();  // s_a / s_b are reused by the next call
+}
+
+}  // namespace detail
+
+/// One CTA per (row r = blockIdx.x, sequence b = blockIdx.y). Dynamic shared memory:
+/// kCache ? max_len·4 bytes : 0.
+/// @param in     values to rank (see SelectInput)
+/// @param plan   device keep plan (targets kPerHead / kPerLayerPerHead / kAll)
+/// @param flags  [batch, max_len] (target kFlags)
+template <class Id, bool kCache>
+__global__ void __launch_bounds__(kSelectThreads)
+    select_kernel(SelectInput in, DeviceKeepPlanView plan, std::uint8_t* __restrict__ flags, RoundSeqs<Id> seqs,
+                  DeviceSelectParams p, int L, int Hkv, SelectTarget target) {
+  extern __shared__ std::uint32_t s_keys[];
+  __shared__ unsigned s_hist[256];
+  __shared__ unsigned s_sel[3];
+  __shared__ int s_wa[32], s_wb[32];
+
+  const int r = blockIdx.x, b = blockIdx.y;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const DeviceKeepCounts kc = seqs.counts(b, p);
+  const int T = kc.length, begin = kc.begin, end = kc.end, n = end - begin;
+  const long long ML = seqs.max_len;
+
+  // Plan rows this CTA writes: first + q·stride, q < count.
+  int first = 0, count = 0, stride = 1;
+  if (target == SelectTarget::kPerHead) {
+    first = r;
+    count = L;
+    stride = Hkv;
+  } else if (target == SelectTarget::kPerLayerPerHead) {
+    first = r;
+    count = 1;
+  } else if (target == SelectTarget::kAll) {
+    count = L * Hkv;
+  }
+  if (target != SelectTarget::kFlags) {
+    if (r == 0 && tid == 0) plan.keep[b] = kc.keep <= plan.max_keep ? kc.keep : -1;
+    if (kc.keep > plan.max_keep) return;  // the caller's max_keep is too small: reported as keep = -1
+  }
+  std::int32_t* rows0 = plan.kept + static_cast<long long>(b) * L * Hkv * plan.max_keep;
+  const auto write_pos = [&](int pos, int slot) {
+    for (int q = 0; q < count; ++q)
+      rows0[static_cast<long long>(first + q * stride) * plan.max_keep + pos] = slot;
+  };
+
+  if (kc.identity) {  // keep everything (nothing to flag in union member rows)
+    if (target != SelectTarget::kFlags)
+      for (int j = tid; j < T; j += blockDim.x) write_pos(j, j);
+    return;
+  }
+  if (target != SelectTarget::kFlags) {
+    for (int j = tid; j < begin; j += blockDim.x) write_pos(j, j);
+    for (int j = end + tid; j < T; j += blockDim.x) write_pos(begin + kc.quota + (j - end), j);
+  }
+  if (kc.quota == 0 || n <= 0) return;
+
+  const float* vals = in.values + (static_cast<long long>(b) * in.rows + r) * in.planes * ML + begin;
+  const std::uint8_t* cand = in.candidates ? in.candidates + b * ML + begin : nullptr;
+  const auto load_key = [&](int i) -> std::uint32_t {
+    float v = vals[i];
+    for (int q = 1; q < in.planes; ++q) {
+      const float w = vals[q * ML + i];
+      v = v < w ? w : v;
+    }
+    if (cand && !cand[i]) return 0u;
+    return detail::order_key(v);
+  };
+  const auto key_at = [&](int i) -> std::uint32_t {
+    if constexpr (kCache) return s_keys[i];
+    else return load_key(i);
+  };
+  if constexpr (kCache) {
+    for (int i = tid; i < n; i += blockDim.x) s_keys[i] = load_key(i);
+    __syncthreads();
+  }
+
+  // ---- radix select: threshold key `prefix` and how many slots equal to it are taken ---------
+  unsigned prefix = 0u, pmask = 0u, krem = static_cast<unsigned>(kc.quota);
+  bool take_all = false;
+  for (int pass = 0; pass < 4; ++pass) {
+    const int shift = 24 - 8 * pass;
+    for (int i = tid; i < 256; i += blockDim.x) s_hist[i] = 0u;
+    __syncthreads();
+    for (int base = 0; base < n; base += blockDim.x) {
+      const int i = base + tid;
+      const std::uint32_t key = i < n ? key_at(i) : 0u;
+      const bool in_prefix = key != 0u && (key & pmask) == prefix;
+      const unsigned bin = (key >> shift) & 255u;
+      const unsigned active = __ballot_sync(0xffffffffu, in_prefix);
+      if (in_prefix) {
+        const unsigned peers = __match_any_sync(active, bin);
+        if (lane == __ffs(peers) - 1) atomicAdd(&s_hist[bin], static_cast<unsigned>(__popc(peers)));
+      }
+    }
+    __syncthreads();
+    if (warp == 0) {
+      // lane owns bins 255 − 8·lane − q (q < 8): lane 0 the highest
+      unsigned c[8], tot = 0u;
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        c[q] = s_hist[255 - 8 * lane - q];
+        tot += c[q];
+      }
+      unsigned incl = tot;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const unsigned v = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += v;
+      }
+      const unsigned above = incl - tot;
+      const bool mine = above < krem && krem <= incl;
+      if (!__any_sync(0xffffffffu, mine) && lane == 0) {
+        // fewer competing slots than the quota (unreachable in a valid round): take them all
+        s_sel[0] = 0u;
+        s_sel[1] = 1u;
+        s_sel[2] = 1u;
+      }
+      if (mine) {
+        unsigned acc = above;
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+          if (acc + c[q] >= krem) {
+            s_sel[0] = static_cast<unsigned>(255 - 8 * lane - q);
+            s_sel[1] = krem - acc;
+            s_sel[2] = c[q];
+            break;
+          }
+          acc += c[q];
+        }
+      }
+    }
+    __syncthreads();
+    const unsigned bin = s_sel[0], need = s_sel[1], cnt = s_sel[2];
+    prefix |= bin << shift;
+    pmask |= 255u << shift;
+    krem = need;
+    if (cnt == need) {  // the whole bin is taken: every key >= prefix is selected
+      take_all = true;
+      break;
+    }
+  }
+  if (take_all && prefix == 0u) prefix = 1u;  // key 0 never competes
+  const int krem_eff = take_all ? INT_MAX : static_cast<int>(krem);
+
+  // ---- rank in slot order and write ------------------------------------------------------------
+  int gt_base = 0, eq_base = 0;
+  for (int base = 0; base < n; base += blockDim.x) {
+    const int i = base + tid;
+    const std::uint32_t key = i < n ? key_at(i) : 0u;
+    const bool gt = key != 0u && key > prefix;
+    const bool eq = key != 0u && key == prefix;
+    int gt_pre, eq_pre, gt_tot, eq_tot;
+    detail::block_count2(gt, eq, gt_pre, eq_pre, gt_tot, eq_tot, s_wa, s_wb);
+    const int eq_rank = eq_base + eq_pre;
+    if (gt || (eq && eq_rank < krem_eff)) {
+      const int out_rank = gt_base + gt_pre + (eq_rank < krem_eff ? eq_rank : krem_eff);
+      const int slot = begin + i;
+      if (target == SelectTarget::kFlags) flags[b * ML + slot] = 1;
+      else write_pos(begin + out_rank, slot);
+    }
+    gt_base += gt_tot;
+    eq_base += eq_tot;
+  }
+}
+
+}  // namespace triattn::cuda

@@ -1,0 +1,229 @@
+// SPDX-License-Identifier: Apache-2.0
+// Scorer policy for caches in device memory: KvCache<..., cuda::TriAttentionDeviceScorer> scores
+// keys with the GPU kernels (cuda/algorithms/score.cuh). The per-model constants (q̄, c_f, ω_f,
+// C_f, the offsets, s²) are uploaded once at construction; every round after that computes its
+// weights on the device from t0, so the device paths need no per-round host work.
+//
+// Two ways to use it:
+//   * KvCache::compress(seq) calls score(view, seq, length, t0, std::span<float> out) with a host
+//     span (the CPU selector then picks the plan and the DeviceCompactor applies it). That path
+//     uploads (seq, t0), launches, and copies [L, Hq, length] scores back: it synchronises.
+//   * Engines call device_model() and run cuda::score / cuda::compression_round themselves with
+//     device arrays, asynchronously and capturable in a CUDA graph (score_async is a shorthand).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <triattn/core/concepts.hpp>
+#include <triattn/core/error.hpp>
+#include <triattn/core/kv_view.hpp>
+#include <triattn/core/ref/score.hpp>
+#include <triattn/core/rope_types.hpp>
+#include <triattn/core/scoring_params.hpp>
+#include <triattn/core/stats/query_stats.hpp>
+#include <triattn/cuda/algorithms/score.cuh>
+#include <triattn/cuda/config.cuh>
+#include <triattn/cuda/dispatch.cuh>
+#include <triattn/cuda/error.cuh>
+#include <triattn/cuda/launch.cuh>
+
+namespace triattn::cuda {
+
+class TriAttentionDeviceScorer {
+ public:
+  using policy_role = scorer_role;
+  static constexpr MemorySpace memory_space = MemorySpace::kDevice;
+
+  /// Builds the reference model (validating stats, RoPE and parameters) and uploads its constants.
+  /// @param stream stream of the synchronous score() path (not owned)
+  /// @throws logic_error on invalid statistics or parameters, cuda_error when an upload fails.
+  TriAttentionDeviceScorer(const QueryStats& stats, const RopeConfig& rope, const ScoringParams& params,
+                           int num_kv_heads, cudaStream_t stream = nullptr)
+      : TriAttentionDeviceScorer(ref::TriAttentionModel(stats, rope, params, num_kv_heads), stream) {}
+
+  /// Uploads the constants of an existing reference model.
+  explicit TriAttentionDeviceScorer(ref::TriAttentionModel model, cudaStream_t stream = nullptr)
+      : model_(std::move(model)), stream_(stream) {
+    upload();
+  }
+
+  TriAttentionDeviceScorer(const TriAttentionDeviceScorer&) = delete;
+  TriAttentionDeviceScorer& operator=(const TriAttentionDeviceScorer&) = delete;
+  TriAttentionDeviceScorer(TriAttentionDeviceScorer&& o) noexcept : model_(std::move(o.model_)) { swap(o); }
+  TriAttentionDeviceScorer& operator=(TriAttentionDeviceScorer&& o) noexcept {
+    if (this != &o) {
+      reset();
+      model_ = std::move(o.model_);
+      swap(o);
+    }
+    return *this;
+  }
+  ~TriAttentionDeviceScorer() { reset(); }
+
+  /// The host model (the CPU oracle of this scorer).
+  [[nodiscard]] const ref::TriAttentionModel& model() const noexcept { return model_; }
+  /// Device constants for cuda::score / cuda::compression_round (valid while *this lives).
+  [[nodiscard]] const ScoreModelView& device_model() const noexcept { return view_; }
+  [[nodiscard]] cudaStream_t stream() const noexcept { return stream_; }
+
+  /// KvCache path: scores slots [0, length) of `seq` for round start t0 into host memory.
+  /// The view's data, block tables and lengths must be device memory (publish() the cache's
+  /// tables first); its length for `seq` must equal `length`.
+  /// @param out [num_layers, num_q_heads, length] host output
+  /// @note synchronises `stream()`.
+  /// @throws logic_error on a shape mismatch or host-memory tables, unsupported for an uncompiled
+  ///         head dim, cuda_error on a CUDA failure.
+  template <class T, class Id>
+  void score(const KvCacheView<T, Id>& view, int seq, int length, std::int64_t t0, std::span<float> out) {
+    check_view(view);
+    dispatch_head_dim(view.block.head_dim, [](auto) {});  // throws unsupported naming the compiled list
+    const std::size_t rows = static_cast<std::size_t>(model_.num_layers()) * model_.num_q_heads();
+    TRIATTN_EXPECTS(length >= 0 && out.size() == rows * static_cast<std::size_t>(length),
+                    "TriAttentionDeviceScorer::score: output holds " + std::to_string(out.size()) +
+                        " floats, expected L*Hq*length = " + std::to_string(rows * static_cast<std::size_t>(length)));
+    TRIATTN_EXPECTS(t0 >= 0, "TriAttentionDeviceScorer::score: t0 must be >= 0, got " + std::to_string(t0));
+    TRIATTN_EXPECTS(seq >= 0 && seq < view.max_seqs, "TriAttentionDeviceScorer::score: sequence " + std::to_string(seq) +
+                                                         " is not a row of the view's block tables");
+    TRIATTN_EXPECTS(is_device_memory(view.block_tables) && is_device_memory(view.seq_lens) &&
+                        is_device_memory(view.data),
+                    "TriAttentionDeviceScorer::score: the view's data, block tables and lengths must be device "
+                    "memory (publish the cache's tables to its device mirror first)");
+    if (length == 0) return;
+    reserve_scratch(out.size());
+    // (seq, t0) staged in the scratch header; the kernel reads them from device memory.
+    struct Header {
+      std::int64_t t0;
+      std::int32_t seq;
+      std::int32_t pad;
+    } h{t0, seq, 0};
+    TRIATTN_CUDA_TRY(cudaMemcpyAsync(scratch_, &h, sizeof(h), cudaMemcpyHostToDevice, stream_));
+    const auto* dh = reinterpret_cast<const Header*>(scratch_);
+    float* dev_scores = reinterpret_cast<float*>(scratch_ + kHeaderBytes);
+    const ScoreBatch batch{&dh->seq, &dh->t0, 1, length};
+    TRIATTN_CUDA_TRY(cuda::score(view, view_, batch, dev_scores, stream_));
+    TRIATTN_CUDA_TRY(cudaMemcpyAsync(out.data(), dev_scores, out.size() * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+    TRIATTN_CUDA_TRY(cudaStreamSynchronize(stream_));
+  }
+
+  /// Device path: asynchronous cuda::score with this scorer's constants (see cuda::score).
+  template <class T, class Id>
+  [[nodiscard]] cudaError_t score_async(const KvCacheView<T, Id>& view, const ScoreBatch& batch, float* scores,
+                                        cudaStream_t stream) const noexcept {
+    return cuda::score(view, view_, batch, scores, stream);
+  }
+
+ private:
+  static constexpr std::size_t kHeaderBytes = 256;
+
+  template <class T, class Id>
+  void check_view(const KvCacheView<T, Id>& view) const {
+    TRIATTN_EXPECTS(view.num_layers == model_.num_layers() && view.block.num_kv_heads == model_.num_kv_heads() &&
+                        view.block.head_dim == model_.head_dim(),
+                    "TriAttentionDeviceScorer: cache geometry [layers " + std::to_string(view.num_layers) +
+                        ", kv heads " + std::to_string(view.block.num_kv_heads) + ", head_dim " +
+                        std::to_string(view.block.head_dim) + "] does not match the statistics [" +
+                        std::to_string(model_.num_layers()) + ", " + std::to_string(model_.num_kv_heads()) + ", " +
+                        std::to_string(model_.head_dim()) + "]");
+  }
+
+  static bool is_device_memory(const void* p) {
+    if (p == nullptr) return false;
+    cudaPointerAttributes attr{};
+    TRIATTN_CUDA_TRY(cudaPointerGetAttributes(&attr, p));
+    return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
+  }
+
+  static std::size_t round_up(std::size_t x) noexcept { return (x + 255) / 256 * 256; }
+
+  /// One allocation: q_re, q_im (double), omega, cmean_re, cmean_im, offsets (double), c (float).
+  void upload() {
+    const ref::TriAttentionModel& m = model_;
+    const std::size_t n = static_cast<std::size_t>(m.num_layers()) * m.num_q_heads() * m.num_freqs();
+    const std::size_t F = static_cast<std::size_t>(m.num_freqs());
+    const std::size_t D = static_cast<std::size_t>(m.num_offsets());
+    std::vector<float> c(n);
+    const double* cd = m.mlr_weight(0, 0);  // [L, Hq, F], contiguous
+    for (std::size_t i = 0; i < n; ++i) c[i] = static_cast<float>(cd[i]);  // as TriAttentionModel::fold
+    struct Part {
+      const void* src;
+      std::size_t bytes;
+      std::size_t off;
+    };
+    Part parts[7] = {{m.q_mean_re(0, 0), n * sizeof(double), 0}, {m.q_mean_im(0, 0), n * sizeof(double), 0},
+                     {m.omega().data(), F * sizeof(double), 0},   {m.offset_mean_re().data(), F * sizeof(double), 0},
+                     {m.offset_mean_im().data(), F * sizeof(double), 0}, {m.offsets().data(), D * sizeof(double), 0},
+                     {c.data(), n * sizeof(float), 0}};
+    std::size_t total = 0;
+    for (Part& p : parts) {
+      p.off = total;
+      total += round_up(p.bytes);
+    }
+    std::vector<char> staging(total, 0);
+    for (const Part& p : parts) std::memcpy(staging.data() + p.off, p.src, p.bytes);
+    TRIATTN_CUDA_TRY(cudaMalloc(&constants_, total));
+    const cudaError_t e = cudaMemcpy(constants_, staging.data(), total, cudaMemcpyHostToDevice);
+    if (e != cudaSuccess) {
+      reset();
+      TRIATTN_CUDA_TRY(e);
+    }
+    const auto at = [&](int i) { return constants_ + parts[i].off; };
+    view_.q_re = reinterpret_cast<const double*>(at(0));
+    view_.q_im = reinterpret_cast<const double*>(at(1));
+    view_.omega = reinterpret_cast<const double*>(at(2));
+    view_.cmean_re = reinterpret_cast<const double*>(at(3));
+    view_.cmean_im = reinterpret_cast<const double*>(at(4));
+    view_.offsets = reinterpret_cast<const double*>(at(5));
+    view_.c = reinterpret_cast<const float*>(at(6));
+    view_.s2 = m.freq_scale_sq();
+    view_.num_layers = m.num_layers();
+    view_.num_q_heads = m.num_q_heads();
+    view_.num_kv_heads = m.num_kv_heads();
+    view_.head_dim = m.head_dim();
+    view_.num_offsets = m.num_offsets();
+    view_.style = m.style();
+    view_.aggregation = m.params().aggregation;
+    view_.disable_trig = m.params().disable_trig;
+  }
+
+  void reserve_scratch(std::size_t floats) {
+    const std::size_t bytes = kHeaderBytes + floats * sizeof(float);
+    if (bytes <= scratch_bytes_) return;
+    TRIATTN_CUDA_TRY(cudaStreamSynchronize(stream_));  // earlier launches may still use the old buffer
+    if (scratch_ != nullptr) report_error(cudaFree(scratch_), "TriAttentionDeviceScorer: cudaFree");
+    scratch_ = nullptr;
+    scratch_bytes_ = 0;
+    TRIATTN_CUDA_TRY(cudaMalloc(&scratch_, bytes));
+    scratch_bytes_ = bytes;
+  }
+
+  void reset() noexcept {
+    if (constants_ != nullptr) report_error(cudaFree(constants_), "TriAttentionDeviceScorer: cudaFree");
+    if (scratch_ != nullptr) report_error(cudaFree(scratch_), "TriAttentionDeviceScorer: cudaFree");
+    constants_ = nullptr;
+    scratch_ = nullptr;
+    scratch_bytes_ = 0;
+    view_ = ScoreModelView{};
+  }
+  void swap(TriAttentionDeviceScorer& o) noexcept {
+    std::swap(view_, o.view_);
+    std::swap(stream_, o.stream_);
+    std::swap(constants_, o.constants_);
+    std::swap(scratch_, o.scratch_);
+    std::swap(scratch_bytes_, o.scratch_bytes_);
+  }
+
+  ref::TriAttentionModel model_;
+  ScoreModelView view_{};           // device pointers into constants_
+  cudaStream_t stream_ = nullptr;   // not owned
+  char* constants_ = nullptr;       // [upload() layout] device constants
+  char* scratch_ = nullptr;         // [kHeaderBytes + L·Hq·length floats] score() scratch
+  std::size_t scratch_bytes_ = 0;
+};
+
+}  // namespace triattn::cuda

@@ -1,0 +1,44 @@
+// SPDX-License-Identifier: Apache-2.0
+// Tuning values for Hopper (sm_90): constexpr aggregates, CUB ReducePolicy style. Launchers and
+// kernels read them; they are never KvCache template parameters.
+// NOTE: the values are first choices from the bandwidth arithmetic in the comments; replace each
+// comment with the H200 measurement that confirms or changes it.
+#pragma once
+
+namespace triattn::cuda::tuning::sm90 {
+
+/// Append: one thread per 16-byte vector of K and V (2 loads + 2 stores in flight per thread).
+/// 256 threads, tiny register use: 8 CTAs/SM, 64 KB of loads in flight per SM.
+struct Append {
+  static constexpr int kThreads = 256;
+};
+
+/// Compaction: one CTA per (sequence, layer, KV head), K and V together, ascending chunks of
+/// kThreads * kVecsPerThread 16-byte vectors per kind, one barrier per chunk (the next chunk's
+/// index lookups overlap this chunk's loads). 256 threads * 4 vectors * 2 kinds = 32 KB of loads
+/// in flight per CTA; <= 64 registers keeps 4 CTAs/SM, so Qwen3-8B's 288 rows per sequence are
+/// all resident at batch 1 (a second wave would double the time of its CTAs).
+struct Compact {
+  static constexpr int kThreads = 256;
+  static constexpr int kVecsPerThread = 4;
+};
+
+/// Paged decode attention (split-K / flash decoding).
+/// 16-bit caches use mma.sync m16n8k16: a warp takes 16-token tiles, 8 query heads per pass
+/// (the MMA's N); fp32 caches use CUDA cores, 4 query heads per pass. kWarps warps per CTA share
+/// one split and merge in shared memory. Splits fill one wave of resident CTAs.
+struct DecodeAttention {
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kTileTokens = 16;
+  static constexpr int kHeadsPerPassMma = 8;
+  static constexpr int kHeadsPerPassF32 = 4;
+  /// Splits are multiples of this (one tile per warp) and at least this long.
+  static constexpr int kSplitGranule = kWarps * kTileTokens;
+  /// Fewer tokens per split than this leaves the CTA's fixed cost (Q load, merge) dominant.
+  static constexpr int kMinTokensPerSplit = 256;
+  /// Upper bound of splits (bounds the combine kernel's loop and the workspace).
+  static constexpr int kMaxSplits = 1024;
+};
+
+}  // namespace triattn::cuda::tuning::sm90

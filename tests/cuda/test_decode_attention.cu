@@ -1,0 +1,177 @@
+// SPDX-License-Identifier: Apache-2.0
+// cuda::decode_attention vs ref::attention: page sizes {1, 7, 16, 64}, both layouts, head_dim 64
+// and 128, fp32/fp16/bf16, GQA groups 1, 4 and 12 (12 needs two passes of 8 heads), lengths
+// 0, 1, 15, 16, 17 and random, sequences picked through seq_ids, and plans with one split, the
+// device's own choice, many splits and an odd split length. Outputs are poisoned (NaN) before
+// each launch. Bound: ||out - ref|| / ||ref|| <= 1e-5 (fp32), 1e-3 (16-bit caches, float out),
+// plus the output's own rounding for 16-bit outputs.
+#include "cuda_test_utils.cuh"
+
+#include <cmath>
+
+#include <triattn/core/ref/attention.hpp>
+#include <triattn/cuda/algorithms/decode_attention.cuh>
+
+namespace {
+
+using namespace triattn;
+using test::DeviceBuffer;
+using test::PagedFixture;
+
+constexpr int kPageSizes[] = {1, 7, 16, 64};
+constexpr KvLayout kLayouts[] = {KvLayout::kNHD, KvLayout::kHND};
+constexpr int kHeadDims[] = {64, 128};
+constexpr int kGroups[] = {1, 4, 12};
+
+template <class T>
+std::uint64_t salt() {
+  return static_cast<std::uint64_t>(dtype_of<T>) * 0x9E3779B97F4A7C15ull;
+}
+
+/// ||got - want|| / ||want||; every element must be finite (the output was poisoned with NaN).
+template <class O>
+double rel_error(const std::vector<O>& got, const std::vector<float>& want) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    const double g = to_float(got[i]);
+    REQUIRE_MESSAGE(std::isfinite(g), "output element ", i, " not written or not finite");
+    num += (g - want[i]) * (g - want[i]);
+    den += static_cast<double>(want[i]) * want[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+template <class T>
+double tolerance(bool out_is_t) {
+  const double kernel = std::is_same_v<T, float> ? 1e-5 : 1e-3;
+  if (!out_is_t || std::is_same_v<T, float>) return kernel;
+  return kernel + (std::is_same_v<T, bf16_storage> ? 0x1p-8 : 0x1p-11);  // the output's own rounding
+}
+
+template <class T, class O>
+void run_and_check(const PagedFixture<T>& f, const cuda::DecodeAttentionPlan& plan, int layer,
+                   const DeviceBuffer<T>& dq, const DeviceBuffer<std::int32_t>* dids, int batch, int hq, float scale,
+                   const std::vector<float>& want) {
+  const int d = f.block.head_dim;
+  DeviceBuffer<O> out(static_cast<std::size_t>(batch) * hq * d);
+  out.poison();
+  const std::size_t ws_bytes = cuda::decode_attention::workspace_size(plan, batch, hq, d);
+  DeviceBuffer<unsigned char> ws(ws_bytes);
+  ws.poison();
+  TRIATTN_TEST_CUDA(cuda::decode_attention::run(plan, f.device_view(), layer, dq.get(), out.get(), batch, hq,
+                                                dids ? dids->get() : nullptr, scale, ws_bytes ? ws.get() : nullptr,
+                                                ws_bytes, nullptr));
+  TRIATTN_TEST_CUDA(cudaDeviceSynchronize());
+  const double err = rel_error(out.download(), want);
+  const bool out_is_t = !std::is_same_v<O, float>;
+  CAPTURE(out_is_t);
+  CAPTURE(plan.num_splits);
+  CAPTURE(plan.tokens_per_split);
+  CHECK_MESSAGE(err <= tolerance<T>(out_is_t), "relative error ", err);
+}
+
+}  // namespace
+
+TEST_CASE("decode_attention: plan and workspace arithmetic (no device needed)") {
+  using DA = cuda::decode_attention;
+  // batch 1 x 32K, 8 KV heads, GQA 4: splits fill the resident CTAs (one wave)
+  const auto p1 = DA::make_plan(DType::kBF16, 1, 8, 4, 32768, 396);
+  CHECK(p1.heads_per_pass == 8);
+  CHECK(p1.num_splits * 8 <= 396);
+  CHECK(p1.num_splits * p1.tokens_per_split >= 32768);
+  CHECK(p1.tokens_per_split % cuda::tuning::sm90::DecodeAttention::kSplitGranule == 0);
+  // many sequences already fill the GPU: no split, no workspace
+  const auto p2 = DA::make_plan(DType::kBF16, 64, 8, 4, 4096, 396);
+  CHECK(p2.num_splits == 1);
+  CHECK(DA::workspace_size(p2, 64, 32, 128) == 0);
+  // short sequences are not split below kMinTokensPerSplit
+  const auto p3 = DA::make_plan(DType::kF32, 1, 1, 4, 300, 1000);
+  CHECK(p3.heads_per_pass == 4);
+  CHECK(p3.num_splits <= 2);
+  CHECK(DA::workspace_size(p1, 1, 32, 128) >= static_cast<std::size_t>(32) * p1.num_splits * (128 + 2) * 4);
+  KvCacheView<bf16_storage, std::int32_t> v{};
+  v.block = BlockLayout{KvLayout::kNHD, 16, 8, 128};
+  v.num_layers = 1;
+  float* out = nullptr;
+  CHECK(DA::run(p1, v, 0, static_cast<const bf16_storage*>(nullptr), out, 1, 32, nullptr, 1.f, nullptr, 0, nullptr) ==
+        cudaErrorInvalidValue);
+  CHECK(DA::run(p1, v, 0, static_cast<const bf16_storage*>(nullptr), out, 0, 32, nullptr, 1.f, nullptr, 0, nullptr) ==
+        cudaSuccess);
+}
+
+TEST_SUITE("gpu") {
+  TEST_CASE_TEMPLATE("decode_attention: paged GQA decode vs ref::attention", T, float, f16_storage, bf16_storage) {
+    test::require_device();
+    const std::uint64_t seed = test::test_seed();
+    MESSAGE("seed = ", seed, " (set TRIATTN_TEST_SEED to replay)");
+    std::mt19937_64 rng(seed ^ salt<T>());
+    for (int bs : kPageSizes)
+      for (KvLayout layout : kLayouts)
+        for (int d : kHeadDims)
+          for (int group : kGroups) {
+            CAPTURE(seed);
+            CAPTURE(bs);
+            CAPTURE(layout_name(layout));
+            CAPTURE(d);
+            CAPTURE(group);
+            const int layers = 2, hkv = 2, hq = hkv * group, layer = 1;
+            std::vector<int> lens{0, 1, 15, 16, 17};
+            for (int i = 0; i < 3; ++i) lens.push_back(std::uniform_int_distribution<int>(18, 700)(rng));
+            PagedFixture<T> f(rng, layout, bs, hkv, d, layers, lens, lens);
+            // Batch: all sequences in shuffled order (the empty one included).
+            std::vector<std::int32_t> ids(lens.size());
+            std::iota(ids.begin(), ids.end(), 0);
+            std::shuffle(ids.begin(), ids.end(), rng);
+            const int batch = static_cast<int>(ids.size());
+            const auto q = test::random_values<T>(rng, static_cast<std::size_t>(batch) * hq * d, 2.0f);
+            const float scale = ref::default_sm_scale(d);
+            std::vector<float> want(q.size());
+            const std::vector<int> seqs(ids.begin(), ids.end());
+            ref::attention(f.host_view(), layer, std::span<const int>(seqs), q.data(), hq, want.data(), scale);
+
+            DeviceBuffer<T> dq(q);
+            DeviceBuffer<std::int32_t> dids(ids);
+            const int max_len = *std::max_element(lens.begin(), lens.end());
+            int resident = 0;
+            TRIATTN_TEST_CUDA(cuda::decode_attention::resident_ctas<T>(d, &resident));
+            std::vector<cuda::DecodeAttentionPlan> plans;
+            plans.push_back(cuda::decode_attention::make_plan(dtype_of<T>, batch, hkv, group, max_len, resident));
+            auto forced = plans.front();
+            forced.num_splits = 1;
+            forced.tokens_per_split = max_len;
+            plans.push_back(forced);
+            forced.tokens_per_split = 64;
+            forced.num_splits = (max_len + 63) / 64;
+            plans.push_back(forced);
+            forced.tokens_per_split = 80;  // not a multiple of the tile: warps' last tiles are partial
+            forced.num_splits = (max_len + 79) / 80;
+            plans.push_back(forced);
+            for (const auto& plan : plans) {
+              run_and_check<T, float>(f, plan, layer, dq, &dids, batch, hq, scale, want);
+              run_and_check<T, T>(f, plan, layer, dq, &dids, batch, hq, scale, want);
+            }
+          }
+  }
+
+  TEST_CASE_TEMPLATE("decode_attention: null seq_ids with peaked softmax and a long sequence", T, float, bf16_storage) {
+    test::require_device();
+    const std::uint64_t seed = test::test_seed();
+    MESSAGE("seed = ", seed);
+    std::mt19937_64 rng(seed ^ salt<T>() ^ 5);
+    const int hkv = 8, group = 4, hq = 32, d = 128;
+    const std::vector<int> lens{5000, 3, 1200};
+    PagedFixture<T> f(rng, KvLayout::kNHD, 16, hkv, d, 1, lens, lens);
+    const int batch = 3;
+    const auto q = test::random_values<T>(rng, static_cast<std::size_t>(batch) * hq * d, 8.0f);  // large logits
+    const float scale = ref::default_sm_scale(d);
+    std::vector<float> want(q.size());
+    const std::vector<int> seqs{0, 1, 2};
+    ref::attention(f.host_view(), 0, std::span<const int>(seqs), q.data(), hq, want.data(), scale);
+    DeviceBuffer<T> dq(q);
+    int resident = 0;
+    TRIATTN_TEST_CUDA(cuda::decode_attention::resident_ctas<T>(d, &resident));
+    const auto plan = cuda::decode_attention::make_plan(dtype_of<T>, batch, hkv, group, 5000, resident);
+    CHECK(plan.num_splits > 1);
+    run_and_check<T, float>(f, plan, 0, dq, nullptr, batch, hq, scale, want);
+  }
+}

@@ -1,0 +1,309 @@
+// SPDX-License-Identifier: Apache-2.0
+// End to end through the KvCache API on the GPU:
+//  * KvCache<StaticAllocator<cuda::DeviceBackend>, cuda::DeviceCompactor> (host tables in the
+//    view) against a host KvCache doing the same operations: prefill, decode, compaction with
+//    adversarial plans, release and reuse of blocks. Tables, lengths and the whole memory pool
+//    must match bitwise.
+//  * cuda::DeviceKvCache<> (published device tables): append_tokens, compaction through device
+//    tables, decode attention on cache.view() against ref::attention on the host twin.
+// Plus DeviceBackend / DeviceTables basics.
+#include "cuda_test_utils.cuh"
+
+#include <triattn/core/kv_cache.hpp>
+#include <triattn/core/ref/attention.hpp>
+#include <triattn/cuda/algorithms/append.cuh>
+#include <triattn/cuda/algorithms/decode_attention.cuh>
+#include <triattn/cuda/backend/device_backend.cuh>
+#include <triattn/cuda/device_kv_cache.cuh>
+#include <triattn/cuda/device_tables.cuh>
+#include <triattn/cuda/policy/device_compactor.cuh>
+
+namespace {
+
+using namespace triattn;
+using test::DeviceBuffer;
+
+static_assert(BlockAllocator<StaticAllocator<cuda::DeviceBackend>>);
+static_assert(BlockAllocator<cuda::DeviceAllocator>);
+static_assert(std::is_nothrow_move_constructible_v<cuda::DeviceBackend>);
+static_assert(std::is_nothrow_move_constructible_v<cuda::DeviceCompactor>);
+static_assert(std::is_nothrow_move_constructible_v<cuda::DeviceTables>);
+
+using HostCache = KvCache<>;
+using DevCache = KvCache<StaticAllocator<cuda::DeviceBackend>, cuda::DeviceCompactor>;
+
+CacheConfig make_config(DType dtype, KvLayout layout) {
+  CacheConfig cfg;
+  cfg.model = ModelGeometry{3, 8, 2, 128};
+  cfg.block_size = 7;  // not a power of two
+  cfg.num_blocks = 60;
+  cfg.max_seqs = 4;
+  cfg.max_blocks_per_seq = 30;
+  cfg.layout = layout;
+  cfg.dtype = dtype;
+  return cfg;
+}
+
+/// K or V of n tokens for all layers: [num_layers, n, num_kv_heads, head_dim].
+template <class T>
+std::vector<T> tokens(std::mt19937_64& rng, const CacheConfig& cfg, int n) {
+  return test::random_values<T>(rng, static_cast<std::size_t>(cfg.model.num_layers) * n * cfg.model.num_kv_heads *
+                                         cfg.model.head_dim);
+}
+
+/// Appends n tokens to both caches: host through KvCache::append, device through extend + a
+/// slot mapping built from the device cache's (host) block table + cuda::append::run_slots.
+template <class T>
+void append_both(std::mt19937_64& rng, HostCache& host, DevCache& dev, SeqId seq, int n, Phase phase) {
+  const auto k = tokens<T>(rng, host.config(), n);
+  const auto v = tokens<T>(rng, host.config(), n);
+  const AppendResult hr = host.append<T>(seq, k, v, n, phase);
+  const AppendResult dr = dev.extend(seq, n, phase);
+  REQUIRE(hr.ok());
+  REQUIRE(dr.ok());
+  REQUIRE(hr.first_slot == dr.first_slot);
+  std::vector<std::int64_t> slots(static_cast<std::size_t>(n));
+  REQUIRE(cuda::append::host_slot_mapping(dev.block_table(seq), dev.config().block_size, dr.first_slot, n, slots.data()));
+  DeviceBuffer<T> dk(k), dv(v);
+  DeviceBuffer<std::int64_t> ds(slots);
+  TRIATTN_TEST_CUDA(cuda::append::run_slots(dev.view<T>(), 0, dev.config().model.num_layers, dk.get(), dv.get(),
+                                            ds.get(), n, dev.compactor().stream()));
+  TRIATTN_TEST_CUDA(cudaStreamSynchronize(dev.compactor().stream()));
+}
+
+/// Tables, lengths and the whole pool must match.
+template <class T, class D>
+void require_same(const HostCache& host, D& dev) {
+  REQUIRE(std::equal(host.host_block_tables().begin(), host.host_block_tables().end(),
+                     dev.host_block_tables().begin(), dev.host_block_tables().end()));
+  REQUIRE(std::equal(host.host_lengths().begin(), host.host_lengths().end(), dev.host_lengths().begin(),
+                     dev.host_lengths().end()));
+  TRIATTN_TEST_CUDA(cudaDeviceSynchronize());
+  const std::size_t bytes = dev.allocator().bytes_resident();
+  REQUIRE(bytes == host.allocator().bytes_resident());
+  std::vector<T> got(bytes / sizeof(T));
+  TRIATTN_TEST_CUDA(cudaMemcpy(got.data(), dev.allocator().data(), bytes, cudaMemcpyDeviceToHost));
+  const T* hp = static_cast<const T*>(host.allocator().data());
+  test::require_bitwise_equal(got, std::vector<T>(hp, hp + got.size()), "device pool vs host pool");
+}
+
+KeepPlan every_other(const ModelGeometry& g, int len) {
+  KeepPlan p(g.num_layers, g.num_kv_heads, (len + 1) / 2);
+  for (int l = 0; l < g.num_layers; ++l)
+    for (int h = 0; h < g.num_kv_heads; ++h)
+      for (int i = 0; i < p.keep; ++i) p.row(l, h)[i] = 2 * i;
+  return p;
+}
+KeepPlan all_but_first(const ModelGeometry& g, int len) {
+  KeepPlan p(g.num_layers, g.num_kv_heads, len - 1);
+  for (int l = 0; l < g.num_layers; ++l)
+    for (int h = 0; h < g.num_kv_heads; ++h)
+      for (int i = 0; i < p.keep; ++i) p.row(l, h)[i] = i + 1;
+  return p;
+}
+KeepPlan random_plan(std::mt19937_64& rng, const ModelGeometry& g, int len, int keep) {
+  KeepPlan p(g.num_layers, g.num_kv_heads, keep);
+  std::vector<std::int32_t> all(static_cast<std::size_t>(len));
+  for (int l = 0; l < g.num_layers; ++l)
+    for (int h = 0; h < g.num_kv_heads; ++h) {
+      std::iota(all.begin(), all.end(), 0);
+      std::shuffle(all.begin(), all.end(), rng);
+      std::sort(all.begin(), all.begin() + keep);
+      std::copy_n(all.begin(), keep, p.row(l, h));
+    }
+  return p;
+}
+
+template <class T>
+std::uint64_t salt() {
+  return static_cast<std::uint64_t>(dtype_of<T>) * 0x9E3779B97F4A7C15ull;
+}
+
+}  // namespace
+
+TEST_CASE("device kv cache: policy types compose (no device needed)") {
+  cuda::DeviceCompactor c;  // no CUDA call until the first apply
+  CHECK(c.stream() == nullptr);
+  cuda::DeviceCompactor moved(std::move(c));
+  cuda::DeviceBackend empty;
+  CHECK(empty.data() == nullptr);
+  CHECK(DevCache::memory_space == MemorySpace::kDevice);
+  CHECK(cuda::DeviceKvCache<>::memory_space == MemorySpace::kDevice);
+}
+
+TEST_SUITE("gpu") {
+  TEST_CASE("device backend: zeroed or poisoned allocation then move and free") {
+    test::require_device();
+    cuda::DeviceBackend a(4096);
+    std::vector<unsigned char> h(4096, 1);
+    TRIATTN_TEST_CUDA(cudaMemcpy(h.data(), a.data(), 4096, cudaMemcpyDeviceToHost));
+    CHECK(std::all_of(h.begin(), h.end(), [](unsigned char x) { return x == 0; }));
+    cuda::DeviceBackend b(1000, cuda::DeviceBackend::Fill::kPoison);
+    std::vector<unsigned char> g(1000, 0);
+    TRIATTN_TEST_CUDA(cudaMemcpy(g.data(), b.data(), 1000, cudaMemcpyDeviceToHost));
+    CHECK(std::all_of(g.begin(), g.end(), [](unsigned char x) { return x == 0xFF; }));
+    void* p = a.data();
+    cuda::DeviceBackend c(std::move(a));
+    CHECK(c.data() == p);
+    CHECK(a.data() == nullptr);
+    c = std::move(b);
+    CHECK(c.bytes() == 1000);
+    CHECK_THROWS_AS(cuda::DeviceBackend(std::size_t{1} << 62), cuda_error);  // out of memory -> cuda_error
+  }
+
+  TEST_CASE("device tables: publish mirrors the host tables including cleared columns") {
+    test::require_device();
+    cuda::DeviceTables t(3, 10);
+    std::vector<std::int32_t> tables(30, -1), lens(3, 0);
+    auto check = [&] {
+      TRIATTN_TEST_CUDA(cudaDeviceSynchronize());
+      std::vector<std::int32_t> dt(30), dl(3);
+      TRIATTN_TEST_CUDA(cudaMemcpy(dt.data(), t.tables(), 30 * 4, cudaMemcpyDeviceToHost));
+      TRIATTN_TEST_CUDA(cudaMemcpy(dl.data(), t.lengths(), 3 * 4, cudaMemcpyDeviceToHost));
+      CHECK(dt == tables);
+      CHECK(dl == lens);
+    };
+    check();  // fresh: -1 tables, zero lengths
+    for (int j = 0; j < 7; ++j) tables[10 + j] = 20 + j;
+    lens[1] = 4 * 7 - 2;  // 7 blocks of 4
+    t.publish(tables, lens, 4, nullptr);
+    check();
+    for (int j = 2; j < 7; ++j) tables[10 + j] = -1;  // shrink to 2 blocks
+    lens[1] = 5;
+    tables[0] = 3;
+    lens[0] = 1;
+    t.publish(tables, lens, 4, nullptr);
+    check();
+    CHECK_THROWS_AS(t.publish(std::span<const std::int32_t>(tables).first(29), lens, 4, nullptr), logic_error);
+  }
+
+  TEST_CASE_TEMPLATE("device kv cache: StaticAllocator<DeviceBackend> with DeviceCompactor matches the host cache",
+                     T, float, bf16_storage) {
+    test::require_device();
+    const std::uint64_t seed = test::test_seed();
+    MESSAGE("seed = ", seed, " (set TRIATTN_TEST_SEED to replay)");
+    for (KvLayout layout : {KvLayout::kNHD, KvLayout::kHND}) {
+      CAPTURE(seed);
+      CAPTURE(layout_name(layout));
+      std::mt19937_64 rng(seed ^ salt<T>() ^ static_cast<std::uint64_t>(layout));
+      const CacheConfig cfg = make_config(dtype_of<T>, layout);
+      HostCache host(cfg);
+      cudaStream_t stream = nullptr;
+      TRIATTN_TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      {
+        DevCache dev(cfg, cuda::DeviceCompactor(stream));
+        const SeqId a = host.add_sequence(), b = host.add_sequence();
+        REQUIRE(dev.add_sequence() == a);
+        REQUIRE(dev.add_sequence() == b);
+        append_both<T>(rng, host, dev, a, 40, Phase::kPrefill);
+        append_both<T>(rng, host, dev, b, 25, Phase::kPrefill);
+        for (int step = 0; step < 9; ++step) {
+          append_both<T>(rng, host, dev, a, 1, Phase::kDecode);
+          append_both<T>(rng, host, dev, b, 1, Phase::kDecode);
+        }
+        require_same<T>(host, dev);
+
+        const KeepPlan pa = every_other(cfg.model, host.physical_length(a));
+        const KeepPlan pb = random_plan(rng, cfg.model, host.physical_length(b), 20);
+        host.apply_keep_plan(a, pa);
+        dev.apply_keep_plan(a, pa);
+        host.apply_keep_plan(b, pb);
+        dev.apply_keep_plan(b, pb);
+        dev.compactor().synchronize();
+        CHECK(dev.memory().blocks_free == host.memory().blocks_free);
+        require_same<T>(host, dev);
+
+        // Freed tail blocks get reused by a new sequence; then compact again with the
+        // adversarial "all but first" plan.
+        for (int step = 0; step < 5; ++step) append_both<T>(rng, host, dev, a, 1, Phase::kDecode);
+        host.release(b);
+        dev.release(b);
+        const SeqId c = host.add_sequence();
+        REQUIRE(dev.add_sequence() == c);
+        append_both<T>(rng, host, dev, c, 33, Phase::kPrefill);
+        const KeepPlan pc = all_but_first(cfg.model, host.physical_length(c));
+        const KeepPlan pa2 = random_plan(rng, cfg.model, host.physical_length(a), host.physical_length(a) - 3);
+        host.apply_keep_plan(c, pc);
+        dev.apply_keep_plan(c, pc);
+        host.apply_keep_plan(a, pa2);
+        dev.apply_keep_plan(a, pa2);
+        append_both<T>(rng, host, dev, c, 4, Phase::kDecode);
+        require_same<T>(host, dev);
+      }
+      TRIATTN_TEST_CUDA(cudaStreamDestroy(stream));
+    }
+  }
+
+  TEST_CASE_TEMPLATE("device kv cache: DeviceKvCache with published tables - append_tokens then compaction then attention", T,
+                     float, bf16_storage) {
+    test::require_device();
+    const std::uint64_t seed = test::test_seed();
+    MESSAGE("seed = ", seed);
+    std::mt19937_64 rng(seed ^ salt<T>() ^ 99);
+    const CacheConfig cfg = make_config(dtype_of<T>, KvLayout::kNHD);
+    HostCache host(cfg);
+    cuda::DeviceKvCache<> dev(cfg);
+    const cudaStream_t stream = dev.compactor().stream();
+    auto add = [&](SeqId s, int n, Phase phase) {
+      const auto k = tokens<T>(rng, cfg, n);
+      const auto v = tokens<T>(rng, cfg, n);
+      REQUIRE(host.append<T>(s, k, v, n, phase).ok());
+      DeviceBuffer<T> dk(k), dv(v);
+      REQUIRE(cuda::append_tokens(dev, s, dk.get(), dv.get(), n, stream, phase).ok());
+      TRIATTN_TEST_CUDA(cudaStreamSynchronize(stream));
+    };
+    const SeqId a = host.add_sequence(), b = host.add_sequence(), c = host.add_sequence();
+    REQUIRE(dev.add_sequence() == a);
+    REQUIRE(dev.add_sequence() == b);
+    REQUIRE(dev.add_sequence() == c);
+    add(a, 50, Phase::kPrefill);
+    add(b, 13, Phase::kPrefill);
+    add(c, 120, Phase::kPrefill);
+    for (int i = 0; i < 6; ++i) add(a, 1, Phase::kDecode), add(c, 1, Phase::kDecode);
+    const KeepPlan pc = random_plan(rng, cfg.model, host.physical_length(c), 70);
+    host.apply_keep_plan(c, pc);
+    dev.apply_keep_plan(c, pc);  // compactor reads the published (device) tables
+    const KeepPlan pa = all_but_first(cfg.model, host.physical_length(a));
+    host.apply_keep_plan(a, pa);
+    dev.apply_keep_plan(a, pa);
+    cuda::publish(dev, stream);
+    require_same<T>(host, dev);
+    {
+      std::vector<std::int32_t> dt(host.host_block_tables().size());
+      TRIATTN_TEST_CUDA(cudaMemcpy(dt.data(), dev.allocator().published_tables(), dt.size() * 4, cudaMemcpyDeviceToHost));
+      CHECK(std::equal(dt.begin(), dt.end(), host.host_block_tables().begin()));
+    }
+
+    // Decode attention over the device view vs the reference over the host cache.
+    const int hq = cfg.model.num_q_heads, d = cfg.model.head_dim;
+    const std::vector<int> seqs{c, a, b};
+    const auto q = test::random_values<T>(rng, seqs.size() * hq * d, 2.0f);
+    for (int layer = 0; layer < cfg.model.num_layers; ++layer) {
+      CAPTURE(layer);
+      std::vector<float> want(q.size());
+      ref::attention(host.view<T>(), layer, std::span<const int>(seqs), q.data(), hq, want.data(),
+                     ref::default_sm_scale(d));
+      int resident = 0;
+      TRIATTN_TEST_CUDA(cuda::decode_attention::resident_ctas<T>(d, &resident));
+      const auto plan = cuda::decode_attention::make_plan(dtype_of<T>, 3, cfg.model.num_kv_heads,
+                                                          cfg.model.group_size(), 200, resident);
+      DeviceBuffer<T> dq(q);
+      DeviceBuffer<std::int32_t> dids(std::vector<std::int32_t>(seqs.begin(), seqs.end()));
+      DeviceBuffer<float> out(q.size());
+      out.poison();
+      const std::size_t ws_bytes = cuda::decode_attention::workspace_size(plan, 3, hq, d);
+      DeviceBuffer<unsigned char> ws(ws_bytes);
+      TRIATTN_TEST_CUDA(cuda::decode_attention::run(plan, dev.view<T>(), layer, dq.get(), out.get(), 3, hq, dids.get(),
+                                                    ref::default_sm_scale(d), ws.get(), ws_bytes, stream));
+      TRIATTN_TEST_CUDA(cudaStreamSynchronize(stream));
+      const auto got = out.download();
+      double num = 0, den = 0;
+      for (std::size_t i = 0; i < got.size(); ++i) {
+        REQUIRE(std::isfinite(got[i]));
+        num += (got[i] - want[i]) * (got[i] - want[i]);
+        den += static_cast<double>(want[i]) * want[i];
+      }
+      CHECK(std::sqrt(num / den) <= (std::is_same_v<T, float> ? 1e-5 : 1e-3));
+    }
+  }
+}

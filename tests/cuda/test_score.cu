@@ -1,0 +1,363 @@
+// SPDX-License-Identifier: Apache-2.0
+// GPU scorer (cuda::score) against the CPU reference (ref::score_sequence): fresh seeded random
+// caches with randomised page tables, every dtype, both layouts, page sizes {1, 7, 16, 64}, head
+// dims {64, 128}, both RoPE pairings, mean and max aggregation, disable_mlr / disable_trig, GQA
+// group sizes 1..16. Scores must match within ‖gpu − ref‖/‖ref‖ <= 1e-5, every slot < length
+// must be written (outputs are poisoned with NaN before each launch) and nothing past it.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <triattn/core/ref/score.hpp>
+#include <triattn/cuda/algorithms/score.cuh>
+#include <triattn/cuda/policy/triattention_device_scorer.cuh>
+
+using namespace triattn;
+
+namespace {
+
+#define TEST_CUDA(call)                                                                        \
+  do {                                                                                         \
+    const cudaError_t e_ = (call);                                                             \
+    REQUIRE_MESSAGE(e_ == cudaSuccess, #call " failed: ", std::string(cudaGetErrorName(e_)), " ", std::string(cudaGetErrorString(e_))); \
+  } while (0)
+
+void require_gpu() {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  REQUIRE_MESSAGE((e == cudaSuccess && n > 0), "a CUDA device is required: ", std::string(cudaGetErrorString(e)));
+}
+
+std::uint32_t test_seed() {
+  if (const char* s = std::getenv("TRIATTN_TEST_SEED")) return static_cast<std::uint32_t>(std::strtoul(s, nullptr, 10));
+  return std::random_device{}();
+}
+
+/// Owning device array (movable).
+template <class T>
+struct DevBuf {
+  T* p = nullptr;
+  std::size_t n = 0;
+  DevBuf() = default;
+  explicit DevBuf(std::size_t count) { reset(count); }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  ~DevBuf() { cudaFree(p); }
+  void reset(std::size_t count) {
+    cudaFree(p);
+    p = nullptr;
+    n = count;
+    TEST_CUDA(cudaMalloc(&p, (count ? count : 1) * sizeof(T)));
+  }
+  void upload(const std::vector<T>& h) {
+    REQUIRE(h.size() <= n);
+    TEST_CUDA(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  std::vector<T> download() const {
+    std::vector<T> h(n);
+    TEST_CUDA(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+  }
+  void poison() { TEST_CUDA(cudaMemset(p, 0xff, n * sizeof(T))); }
+};
+
+/// A paged cache holding `lens.size()` sequences in random slots with randomly permuted blocks.
+template <class T>
+struct Paged {
+  int L = 0, Hkv = 0, d = 0, bs = 0, max_seqs = 0, max_blocks = 0, num_blocks = 0, max_len = 0;
+  KvLayout layout = KvLayout::kNHD;
+  std::vector<int> lens, seq_ids;          // [batch]
+  std::vector<T> data;                     // [2L, num_blocks, block elems]
+  std::vector<int> tables, seq_lens;       // [max_seqs, max_blocks], [max_seqs]
+  DevBuf<T> d_data;
+  DevBuf<int> d_tables, d_lens, d_seq_ids;
+
+  BlockLayout block() const { return BlockLayout{layout, bs, Hkv, d}; }
+  std::int64_t range_stride() const { return static_cast<std::int64_t>(num_blocks) * block().block_elems(); }
+  KvCacheView<T, int> host_view() {
+    return {data.data(), range_stride(), block(), L, num_blocks, max_seqs, max_blocks, tables.data(), seq_lens.data()};
+  }
+  KvCacheView<T, int> device_view() const {
+    return {d_data.p, range_stride(), block(), L, num_blocks, max_seqs, max_blocks, d_tables.p, d_lens.p};
+  }
+};
+
+template <class T>
+void make_paged(Paged<T>& p, std::mt19937& rng, int L, int Hkv, int d, int bs, KvLayout layout, std::vector<int> lens) {
+  p.L = L;
+  p.Hkv = Hkv;
+  p.d = d;
+  p.bs = bs;
+  p.layout = layout;
+  p.lens = std::move(lens);
+  const int batch = static_cast<int>(p.lens.size());
+  p.max_seqs = batch + 2;
+  std::vector<int> slots(p.max_seqs);
+  std::iota(slots.begin(), slots.end(), 0);
+  std::shuffle(slots.begin(), slots.end(), rng);
+  p.seq_ids.assign(slots.begin(), slots.begin() + batch);
+  int need = 0;
+  p.max_blocks = 1;
+  p.max_len = 1;
+  for (int len : p.lens) {
+    need += (len + bs - 1) / bs;
+    p.max_blocks = std::max(p.max_blocks, (len + bs - 1) / bs + 1);
+    p.max_len = std::max(p.max_len, len);
+  }
+  p.num_blocks = need + 3;
+  std::vector<int> ids(p.num_blocks);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  p.tables.assign(static_cast<std::size_t>(p.max_seqs) * p.max_blocks, -1);
+  p.seq_lens.assign(p.max_seqs, 0);
+  int next = 0;
+  for (int b = 0; b < batch; ++b) {
+    const int s = p.seq_ids[b];
+    p.seq_lens[s] = p.lens[b];
+    for (int j = 0; j < (p.lens[b] + bs - 1) / bs; ++j) p.tables[static_cast<std::size_t>(s) * p.max_blocks + j] = ids[next++];
+  }
+  const std::size_t elems = static_cast<std::size_t>(2 * L) * p.range_stride();
+  p.data.resize(elems);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (T& x : p.data) x = from_float<T>(nd(rng));
+  p.d_data.reset(elems);
+  p.d_data.upload(p.data);
+  p.d_tables.reset(p.tables.size());
+  p.d_tables.upload(p.tables);
+  p.d_lens.reset(p.seq_lens.size());
+  p.d_lens.upload(p.seq_lens);
+  p.d_seq_ids.reset(p.seq_ids.size());
+  p.d_seq_ids.upload(p.seq_ids);
+}
+
+QueryStats random_stats(std::mt19937& rng, int L, int Hq, int d, RopeStyle style) {
+  QueryStats s;
+  s.model_name = "random";
+  s.rope_style = style;
+  s.num_layers = L;
+  s.num_q_heads = Hq;
+  s.head_dim = d;
+  const std::size_t n = static_cast<std::size_t>(L) * Hq * (d / 2);
+  std::uniform_real_distribution<float> ua(0.05f, 3.0f), uu(0.0f, 1.0f), ang(-3.14159f, 3.14159f);
+  s.q_mean_real.resize(n);
+  s.q_mean_imag.resize(n);
+  s.q_abs_mean.resize(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    const float a = ua(rng), r = a * uu(rng), t = ang(rng);
+    s.q_abs_mean[i] = a;
+    s.q_mean_real[i] = r * std::cos(t);
+    s.q_mean_imag[i] = r * std::sin(t);
+  }
+  return s;
+}
+
+/// CPU reference scores of batch entry b: [L, Hq, len].
+template <class T>
+std::vector<float> ref_scores(Paged<T>& p, const ref::TriAttentionModel& m, int b, long long t0) {
+  const int len = p.lens[b], seq = p.seq_ids[b];
+  std::vector<float> out(static_cast<std::size_t>(m.num_layers()) * m.num_q_heads() * len);
+  std::vector<float> key(p.d);
+  const KvCacheView<T, int> v = p.host_view();
+  ref::score_sequence(
+      m, t0,
+      [&](int l, int g, int j) -> const float* {
+        const T* k = v.token(l, KvKind::kKey, seq, j, g);
+        for (int e = 0; e < p.d; ++e) key[e] = to_float(k[e]);
+        return key.data();
+      },
+      len, out.data());
+  return out;
+}
+
+struct Case {
+  int L = 2, Hq = 8, Hkv = 2, d = 128, bs = 16;
+  KvLayout layout = KvLayout::kNHD;
+  RopeStyle style = RopeStyle::kHalf;
+  Aggregation agg = Aggregation::kMean;
+  bool no_mlr = false, no_trig = false;
+  int offset_max = 65536;
+  std::vector<int> lens{37, 150, 0, 263};
+
+  std::string name() const {
+    char buf[256];
+    std::snprintf(buf, sizeof buf, "L=%d Hq=%d Hkv=%d d=%d bs=%d %s %s %s%s%s M=%d", L, Hq, Hkv, d, bs,
+                  layout_name(layout), style == RopeStyle::kHalf ? "half" : "interleaved", to_string(agg),
+                  no_mlr ? " disable_mlr" : "", no_trig ? " disable_trig" : "", offset_max);
+    return buf;
+  }
+};
+
+/// Runs one case on the GPU and compares with the CPU reference.
+template <class T>
+void check_case(const Case& c, std::uint32_t seed) {
+  INFO("seed ", seed, " (set TRIATTN_TEST_SEED to replay): ", c.name(), " dtype ", dtype_name(dtype_of<T>));
+  std::mt19937 rng(seed);
+  Paged<T> p;
+  make_paged(p, rng, c.L, c.Hkv, c.d, c.bs, c.layout, c.lens);
+  const int batch = static_cast<int>(c.lens.size());
+  RopeConfig rope;
+  rope.style = c.style;
+  rope.theta = std::uniform_real_distribution<double>(1e4, 1e6)(rng);
+  ScoringParams sp;
+  sp.aggregation = c.agg;
+  sp.disable_mlr = c.no_mlr;
+  sp.disable_trig = c.no_trig;
+  sp.offset_max_length = c.offset_max;
+  cuda::TriAttentionDeviceScorer scorer(random_stats(rng, c.L, c.Hq, c.d, c.style), rope, sp, c.Hkv);
+
+  std::vector<std::int64_t> t0(batch);
+  for (int b = 0; b < batch; ++b) t0[b] = c.lens[b] + std::uniform_int_distribution<int>(0, 300000)(rng);
+  DevBuf<std::int64_t> d_t0(t0.size());
+  d_t0.upload(t0);
+  const int max_len = p.max_len + 5;  // rows longer than every sequence: the tail must stay untouched
+  DevBuf<float> scores(static_cast<std::size_t>(batch) * c.L * c.Hq * max_len);
+  scores.poison();
+  const cuda::ScoreBatch sb{p.d_seq_ids.p, d_t0.p, batch, max_len};
+  TEST_CUDA(cuda::score(p.device_view(), scorer.device_model(), sb, scores.p));
+  TEST_CUDA(cudaDeviceSynchronize());
+  const std::vector<float> got = scores.download();
+
+  double err2 = 0.0, ref2 = 0.0;
+  long long unwritten = 0, overwritten = 0;
+  for (int b = 0; b < batch; ++b) {
+    const std::vector<float> want = ref_scores(p, scorer.model(), b, t0[b]);
+    const int len = c.lens[b];
+    for (int r = 0; r < c.L * c.Hq; ++r) {
+      const float* g = got.data() + (static_cast<std::size_t>(b) * c.L * c.Hq + r) * max_len;
+      for (int j = 0; j < len; ++j) {
+        const double w = want[static_cast<std::size_t>(r) * len + j];
+        if (!std::isfinite(g[j])) {
+          ++unwritten;
+          continue;
+        }
+        err2 += (g[j] - w) * (g[j] - w);
+        ref2 += w * w;
+      }
+      for (int j = len; j < max_len; ++j) {
+        std::uint32_t bits;
+        std::memcpy(&bits, g + j, 4);
+        overwritten += bits != 0xffffffffu;
+      }
+    }
+  }
+  CHECK_MESSAGE(unwritten == 0, unwritten, " scores within the lengths were not written");
+  CHECK_MESSAGE(overwritten == 0, overwritten, " slots past the lengths were written");
+  const double nerr = ref2 > 0 ? std::sqrt(err2 / ref2) : std::sqrt(err2);
+  CHECK_MESSAGE(nerr <= 1e-5, "normalised error ", nerr);
+}
+
+}  // namespace
+
+TEST_CASE("FastDiv divides exactly for every n < 2^31 (host twin of the device code)") {
+  std::mt19937 rng(12345);
+  for (int d : {1, 2, 3, 5, 7, 16, 17, 63, 64, 100, 127, 1000, 65535, 1 << 20, 2147483647}) {
+    const cuda::detail::FastDiv fd(d);
+    for (std::uint32_t n : {0u, 1u, 2u, 6u, 7u, 8u, 0x7fffffffu, 0x7ffffffeu, static_cast<std::uint32_t>(d),
+                            static_cast<std::uint32_t>(d) - 1u})
+      if (n < 0x80000000u) REQUIRE_EQ(fd.div(n), n / static_cast<std::uint32_t>(d));
+    std::uniform_int_distribution<std::uint32_t> u(0, 0x7fffffffu);
+    for (int i = 0; i < 20000; ++i) {
+      const std::uint32_t n = u(rng);
+      REQUIRE_EQ(fd.div(n), n / static_cast<std::uint32_t>(d));
+    }
+  }
+}
+
+TEST_SUITE("gpu") {
+  TEST_CASE_TEMPLATE("score matches the CPU reference: page sizes, layouts, head dims, pairings, aggregations", T, float,
+                     f16_storage, bf16_storage) {
+    require_gpu();
+    const std::uint32_t seed = test_seed();
+    int combo = 0;
+    for (int bs : {1, 7, 16, 64})
+      for (KvLayout layout : {KvLayout::kNHD, KvLayout::kHND})
+        for (int d : {64, 128})
+          for (RopeStyle style : {RopeStyle::kHalf, RopeStyle::kInterleaved})
+            for (Aggregation agg : {Aggregation::kMean, Aggregation::kMax}) {
+              Case c;
+              c.bs = bs;
+              c.layout = layout;
+              c.d = d;
+              c.style = style;
+              c.agg = agg;
+              c.no_mlr = combo % 4 == 1 || combo % 4 == 3;  // cycle the variants across the grid
+              c.no_trig = combo % 4 == 2 || combo % 4 == 3;
+              check_case<T>(c, seed + static_cast<std::uint32_t>(combo));
+              ++combo;
+            }
+  }
+
+  TEST_CASE("score: GQA group sizes 1..16 (head chunks of 4 and 8)") {
+    require_gpu();
+    const std::uint32_t seed = test_seed();
+    int combo = 0;
+    for (int G : {1, 2, 3, 4, 5, 7, 8, 12, 16})
+      for (Aggregation agg : {Aggregation::kMean, Aggregation::kMax}) {
+        Case c;
+        c.Hkv = 2;
+        c.Hq = 2 * G;
+        c.agg = agg;
+        c.bs = 16;
+        c.lens = {90, 211};
+        check_case<bf16_storage>(c, seed + static_cast<std::uint32_t>(combo++));
+      }
+  }
+
+  TEST_CASE("score: long sequences over many tiles, short offset sets") {
+    require_gpu();
+    const std::uint32_t seed = test_seed();
+    Case c;
+    c.L = 3;
+    c.Hq = 16;
+    c.Hkv = 4;
+    c.lens = {5000, 1, 2049, 4097};
+    c.offset_max = 1;  // |D| = 1: max and mean coincide in value, different kernels
+    check_case<bf16_storage>(c, seed);
+    c.agg = Aggregation::kMax;
+    check_case<bf16_storage>(c, seed + 1);
+    c.offset_max = 1000;  // |D| = 10
+    check_case<f16_storage>(c, seed + 2);
+    c.agg = Aggregation::kMean;
+    c.layout = KvLayout::kHND;
+    c.bs = 7;
+    check_case<float>(c, seed + 3);
+  }
+
+  TEST_CASE("TriAttentionDeviceScorer::score (the KvCache::compress interface) matches the CPU scorer") {
+    require_gpu();
+    const std::uint32_t seed = test_seed();
+    INFO("seed ", seed);
+    std::mt19937 rng(seed);
+    Paged<bf16_storage> p;
+    make_paged(p, rng, 2, 2, 128, 16, KvLayout::kNHD, {300, 77});
+    RopeConfig rope;
+    rope.theta = 1e6;
+    cuda::TriAttentionDeviceScorer scorer(random_stats(rng, 2, 8, 128, RopeStyle::kHalf), rope, ScoringParams{}, 2);
+    for (int b = 0; b < 2; ++b) {
+      const long long t0 = 12345 + b;
+      std::vector<float> out(static_cast<std::size_t>(2) * 8 * p.lens[b], std::nanf(""));
+      scorer.score(p.device_view(), p.seq_ids[b], p.lens[b], t0, std::span<float>(out));
+      const std::vector<float> want = ref_scores(p, scorer.model(), b, t0);
+      double e2 = 0, r2 = 0;
+      for (std::size_t i = 0; i < out.size(); ++i) {
+        REQUIRE(std::isfinite(out[i]));
+        e2 += (out[i] - want[i]) * (out[i] - want[i]);
+        r2 += want[i] * want[i];
+      }
+      CHECK(std::sqrt(e2 / r2) <= 1e-5);
+    }
+    // Host-memory tables are refused with a message instead of crashing the kernel.
+    std::vector<float> out(static_cast<std::size_t>(2) * 8 * p.lens[0]);
+    CHECK_THROWS_AS(scorer.score(p.host_view(), p.seq_ids[0], p.lens[0], 1, std::span<float>(out)), logic_error);
+  }
+}
