@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // cuda::score (TriAttention key scoring, one pass over K) on the brief's shape: one layer, one
 // sequence of 32,768 tokens, 8 KV heads x 32 query heads (G = 4), head_dim 128, bf16 (64 MiB of K),
-// mean (exact fold) and max (|D| = 17) aggregation, page sizes 16 and 64, NHD and HND.
+// mean (exact fold) and max (|D| = 17; tensor-core and CUDA-core kernels) aggregation, page sizes
+// 16 and 64, NHD and HND.
 // Four such sequences are scored in rotation (256 MiB of K) so the 50 MB L2 never holds the
 // input. Bytes = K read once + block-table entries + scores written (G floats per key);
 // pct_read_roofline compares with the 4.49 TB/s read ceiling. BM_read_k streams the same K
@@ -141,9 +142,12 @@ void report(benchmark::State& state, double bytes) {
       benchmark::Counter(bytes / kReadRoofline * 100.0, benchmark::Counter::kIsIterationInvariantRate);
 }
 
-/// args: aggregation (0 mean, 1 max), page size, layout (0 NHD, 1 HND)
+/// args: aggregation (0 mean, 1 max on the tensor cores, 2 max on the CUDA cores), page size,
+/// layout (0 NHD, 1 HND)
 void BM_score(benchmark::State& state) {
   const Aggregation agg = state.range(0) ? Aggregation::kMax : Aggregation::kMean;
+  cuda::ScoreOptions opt;
+  opt.tensor_core_max = state.range(0) != 2;
   const int bs = static_cast<int>(state.range(1));
   const KvLayout layout = state.range(2) ? KvLayout::kHND : KvLayout::kNHD;
   constexpr int kSeqs = 4;  // 4 x 64 MiB of K in rotation: more than 5x the L2
@@ -153,12 +157,12 @@ void BM_score(benchmark::State& state) {
   const auto view = s.view();
   int i = 0;
   for (int w = 0; w < 3; ++w)  // warm-up: module load, occupancy queries
-    TRIATTN_BENCH_CUDA(s.scorer->score_async(view, cuda::ScoreBatch{s.seq_ids, s.t0, 1, s.len}, s.scores, stream));
+    TRIATTN_BENCH_CUDA(s.scorer->score_async(view, cuda::ScoreBatch{s.seq_ids, s.t0, 1, s.len}, s.scores, stream, opt));
   for (auto _ : state) {
     const cuda::ScoreBatch batch{s.seq_ids + i, s.t0 + i, 1, s.len};
     i = (i + 1) % kSeqs;
     CudaEventTimer timer(state, stream);
-    TRIATTN_BENCH_CUDA(s.scorer->score_async(view, batch, s.scores, stream));
+    TRIATTN_BENCH_CUDA(s.scorer->score_async(view, batch, s.scores, stream, opt));
   }
   report(state, s.bytes(1));
   cudaStreamDestroy(stream);
@@ -220,8 +224,8 @@ void BM_score_round_shape(benchmark::State& state) {
 }  // namespace
 
 BENCHMARK(BM_score)
-    ->ArgNames({"max", "page", "hnd"})
-    ->ArgsProduct({{0, 1}, {16, 64}, {0, 1}})
+    ->ArgNames({"agg", "page", "hnd"})
+    ->ArgsProduct({{0, 1, 2}, {16, 64}, {0, 1}})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_read_k)->UseManualTime()->Unit(benchmark::kMicrosecond);

@@ -13,7 +13,8 @@
 //                                     16-token blocks) decoding `seqs` sequences to `tokens` tokens,
 //                                     compressed back to 2048 when they reach 2048 + 128 (prefix
 //                                     keep plans: the memory behaviour of any plan; no kernel),
-//                                     trimming every 128 steps. Reports peak/final resident bytes
+//                                     trimming every 128 steps (keeping 2 empty slabs mapped as
+//                                     hysteresis; a final trim keeps none). Reports peak/final resident bytes
 //                                     (allocator ledger and cudaMemGetInfo), live KV bytes, bytes in
 //                                     used blocks and the full-KV requirement.
 // Counters are per page (2 MiB granule of one range) where named *_us_per_page.
@@ -202,6 +203,7 @@ void BM_Qwen3Workload_body(benchmark::State& state) {
       if (!cache.extend(ids.back(), 128 + static_cast<int>(rng() % 1920), Phase::kPrefill).ok())
         return state.SkipWithError("prefill ran out of memory");
     }
+    const std::size_t keep_empty = 2 * a.stats().slab_bytes;
     std::size_t peak_resident = 0, peak_physical = 0, peak_meminfo = 0, peak_live = 0, peak_in_used = 0;
     double sum_ratio = 0;  // resident / live, steady state
     int samples = 0;
@@ -236,7 +238,7 @@ void BM_Qwen3Workload_body(benchmark::State& state) {
       }
       if (!any) break;
       if (step % kTrimEvery == kTrimEvery - 1) {
-        (void)a.trim(nullptr);
+        (void)a.trim(nullptr, keep_empty);  // hysteresis: keep a couple of empty slabs for regrowth
         sample(step);
       }
     }

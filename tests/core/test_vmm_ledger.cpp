@@ -280,7 +280,7 @@ TEST_CASE("vmm: handle pool: trimmed pages are kept for reuse up to handle_pool_
   }
 }
 
-TEST_CASE("vmm: memory limit: growth beyond fails typed and changes nothing; lowering unmaps free pages") {
+TEST_CASE("vmm: memory limit: growth beyond fails typed and changes nothing and lowering unmaps free pages") {
   Alloc a(small_config(), {}, fake());
   FakeDriver d = a.driver();
   a.set_memory_limit(3 * 4 * kPage);  // three slabs
@@ -424,7 +424,7 @@ TEST_CASE("vmm: construction failures throw and leak nothing") {
   }
 }
 
-TEST_CASE("vmm: destructor never throws; failures go to the error hook; nothing leaks") {
+TEST_CASE("vmm: destructor never throws and reports failures to the error hook and leaks nothing") {
   FakeDriver d = fake();
   std::vector<std::string> reports;
   {
@@ -453,7 +453,7 @@ TEST_CASE("vmm: destructor never throws; failures go to the error hook; nothing 
   }
 }
 
-TEST_CASE("vmm: moved allocators keep working; a moved-from one is inert") {
+TEST_CASE("vmm: moved allocators keep working and a moved-from one is inert") {
   Alloc a(small_config(), {}, fake());
   auto b = take(a, 10);
   Alloc m(std::move(a));

@@ -197,6 +197,8 @@ struct Case {
   }
 };
 
+void compare(const Case& c, const std::vector<float>& got, const std::vector<std::vector<float>>& wants, int max_len);
+
 /// Runs one case on the GPU and compares with the CPU reference.
 template <class T>
 void check_case(const Case& c, std::uint32_t seed) {
@@ -221,16 +223,30 @@ void check_case(const Case& c, std::uint32_t seed) {
   d_t0.upload(t0);
   const int max_len = p.max_len + 5;  // rows longer than every sequence: the tail must stay untouched
   DevBuf<float> scores(static_cast<std::size_t>(batch) * c.L * c.Hq * max_len);
-  scores.poison();
-  const cuda::ScoreBatch sb{p.d_seq_ids.p, d_t0.p, batch, max_len};
-  TEST_CUDA(cuda::score(p.device_view(), scorer.device_model(), sb, scores.p));
-  TEST_CUDA(cudaDeviceSynchronize());
-  const std::vector<float> got = scores.download();
+  std::vector<std::vector<float>> wants;
+  for (int b = 0; b < batch; ++b) wants.push_back(ref_scores(p, scorer.model(), b, t0[b]));
+  // Max aggregation on 16-bit caches has two kernels (tensor cores, CUDA cores): check both.
+  const bool two_paths = c.agg == Aggregation::kMax && !c.no_trig && sizeof(T) == 2;
+  for (const bool tensor_cores : {true, false}) {
+    if (!tensor_cores && !two_paths) break;
+    INFO("tensor_core_max = ", tensor_cores);
+    scores.poison();
+    const cuda::ScoreBatch sb{p.d_seq_ids.p, d_t0.p, batch, max_len};
+    cuda::ScoreOptions opt;
+    opt.tensor_core_max = tensor_cores;
+    TEST_CUDA(cuda::score(p.device_view(), scorer.device_model(), sb, scores.p, nullptr, opt));
+    TEST_CUDA(cudaDeviceSynchronize());
+    compare(c, scores.download(), wants, max_len);
+  }
+}
+
+void compare(const Case& c, const std::vector<float>& got, const std::vector<std::vector<float>>& wants, int max_len) {
+  const int batch = static_cast<int>(c.lens.size());
 
   double err2 = 0.0, ref2 = 0.0;
   long long unwritten = 0, overwritten = 0;
   for (int b = 0; b < batch; ++b) {
-    const std::vector<float> want = ref_scores(p, scorer.model(), b, t0[b]);
+    const std::vector<float>& want = wants[static_cast<std::size_t>(b)];
     const int len = c.lens[b];
     for (int r = 0; r < c.L * c.Hq; ++r) {
       const float* g = got.data() + (static_cast<std::size_t>(b) * c.L * c.Hq + r) * max_len;

@@ -172,6 +172,9 @@ class KvCache {
     lens_[idx(seq)] = 0;
     seqs_[idx(seq)] = SeqState{};
     free_seq_slots_.push_back(seq);
+    // Scorers that keep per-sequence state (SnapKV's query window) must not leak it to the
+    // next sequence that gets this slot.
+    if constexpr (requires { scorer_.forget(seq); }) scorer_.forget(seq);
   }
 
   // ---- appending ------------------------------------------------------------------------------

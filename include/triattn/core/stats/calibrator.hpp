@@ -39,7 +39,7 @@ class Calibrator {
   /// Accumulates `n_tokens` pre-RoPE queries of `layer`. `q` is [n_tokens, num_q_heads, head_dim],
   /// row-major float32. Throws logic_error (and leaves the sums untouched) for a bad layer or
   /// token count, a null pointer or a non-finite value.
-  void add(int layer, const float* q, int n_tokens) {
+  void add(int layer, const float* q /* [n_tokens, num_q_heads, head_dim] */, int n_tokens) {
     if (layer < 0 || layer >= num_layers_)
       throw logic_error("Calibrator::add: layer " + std::to_string(layer) + " is outside [0, " +
                         std::to_string(num_layers_) + ")");

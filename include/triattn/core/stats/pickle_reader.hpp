@@ -324,7 +324,7 @@ class Decoder {
     push(it->second);
   }
 
-  std::span<const std::uint8_t> in_;
+  std::span<const std::uint8_t> in_;                       // [pickle size]
   const std::string& where_;
   std::size_t pos_ = 0;
   PickleDoc doc_;

@@ -112,14 +112,14 @@ class ZipWriter {
     std::uint32_t size;
     std::uint32_t offset;
   };
-  std::vector<std::uint8_t> out_;
-  std::vector<Record> records_;
+  std::vector<std::uint8_t> out_;  // [archive bytes so far]
+  std::vector<Record> records_;    // [num_entries] for the central directory
 };
 
 /// Emits pickle opcodes; each method appends one opcode (plus its argument).
 class PickleWriter {
  public:
-  std::vector<std::uint8_t> bytes;
+  std::vector<std::uint8_t> bytes;  // [pickle bytes so far]
 
   PickleWriter& op(std::uint8_t code) {
     bytes.push_back(code);
@@ -171,7 +171,7 @@ class PickleWriter {
   /// torch._utils._rebuild_tensor_v2(persistent_id(("storage", torch.<type>, key, "cpu", numel)),
   /// offset, size, stride, False, collections.OrderedDict()) -- what torch.save writes per tensor.
   PickleWriter& tensor(std::string_view storage_key, std::int64_t numel, std::int64_t offset,
-                       std::span<const std::int64_t> size, std::span<const std::int64_t> stride,
+                       std::span<const std::int64_t> size /* [ndim] */, std::span<const std::int64_t> stride /* [ndim] */,
                        std::string_view storage_type = "FloatStorage") {
     global("torch._utils", "_rebuild_tensor_v2").mark();
     mark().str("storage").global("torch", storage_type).str(storage_key).str("cpu").integer(numel).tuple();
@@ -193,7 +193,7 @@ struct PtArchiveOptions {
 
 /// Whole archive from a pickle and its storages (storage i is written as `<root>/data/i`).
 [[nodiscard]] inline std::vector<std::uint8_t> build_pt_archive(std::span<const std::uint8_t> pickle,
-                                                                const std::vector<std::vector<std::uint8_t>>& storages,
+                                                                const std::vector<std::vector<std::uint8_t>>& storages,  // [n][bytes]
                                                                 const PtArchiveOptions& options = {}) {
   const std::string root = options.root + "/";
   ZipWriter zip;
@@ -212,7 +212,7 @@ struct PtArchiveOptions {
 /// Pickle and storages for `s` in TriAttention's layout (storage 3i + {0, 1, 2} for entry i),
 /// without validating the values (tests use it to write bad files).
 inline void build_stats_pickle(const QueryStats& s, std::vector<std::uint8_t>& pickle,
-                               std::vector<std::vector<std::uint8_t>>& storages) {
+                               std::vector<std::vector<std::uint8_t>>& storages /* [3 L Hq][F * 4] */) {
   const int nf = s.num_freqs();
   const std::int64_t size[1] = {nf}, stride[1] = {1};
   PickleWriter w;

@@ -349,7 +349,7 @@ class ZipReader {
       fail_entry(e, "data descriptor disagrees with the central directory");
   }
 
-  std::span<const std::uint8_t> bytes_;
+  std::span<const std::uint8_t> bytes_;                   // [file size] the whole archive
   std::string file_;
   std::vector<ZipEntry> entries_;                         // central directory order
   std::unordered_map<std::string, std::size_t> by_name_;  // name -> index into entries_

@@ -48,9 +48,10 @@ struct append {
       return cudaErrorInvalidValue;
 
     const std::int64_t vecs = static_cast<std::int64_t>(p.num_tokens) * view.block.num_kv_heads * (d / kVecElems);
-    if (vecs > std::numeric_limits<int>::max() - 1024) return cudaErrorInvalidValue;  // int32 thread index
     constexpr int kThreads = tuning::sm90::Append::kThreads;
-    const dim3 grid(static_cast<unsigned>((vecs + kThreads - 1) / kThreads), static_cast<unsigned>(p.num_layers));
+    constexpr int kPerCta = kThreads * tuning::sm90::Append::kVecsPerThread;
+    if (vecs > std::numeric_limits<int>::max() - kPerCta) return cudaErrorInvalidValue;  // int32 vector index
+    const dim3 grid(static_cast<unsigned>((vecs + kPerCta - 1) / kPerCta), static_cast<unsigned>(p.num_layers));
     return dispatch_head_dim_status(d, [&](auto hd) {
       append_kernel<decltype(hd)::value, T, Id><<<grid, kThreads, 0, stream>>>(view, p);
       return check_launch(stream);

@@ -166,9 +166,17 @@ struct decode_attention {
       const Id* lens = view.seq_lens;
       const float* po = p.partial_o;
       const float2* pml = p.partial_ml;
-      TRIATTN_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, decode_attention_combine_kernel<kD, Id, OutT>, lens,
-                                                      seq_ids, po, pml, out, num_q_heads, plan.num_splits,
-                                                      plan.tokens_per_split));
+      auto launch = [&] {
+        return cudaLaunchKernelEx(&cfg, decode_attention_combine_kernel<kD, Id, OutT>, lens, seq_ids, po, pml, out,
+                                  num_q_heads, plan.num_splits, plan.tokens_per_split);
+      };
+      if (launch() != cudaSuccess) {
+        // Without programmatic dependent launch (e.g. a stream that refuses it) the combine
+        // kernel simply runs after the split kernel; griddepcontrol.wait is then a no-op.
+        (void)cudaGetLastError();
+        cfg.numAttrs = 0;
+        TRIATTN_CUDA_RETURN_IF_ERROR(launch());
+      }
       return check_launch(stream);
     });
   }

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <type_traits>
 
 #include <triattn/core/kv_view.hpp>
 #include <triattn/core/rope_types.hpp>
@@ -18,6 +19,13 @@
 #include <triattn/cuda/launch.cuh>
 
 namespace triattn::cuda {
+
+/// Execution choices of a scoring launch (results agree within fp32 rounding either way).
+struct ScoreOptions {
+  /// Max aggregation on 16-bit caches through mma.sync (weights split into 16-bit parts);
+  /// false runs the CUDA-core kernel (always used for float32 caches).
+  bool tensor_core_max = true;
+};
 
 namespace detail {
 
@@ -54,6 +62,47 @@ template <class T, class Id>
       (view.range_stride * static_cast<std::int64_t>(sizeof(T))) % 16 != 0)
     return cudaErrorMisalignedAddress;
   return cudaSuccess;
+}
+
+/// Tensor-core max path: 16-bit caches; fp16 weights must stay far from fp16's range limit.
+template <class T>
+[[nodiscard]] inline bool use_mma_max(const ScoreModelView& m, const ScoreOptions& opt) noexcept {
+  if (!opt.tensor_core_max || m.aggregation != Aggregation::kMax || m.disable_trig) return false;
+  if constexpr (std::is_same_v<T, bf16_storage>) return true;
+  else if constexpr (std::is_same_v<T, f16_storage>) return m.max_abs_weight < 16384.0;
+  else return false;
+}
+
+template <class T, class Id, int HD, RopeStyle S>
+[[nodiscard]] inline cudaError_t launch_score_max_mma(const KvCacheView<T, Id>& view, const ScoreModelView& m,
+                                                      const ScoreBatch& a, float* scores, cudaStream_t stream) noexcept {
+  if constexpr (sizeof(T) == 2) {
+    using Shape = MmaMaxShape<T, HD>;
+    const FastDiv fd(view.block.block_size);
+    const int G = m.num_q_heads / m.num_kv_heads;
+    const long long rows =
+        static_cast<long long>(a.batch) * m.num_layers * m.num_kv_heads * ((G + Shape::kHeads - 1) / Shape::kHeads);
+    int sms = 0;
+    TRIATTN_CUDA_RETURN_IF_ERROR(current_device_sm_count(&sms));
+    auto kernel = score_max_mma_kernel<T, Id, HD, S>;
+    const std::size_t smem = score_max_mma_smem_bytes<T, HD>(m.num_offsets);
+    if (smem > 48 * 1024)
+      TRIATTN_CUDA_RETURN_IF_ERROR(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    static std::atomic<unsigned long long> cached{0};  // (smem << 16 | CTAs per SM), see below
+    unsigned long long c = cached.load(std::memory_order_relaxed);
+    if ((c >> 16) != smem || c == 0) {
+      c = (static_cast<unsigned long long>(smem) << 16) |
+          static_cast<unsigned long long>(resident_ctas(kernel, Shape::kThreads, smem) & 0xffff);
+      cached.store(c, std::memory_order_relaxed);
+    }
+    const int per_sm = static_cast<int>(c & 0xffff) > 0 ? static_cast<int>(c & 0xffff) : 1;
+    const long long items = rows * ((a.max_len + Shape::kTile - 1) / Shape::kTile);
+    kernel<<<score_grid(items, sms, per_sm), Shape::kThreads, smem, stream>>>(view, m, a, scores, fd);
+    return check_launch(stream);
+  } else {
+    return cudaErrorNotSupported;
+  }
 }
 
 template <class T, class Id, int HD, RopeStyle S, int GMAX>
@@ -95,7 +144,8 @@ template <class T, class Id, int HD, RopeStyle S, int GMAX>
 
 /// Scores slots [0, length) of every sequence of the batch for every (layer, query head).
 /// Query head h reads KV head h / (Hq / Hkv). Mean aggregation (or disable_trig) uses the exact
-/// fold; max aggregation the |D| per-offset weight sets.
+/// fold; max aggregation the |D| per-offset weight sets (on the tensor cores for 16-bit caches
+/// unless options.tensor_core_max is false).
 ///
 /// @param view    paged cache (device memory); its seq_lens give each sequence's length
 /// @param model   per-model constants in device memory (TriAttentionDeviceScorer::device_model())
@@ -108,14 +158,16 @@ template <class T, class Id, int HD, RopeStyle S, int GMAX>
 /// @note asynchronous on `stream`; allocates nothing, never throws; capturable in a CUDA graph.
 template <class T, class Id>
 [[nodiscard]] cudaError_t score(const KvCacheView<T, Id>& view, const ScoreModelView& model, const ScoreBatch& batch,
-                                float* scores, cudaStream_t stream = nullptr) noexcept {
+                                float* scores, cudaStream_t stream = nullptr, const ScoreOptions& options = {}) noexcept {
   TRIATTN_CUDA_RETURN_IF_ERROR(detail::check_score_args(view, model, batch, scores));
   if (batch.batch == 0 || batch.max_len == 0) return cudaSuccess;
   const int G = model.num_q_heads / model.num_kv_heads;
+  const bool mma = detail::use_mma_max<T>(model, options);
   return dispatch_head_dim_status(view.block.head_dim, [&](auto hd) -> cudaError_t {
     constexpr int HD = decltype(hd)::value;
     const auto by_group = [&](auto style) -> cudaError_t {
       constexpr RopeStyle S = decltype(style)::value;
+      if (mma) return detail::launch_score_max_mma<T, Id, HD, S>(view, model, batch, scores, stream);
       if (G <= 4) return detail::launch_score_kernel<T, Id, HD, S, 4>(view, model, batch, scores, stream);
       return detail::launch_score_kernel<T, Id, HD, S, 8>(view, model, batch, scores, stream);  // G > 8: chunks of 8
     };

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Append kernel: writes the K and V head vectors of new tokens into the paged cache, for one or
-// many layers in one launch. A copy: bit-exact with ref::append. One thread moves one 16-byte
-// vector of K and the matching one of V; grid = [vectors / threads, layers].
+// many layers in one launch. A copy: bit-exact with ref::append. A thread moves kVecsPerThread
+// 16-byte vectors of K and the matching ones of V; grid = [vectors / (threads * kVecsPerThread), layers].
 #pragma once
 
 #include <cstdint>
@@ -71,33 +71,49 @@ __device__ __forceinline__ void append_destination(const KvCacheView<T, Id>& vie
 template <int HeadDim, class T, class Id>
 __global__ void __launch_bounds__(tuning::sm90::Append::kThreads)
     append_kernel(KvCacheView<T, Id> view, AppendParams<T> p) {
+  using Tune = tuning::sm90::Append;
   constexpr int kVecElems = 16 / static_cast<int>(sizeof(T));
   constexpr int kVecs = HeadDim / kVecElems;  // 16-byte vectors per head vector
   static_assert(HeadDim % kVecElems == 0, "head vectors must be whole 16-byte vectors");
   const int heads = view.block.num_kv_heads;
-  const int idx = static_cast<int>(blockIdx.x) * static_cast<int>(blockDim.x) + static_cast<int>(threadIdx.x);
-  const int row = idx / kVecs;  // (token, head)
-  const int vec = idx % kVecs;
-  const int token = row / heads;
-  if (token >= p.num_tokens) return;
-  const int head = row - token * heads;
-
-  std::int64_t block;
-  int offset;
-  detail::append_destination(view, p, token, block, offset);
-  if (block < 0) return;
-
   const int layer_in = static_cast<int>(blockIdx.y);
-  const std::int64_t src = static_cast<std::int64_t>(layer_in) * p.layer_stride +
-                           static_cast<std::int64_t>(token) * p.token_stride +
-                           static_cast<std::int64_t>(head) * HeadDim + vec * kVecElems;
-  // Inputs are read once: streaming loads keep them from evicting the cache lines just written.
-  const uint4 kx = __ldcs(reinterpret_cast<const uint4*>(p.k + src));
-  const uint4 vx = __ldcs(reinterpret_cast<const uint4*>(p.v + src));
   const int layer = p.first_layer + layer_in;
-  const std::int64_t dst = view.block.offset(block, offset, head) + vec * kVecElems;
-  *reinterpret_cast<uint4*>(view.range(layer, KvKind::kKey) + dst) = kx;
-  *reinterpret_cast<uint4*>(view.range(layer, KvKind::kValue) + dst) = vx;
+  const int total = p.num_tokens * heads * kVecs;
+
+  // All loads first (kVecsPerThread of K and of V in flight), then all stores. Vector r of a
+  // thread is idx0 + r * kThreads, so each load and store instruction stays coalesced.
+  const int idx0 = static_cast<int>(blockIdx.x) * Tune::kThreads * Tune::kVecsPerThread + static_cast<int>(threadIdx.x);
+  uint4 kx[Tune::kVecsPerThread], vx[Tune::kVecsPerThread];
+  std::int64_t dst[Tune::kVecsPerThread];
+#pragma unroll
+  for (int r = 0; r < Tune::kVecsPerThread; ++r) {
+    const int idx = idx0 + r * Tune::kThreads;
+    dst[r] = -1;
+    if (idx >= total) continue;
+    const int row = idx / kVecs;  // (token, head)
+    const int vec = idx % kVecs;
+    const int token = row / heads;
+    const int head = row - token * heads;
+    std::int64_t block;
+    int offset;
+    detail::append_destination(view, p, token, block, offset);
+    if (block < 0) continue;
+    const std::int64_t src = static_cast<std::int64_t>(layer_in) * p.layer_stride +
+                             static_cast<std::int64_t>(token) * p.token_stride +
+                             static_cast<std::int64_t>(head) * HeadDim + vec * kVecElems;
+    // Inputs are read once: streaming loads keep them from evicting the lines just written.
+    kx[r] = __ldcs(reinterpret_cast<const uint4*>(p.k + src));
+    vx[r] = __ldcs(reinterpret_cast<const uint4*>(p.v + src));
+    dst[r] = view.block.offset(block, offset, head) + vec * kVecElems;
+  }
+  T* const k_out = view.range(layer, KvKind::kKey);
+  T* const v_out = view.range(layer, KvKind::kValue);
+#pragma unroll
+  for (int r = 0; r < Tune::kVecsPerThread; ++r) {
+    if (dst[r] < 0) continue;
+    *reinterpret_cast<uint4*>(k_out + dst[r]) = kx[r];
+    *reinterpret_cast<uint4*>(v_out + dst[r]) = vx[r];
+  }
 }
 
 }  // namespace triattn::cuda

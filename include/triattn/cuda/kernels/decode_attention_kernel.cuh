@@ -159,7 +159,7 @@ __device__ __forceinline__ void store_empty(int nh, int b, int first_q_head, con
 
 /// 16-bit caches. Grid: [num_splits, num_kv_heads * passes, batch], tuning::DecodeAttention::kThreads.
 template <int HeadDim, class T, class Id, class OutT>
-__global__ void __launch_bounds__(tuning::sm90::DecodeAttention::kThreads)
+__global__ void __launch_bounds__(tuning::sm90::DecodeAttention::kThreads, tuning::sm90::DecodeAttention::kMinCtasPerSmMma)
     decode_attention_mma_kernel(KvCacheView<T, Id> view, DecodeAttentionParams<T, OutT> p) {
   using Tune = tuning::sm90::DecodeAttention;
   using DT = device_type_t<T>;

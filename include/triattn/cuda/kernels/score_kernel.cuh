@@ -55,6 +55,7 @@ struct ScoreModelView {
   RopeStyle style = RopeStyle::kHalf;
   Aggregation aggregation = Aggregation::kMean;
   bool disable_trig = false;
+  double max_abs_weight = 0.0;       ///< s²·max|q̄_f| >= every |W_f(δ)| (range check of the fp16 MMA path)
 };
 static_assert(std::is_trivially_copyable_v<ScoreModelView>);
 
@@ -324,13 +325,32 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 8>::kThreads, 
   while (it < end) {
     const long long row_id = it / tiles_per_row;
     const int tile = static_cast<int>(it - row_id * tiles_per_row);
-    if (row_id != cur_row) {
+    const bool new_row = row_id != cur_row;
+    if (new_row) {
       row = detail::decode_score_row(row_id, L, Hkv, HC);
       kr = detail::key_row(view, a, row.b, row.l, row.g);
       if (tile * Shape::kTile >= kr.len) {  // nothing left in this row (uniform across the CTA)
         it = (row_id + 1) * tiles_per_row;
         continue;
       }
+    }
+
+    // ---- the tile's loads go out first, so they fly while a new row's weights are computed ----
+    // warp w scores keys tile_start + w·KPW·U + u·KPW + kg, u < U
+    const int key0 = tile * Shape::kTile + warp * KPW * U + kg;
+    std::uint32_t raw[U][W];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int t = key0 + u * KPW;
+      if (t < kr.len) {
+        detail::load_key<T, S, Shape>(kr.key(t, fd, block_size), li, raw[u]);
+      } else {
+#pragma unroll
+        for (int w = 0; w < W; ++w) raw[u][w] = 0u;
+      }
+    }
+
+    if (new_row) {
       __syncthreads();  // every warp is done with the previous row's weights
       const long long t0 = a.t0[row.b];
       for (int f = threadIdx.x; f < F; f += blockDim.x) {
@@ -361,19 +381,6 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 8>::kThreads, 
       cur_row = row_id;
     }
 
-    // ---- one tile: warp w scores keys tile_start + w·KPW·U + u·KPW + kg, u < U ----------------
-    const int key0 = tile * Shape::kTile + warp * KPW * U + kg;
-    std::uint32_t raw[U][W];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int t = key0 + u * KPW;
-      if (t < kr.len) {
-        detail::load_key<T, S, Shape>(kr.key(t, fd, block_size), li, raw[u]);
-      } else {
-#pragma unroll
-        for (int w = 0; w < W; ++w) raw[u][w] = 0u;
-      }
-    }
     float acc[U][GMAX];
 #pragma unroll
     for (int u = 0; u < U; ++u)
@@ -460,13 +467,28 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 4>::kThreads, 
   while (it < end) {
     const long long row_id = it / tiles_per_row;
     const int tile = static_cast<int>(it - row_id * tiles_per_row);
-    if (row_id != cur_row) {
+    const bool new_row = row_id != cur_row;
+    if (new_row) {
       row = detail::decode_score_row(row_id, L, Hkv, HC);
       kr = detail::key_row(view, a, row.b, row.l, row.g);
       if (tile * Shape::kTile >= kr.len) {
         it = (row_id + 1) * tiles_per_row;
         continue;
       }
+    }
+    const int key0 = tile * Shape::kTile + warp * KPW * U + kg;
+    std::uint32_t raw[U][W];  // loads first: they fly while a new row's weights are computed
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int t = key0 + u * KPW;
+      if (t < kr.len) {
+        detail::load_key<T, S, Shape>(kr.key(t, fd, block_size), li, raw[u]);
+      } else {
+#pragma unroll
+        for (int w = 0; w < W; ++w) raw[u][w] = 0u;
+      }
+    }
+    if (new_row) {
       __syncthreads();
       const long long t0 = a.t0[row.b];
       float* wbase = reinterpret_cast<float*>(wmax_s);
@@ -501,25 +523,11 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 4>::kThreads, 
       cur_row = row_id;
     }
 
-    const int key0 = tile * Shape::kTile + warp * KPW * U + kg;
     float kf[U][2 * P];  // the lane's pairs of U keys, widened once: (re, im) per pair
-    {
-      std::uint32_t raw[U][W];
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int t = key0 + u * KPW;
-        if (t < kr.len) {
-          detail::load_key<T, S, Shape>(kr.key(t, fd, block_size), li, raw[u]);
-        } else {
+    for (int u = 0; u < U; ++u)
 #pragma unroll
-          for (int w = 0; w < W; ++w) raw[u][w] = 0u;
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-#pragma unroll
-        for (int j = 0; j < P; ++j) detail::pair_of<T, S, P>(raw[u], j, kf[u][2 * j], kf[u][2 * j + 1]);
-    }
+      for (int j = 0; j < P; ++j) detail::pair_of<T, S, P>(raw[u], j, kf[u][2 * j], kf[u][2 * j + 1]);
     // Norm term Σ_f c_f·|K_f|, reduced like the dot products.
     float mlr[U][GMAX];
 #pragma unroll
@@ -586,6 +594,320 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 4>::kThreads, 
       if (writer && t < kr.len && hg < G && D > 0) {
         const std::int64_t o = ((static_cast<std::int64_t>(row.b) * L + row.l) * Hq + row.g * G + hg) * a.max_len + t;
         scores[o] = best[u] + mlr[u][0];
+      }
+    }
+    ++it;
+  }
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Max aggregation on the tensor cores (16-bit caches). The per-offset dot products of a key are
+// a [keys × d]·[d × (|D|·4 heads)] product: mma.sync m16n8k16 with the keys as A (exact: the
+// cache's own bf16/fp16 values) and the weights as B, split into bf16 hi + mid + lo (bf16
+// cache) or fp16 hi + lo (fp16 cache) so the products carry ~fp32 accuracy (residual 2^-24 and
+// 2^-22 of |W|), accumulated in fp32. The norm term Σ c_f·|K_f| stays on the CUDA cores.
+//
+// A fragments come straight from global memory with a permuted k order: lane (g4 = lane/4,
+// c4 = lane%4) loads 16-byte chunk j (elements [32j + 8c4, +8)) of its key rows; k-step 2j+h
+// takes words 2h, 2h+1 of that chunk as a0/a2 (rows g4, g4+16) and a1/a3 (rows g4+8, g4+24).
+// The B fragments in shared memory follow the same permutation, so Σ_k A·B is the dot product.
+// Column n of an n-tile is (δ = 2·nt + n/4, head n%4); a lane's accumulators hold one δ and two
+// heads per key row; the max over δ finishes with one shuffle.
+// ---------------------------------------------------------------------------------------------
+
+namespace detail {
+
+template <class T>
+struct MmaMaxTraits;
+template <>
+struct MmaMaxTraits<bf16_storage> {
+  static constexpr int kSplits = 3;
+  __device__ static void split(float w, std::uint16_t* out) {
+    const __nv_bfloat16 h = __float2bfloat16_rn(w);
+    const float r1 = w - __bfloat162float(h);
+    const __nv_bfloat16 m = __float2bfloat16_rn(r1);
+    const __nv_bfloat16 l = __float2bfloat16_rn(r1 - __bfloat162float(m));
+    out[0] = __bfloat16_as_ushort(h);
+    out[1] = __bfloat16_as_ushort(m);
+    out[2] = __bfloat16_as_ushort(l);
+  }
+  __device__ static void mma(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+template <>
+struct MmaMaxTraits<f16_storage> {
+  static constexpr int kSplits = 2;
+  __device__ static void split(float w, std::uint16_t* out) {
+    const __half h = __float2half_rn(w);
+    const __half l = __float2half_rn(w - __half2float(h));
+    out[0] = __half_as_ushort(h);
+    out[1] = __half_as_ushort(l);
+  }
+  __device__ static void mma(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+/// Shape of the tensor-core max scorer: 8 warps x 32 keys, 4 heads per pass.
+template <class T, int HD>
+struct MmaMaxShape {
+  static constexpr int kF = HD / 2;
+  static constexpr int kSteps = HD / 16;     // k-steps of 16
+  static constexpr int kChunks = HD / 32;    // 16-byte chunks a lane loads per key row
+  static constexpr int kSplits = MmaMaxTraits<T>::kSplits;
+  static constexpr int kWarps = 8;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kKeysPerWarp = 32;    // two m16 tiles
+  static constexpr int kTile = kWarps * kKeysPerWarp;
+  static constexpr int kHeads = 4;
+};
+
+}  // namespace detail
+
+/// Dynamic shared memory of score_max_mma_kernel: B fragments for ceil(|D|/2) n-tiles, plus c_f.
+template <class T, int HD>
+constexpr std::size_t score_max_mma_smem_bytes(int num_offsets) {
+  using Shape = detail::MmaMaxShape<T, HD>;
+  return static_cast<std::size_t>((num_offsets + 1) / 2) * Shape::kSteps * Shape::kSplits * 32 * 8 +
+         static_cast<std::size_t>(Shape::kF) * Shape::kHeads * sizeof(float);
+}
+
+/// Tensor-core max-aggregation scorer for 16-bit caches (same contract as score_max_kernel).
+template <class T, class Id, int HD, RopeStyle S>
+__global__ void __launch_bounds__(detail::MmaMaxShape<T, HD>::kThreads, 2)
+    score_max_mma_kernel(KvCacheView<T, Id> view, ScoreModelView m, ScoreBatch a, float* __restrict__ scores,
+                         detail::FastDiv fd) {
+  using Shape = detail::MmaMaxShape<T, HD>;
+  using Tr = detail::MmaMaxTraits<T>;
+  constexpr int F = Shape::kF, KS = Shape::kSteps, NC = Shape::kChunks, SP = Shape::kSplits, GH = Shape::kHeads;
+  // B fragments [nt][k-step][split][lane] as uint2 (b0, b1), then c as [f] float4 (4 heads).
+  extern __shared__ uint2 bfrag_s[];
+  const int D = m.num_offsets;
+  const int NT = (D + 1) / 2;
+  float4* c_s = reinterpret_cast<float4*>(bfrag_s + static_cast<std::size_t>(NT) * KS * SP * 32);
+
+  const int L = m.num_layers, Hq = m.num_q_heads, Hkv = m.num_kv_heads;
+  const int G = Hq / Hkv;
+  const int HC = (G + GH - 1) / GH;
+  const int tiles_per_row = (a.max_len + Shape::kTile - 1) / Shape::kTile;
+  const long long total = static_cast<long long>(a.batch) * L * Hkv * HC * tiles_per_row;
+  long long it, end;
+  detail::cta_item_range(total, it, end);
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g4 = lane >> 2, c4 = lane & 3;
+  const int block_size = view.block.block_size;
+
+  long long cur_row = -1;
+  detail::KeyRowAddr<T, Id> kr{};
+  detail::ScoreRow row{};
+  while (it < end) {
+    const long long row_id = it / tiles_per_row;
+    const int tile = static_cast<int>(it - row_id * tiles_per_row);
+    const bool new_row = row_id != cur_row;
+    if (new_row) {
+      row = detail::decode_score_row(row_id, L, Hkv, HC);
+      kr = detail::key_row(view, a, row.b, row.l, row.g);
+      if (tile * Shape::kTile >= kr.len) {
+        it = (row_id + 1) * tiles_per_row;
+        continue;
+      }
+    }
+    // Key rows of this lane: q = 0..3 -> warp-tile rows g4, g4+8, g4+16, g4+24.
+    const int key0 = tile * Shape::kTile + warp * Shape::kKeysPerWarp + g4;
+    std::uint32_t raw[4][NC][4];  // [row][chunk][word]: the A fragments
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int t = key0 + 8 * q;
+      if (t < kr.len) {
+        const T* hv = kr.key(t, fd, block_size);
+#pragma unroll
+        for (int j = 0; j < NC; ++j) {
+          const uint4 v = detail::ldg_stream_v4(hv + 32 * j + 8 * c4);
+          raw[q][j][0] = v.x;
+          raw[q][j][1] = v.y;
+          raw[q][j][2] = v.z;
+          raw[q][j][3] = v.w;
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < NC; ++j)
+#pragma unroll
+          for (int w = 0; w < 4; ++w) raw[q][j][w] = 0u;
+      }
+    }
+
+    if (new_row) {
+      __syncthreads();  // every warp is done with the previous row's fragments
+      const long long t0 = a.t0[row.b];
+      auto* b16 = reinterpret_cast<std::uint16_t*>(bfrag_s);
+      // One item per (δ, f): the weights of its 4 heads at the re and im elements of pair f.
+      for (int item = threadIdx.x; item < 2 * NT * F; item += blockDim.x) {
+        const int o = item / F, f = item % F;
+        double cs = 1.0, sn = 0.0;
+        if (o < D) {
+          const double phi = rope_phase(t0 + static_cast<long long>(m.offsets[o]), m.omega[f]);
+          cs = ::cos(phi);  // as fold_weight() computes them
+          sn = ::sin(phi);
+        }
+        const int e_re = rope_pair_re(S, f, HD), e_im = rope_pair_im(S, f, HD);
+#pragma unroll
+        for (int h = 0; h < GH; ++h) {
+          const int hg = row.hc * GH + h;
+          float wr = 0.0f, wi = 0.0f;
+          if (o < D && hg < G) {
+            const std::int64_t idx = (static_cast<std::int64_t>(row.l) * Hq + row.g * G + hg) * F + f;
+            fold_weight_from_phase(m.q_re[idx], m.q_im[idx], 1.0, 0.0, cs, sn, m.s2, &wr, &wi);
+          }
+          const int n = (o & 1) * 4 + h;  // column within n-tile o/2
+#pragma unroll
+          for (int part = 0; part < 2; ++part) {
+            const int e = part == 0 ? e_re : e_im;
+            std::uint16_t sp[SP];
+            Tr::split(part == 0 ? wr : wi, sp);
+            // element e -> k-step s = 2(e/32) + (e%8)/4, lane n·4 + (e%32)/8, word (e%4)/2, half e%2
+            const int s = 2 * (e >> 5) + ((e & 7) >> 2);
+            const int ln = n * 4 + ((e & 31) >> 3);
+            const int w = (e & 3) >> 1;
+#pragma unroll
+            for (int x = 0; x < SP; ++x)
+              b16[((((static_cast<std::size_t>(o >> 1) * KS + s) * SP + x) * 32 + ln) * 2 + w) * 2 + (e & 1)] = sp[x];
+          }
+        }
+      }
+      for (int f = threadIdx.x; f < F; f += blockDim.x) {
+        float c[GH];
+#pragma unroll
+        for (int h = 0; h < GH; ++h) {
+          const int hg = row.hc * GH + h;
+          c[h] = hg < G ? m.c[(static_cast<std::int64_t>(row.l) * Hq + row.g * G + hg) * F + f] : 0.0f;
+        }
+        c_s[f] = make_float4(c[0], c[1], c[2], c[3]);
+      }
+      __syncthreads();
+      cur_row = row_id;
+    }
+
+    // ---- norm term on the CUDA cores: the lane holds whole pairs of its 4 key rows -----------
+    float nrm[4][GH];
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+#pragma unroll
+      for (int h = 0; h < GH; ++h) nrm[q][h] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NC; ++j) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        // element 32j + 8c4 + e; its pair partner sits in this lane's chunk j ± NC/2 (half) or at e ^ 1
+        const int el = 32 * j + 8 * c4 + e;
+        bool is_re;
+        int f;
+        if constexpr (S == RopeStyle::kHalf) {
+          is_re = j < NC / 2;
+          f = el % F;
+        } else {
+          is_re = (e & 1) == 0;
+          f = el >> 1;
+        }
+        if (!is_re) continue;  // each pair once, from its real element
+        const float4 cw = c_s[f];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          float re, im;
+          if constexpr (S == RopeStyle::kHalf) {
+            re = detail::element<T>(raw[q][j], e);
+            im = detail::element<T>(raw[q][j + NC / 2], e);
+          } else {
+            re = detail::element<T>(raw[q][j], e);
+            im = detail::element<T>(raw[q][j], e + 1);
+          }
+          const float sq = fmaf(re, re, fmaf(im, im, 1e-8f));
+          const float n = sq * rsqrtf(sq);
+          nrm[q][0] = fmaf(cw.x, n, nrm[q][0]);
+          nrm[q][1] = fmaf(cw.y, n, nrm[q][1]);
+          nrm[q][2] = fmaf(cw.z, n, nrm[q][2]);
+          nrm[q][3] = fmaf(cw.w, n, nrm[q][3]);
+        }
+      }
+    }
+    // Reduce over the 4 lanes of a row: lane c4 keeps heads 2(c4&1), 2(c4&1)+1.
+    const bool hi_pair = (c4 & 1) != 0;
+    float nr[4][2];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const float send = hi_pair ? nrm[q][i] : nrm[q][i + 2];
+        const float keep = hi_pair ? nrm[q][i + 2] : nrm[q][i];
+        nr[q][i] = keep + __shfl_xor_sync(0xffffffffu, send, 1);
+        nr[q][i] += __shfl_xor_sync(0xffffffffu, nr[q][i], 2);
+      }
+    }
+
+    // ---- dot products on the tensor cores, running max over δ --------------------------------
+    float best[4][2];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) best[q][0] = best[q][1] = -INFINITY;
+    const int my_delta_odd = c4 >> 1;
+    for (int nt = 0; nt < NT; ++nt) {
+      float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+      const uint2* bt = bfrag_s + static_cast<std::size_t>(nt) * KS * SP * 32 + lane;
+#pragma unroll
+      for (int s = 0; s < KS; ++s) {
+        const int j = s >> 1, h2 = (s & 1) * 2;
+        const std::uint32_t a0[4] = {raw[0][j][h2], raw[1][j][h2], raw[0][j][h2 + 1], raw[1][j][h2 + 1]};
+        const std::uint32_t a1[4] = {raw[2][j][h2], raw[3][j][h2], raw[2][j][h2 + 1], raw[3][j][h2 + 1]};
+#pragma unroll
+        for (int x = 0; x < SP; ++x) {
+          const uint2 b = bt[(s * SP + x) * 32];
+          Tr::mma(acc[0], a0, b.x, b.y);
+          Tr::mma(acc[1], a1, b.x, b.y);
+        }
+      }
+      if (2 * nt + my_delta_odd < D) {
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            // acc[mt][i] -> row g4 (+16 mt), acc[mt][2+i] -> row g4+8 (+16 mt); head 2(c4&1)+i
+            float& b0 = best[2 * mt][i];
+            float& b1 = best[2 * mt + 1][i];
+            b0 = b0 < acc[mt][i] ? acc[mt][i] : b0;
+            b1 = b1 < acc[mt][2 + i] ? acc[mt][2 + i] : b1;
+          }
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const float other = __shfl_xor_sync(0xffffffffu, best[q][i], 2);  // the other δ parity
+        best[q][i] = best[q][i] < other ? other : best[q][i];
+      }
+    if (c4 < 2) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        // rows: q = 0 -> g4, 1 -> g4+8, 2 -> g4+16, 3 -> g4+24 (raw[] order)
+        const int t = key0 + 8 * q;
+        if (t >= kr.len) continue;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int hg = row.hc * GH + 2 * (c4 & 1) + i;
+          if (hg >= G) continue;
+          const std::int64_t o =
+              ((static_cast<std::int64_t>(row.b) * L + row.l) * Hq + row.g * G + hg) * a.max_len + t;
+          scores[o] = best[q][i] + nr[q][i];
+        }
       }
     }
     ++it;

@@ -12,6 +12,8 @@
 //     device arrays, asynchronously and capturable in a CUDA graph (score_async is a shorthand).
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -114,8 +116,8 @@ class TriAttentionDeviceScorer {
   /// Device path: asynchronous cuda::score with this scorer's constants (see cuda::score).
   template <class T, class Id>
   [[nodiscard]] cudaError_t score_async(const KvCacheView<T, Id>& view, const ScoreBatch& batch, float* scores,
-                                        cudaStream_t stream) const noexcept {
-    return cuda::score(view, view_, batch, scores, stream);
+                                        cudaStream_t stream, const ScoreOptions& options = {}) const noexcept {
+    return cuda::score(view, view_, batch, scores, stream, options);
   }
 
  private:
@@ -189,6 +191,12 @@ class TriAttentionDeviceScorer {
     view_.style = m.style();
     view_.aggregation = m.params().aggregation;
     view_.disable_trig = m.params().disable_trig;
+    double qmax = 0.0;  // |W_f(δ)| = s²·|q̄_f| for every offset
+    for (std::size_t i = 0; i < n; ++i) {
+      const double re = m.q_mean_re(0, 0)[i], im = m.q_mean_im(0, 0)[i];
+      qmax = std::max(qmax, std::sqrt(re * re + im * im));
+    }
+    view_.max_abs_weight = m.freq_scale_sq() * qmax;
   }
 
   void reserve_scratch(std::size_t floats) {

@@ -7,10 +7,12 @@
 
 namespace triattn::cuda::tuning::sm90 {
 
-/// Append: one thread per 16-byte vector of K and V (2 loads + 2 stores in flight per thread).
-/// 256 threads, tiny register use: 8 CTAs/SM, 64 KB of loads in flight per SM.
+/// Append: each thread moves kVecsPerThread 16-byte vectors of K and of V, loads first. 256
+/// threads * 4 * 2 * 16 B = 32 KB of loads in flight per CTA, and 4x fewer (short-lived) CTAs
+/// than one vector per thread for a 36-layer prefill (CTA turnover stays off the critical path).
 struct Append {
   static constexpr int kThreads = 256;
+  static constexpr int kVecsPerThread = 4;
 };
 
 /// Compaction: one CTA per (sequence, layer, KV head), K and V together, ascending chunks of
@@ -29,6 +31,9 @@ struct Compact {
 /// one split and merge in shared memory. Splits fill one wave of resident CTAs.
 struct DecodeAttention {
   static constexpr int kWarps = 4;
+  /// __launch_bounds__ min CTAs/SM of the mma kernel. 1: ptxas uses 147 registers (d=128), no
+  /// spill, 3 CTAs/SM. 4 caps it at 128 registers with a 20-byte spill (ptxas, CUDA 13.0).
+  static constexpr int kMinCtasPerSmMma = 1;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kTileTokens = 16;
   static constexpr int kHeadsPerPassMma = 8;
