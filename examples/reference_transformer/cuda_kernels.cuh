@@ -213,7 +213,7 @@ inline constexpr int kGemvWarpThreads = 256;
 /// one warp each; blockIdx.y picks NB consecutive x rows. VEC: 16-byte loads (K a multiple of
 /// 16 / sizeof(WT), aligned rows and x); else scalar loads.
 template <class WT, int NB, int R, bool VEC>
-__global__ void __launch_bounds__(kGemvWarpThreads) gemv_warp_kernel(const GemvParams p) {
+__global__ void __launch_bounds__(kGemvWarpThreads) gemv_warp_kernel(const __grid_constant__ GemvParams p) {
   pdl_trigger();
   constexpr int V = 16 / static_cast<int>(sizeof(WT));
   const int lane = static_cast<int>(threadIdx.x) & 31;
@@ -320,7 +320,7 @@ inline constexpr int kGemvMmaWarps = 4;
 /// of x row g; the mma's k order is thereby permuted identically for A and B, which a dot
 /// product does not notice (the same trick as triattn's decode attention kernel).
 template <int NT>
-__global__ void __launch_bounds__(kGemvMmaWarps * 32) gemv_mma_kernel(const GemvParams p) {
+__global__ void __launch_bounds__(kGemvMmaWarps * 32) gemv_mma_kernel(const __grid_constant__ GemvParams p) {
   constexpr int KS = kGemvMmaWarps;
   constexpr int U = NT >= 8 ? 2 : 4;
   __shared__ float s_red[KS - 1][NT * 4][32];

@@ -8,9 +8,12 @@
 //   reference_transformer --calibrate stats.safetensors --steps 512       # write query statistics
 //   reference_transformer --stats stats.safetensors --budget 64 --divide-length 16 --steps 400
 //   reference_transformer --synthetic tiny --steps 64
+//   reference_transformer --device gpu --synthetic small --weight-dtype bf16 --kv-dtype bf16
 //
-// CPU path (CpuBackend). The model code (model.hpp) is written against a backend interface
-// (backend.hpp), so a CUDA backend plugs in behind the same Model and generate() code.
+// The model code (model.hpp) is written against a backend interface (backend.hpp): --device cpu
+// runs CpuBackend, --device gpu CudaBackend (cuda_backend.cuh) with the cache in device memory and
+// TriAttention rounds on the device. Built without CUDA (TRIATTN_ENABLE_CUDA=OFF), this file is
+// compiled as C++ and --device gpu is refused; with CUDA it is compiled through main_gpu.cu.
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -18,9 +21,11 @@
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -34,6 +39,9 @@
 #include <triattn/core/stats/pt_loader.hpp>
 #include <triattn/core/stats/safetensors.hpp>
 
+#if defined(TRIATTN_EXAMPLE_CUDA)
+#include "cuda_backend.cuh"
+#endif
 #include "generate.hpp"
 #include "llama2c.hpp"
 #include "model.hpp"
@@ -74,7 +82,16 @@ struct Options {
   int block_size = 16;
   int report_every = 64;
   bool quiet = false;
+  std::string device = "cpu";   // cpu | gpu
+  bool weights_bf16 = false;     // GPU: matrices stored as bf16
+  bool no_graphs = false;        // GPU: launch decode steps kernel by kernel
 };
+
+#if defined(TRIATTN_EXAMPLE_CUDA)
+constexpr bool kHaveCuda = true;
+#else
+constexpr bool kHaveCuda = false;
+#endif
 
 void usage() {
   std::printf(
@@ -98,7 +115,10 @@ void usage() {
       "  --kv-dtype T          f32 (default) | bf16 | f16\n"
       "  --block-size N        tokens per KV block (default 16)\n"
       "  --report-every N      status line every N decode steps (default 64; 0 = off)\n"
-      "  --quiet               do not stream the text\n",
+      "  --quiet               do not stream the text\n"
+      "  --device D            cpu (default) | gpu (needs a build with TRIATTN_ENABLE_CUDA=ON)\n"
+      "  --weight-dtype T      gpu: f32 (default) | bf16 weight matrices\n"
+      "  --no-graphs           gpu: launch every decode step kernel by kernel (no CUDA graphs)\n",
       TRIATTN_SHARED_DATA_DIR);
 }
 
@@ -160,6 +180,15 @@ Options parse_args(int argc, char** argv) {
     } else if (a == "--block-size") o.block_size = to_int(a, need(i));
     else if (a == "--report-every") o.report_every = to_int(a, need(i));
     else if (a == "--quiet") o.quiet = true;
+    else if (a == "--device") {
+      o.device = need(i);
+      if (o.device != "cpu" && o.device != "gpu") throw std::runtime_error("--device: '" + o.device + "' is not cpu or gpu");
+    } else if (a == "--weight-dtype") {
+      const std::string v = need(i);
+      if (v == "f32") o.weights_bf16 = false;
+      else if (v == "bf16") o.weights_bf16 = true;
+      else throw std::runtime_error("--weight-dtype: '" + v + "' is not f32 or bf16");
+    } else if (a == "--no-graphs") o.no_graphs = true;
     else throw std::runtime_error("unknown option '" + a + "' (--help lists them)");
   }
   if (o.steps < 0) throw std::runtime_error("--steps must be >= 0");
@@ -168,6 +197,12 @@ Options parse_args(int argc, char** argv) {
   if (o.block_size <= 0) throw std::runtime_error("--block-size must be positive");
   if (!o.calibrate_out.empty() && !o.stats_path.empty())
     throw std::runtime_error("--calibrate and --stats exclude each other (calibration runs uncompressed)");
+  if (o.device == "gpu" && !kHaveCuda)
+    throw std::runtime_error(
+        "--device gpu: this build has no CUDA support; reconfigure with -DTRIATTN_ENABLE_CUDA=ON on a machine with "
+        "the CUDA toolkit (scripts/demo.sh does that when nvcc is present), or use --device cpu");
+  if (o.device == "cpu" && (o.weights_bf16 || o.no_graphs))
+    throw std::runtime_error("--weight-dtype bf16 and --no-graphs apply to --device gpu only");
   if (o.prompts.empty()) o.prompts.emplace_back();
   return o;
 }
@@ -246,9 +281,12 @@ void print_status(const Cache& cache, std::span<const ex::SequenceResult> res) {
   }
 }
 
+/// Runs one compression round per triggered sequence (default: cache.compress_if_needed).
+using CompressFn = std::function<std::vector<triattn::CompressionReport>(std::span<const triattn::SeqId>)>;
+
 template <class Cache, class ModelT>
 int run(ModelT& model, Cache& cache, const TextCodec& codec, const std::vector<std::vector<int>>& prompts,
-        const Options& o, triattn::Calibrator* calibrator) {
+        const Options& o, triattn::Calibrator* calibrator, CompressFn compress_fn = {}) {
   constexpr bool kCompress = !std::is_same_v<typename Cache::scorer_type, triattn::NoScorer>;
   const bool stream = !o.quiet && prompts.size() == 1;
   std::vector<ex::Sampler> samplers;
@@ -280,7 +318,8 @@ int run(ModelT& model, Cache& cache, const TextCodec& codec, const std::vector<s
   };
   if constexpr (kCompress) {
     // After every step: a TriAttention round for each sequence whose cache reached B + D.
-    cb.after_step = [&](std::span<const triattn::SeqId> live) { return cache.compress_if_needed(live); };
+    if (compress_fn) cb.after_step = compress_fn;
+    else cb.after_step = [&](std::span<const triattn::SeqId> live) { return cache.compress_if_needed(live); };
   }
   auto t_start = std::chrono::steady_clock::now();
   auto t_last = t_start;
@@ -342,6 +381,15 @@ int run(ModelT& model, Cache& cache, const TextCodec& codec, const std::vector<s
                st.decode_seconds > 0 ? static_cast<double>(st.decode_tokens) / st.decode_seconds : 0.0,
                st.compress_seconds);
   std::fprintf(stderr, "total: %lld tokens generated in %.3f s\n", static_cast<long long>(generated), total_s);
+#if defined(TRIATTN_EXAMPLE_CUDA)
+  if constexpr (std::is_same_v<typename ModelT::backend_type, ex::CudaBackend>) {
+    const auto bs = model.backend().stats();
+    std::fprintf(stderr, "gpu: %s weights, CUDA graphs %s: %llu captured, %llu steps replayed, %llu eager flushes\n",
+                 ex::weight_type_name(model.backend().options().weights), model.backend().options().graphs ? "on" : "off",
+                 static_cast<unsigned long long>(bs.graph_captures), static_cast<unsigned long long>(bs.graph_replays),
+                 static_cast<unsigned long long>(bs.eager_flushes));
+  }
+#endif
   print_status(cache, std::span<const ex::SequenceResult>(res));
 
   if (calibrator != nullptr) {
@@ -365,6 +413,48 @@ triattn::QueryStats load_stats(const std::string& path, const ex::ModelConfig& m
   if (magic[0] == 'P' && magic[1] == 'K') return triattn::load_pt_stats(path, expect);  // torch.save zip
   return triattn::load_safetensors_stats(path, expect);
 }
+
+#if defined(TRIATTN_EXAMPLE_CUDA)
+/// The GPU path: Model<CudaBackend>, the cache in device memory, TriAttention rounds on the device.
+int run_gpu(const Options& o, const ex::ModelWeights& weights, const TextCodec& codec,
+            const std::vector<std::vector<int>>& prompts, const triattn::CacheConfig& cfg, bool compress,
+            triattn::Calibrator* calibrator) {
+  int devices = 0;
+  const cudaError_t e = cudaGetDeviceCount(&devices);
+  if (e != cudaSuccess || devices == 0) {
+    (void)cudaGetLastError();
+    throw std::runtime_error(std::string("--device gpu: no usable CUDA device (") + cudaGetErrorString(e) + ")");
+  }
+  ex::CudaBackendOptions bo;
+  bo.weights = o.weights_bf16 ? ex::WeightType::kBF16 : ex::WeightType::kF32;
+  bo.graphs = !o.no_graphs;
+  ex::CudaBackend backend(bo);
+  ex::Model<ex::CudaBackend> model(weights, backend);
+  const ex::ModelConfig& mc = model.config();
+  if (!compress) {
+    ex::GpuPlainCache cache(cfg, triattn::cuda::DeviceCompactor(backend.stream()));
+    return run(model, cache, codec, prompts, o, calibrator);
+  }
+  if (!triattn::cuda::is_supported_head_dim(mc.head_dim))
+    throw std::runtime_error("--device gpu with --stats: the GPU scoring kernels are compiled for head_dim 64 and 128, " +
+                             mc.name + " has head_dim " + std::to_string(mc.head_dim) +
+                             " (compress on the CPU with --device cpu, or run without --stats)");
+  const triattn::QueryStats stats = load_stats(o.stats_path, mc);
+  triattn::RopeConfig rope;
+  rope.style = mc.rope_style;
+  rope.theta = mc.rope_theta;
+  triattn::SelectionParams sel;
+  sel.budget = o.budget;
+  sel.divide_length = o.divide_length;
+  ex::GpuTriCache cache(cfg, triattn::cuda::DeviceCompactor(backend.stream()),
+                        triattn::cuda::TriAttentionDeviceScorer(stats, rope, triattn::ScoringParams{}, mc.n_kv_heads,
+                                                                backend.stream()),
+                        triattn::TopKSelector(sel));
+  ex::DeviceCompressor compressor(backend.stream());  // score + select on the device, compaction by the cache
+  return run(model, cache, codec, prompts, o, nullptr,
+             [&](std::span<const triattn::SeqId> live) { return compressor.compress_if_needed(cache, live); });
+}
+#endif
 
 int real_main(int argc, char** argv) {
   const Options o = parse_args(argc, argv);
@@ -391,10 +481,18 @@ int real_main(int argc, char** argv) {
     if (o.synthetic_layers > 0) c.n_layers = o.synthetic_layers;
     if (o.synthetic_vocab > 0) c.vocab_size = o.synthetic_vocab;
     constexpr std::size_t kCpuLimit = std::size_t{8} << 30;
-    if (ex::weight_bytes(c) > kCpuLimit)
+    constexpr std::size_t kGpuLimit = std::size_t{64} << 30;  // host float32 copy made before the upload
+    if (o.device == "cpu" && ex::weight_bytes(c) > kCpuLimit)
       throw std::runtime_error("synthetic '" + shape + "' needs " + human_bytes(static_cast<double>(ex::weight_bytes(c))) +
                                " of float32 weights, over the CPU path's 8 GiB limit; shrink it with "
                                "--synthetic-layers / --synthetic-vocab (the full shape is meant for the GPU path)");
+    if (o.device == "gpu" && ex::weight_bytes(c) > kGpuLimit)
+      throw std::runtime_error("synthetic '" + shape + "' needs " + human_bytes(static_cast<double>(ex::weight_bytes(c))) +
+                               " of float32 host weights before the upload, over 64 GiB");
+    if (o.device == "gpu" && ex::weight_bytes(c) > (std::size_t{4} << 30))
+      std::fprintf(stderr, "note: generating %s of float32 weights on the host first (takes a while; "
+                           "benchmarks/bench_decode_step generates them on the GPU)\n",
+                   human_bytes(static_cast<double>(ex::weight_bytes(c))).c_str());
     weights = ex::make_synthetic_weights(c, o.seed);
   }
   codec.vocab = weights.config.vocab_size;
@@ -403,8 +501,7 @@ int real_main(int argc, char** argv) {
   std::vector<std::vector<int>> prompts;
   for (const std::string& p : o.prompts) prompts.push_back(codec.encode(p));
 
-  ex::Model<ex::CpuBackend> model(weights);
-  const ex::ModelConfig& mc = model.config();
+  const ex::ModelConfig& mc = weights.config;
   std::fprintf(stderr, "model %s: %zu parameters, %d layers, dim %d, %d q / %d kv heads, head_dim %d, %s RoPE\n",
                mc.name.c_str(), mc.parameter_count(), mc.n_layers, mc.dim, mc.n_heads, mc.n_kv_heads, mc.head_dim,
                mc.rope_style == triattn::RopeStyle::kHalf ? "half" : "interleaved");
@@ -419,6 +516,10 @@ int real_main(int argc, char** argv) {
     std::fprintf(stderr, "note: no --stats given: compression off (make statistics with --calibrate OUT)\n");
 
   const triattn::CacheConfig cfg = make_cache_config(mc, prompts, o, compress);
+#if defined(TRIATTN_EXAMPLE_CUDA)
+  if (o.device == "gpu") return run_gpu(o, weights, codec, prompts, cfg, compress, calibrator.get());
+#endif
+  ex::Model<ex::CpuBackend> model(weights);
   if (!compress) {
     PlainCache cache(cfg);
     return run(model, cache, codec, prompts, o, calibrator.get());

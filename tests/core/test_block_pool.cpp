@@ -114,7 +114,7 @@ TEST_CASE("block pool: allocation is all-or-nothing") {
   CHECK(one[0] == -7);
 }
 
-TEST_CASE("block pool: reference counts; shared blocks are freed only at zero") {
+TEST_CASE("block pool: reference counts - shared blocks are freed only at zero") {
   BlockPool p(4);
   std::vector<block_id> a(2);
   REQUIRE(p.allocate(a));
@@ -133,7 +133,7 @@ TEST_CASE("block pool: reference counts; shared blocks are freed only at zero") 
   CHECK(p.num_free() == 4);
 }
 
-TEST_CASE("block pool: double free, retain of a free block and foreign ids throw and change nothing") {
+TEST_CASE("block pool: double free and retain of a free block and foreign ids throw and change nothing") {
   BlockPool p(5);
   std::vector<block_id> a(3);
   REQUIRE(p.allocate(a));
@@ -174,7 +174,7 @@ TEST_CASE("block pool: double free, retain of a free block and foreign ids throw
   }
 }
 
-TEST_CASE("block pool: 1,000,000 random operations against a model (O(1) per op)") {
+TEST_CASE("block pool: 1000000 random operations against a model (O(1) per op)") {
   constexpr int kBlocks = 4096;
   const std::uint64_t seed = 0x5eed'b10c;
   MESSAGE("block pool random run seed = " << seed);
@@ -237,7 +237,7 @@ TEST_CASE("block pool: 1,000,000 random operations against a model (O(1) per op)
   CHECK(all == iota);
 }
 
-TEST_CASE("StaticAllocator<HostBackend>: one zeroed, aligned buffer of 2 * layers ranges") {
+TEST_CASE("StaticAllocator<HostBackend>: one zeroed and aligned buffer of 2 x layers ranges") {
   static_assert(BlockAllocator<StaticAllocator<HostBackend>>);
   static_assert(StaticAllocator<HostBackend>::memory_space == MemorySpace::kHost);
   CacheConfig cfg;

@@ -132,7 +132,7 @@ TEST_CASE("dtype: enum helpers") {
   static_assert(f32_to_bf16_bits(1.0f) == 0x3f80 && bf16_bits_to_f32(0x3f80) == 1.0f);
 }
 
-TEST_CASE_TEMPLATE("dtype: to_float is exact for all 65,536 patterns", T, f16_storage, bf16_storage) {
+TEST_CASE_TEMPLATE("dtype: to_float is exact for all 65536 patterns", T, f16_storage, bf16_storage) {
   Failures f;
   std::size_t nans = 0, infs = 0;
   for (std::uint32_t p = 0; p < 65536; ++p) {
@@ -157,7 +157,7 @@ TEST_CASE_TEMPLATE("dtype: to_float is exact for all 65,536 patterns", T, f16_st
   CHECK(nans == 2 * ((1u << Fmt<T>::kMantBits) - 1u));
 }
 
-TEST_CASE_TEMPLATE("dtype: float(h) -> h round trip for all 65,536 patterns", T, f16_storage, bf16_storage) {
+TEST_CASE_TEMPLATE("dtype: float(h) -> h round trip for all 65536 patterns", T, f16_storage, bf16_storage) {
   Failures f;
   for (std::uint32_t p = 0; p < 65536; ++p) {
     const auto bits = static_cast<std::uint16_t>(p);
@@ -172,7 +172,7 @@ TEST_CASE_TEMPLATE("dtype: float(h) -> h round trip for all 65,536 patterns", T,
   f.check("round trip");
 }
 
-TEST_CASE_TEMPLATE("dtype: midpoints of adjacent values round to even, +-1 ulp to the nearer", T, f16_storage,
+TEST_CASE_TEMPLATE("dtype: midpoints of adjacent values round to even and +-1 ulp to the nearer", T, f16_storage,
                    bf16_storage) {
   Failures f;
   std::size_t pairs = 0;

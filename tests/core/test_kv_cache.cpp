@@ -300,7 +300,7 @@ TEST_CASE("kv cache: a fresh cache") {
   CHECK(v.block.head_dim == 6);
 }
 
-TEST_CASE("kv cache: sequence slots, lowest first, reused after release, fresh state") {
+TEST_CASE("kv cache: sequence slots are lowest first and reused after release with a fresh state") {
   KvCache<> c(make_config(DType::kF32, KvLayout::kNHD, 4, 16, 3));
   const SeqId a = c.add_sequence(), b = c.add_sequence(), d = c.add_sequence();
   CHECK(a == 0);
@@ -325,7 +325,7 @@ TEST_CASE("kv cache: sequence slots, lowest first, reused after release, fresh s
   CHECK(c.block_table(e).empty());
 }
 
-TEST_CASE("kv cache: extend bookkeeping (first slot, blocks needed, positions, prompt)") {
+TEST_CASE("kv cache: extend bookkeeping (first slot / blocks needed / positions / prompt)") {
   KvCache<> c(make_config(DType::kF16, KvLayout::kHND, 7, 32, 4));
   const SeqId s = c.add_sequence();
   AppendResult r = c.extend(s, 10, Phase::kPrefill);
@@ -358,7 +358,7 @@ TEST_CASE("kv cache: extend bookkeeping (first slot, blocks needed, positions, p
   CHECK(std::vector<std::int32_t>(t.begin(), t.end()) == std::vector<std::int32_t>{0, 1, 2});
 }
 
-TEST_CASE_TEMPLATE("kv cache: prefill, decode and keep-plan compaction move exactly the kept tokens", T, float,
+TEST_CASE_TEMPLATE("kv cache: prefill and decode and keep-plan compaction move exactly the kept tokens", T, float,
                    f16_storage, bf16_storage) {
   for (KvLayout layout : {KvLayout::kNHD, KvLayout::kHND})
     for (int bs : {1, 7, 16}) {

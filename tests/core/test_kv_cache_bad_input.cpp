@@ -253,7 +253,7 @@ TEST_CASE("bad input: the fixture and the follow-up script are deterministic") {
   CHECK_FALSE(snap(C.c) == snap(D.c));
 }
 
-TEST_CASE("bad input: unknown, never-added and released sequences, for every method") {
+TEST_CASE("bad input: unknown and never-added and released sequences for every method") {
   const auto k1 = zeros(kL * kH * kD), v1 = zeros(kL * kH * kD);
   // -1 and >= max_seqs are not ids; 2 was released; 4 was never added.
   for (SeqId s : {-1, kMaxSeqs, 1000, std::numeric_limits<SeqId>::min(), 2, 4}) {
@@ -496,7 +496,7 @@ TEST_CASE("bad input: rewriting a shared (forked) block") {
   }
 }
 
-TEST_CASE("bad input: prefill after decode, bad fork sizes") {
+TEST_CASE("bad input: prefill after decode and bad fork sizes") {
   // a has decode tokens: a prefill extend is refused before anything moves.
   expect_rejected([](Fixture& F) { (void)F.c.extend(F.a, 1, Phase::kPrefill); }, {"prefill", "sequence 0"});
   expect_rejected([](Fixture& F) { (void)F.c.extend(F.a, 5, Phase::kPrefill); }, {"prefill", "sequence 0"});

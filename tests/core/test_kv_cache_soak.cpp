@@ -554,11 +554,11 @@ void run_soak(KvLayout layout, int bs, int head_dim, int ops, std::uint64_t defa
 
 TEST_SUITE("core") {
 
-TEST_CASE("kv cache soak: 100,000 random operations against a model (fp16, NHD, block size 3)") {
+TEST_CASE("kv cache soak: 100000 random operations against a model (fp16 NHD block size 3)") {
   run_soak<f16_storage>(KvLayout::kNHD, 3, 4, 100'000, 20240601);
 }
 
-TEST_CASE("kv cache soak: other dtypes and layouts (25,000 operations each)") {
+TEST_CASE("kv cache soak: other dtypes and layouts (25000 operations each)") {
   run_soak<bf16_storage>(KvLayout::kHND, 4, 8, 25'000, 7);
   run_soak<float>(KvLayout::kHND, 3, 4, 25'000, 8);
   run_soak<bf16_storage>(KvLayout::kNHD, 4, 6, 25'000, 9);

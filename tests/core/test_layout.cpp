@@ -35,7 +35,7 @@ TEST_CASE("layout: names") {
   CHECK(std::string(layout_name(KvLayout::kHND)) == "HND");
 }
 
-TEST_CASE("layout: offsets tile [0, num_blocks * block_elems) exactly, for both layouts") {
+TEST_CASE("layout: offsets of both layouts tile num_blocks x block_elems exactly") {
   std::vector<Geometry> geos;
   for (int bs : {1, 3, 7, 16})
     for (int heads : {1, 2, 3, 8})
@@ -128,7 +128,7 @@ TEST_CASE("layout: CacheConfig derived sizes") {
   CHECK(c.token_bytes() == 2 * 3 * 2 * 6 * 4);
 }
 
-TEST_CASE("layout: KvCacheView addresses range, block table entry, slot and head as the layout says") {
+TEST_CASE("layout: KvCacheView addresses range and block table entry and slot and head as the layout says") {
   for (KvLayout l : {KvLayout::kNHD, KvLayout::kHND}) {
     CAPTURE(layout_name(l));
     const int L = 2, H = 3, D = 4, bs = 3, nb = 5, max_seqs = 2, mbps = 4;

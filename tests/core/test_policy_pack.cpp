@@ -309,7 +309,7 @@ TEST_CASE("policy pack: scorer and selector drive needs_compression / compress /
   CHECK_THROWS_AS((void)c.needs_compression(-1), triattn::logic_error);
 }
 
-TEST_CASE("policy pack: the trigger sees decoding only after a decode token, even after compaction shortened the prompt") {
+TEST_CASE("policy pack: the trigger sees decoding only after a decode token even after compaction shortened the prompt") {
   KvCache<PeriodScorer, PositiveSelector> c(config(), PositiveSelector{2});
   const SeqId s = c.add_sequence();
   append_indexed(c, s, 4, Phase::kPrefill);

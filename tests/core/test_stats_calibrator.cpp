@@ -81,7 +81,7 @@ void feed_shuffled(triattn::Calibrator& cal, const std::vector<std::vector<float
 
 TEST_SUITE("stats") {
 
-TEST_CASE("stats: calibrator means equal an independent float64 computation exactly, both pairings") {
+TEST_CASE("stats: calibrator means equal an independent float64 computation exactly for both pairings") {
   const auto q = make_queries(3);
   for (const auto style : {triattn::RopeStyle::kHalf, triattn::RopeStyle::kInterleaved}) {
     CAPTURE(static_cast<int>(style));

@@ -277,7 +277,7 @@ TEST_CASE("stats: 200 corruptions of qwen3_8b.pt are all rejected") { corruption
 
 TEST_CASE("stats: 200 corruptions of ds_llama8b.pt are all rejected") { corruption_campaign("ds_llama8b.pt"); }
 
-TEST_CASE("stats: hand-made archives: the valid one loads, each defect is named") {
+TEST_CASE("stats: hand-made archives: the valid one loads and each defect is named") {
   const triattn::QueryStats s = make_stats(2, 3, 8, 7);
   const std::string name = "handmade.pt";
   SUBCASE("valid") {
@@ -412,7 +412,7 @@ TEST_CASE("stats: pickle decoder guards") {
   CHECK(ints[tup.items[2]].integer == 0x1234);
 }
 
-TEST_CASE("stats: .pt writer round trip is bitwise, and the real files survive it") {
+TEST_CASE("stats: .pt writer round trip is bitwise and the real files survive it") {
   const triattn::QueryStats s = make_stats(3, 4, 16, 11);
   const Bytes b = triattn::serialize_pt_stats(s, "roundtrip");
   const auto back = triattn::load_pt_stats(std::span<const std::uint8_t>(b), "roundtrip.pt");

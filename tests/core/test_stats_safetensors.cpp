@@ -164,7 +164,7 @@ TEST_CASE("stats: .pt -> safetensors -> load is bitwise equal for both real file
   }
 }
 
-TEST_CASE("stats: the header is plain safetensors: aligned, F32 tensors [L, Hq, F], string metadata") {
+TEST_CASE("stats: the header is plain safetensors: aligned F32 tensors of shape L x Hq x F and string metadata") {
   const auto pt = triattn::load_pt_stats(calib_path("qwen3_8b.pt"));
   const Bytes b = triattn::serialize_safetensors_stats(pt);
   const std::uint64_t n = triattn::detail::load_le64(b.data());
@@ -195,7 +195,7 @@ TEST_CASE("stats: 200 corruptions of ds_llama8b statistics in safetensors are al
   corruption_campaign("ds_llama8b.pt");
 }
 
-TEST_CASE("stats: hand-made safetensors files: the valid one loads, each defect is named") {
+TEST_CASE("stats: hand-made safetensors files: the valid one loads and each defect is named") {
   const std::string name = "handmade.safetensors";
   Spec spec = base_spec(2, 3, 8);
   REQUIRE(load_error(make_file(spec), name).empty());

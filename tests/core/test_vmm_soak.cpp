@@ -50,19 +50,15 @@ class Model {
   enum St : int { kUnmapped = 0, kMapped = 1, kPending = 2 };
 
   Model(const SlabGeometry& g, std::size_t pool_cap_bytes)
-      : g_(g), ref_(static_cast<std::size_t>(g.num_blocks), 0), st_(static_cast<std::size_t>(g.num_slabs), kUnmapped),
-        group_of_(static_cast<std::size_t>(g.num_slabs), 0), pool_cap_(pool_cap_bytes) {}
+      : g_(g), ref_(static_cast<std::size_t>(g.num_blocks), 0), used_(static_cast<std::size_t>(g.num_slabs), 0),
+        st_(static_cast<std::size_t>(g.num_slabs), kUnmapped), group_of_(static_cast<std::size_t>(g.num_slabs), 0), pool_cap_(pool_cap_bytes) {}
 
   std::size_t limit = kUnlimited;
   std::size_t capacity = kUnlimited;  // the fake device's memory
   bool manual = false;                // events complete only when signalled
   AllocStatus last = AllocStatus::kOk;
 
-  int used(int s) const {
-    int u = 0;
-    for (int b = g_.first_block(s); b < g_.first_block(s) + g_.blocks_in(s); ++b) u += ref_[idx(b)] > 0 ? 1 : 0;
-    return u;
-  }
+  int used(int s) const { return used_[idx(s)]; }
   std::size_t physical_pages() const { return mapped_ + pool_; }
   std::size_t mapped_bytes() const { return mapped_ * kPage; }
   std::size_t pooled_bytes() const { return pool_ * kPage; }
@@ -84,6 +80,7 @@ class Model {
       int b = g_.first_block(best);
       while (ref_[idx(b)] != 0) ++b;
       ref_[idx(b)] = 1;
+      ++used_[idx(best)];
       st_[idx(best)] = kMapped;  // revives a pending slab
       out.push_back(b);
     }
@@ -96,7 +93,9 @@ class Model {
     return true;
   }
   void retain(int b) { ++ref_[idx(b)]; }
-  void release(int b) { --ref_[idx(b)]; }
+  void release(int b) {
+    if (--ref_[idx(b)] == 0) --used_[idx(g_.slab_of(b))];
+  }
 
   void trim(std::size_t keep_bytes) {
     poll();
@@ -202,6 +201,7 @@ class Model {
 
   SlabGeometry g_;
   std::vector<int> ref_;
+  std::vector<int> used_;  // live blocks per slab
   std::vector<int> st_;
   std::vector<std::uint64_t> group_of_;
   std::vector<Group> groups_;

@@ -4,6 +4,8 @@
 // no host synchronisation; per-sequence lengths and prompt lengths come from device memory.
 #pragma once
 
+#include <atomic>
+#include <cstddef>
 #include <cstdint>
 
 #include <triattn/core/scoring_params.hpp>
@@ -67,11 +69,21 @@ template <class Id>
   if (params.normalize && stats == nullptr) return cudaErrorInvalidValue;
   if (params.mode == PruningMode::kUnion && flags == nullptr) return cudaErrorInvalidValue;
   if (seqs.batch == 0 || seqs.max_len == 0) return cudaSuccess;
-  const dim3 grid(static_cast<unsigned>((seqs.max_len + kReduceThreads - 1) / kReduceThreads),
+  const int slots_per_cta = params.mode == PruningMode::kPerHead ? kReduceSlots : kReduceThreads;
+  const dim3 grid(static_cast<unsigned>((seqs.max_len + slots_per_cta - 1) / slots_per_cta),
                   static_cast<unsigned>(reduced_rows(shape, params.mode)), static_cast<unsigned>(seqs.batch));
   if (grid.y > 65535u) return cudaErrorInvalidValue;
-  gqa_reduce_kernel<Id><<<grid, kReduceThreads, 0, stream>>>(scores, stats, out, flags, seqs, params,
-                                                             shape.num_layers, shape.num_q_heads, shape.num_kv_heads);
+  const std::size_t smem = gqa_reduce_smem_bytes(params.mode, shape.num_layers);
+  if (smem > 48 * 1024) {  // > 192 layers: raise the limit once
+    static std::atomic<std::size_t> granted{0};
+    if (smem > granted.load(std::memory_order_relaxed)) {
+      TRIATTN_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(gqa_reduce_kernel<Id>,
+                                                        cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+      granted.store(smem, std::memory_order_relaxed);
+    }
+  }
+  gqa_reduce_kernel<Id><<<grid, kReduceThreads, smem, stream>>>(scores, stats, out, flags, seqs, params,
+                                                                shape.num_layers, shape.num_q_heads, shape.num_kv_heads);
   return check_launch(stream);
 }
 

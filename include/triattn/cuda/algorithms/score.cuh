@@ -6,6 +6,7 @@
 #pragma once
 
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
@@ -38,6 +39,19 @@ inline int resident_ctas(Kernel kernel, int threads, std::size_t smem) noexcept 
     return 1;
   }
   return n;
+}
+
+/// Raises `kernel`'s dynamic shared-memory limit to `smem` once per process (tracked in
+/// `granted`), so steady-state launches (e.g. inside a graph capture) make no attribute call.
+/// NOTE: the attribute is per device; a process that scores on several devices of different
+/// kinds should warm each one up eagerly first.
+template <class Kernel>
+[[nodiscard]] inline cudaError_t ensure_dynamic_smem(Kernel kernel, std::size_t smem,
+                                                     std::atomic<std::size_t>& granted) noexcept {
+  if (smem <= 48 * 1024 || smem <= granted.load(std::memory_order_relaxed)) return cudaSuccess;
+  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (e == cudaSuccess) granted.store(smem, std::memory_order_relaxed);  // a race only repeats the call
+  return e;
 }
 
 /// Grid of a persistent-style scoring launch: one wave of resident CTAs, capped by the items.
@@ -86,9 +100,8 @@ template <class T, class Id, int HD, RopeStyle S>
     TRIATTN_CUDA_RETURN_IF_ERROR(current_device_sm_count(&sms));
     auto kernel = score_max_mma_kernel<T, Id, HD, S>;
     const std::size_t smem = score_max_mma_smem_bytes<T, HD>(m.num_offsets);
-    if (smem > 48 * 1024)
-      TRIATTN_CUDA_RETURN_IF_ERROR(
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    static std::atomic<std::size_t> granted{0};
+    TRIATTN_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem(kernel, smem, granted));
     static std::atomic<unsigned long long> cached{0};  // (smem << 16 | CTAs per SM), see below
     unsigned long long c = cached.load(std::memory_order_relaxed);
     if ((c >> 16) != smem || c == 0) {
@@ -124,7 +137,8 @@ template <class T, class Id, int HD, RopeStyle S, int GMAX>
   using Shape = ScoreShape<T, HD, GMAX, 4>;
   auto kernel = score_max_kernel<T, Id, HD, S, GMAX>;
   const std::size_t smem = score_max_smem_bytes<HD, GMAX>(m.num_offsets);
-  if (smem > 48 * 1024) TRIATTN_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  static std::atomic<std::size_t> granted{0};
+  TRIATTN_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem(kernel, smem, granted));
   // Occupancy depends on |D| (shared memory): cached per instantiation as (smem << 16 | CTAs),
   // so a round captured in a graph makes no occupancy query.
   static std::atomic<unsigned long long> cached{0};

@@ -22,14 +22,27 @@ template <class Id>
                                                const DeviceSelectParams& params, const RoundShape& shape,
                                                SelectTarget target, cudaStream_t stream) noexcept {
   if (in.rows <= 0 || in.planes <= 0 || seqs.batch > 65535) return cudaErrorInvalidValue;
-  const dim3 grid(static_cast<unsigned>(in.rows), static_cast<unsigned>(seqs.batch));
+  // Plan rows each ranked row feeds: per_head L, union L·Hkv. Split those writes over up to
+  // two CTAs per SM in total (each split re-ranks the row: a few µs of redundant L2 reads).
+  const int targets = target == SelectTarget::kPerHead ? shape.num_layers
+                      : target == SelectTarget::kAll   ? shape.num_layers * shape.num_kv_heads
+                                                       : 1;
+  int sms = 0;
+  TRIATTN_CUDA_RETURN_IF_ERROR(current_device_sm_count(&sms));
+  const long long ctas = static_cast<long long>(in.rows) * (seqs.batch > 0 ? seqs.batch : 1);
+  long long splits = (2LL * sms + ctas - 1) / ctas;
+  splits = splits < 1 ? 1 : (splits > targets ? targets : splits);
+  const long long gx = static_cast<long long>(in.rows) * splits;
+  if (gx > 0x7fffffffLL) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(seqs.batch));
+  const int sp = static_cast<int>(splits);
   if (seqs.max_len <= kSelectCacheMax) {
     const std::size_t smem = static_cast<std::size_t>(seqs.max_len) * sizeof(std::uint32_t);
     select_kernel<Id, true><<<grid, kSelectThreads, smem, stream>>>(in, plan, flags, seqs, params, shape.num_layers,
-                                                                   shape.num_kv_heads, target);
+                                                                   shape.num_kv_heads, target, sp);
   } else {
     select_kernel<Id, false><<<grid, kSelectThreads, 0, stream>>>(in, plan, flags, seqs, params, shape.num_layers,
-                                                                 shape.num_kv_heads, target);
+                                                                 shape.num_kv_heads, target, sp);
   }
   return check_launch(stream);
 }

@@ -15,6 +15,15 @@
 // P is split into hi + lo 16-bit parts, so PV keeps ~16 bits of P (a single bf16 P would give
 // ~1e-3 relative error by itself).
 // fp32 caches (f32 kernel): CUDA cores, a half-warp per token, 4 query heads per pass.
+//
+// Two ways to feed the 16-bit math (same fragments, same MMAs, same results):
+//   register kernel: each warp loads a tile's K and V straight into registers, then computes.
+//   cp.async kernel: each warp streams its tiles through kStages shared-memory buffers
+//     (cp.async, 16 bytes, coalesced per 128-byte line; chunks XOR-swizzled per token so the
+//     fragment reads are free of bank conflicts), so kStages tiles stay in flight while it
+//     computes; the block-table entry of a tile is fetched one tile ahead.
+// Splits are merged either by a combine kernel (serial or parallel over splits) or by the last
+// CTA of each (entry, KV head) to finish (arrival counter in the workspace).
 #pragma once
 
 #include <cstdint>
@@ -42,6 +51,7 @@ struct DecodeAttentionParams {
   int num_splits;               ///< 1: write `out` directly; > 1: write partials
   int tokens_per_split;
   float scale_log2;             ///< sm_scale * log2(e)
+  std::uint32_t* counters;      ///< fused merge: [batch * gridDim.y] arrival counters (workspace)
 };
 
 namespace detail {
@@ -109,6 +119,99 @@ __device__ __forceinline__ std::uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
+__device__ __forceinline__ std::uint32_t smem_addr(const void* p) {
+  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
+}
+/// 16-byte global -> shared copy through L2 only (cp.async.cg).
+__device__ __forceinline__ void cp_async_16(std::uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+/// Waits until at most N of this thread's committed groups are pending.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+/// XOR applied to a 16-byte chunk index of token row t (0..15) of a shared-memory tile: the K
+/// fragment reads (tokens t, t+1 x chunks 4i..4i+3 per quarter warp) and the V fragment reads
+/// (tokens t, t+2, t+4, t+6 x chunks 2j, 2j+1) then hit 8 distinct 16-byte bank groups.
+__device__ __forceinline__ int chunk_swizzle(int t) { return (((t >> 1) & 3) << 1) ^ ((t & 1) << 2); }
+
+/// One 16-token tile of the mma kernels: S^T = K Q^T, online softmax, O^T += V^T P^T (hi + lo).
+/// ka/kb: chunks 4i + q4 of tokens g / g + 8; v[j][u]: chunk g + 8u of tokens 2q4, 2q4 + 1,
+/// 8 + 2q4, 9 + 2q4 (see the file comment). valid_a / valid_b: tokens g / g + 8 exist.
+template <int D, class DT>
+__device__ __forceinline__ void mma_tile_update(const uint4 (&ka)[D / 32], const uint4 (&kb)[D / 32],
+                                                const uint4 (&v)[4][D / 64], const std::uint32_t (&qf)[D / 16][2],
+                                                float (&o)[D / 16][4], float& m0, float& m1, float& l0, float& l1,
+                                                bool valid_a, bool valid_b, float scale_log2) {
+  constexpr int kKChunks = D / 32;
+  constexpr int kMTiles = D / 16;
+  // S^T: s[0] = (token g, head 2q4), s[1] = (g, 2q4+1), s[2] = (g+8, 2q4), s[3] = (g+8, 2q4+1).
+  float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int i = 0; i < kKChunks; ++i) {
+    mma_16816<DT>(s, ka[i].x, kb[i].x, ka[i].y, kb[i].y, qf[2 * i][0], qf[2 * i][1]);
+    mma_16816<DT>(s, ka[i].z, kb[i].z, ka[i].w, kb[i].w, qf[2 * i + 1][0], qf[2 * i + 1][1]);
+  }
+  const float s0 = valid_a ? s[0] * scale_log2 : -INFINITY;
+  const float s1 = valid_a ? s[1] * scale_log2 : -INFINITY;
+  const float s2 = valid_b ? s[2] * scale_log2 : -INFINITY;
+  const float s3 = valid_b ? s[3] * scale_log2 : -INFINITY;
+
+  // Online softmax per head over the tile's 16 tokens (lanes of one q4 hold one head pair).
+  float mx0 = fmaxf(s0, s2), mx1 = fmaxf(s1, s3);
+#pragma unroll
+  for (int x = 4; x < 32; x <<= 1) {
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, x));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, x));
+  }
+  const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);  // finite: the tile's first token is valid
+  const float a0 = exp2f(m0 - mn0), a1 = exp2f(m1 - mn1);
+  m0 = mn0;
+  m1 = mn1;
+  const float p0 = exp2f(s0 - mn0), p1 = exp2f(s1 - mn1), p2 = exp2f(s2 - mn0), p3 = exp2f(s3 - mn1);
+  l0 = l0 * a0 + (p0 + p2);
+  l1 = l1 * a1 + (p1 + p3);
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+    o[mt][0] *= a0;
+    o[mt][1] *= a1;
+    o[mt][2] *= a0;
+    o[mt][3] *= a1;
+  }
+
+  // P^T B fragments: b0 = P[head g][tokens 2q4, 2q4+1], b1 = P[head g][tokens 8+2q4, 9+2q4].
+  std::uint32_t h01, l01, h23, l23;
+  split_pack<DT>(p0, p1, h01, l01);
+  split_pack<DT>(p2, p3, h23, l23);
+  const std::uint32_t bh0 = movmatrix_trans(h01), bh1 = movmatrix_trans(h23);
+  const std::uint32_t bl0 = movmatrix_trans(l01), bl1 = movmatrix_trans(l23);
+
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+    // V^T A fragment of m-tile mt: rows g / g+8 are dims dim_of(mt, 0|1, g); columns are
+    // tokens (2q4, 2q4+1) for a0/a1 and (8+2q4, 9+2q4) for a2/a3.
+    std::uint32_t a0r, a1r, a2r, a3r;
+    if constexpr (D == 128) {
+      const std::uint32_t sel = (mt & 1) ? 0x7632u : 0x5410u;
+      const int w = mt >> 1;
+      a0r = __byte_perm(word(v[0][0], w), word(v[1][0], w), sel);
+      a1r = __byte_perm(word(v[0][1], w), word(v[1][1], w), sel);
+      a2r = __byte_perm(word(v[2][0], w), word(v[3][0], w), sel);
+      a3r = __byte_perm(word(v[2][1], w), word(v[3][1], w), sel);
+    } else {
+      a0r = __byte_perm(word(v[0][0], mt), word(v[1][0], mt), 0x5410u);
+      a1r = __byte_perm(word(v[0][0], mt), word(v[1][0], mt), 0x7632u);
+      a2r = __byte_perm(word(v[2][0], mt), word(v[3][0], mt), 0x5410u);
+      a3r = __byte_perm(word(v[2][0], mt), word(v[3][0], mt), 0x7632u);
+    }
+    mma_16816<DT>(o[mt], a0r, a1r, a2r, a3r, bh0, bh1);
+    mma_16816<DT>(o[mt], a0r, a1r, a2r, a3r, bl0, bl1);
+  }
+}
+
 /// Element offset (inside its range) of head vector (slot, head) of a sequence whose block-table
 /// row is `table`.
 template <class T, class Id>
@@ -145,6 +248,104 @@ __device__ __forceinline__ void cta_merge_store(const float (&s_o)[kWarps][kHP][
       p.partial_o[part * D + e] = o;
       if (e == 0) p.partial_ml[part] = make_float2(mx, l);
     }
+  }
+}
+
+/// Shared memory of the CTA merge (the cp.async kernel aliases it with its pipeline buffers).
+template <int D, int kHP, int kWarps>
+struct MergeSmem {
+  float o[kWarps][kHP][D + 1];
+  float m[kWarps][kHP];
+  float l[kWarps][kHP];
+};
+
+/// Shared memory of the fused split merge (aliases MergeSmem once the CTA's partial is out).
+template <int kHP, int kMaxSplits>
+struct SplitMergeSmem {
+  float w[kHP][kMaxSplits];  ///< split weights exp2(m_s - max)
+  float l[kHP];              ///< sum over splits of l_s * w_s
+  int last;                  ///< this CTA arrived last
+};
+
+/// Fused split merge, run by every CTA of a multi-split launch after it stored its partial:
+/// the CTA that arrives last for its (entry, head group) merges the n_active partials of its
+/// nh query heads into `out` and resets the arrival counter for the next call.
+template <int D, int kHP, int kWarps, class T, class OutT>
+__device__ __forceinline__ void fused_split_merge(void* smem, int nh, int b, int first_q_head, int n_active,
+                                                  const DecodeAttentionParams<T, OutT>& p) {
+  using Tune = tuning::sm90::DecodeAttention;
+  constexpr int kMaxSplits = Tune::kMaxSplits;
+  constexpr int kBatch = Tune::kMergeBatch;
+  constexpr int kQ = D / 4;  // float4s per head row
+  auto& sm = *static_cast<SplitMergeSmem<kHP, kMaxSplits>*>(smem);
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+
+  __threadfence();  // this CTA's partial (every thread's stores) before its arrival
+  __syncthreads();  // also: every thread is done with MergeSmem, which sm aliases
+  if (tid == 0) {
+    griddep_wait();  // variant 3: the counters were zeroed by the preceding kernel
+    std::uint32_t* ctr = p.counters + static_cast<std::int64_t>(b) * gridDim.y + blockIdx.y;
+    const std::uint32_t prev = atomicAdd(ctr, 1u);
+    const int last = prev + 1u == static_cast<std::uint32_t>(n_active) ? 1 : 0;
+    if (last) atomicExch(ctr, 0u);  // every CTA of this call has arrived: ready for the next call
+    sm.last = last;
+  }
+  __syncthreads();
+  if (sm.last == 0) return;
+  __threadfence();  // the other CTAs' partials (they fenced before arriving)
+
+  // Weights per head: one warp per head, lanes over splits.
+  for (int h = warp; h < nh; h += kWarps) {
+    const std::int64_t row = static_cast<std::int64_t>(b) * p.num_q_heads + first_q_head + h;
+    const float2* ml = p.partial_ml + row * p.num_splits;
+    float mx = -INFINITY;
+    for (int s = lane; s < n_active; s += 32) mx = fmaxf(mx, __ldcg(ml + s).x);
+#pragma unroll
+    for (int x = 16; x > 0; x >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x));
+    float ls = 0.f;
+    for (int s = lane; s < n_active; s += 32) {
+      const float2 x = __ldcg(ml + s);
+      const float w = exp2f(x.x - mx);
+      sm.w[h][s] = w;
+      ls += x.y * w;
+    }
+#pragma unroll
+    for (int x = 16; x > 0; x >>= 1) ls += __shfl_xor_sync(0xffffffffu, ls, x);
+    if (lane == 0) sm.l[h] = ls;
+  }
+  __syncthreads();
+
+  // Outputs: a thread per (head, 4 dims), kBatch partial loads in flight, splits summed in order.
+  for (int idx = tid; idx < nh * kQ; idx += kWarps * 32) {
+    const int h = idx / kQ;
+    const int e4 = idx % kQ;
+    const std::int64_t row = static_cast<std::int64_t>(b) * p.num_q_heads + first_q_head + h;
+    const float4* po = reinterpret_cast<const float4*>(p.partial_o + row * p.num_splits * D) + e4;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s0 = 0; s0 < n_active; s0 += kBatch) {
+      float4 x[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u)
+        x[u] = s0 + u < n_active ? __ldcg(po + static_cast<std::int64_t>(s0 + u) * kQ) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        if (s0 + u < n_active) {
+          const float w = sm.w[h][s0 + u];
+          acc.x += x[u].x * w;
+          acc.y += x[u].y * w;
+          acc.z += x[u].z * w;
+          acc.w += x[u].w * w;
+        }
+      }
+    }
+    const float l = sm.l[h];
+    OutT* op = p.out + row * D + 4 * e4;
+    store_f32(op + 0, acc.x / l);
+    store_f32(op + 1, acc.y / l);
+    store_f32(op + 2, acc.z / l);
+    store_f32(op + 3, acc.w / l);
   }
 }
 
@@ -249,70 +450,7 @@ __global__ void __launch_bounds__(tuning::sm90::DecodeAttention::kThreads, tunin
       v[3][u] = *reinterpret_cast<const uint4*>(vbase + off_v3 + c);
     }
 
-    // S^T: s[0] = (token g, head 2q4), s[1] = (g, 2q4+1), s[2] = (g+8, 2q4), s[3] = (g+8, 2q4+1).
-    float s[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int i = 0; i < kKChunks; ++i) {
-      detail::mma_16816<DT>(s, ka[i].x, kb[i].x, ka[i].y, kb[i].y, qf[2 * i][0], qf[2 * i][1]);
-      detail::mma_16816<DT>(s, ka[i].z, kb[i].z, ka[i].w, kb[i].w, qf[2 * i + 1][0], qf[2 * i + 1][1]);
-    }
-    const bool valid_a = t0 + g < end;
-    const bool valid_b = t0 + g + 8 < end;
-    const float s0 = valid_a ? s[0] * p.scale_log2 : -INFINITY;
-    const float s1 = valid_a ? s[1] * p.scale_log2 : -INFINITY;
-    const float s2 = valid_b ? s[2] * p.scale_log2 : -INFINITY;
-    const float s3 = valid_b ? s[3] * p.scale_log2 : -INFINITY;
-
-    // Online softmax per head over the tile's 16 tokens (lanes of one q4 hold one head pair).
-    float mx0 = fmaxf(s0, s2), mx1 = fmaxf(s1, s3);
-#pragma unroll
-    for (int x = 4; x < 32; x <<= 1) {
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, x));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, x));
-    }
-    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);  // finite: token t0 is valid
-    const float a0 = exp2f(m0 - mn0), a1 = exp2f(m1 - mn1);
-    m0 = mn0;
-    m1 = mn1;
-    const float p0 = exp2f(s0 - mn0), p1 = exp2f(s1 - mn1), p2 = exp2f(s2 - mn0), p3 = exp2f(s3 - mn1);
-    l0 = l0 * a0 + (p0 + p2);
-    l1 = l1 * a1 + (p1 + p3);
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
-      o[mt][0] *= a0;
-      o[mt][1] *= a1;
-      o[mt][2] *= a0;
-      o[mt][3] *= a1;
-    }
-
-    // P^T B fragments: b0 = P[head g][tokens 2q4, 2q4+1], b1 = P[head g][tokens 8+2q4, 9+2q4].
-    std::uint32_t h01, l01, h23, l23;
-    detail::split_pack<DT>(p0, p1, h01, l01);
-    detail::split_pack<DT>(p2, p3, h23, l23);
-    const std::uint32_t bh0 = detail::movmatrix_trans(h01), bh1 = detail::movmatrix_trans(h23);
-    const std::uint32_t bl0 = detail::movmatrix_trans(l01), bl1 = detail::movmatrix_trans(l23);
-
-#pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
-      // V^T A fragment of m-tile mt: rows g / g+8 are dims dim_of(mt, 0|1, g); columns are
-      // tokens (2q4, 2q4+1) for a0/a1 and (8+2q4, 9+2q4) for a2/a3.
-      std::uint32_t a0r, a1r, a2r, a3r;
-      if constexpr (D == 128) {
-        const std::uint32_t sel = (mt & 1) ? 0x7632u : 0x5410u;
-        const int w = mt >> 1;
-        a0r = __byte_perm(detail::word(v[0][0], w), detail::word(v[1][0], w), sel);
-        a1r = __byte_perm(detail::word(v[0][1], w), detail::word(v[1][1], w), sel);
-        a2r = __byte_perm(detail::word(v[2][0], w), detail::word(v[3][0], w), sel);
-        a3r = __byte_perm(detail::word(v[2][1], w), detail::word(v[3][1], w), sel);
-      } else {
-        a0r = __byte_perm(detail::word(v[0][0], mt), detail::word(v[1][0], mt), 0x5410u);
-        a1r = __byte_perm(detail::word(v[0][0], mt), detail::word(v[1][0], mt), 0x7632u);
-        a2r = __byte_perm(detail::word(v[2][0], mt), detail::word(v[3][0], mt), 0x5410u);
-        a3r = __byte_perm(detail::word(v[2][0], mt), detail::word(v[3][0], mt), 0x7632u);
-      }
-      detail::mma_16816<DT>(o[mt], a0r, a1r, a2r, a3r, bh0, bh1);
-      detail::mma_16816<DT>(o[mt], a0r, a1r, a2r, a3r, bl0, bl1);
-    }
+    detail::mma_tile_update<D, DT>(ka, kb, v, qf, o, m0, m1, l0, l1, t0 + g < end, t0 + g + 8 < end, p.scale_log2);
   }
 
   // Warp state -> shared memory. Lane (g, q4) holds O[head 2q4 (+1)][dim_of(mt, 0|1, g)].
@@ -338,6 +476,204 @@ __global__ void __launch_bounds__(tuning::sm90::DecodeAttention::kThreads, tunin
   }
   __syncthreads();
   detail::cta_merge_store<D, kHP, kWarps>(s_o, s_m, s_l, nh, b, first_q_head, p);
+}
+
+/// Shared memory bytes of decode_attention_mma_pipe_kernel<HeadDim, ...> (dynamic).
+template <int HeadDim>
+[[nodiscard]] constexpr int decode_attention_pipe_smem_bytes() {
+  using Tune = tuning::sm90::DecodeAttention;
+  constexpr int pipe = Tune::kWarps * Tune::kStages * 2 * Tune::kTileTokens * HeadDim * 2;
+  constexpr int merge = static_cast<int>(sizeof(detail::MergeSmem<HeadDim, Tune::kHeadsPerPassMma, Tune::kWarps>));
+  constexpr int split =
+      static_cast<int>(sizeof(detail::SplitMergeSmem<Tune::kHeadsPerPassMma, Tune::kMaxSplits>));
+  constexpr int m = merge > split ? merge : split;
+  return pipe > m ? pipe : m;
+}
+
+/// 16-bit caches, cp.async pipeline (variants 2-4). Same grid and math as the register kernel;
+/// each warp streams its tiles through Tune::kStages shared-memory buffers. kFused: with more
+/// than one split the last CTA of each (entry, head group) merges the splits (no combine kernel).
+template <int HeadDim, class T, class Id, class OutT, bool kFused>
+__global__ void __launch_bounds__(tuning::sm90::DecodeAttention::kThreads, tuning::sm90::DecodeAttention::kMinCtasPerSmPipe)
+    decode_attention_mma_pipe_kernel(KvCacheView<T, Id> view, DecodeAttentionParams<T, OutT> p) {
+  using Tune = tuning::sm90::DecodeAttention;
+  using DT = device_type_t<T>;
+  static_assert(sizeof(DT) == 2, "the mma kernel takes 16-bit caches");
+  static_assert(HeadDim == 64 || HeadDim == 128, "fragment mapping written for head_dim 64 and 128");
+  static_assert(Tune::kTileTokens == 16, "the tile is the MMA's 16 rows");
+  constexpr int D = HeadDim;
+  constexpr int kWarps = Tune::kWarps;
+  constexpr int kTile = Tune::kTileTokens;
+  constexpr int kStages = Tune::kStages;
+  constexpr int kHP = Tune::kHeadsPerPassMma;
+  constexpr int kKSteps = D / 16;
+  constexpr int kMTiles = D / 16;
+  constexpr int kKChunks = D / 32;
+  constexpr int kVChunks = D / 64;
+  constexpr int kCPR = D / 8;                 // 16-byte chunks per head vector
+  constexpr int kTileVecs = kTile * kCPR;     // 16-byte chunks per K (or V) tile
+  constexpr int kStride = kTile * kWarps;     // tokens between a warp's consecutive tiles
+  static_assert(kStages >= 2, "two stages at least");
+
+  extern __shared__ __align__(16) unsigned char dsmem[];
+
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int warp = static_cast<int>(threadIdx.x) >> 5;
+  const int g = lane >> 2;
+  const int q4 = lane & 3;
+  const int b = static_cast<int>(blockIdx.z);
+  const int passes = (p.group_size + kHP - 1) / kHP;
+  const int kvh = static_cast<int>(blockIdx.y) / passes;
+  const int head0 = (static_cast<int>(blockIdx.y) % passes) * kHP;
+  const int nh = min(kHP, p.group_size - head0);
+  const int first_q_head = kvh * p.group_size + head0;
+  const int seq = p.seq_ids != nullptr ? p.seq_ids[b] : b;
+  const Id* table = view.block_tables + static_cast<std::int64_t>(seq) * view.max_blocks_per_seq;
+  const int bs = view.block.block_size;
+  const int start = static_cast<int>(blockIdx.x) * p.tokens_per_split;
+  const int wstart = start + warp * kTile;  // first token of this warp's first tile
+
+  // Independent loads first: the length, the block of this lane's token of tile 0 assuming the
+  // split is full (true for all but a sequence's last split; checked below), and Q.
+  const int len = static_cast<int>(view.seq_lens[seq]);
+  const int cap = view.max_blocks_per_seq * bs;
+  const int spec_slot = max(0, min(wstart + (lane & 15), min(start + p.tokens_per_split, cap) - 1));
+  const Id spec_blk = cap > 0 ? table[spec_slot / bs] : Id(0);
+
+  std::uint32_t qf[kKSteps][2];
+  {
+    const uint4* qp = reinterpret_cast<const uint4*>(p.q + (static_cast<std::int64_t>(b) * p.num_q_heads +
+                                                            first_q_head + (g < nh ? g : 0)) * D);
+#pragma unroll
+    for (int i = 0; i < kKChunks; ++i) {
+      const uint4 x = g < nh ? qp[4 * i + q4] : make_uint4(0, 0, 0, 0);
+      qf[2 * i][0] = x.x;
+      qf[2 * i][1] = x.y;
+      qf[2 * i + 1][0] = x.z;
+      qf[2 * i + 1][1] = x.w;
+    }
+  }
+
+  const int end = min(len, start + p.tokens_per_split);
+  detail::griddep_launch_dependents();
+  if (start >= end) {
+    // One split: this CTA owns the output. Fused merge with an empty sequence: nobody arrives,
+    // so split 0 writes the zeros.
+    if (p.num_splits == 1 || (kFused && blockIdx.x == 0)) detail::store_empty<D>(nh, b, first_q_head, p);
+    return;
+  }
+
+  float o[kMTiles][4];
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
+  float m0 = -INFINITY, m1 = -INFINITY;
+  float l0 = 0.f, l1 = 0.f;
+
+  const DT* kbase = reinterpret_cast<const DT*>(view.range(p.layer, KvKind::kKey));
+  const DT* vbase = reinterpret_cast<const DT*>(view.range(p.layer, KvKind::kValue));
+  uint4* const pipe = reinterpret_cast<uint4*>(dsmem) + warp * (kStages * 2 * kTileVecs);
+  const int ntiles = wstart < end ? (end - wstart + kStride - 1) / kStride : 0;
+
+  // Lane l resolves token (l & 15) of a tile; tokens past the end read the last valid token.
+  auto slot_of = [&](int k) { return min(wstart + k * kStride + (lane & 15), end - 1); };
+  auto block_of = [&](int k) -> Id { return table[slot_of(k) / bs]; };
+  // Copies tile k (its lanes' block ids in `blk`) into buffer `buf`. Lane (r = lane / 8, c8 =
+  // lane % 8) copies chunks c8 + 8hh of tokens 4j + r: a quarter warp moves one 128-byte line.
+  auto issue = [&](int k, Id blk, int buf) {
+    const int slot = slot_of(k);
+    const std::int64_t my_off = view.block.offset(blk, slot % bs, kvh);
+    const std::uint32_t sk = detail::smem_addr(pipe + buf * 2 * kTileVecs);
+    const std::uint32_t sv = sk + kTileVecs * 16;
+    const int r = lane >> 3;
+    const int c8 = lane & 7;
+#pragma unroll
+    for (int j = 0; j < kTile / 4; ++j) {
+      const int t = 4 * j + r;
+      const std::int64_t off = __shfl_sync(0xffffffffu, my_off, t);
+      const int sw = detail::chunk_swizzle(t);
+#pragma unroll
+      for (int hh = 0; hh < kCPR / 8; ++hh) {
+        const int c = 8 * hh + c8;
+        const std::uint32_t so = static_cast<std::uint32_t>(t * kCPR + (c ^ sw)) * 16u;
+        detail::cp_async_16(sk + so, kbase + off + c * 8);
+        detail::cp_async_16(sv + so, vbase + off + c * 8);
+      }
+    }
+  };
+
+  const int spec_tile0 = max(0, min(wstart + (lane & 15), min(start + p.tokens_per_split, cap) - 1));
+  Id blk_next = slot_of(0) / bs == spec_tile0 / bs ? spec_blk : block_of(0);
+#pragma unroll
+  for (int k = 0; k < kStages - 1; ++k) {
+    if (k < ntiles) issue(k, blk_next, k);
+    blk_next = block_of(k + 1);
+    detail::cp_async_commit();
+  }
+
+  const int sg = detail::chunk_swizzle(g);           // rows g and g + 8
+  const int sv0 = detail::chunk_swizzle(2 * q4);     // rows 2q4 and 8 + 2q4
+  const int sv1 = detail::chunk_swizzle(2 * q4 + 1); // rows 2q4 + 1 and 9 + 2q4
+  for (int k = 0; k < ntiles; ++k) {
+    const int kn = k + kStages - 1;
+    if (kn < ntiles) issue(kn, blk_next, kn % kStages);
+    blk_next = block_of(kn + 1);  // fetched a tile ahead of its use (clamped: always a valid entry)
+    detail::cp_async_commit();
+    detail::cp_async_wait<kStages - 1>();  // this lane's copies of tile k have landed
+    __syncwarp();                          // ... and every lane's
+
+    const uint4* tk = pipe + (k % kStages) * 2 * kTileVecs;
+    const uint4* tv = tk + kTileVecs;
+    uint4 ka[kKChunks], kb[kKChunks], v[4][kVChunks];
+#pragma unroll
+    for (int i = 0; i < kKChunks; ++i) {
+      ka[i] = tk[g * kCPR + ((4 * i + q4) ^ sg)];
+      kb[i] = tk[(g + 8) * kCPR + ((4 * i + q4) ^ sg)];
+    }
+#pragma unroll
+    for (int u = 0; u < kVChunks; ++u) {
+      const int c = g + 8 * u;
+      v[0][u] = tv[(2 * q4) * kCPR + (c ^ sv0)];
+      v[1][u] = tv[(2 * q4 + 1) * kCPR + (c ^ sv1)];
+      v[2][u] = tv[(8 + 2 * q4) * kCPR + (c ^ sv0)];
+      v[3][u] = tv[(9 + 2 * q4) * kCPR + (c ^ sv1)];
+    }
+    const int t0 = wstart + k * kStride;
+    detail::mma_tile_update<D, DT>(ka, kb, v, qf, o, m0, m1, l0, l1, t0 + g < end, t0 + g + 8 < end, p.scale_log2);
+    __syncwarp();  // every lane has read buffer k % kStages before it is refilled
+  }
+  detail::cp_async_wait<0>();
+
+  // Warp state -> shared memory (aliasing the pipeline buffers: wait for every warp first).
+#pragma unroll
+  for (int x = 4; x < 32; x <<= 1) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, x);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, x);
+  }
+  __syncthreads();
+  auto& ms = *reinterpret_cast<detail::MergeSmem<D, kHP, kWarps>*>(dsmem);
+  if (g == 0) {
+    ms.m[warp][2 * q4] = m0;
+    ms.m[warp][2 * q4 + 1] = m1;
+    ms.l[warp][2 * q4] = l0;
+    ms.l[warp][2 * q4 + 1] = l1;
+  }
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+    const int d0 = D == 128 ? 8 * g + mt : 8 * g + 2 * mt;
+    const int d1 = D == 128 ? 64 + 8 * g + mt : 8 * g + 2 * mt + 1;
+    ms.o[warp][2 * q4][d0] = o[mt][0];
+    ms.o[warp][2 * q4 + 1][d0] = o[mt][1];
+    ms.o[warp][2 * q4][d1] = o[mt][2];
+    ms.o[warp][2 * q4 + 1][d1] = o[mt][3];
+  }
+  __syncthreads();
+  detail::cta_merge_store<D, kHP, kWarps>(ms.o, ms.m, ms.l, nh, b, first_q_head, p);
+  if constexpr (kFused) {
+    if (p.num_splits > 1) {
+      const int n_active = min(p.num_splits, (len + p.tokens_per_split - 1) / p.tokens_per_split);
+      detail::fused_split_merge<D, kHP, kWarps>(dsmem, nh, b, first_q_head, n_active, p);
+    }
+  }
 }
 
 /// fp32 caches, CUDA cores: a half-warp per token (head_dim / 16 floats per lane), kHeadsPerPassF32
@@ -502,6 +838,78 @@ __global__ void __launch_bounds__(HeadDim) decode_attention_combine_kernel(const
     o += po[static_cast<std::int64_t>(s) * HeadDim] * sc;
   }
   detail::store_f32(out + row * HeadDim + e, n > 0 ? o / l : 0.f);
+}
+
+/// Parallel twin of decode_attention_combine_kernel (same grid and arguments): the split
+/// weights are computed once per CTA (threads over splits) into shared memory, then each thread
+/// sums its dimension over the splits in order with kMergeBatch loads in flight.
+template <int HeadDim, class Id, class OutT>
+__global__ void __launch_bounds__(HeadDim) decode_attention_combine_fast_kernel(const Id* seq_lens,
+                                                                               const std::int32_t* seq_ids,
+                                                                               const float* partial_o,
+                                                                               const float2* partial_ml, OutT* out,
+                                                                               int num_q_heads, int num_splits,
+                                                                               int tokens_per_split) {
+  using Tune = tuning::sm90::DecodeAttention;
+  constexpr int kWarpsC = HeadDim / 32;
+  constexpr int kBatch = Tune::kMergeBatch;
+  __shared__ float s_w[Tune::kMaxSplits];
+  __shared__ float s_red[2][kWarpsC];
+  detail::griddep_wait();
+  const int hq = static_cast<int>(blockIdx.x);
+  const int b = static_cast<int>(blockIdx.y);
+  const int e = static_cast<int>(threadIdx.x);
+  const int lane = e & 31;
+  const int warp = e >> 5;
+  const int seq = seq_ids != nullptr ? seq_ids[b] : b;
+  const int len = static_cast<int>(seq_lens[seq]);
+  const int n = min(num_splits, (len + tokens_per_split - 1) / tokens_per_split);
+  const std::int64_t row = static_cast<std::int64_t>(b) * num_q_heads + hq;
+  const float2* ml = partial_ml + row * num_splits;
+  const float* po = partial_o + row * num_splits * HeadDim + e;
+
+  float mx = -INFINITY;
+  for (int s = e; s < n; s += HeadDim) mx = fmaxf(mx, ml[s].x);
+#pragma unroll
+  for (int x = 16; x > 0; x >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x));
+  if (lane == 0) s_red[0][warp] = mx;
+  __syncthreads();
+  mx = s_red[0][0];
+#pragma unroll
+  for (int w = 1; w < kWarpsC; ++w) mx = fmaxf(mx, s_red[0][w]);
+  float ls = 0.f;
+  for (int s = e; s < n; s += HeadDim) {
+    const float2 x = ml[s];
+    const float w = exp2f(x.x - mx);
+    s_w[s] = w;
+    ls += x.y * w;
+  }
+#pragma unroll
+  for (int x = 16; x > 0; x >>= 1) ls += __shfl_xor_sync(0xffffffffu, ls, x);
+  if (lane == 0) s_red[1][warp] = ls;
+  __syncthreads();
+  float l = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarpsC; ++w) l += s_red[1][w];
+
+  float o = 0.f;
+  for (int s0 = 0; s0 < n; s0 += kBatch) {
+    float x[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) x[u] = s0 + u < n ? po[static_cast<std::int64_t>(s0 + u) * HeadDim] : 0.f;
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u)
+      if (s0 + u < n) o += x[u] * s_w[s0 + u];
+  }
+  detail::store_f32(out + row * HeadDim + e, n > 0 ? o / l : 0.f);
+}
+
+/// Zeroes the fused merge's arrival counters (variant 3); lets the split kernel launch at once
+/// (programmatic dependent launch), which waits for it only before its first arrival.
+__global__ void decode_attention_zero_counters_kernel(std::uint32_t* counters, int n) {
+  detail::griddep_launch_dependents();
+  for (int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x); i < n; i += static_cast<int>(gridDim.x * blockDim.x))
+    counters[i] = 0u;
 }
 
 }  // namespace triattn::cuda

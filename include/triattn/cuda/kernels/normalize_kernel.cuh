@@ -173,10 +173,18 @@ __global__ void __launch_bounds__(kRowStatsThreads)
 
 inline constexpr int kReduceThreads = 256;
 inline constexpr int kReduceBatch = 16;  // loads in flight per thread
+inline constexpr int kReduceSlots = 64;  // per_head: slots per CTA (4 threads per slot split the layers)
+inline constexpr int kReduceLayerLanes = kReduceThreads / kReduceSlots;
 
-/// Normalise-and-reduce. Grid: (ceil(max_len / kReduceThreads), groups, batch) with groups = Hkv
-/// (per_head), L·Hkv (per_layer_per_head) or L (union). Only selectable slots of non-identity
-/// rounds are touched.
+/// Dynamic shared memory of gqa_reduce_kernel: per_head keeps max_h Ŝ of every layer of its
+/// kReduceSlots slots, so the mean over layers can be summed in layer order.
+[[nodiscard]] inline std::size_t gqa_reduce_smem_bytes(PruningMode mode, int num_layers) noexcept {
+  return mode == PruningMode::kPerHead ? static_cast<std::size_t>(num_layers) * kReduceSlots * sizeof(float) : 0;
+}
+
+/// Normalise-and-reduce. Grid: (slot tiles, groups, batch) with groups = Hkv (per_head),
+/// L·Hkv (per_layer_per_head) or L (union); slot tiles of kReduceSlots (per_head) or
+/// kReduceThreads slots. Only selectable slots of non-identity rounds are touched.
 /// @param scores  [batch, L, Hq, max_len] raw scores (union: overwritten with Ŝ on the selectable slots)
 /// @param stats   [batch, L, Hq] (unused when p.normalize is false)
 /// @param out     per_head [batch, Hkv, max_len]; per_layer_per_head [batch, L, Hkv, max_len];
@@ -187,48 +195,66 @@ __global__ void __launch_bounds__(kReduceThreads)
     gqa_reduce_kernel(float* __restrict__ scores, const RowStats* __restrict__ stats, float* __restrict__ out,
                       std::uint8_t* __restrict__ flags, RoundSeqs<Id> seqs, DeviceSelectParams p, int L, int Hq,
                       int Hkv) {
+  extern __shared__ float s_layer_max[];  // per_head: [L][kReduceSlots]
   const int b = blockIdx.z;
   const int grp = blockIdx.y;
-  const int t = blockIdx.x * kReduceThreads + threadIdx.x;
   const DeviceKeepCounts kc = seqs.counts(b, p);
-  if (kc.identity || t < kc.begin || t >= kc.end) return;
+  if (kc.identity) return;  // uniform across the CTA
   const int G = Hq / Hkv;
   const long long T = seqs.max_len;
   const long long seq_row0 = static_cast<long long>(b) * L * Hq;  // first (l, h) row of sequence b
   const auto value = [&](long long row, float x) { return p.normalize ? detail::normalized(x, stats[row]) : x; };
 
   if (p.mode == PruningMode::kPerHead) {
-    // rows (l, g·G + h) in layer order, kReduceBatch loads in flight
+    // Thread (slot ts, layer lane lg) takes layers lg, lg + 4, ...: max over the group's heads per
+    // layer into shared memory, then one thread per slot sums them in layer order (float64, as
+    // ref::mean_over_layers), so the result does not depend on the split.
     const int g = grp;
-    const int n = L * G;
-    double s = 0.0;
-    float m = 0.0f;
-    int l = 0, h = 0;
-    for (int base = 0; base < n; base += kReduceBatch) {
-      float v[kReduceBatch];
+    const int ts = threadIdx.x % kReduceSlots, lg = threadIdx.x / kReduceSlots;
+    const int t = blockIdx.x * kReduceSlots + ts;
+    const bool valid = t >= kc.begin && t < kc.end;
+    if (valid) {
+      const int nl = (L - lg + kReduceLayerLanes - 1) / kReduceLayerLanes;  // layers of this lane
+      const int n = nl * G;
+      float m = 0.0f;
+      int li = 0, h = 0;
+      for (int base = 0; base < n; base += kReduceBatch) {
+        float v[kReduceBatch];
 #pragma unroll
-      for (int k = 0; k < kReduceBatch; ++k) {
-        const int idx = base + k;
-        if (idx < n) {
-          const int li = idx / G, hi = idx - li * G;
-          v[k] = scores[(seq_row0 + static_cast<long long>(li) * Hq + g * G + hi) * T + t];
+        for (int k = 0; k < kReduceBatch; ++k) {
+          const int idx = base + k;
+          if (idx < n) {
+            const int lk = lg + (idx / G) * kReduceLayerLanes, hk = idx % G;
+            v[k] = scores[(seq_row0 + static_cast<long long>(lk) * Hq + g * G + hk) * T + t];
+          }
         }
-      }
 #pragma unroll
-      for (int k = 0; k < kReduceBatch; ++k) {
-        if (base + k < n) {
-          const float xh = value(seq_row0 + static_cast<long long>(l) * Hq + g * G + h, v[k]);
-          m = (h == 0 || m < xh) ? xh : m;  // std::max(m, xh) of the reference
-          if (++h == G) {
-            s += static_cast<double>(m);  // float64, layer order, as ref::mean_over_layers
-            h = 0;
-            ++l;
+        for (int k = 0; k < kReduceBatch; ++k) {
+          if (base + k < n) {
+            const int l = lg + li * kReduceLayerLanes;
+            const float xh = value(seq_row0 + static_cast<long long>(l) * Hq + g * G + h, v[k]);
+            m = (h == 0 || m < xh) ? xh : m;  // std::max(m, xh) of the reference
+            if (++h == G) {
+              s_layer_max[l * kReduceSlots + ts] = m;
+              h = 0;
+              ++li;
+            }
           }
         }
       }
     }
-    out[(static_cast<long long>(b) * Hkv + g) * T + t] = static_cast<float>(s / L);
-  } else if (p.mode == PruningMode::kPerLayerPerHead) {
+    __syncthreads();
+    if (valid && lg == 0) {
+      double s = 0.0;
+      for (int l = 0; l < L; ++l) s += static_cast<double>(s_layer_max[l * kReduceSlots + ts]);
+      out[(static_cast<long long>(b) * Hkv + g) * T + t] = static_cast<float>(s / L);
+    }
+    return;
+  }
+
+  const int t = blockIdx.x * kReduceThreads + threadIdx.x;
+  if (t < kc.begin || t >= kc.end) return;
+  if (p.mode == PruningMode::kPerLayerPerHead) {
     const int l = grp / Hkv, g = grp % Hkv;
     const long long row0 = seq_row0 + static_cast<long long>(l) * Hq + g * G;
     float m = 0.0f;

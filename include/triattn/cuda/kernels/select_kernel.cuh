@@ -100,21 +100,23 @@ __device__ __forceinline__ void block_count2(bool a, bool b, int& pre_a, int& pr
 
 }  // namespace detail
 
-/// One CTA per (row r = blockIdx.x, sequence b = blockIdx.y). Dynamic shared memory:
-/// kCache ? max_len·4 bytes : 0.
+/// One CTA per (row r, write split, sequence b = blockIdx.y), blockIdx.x = r·splits + split: the
+/// `splits` CTAs of a row rank it redundantly (cheap) and each writes its share of the row's
+/// target plan rows, so per_head (L rows per KV head) and union (L·Hkv rows) spread their
+/// writes over many SMs. Dynamic shared memory: kCache ? max_len·4 bytes : 0.
 /// @param in     values to rank (see SelectInput)
 /// @param plan   device keep plan (targets kPerHead / kPerLayerPerHead / kAll)
 /// @param flags  [batch, max_len] (target kFlags)
 template <class Id, bool kCache>
 __global__ void __launch_bounds__(kSelectThreads)
     select_kernel(SelectInput in, DeviceKeepPlanView plan, std::uint8_t* __restrict__ flags, RoundSeqs<Id> seqs,
-                  DeviceSelectParams p, int L, int Hkv, SelectTarget target) {
+                  DeviceSelectParams p, int L, int Hkv, SelectTarget target, int splits) {
   extern __shared__ std::uint32_t s_keys[];
   __shared__ unsigned s_hist[256];
   __shared__ unsigned s_sel[3];
   __shared__ int s_wa[32], s_wb[32];
 
-  const int r = blockIdx.x, b = blockIdx.y;
+  const int r = blockIdx.x / splits, split = blockIdx.x % splits, b = blockIdx.y;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const DeviceKeepCounts kc = seqs.counts(b, p);
   const int T = kc.length, begin = kc.begin, end = kc.end, n = end - begin;
@@ -132,8 +134,14 @@ __global__ void __launch_bounds__(kSelectThreads)
   } else if (target == SelectTarget::kAll) {
     count = L * Hkv;
   }
+  {  // this CTA's share of the target rows
+    const int q0 = static_cast<int>(static_cast<long long>(count) * split / splits);
+    const int q1 = static_cast<int>(static_cast<long long>(count) * (split + 1) / splits);
+    first += q0 * stride;
+    count = q1 - q0;
+  }
   if (target != SelectTarget::kFlags) {
-    if (r == 0 && tid == 0) plan.keep[b] = kc.keep <= plan.max_keep ? kc.keep : -1;
+    if (r == 0 && split == 0 && tid == 0) plan.keep[b] = kc.keep <= plan.max_keep ? kc.keep : -1;
     if (kc.keep > plan.max_keep) return;  // the caller's max_keep is too small: reported as keep = -1
   }
   std::int32_t* rows0 = plan.kept + static_cast<long long>(b) * L * Hkv * plan.max_keep;

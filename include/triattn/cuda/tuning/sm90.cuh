@@ -44,6 +44,30 @@ struct DecodeAttention {
   static constexpr int kMinTokensPerSplit = 256;
   /// Upper bound of splits (bounds the combine kernel's loop and the workspace).
   static constexpr int kMaxSplits = 1024;
+
+  /// Launcher variants (DecodeAttentionPlan::variant); every one computes the same function.
+  ///   0 register-load kernel (loads of one 16-token tile in flight per warp, then its math);
+  ///     combine kernel with a serial per-split loop (about 2 * splits / 4 dependent L2 trips)
+  ///   1 register-load kernel; parallel combine (weights in shared memory, kMergeBatch loads in
+  ///     flight per thread)
+  ///   2 cp.async kernel (kStages tiles per warp in flight through shared memory, block-table
+  ///     entry fetched one tile ahead, length / Q / first table entry loaded together);
+  ///     parallel combine
+  ///   3 cp.async kernel; the last CTA of each (entry, KV head) merges the splits (arrival
+  ///     counters in the workspace, zeroed by a one-CTA kernel that the split kernel overlaps
+  ///     through programmatic dependent launch): no combine kernel
+  ///   4 as 3 without the zeroing kernel: the workspace must be zero-filled once before its first
+  ///     use; every call leaves the counters zero again
+  /// fp32 caches run their one kernel; variants >= 1 use the parallel combine.
+  static constexpr int kNumVariants = 5;
+  static constexpr int kDefaultVariant = 2;
+  /// Stages of the cp.async kernel: per warp kStages x (K + V) 16-token tiles, 8 KB each at
+  /// d = 128, i.e. 64 KB per CTA with 2 stages (3 CTAs/SM as the register kernel).
+  static constexpr int kStages = 2;
+  /// __launch_bounds__ min CTAs/SM of the cp.async kernel.
+  static constexpr int kMinCtasPerSmPipe = 1;
+  /// Partial loads a thread keeps in flight when merging splits.
+  static constexpr int kMergeBatch = 16;
 };
 
 }  // namespace triattn::cuda::tuning::sm90

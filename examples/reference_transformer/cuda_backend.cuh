@@ -1,0 +1,1528 @@
+// SPDX-License-Identifier: Apache-2.0
+// CudaBackend: the GPU backend of Model<Backend> (backend.hpp). Activations live in device
+// memory (fp32), weights are uploaded once (fp32, or bf16 for the matrices), the K/V go into a
+// device KvCache (cuda::DeviceAllocator: published device block tables) through triattn's append
+// kernel, decode rows attend through triattn's paged decode attention, prefill rows (and head
+// dims triattn does not compile, e.g. stories260K's 8) through this folder's causal kernel.
+//
+// How calls become kernels. The backend records the model's calls of one step as plain-data ops
+// and launches them at a flush, where it fuses what the model does back to back:
+//   matmul q, k, v (same x) + their biases       -> one GEMV launch, bias in the epilogue
+//   matmul wo + add(x, ·)                         -> GEMV with a residual epilogue
+//   matmul w1, w3 + swiglu                        -> one GEMV, gate and up rows in one warp
+//   matmul w2 + add(x, ·)                         -> GEMV with a residual epilogue
+//   rope q, rope k, write_kv of every chunk       -> one RoPE kernel + triattn append (run_slots)
+//   rmsnorm + matmul per picked row (classifier)  -> one RMSNorm + one GEMV over the picked rows
+// Flushes happen when the layers are done (the model's 2 * n_layers residual adds), at
+// host_view(), alloc(), the next step's embed() and synchronize(). A step whose rows are all
+// decode rows is captured into a CUDA graph at that first flush and replayed afterwards while
+// the op list (pointers, shapes, decode-attention plan) stays the same; per-step data (token
+// ids, positions, slots, sequence ids) lives in a device arena uploaded before each launch, and
+// the block tables are published (cuda::publish) at the step's first write_kv. Kernels are
+// launched with programmatic dependent launch: each GEMV fetches its first weights while the
+// previous kernel drains.
+//
+// Weight pointers of a bf16 WeightStore are handles (Model only does pointer arithmetic on
+// them): the backend maps handle + offset back to the bf16 element.
+//
+// The cache's compactor and scorer must run on stream() (pass it to cuda::DeviceCompactor and
+// cuda::TriAttentionDeviceScorer). Ops are stream-ordered: code that reads device memory
+// written by the model outside this stream calls synchronize() first.
+#pragma once
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <triattn/core/dtype.hpp>
+#include <triattn/core/error.hpp>
+#include <triattn/core/keep_plan.hpp>
+#include <triattn/core/kv_cache.hpp>
+#include <triattn/core/policy/topk_selector.hpp>
+#include <triattn/core/ref/select.hpp>
+#include <triattn/cuda/algorithms/append.cuh>
+#include <triattn/cuda/algorithms/compression_round.cuh>
+#include <triattn/cuda/algorithms/decode_attention.cuh>
+#include <triattn/cuda/device_kv_cache.cuh>
+#include <triattn/cuda/error.cuh>
+#include <triattn/cuda/launch.cuh>
+#include <triattn/cuda/policy/device_compactor.cuh>
+#include <triattn/cuda/policy/triattention_device_scorer.cuh>
+
+#include "backend.hpp"
+#include "cuda_kernels.cuh"
+#include "model_config.hpp"
+#include "synthetic.hpp"
+
+namespace triattn_example {
+
+/// Storage type of the weight matrices (norm weights and biases stay fp32).
+enum class WeightType : int { kF32 = 0, kBF16 = 1 };
+
+[[nodiscard]] inline const char* weight_type_name(WeightType t) noexcept { return t == WeightType::kF32 ? "f32" : "bf16"; }
+
+struct CudaBackendOptions {
+  WeightType weights = WeightType::kF32;
+  bool graphs = true;            ///< capture decode steps into CUDA graphs and replay them
+  bool pdl = true;               ///< programmatic dependent launch between the backend's kernels
+  bool fuse = true;              ///< fused epilogues, batched matmuls, RoPE + KV write in one pass
+  bool direct_kv_write = false;  ///< the RoPE kernel writes K/V into the cache itself (else triattn's append kernel)
+};
+
+/// A KvCache in device memory without compression, and one running TriAttention rounds with
+/// the device scorer (KvCache::compress: device scores, host top-k) or DeviceCompressor (all on
+/// the device). Construct the compactor / scorer with the backend's stream.
+using GpuPlainCache = triattn::KvCache<triattn::cuda::DeviceAllocator, triattn::cuda::DeviceCompactor>;
+using GpuTriCache = triattn::KvCache<triattn::cuda::DeviceAllocator, triattn::cuda::DeviceCompactor,
+                                     triattn::cuda::TriAttentionDeviceScorer, triattn::TopKSelector>;
+
+namespace cuda_detail {
+
+struct DeviceFree {
+  void operator()(void* p) const noexcept {
+    if (p != nullptr) triattn::cuda::report_error(cudaFree(p), "CudaBackend: cudaFree");
+  }
+};
+struct HostFree {
+  void operator()(void* p) const noexcept {
+    if (p != nullptr) triattn::cuda::report_error(cudaFreeHost(p), "CudaBackend: cudaFreeHost");
+  }
+};
+using DeviceMem = std::unique_ptr<void, DeviceFree>;
+using HostMem = std::unique_ptr<void, HostFree>;
+
+inline DeviceMem device_alloc(std::size_t bytes) {
+  void* p = nullptr;
+  TRIATTN_CUDA_TRY(cudaMalloc(&p, bytes > 0 ? bytes : 1));
+  return DeviceMem(p);
+}
+inline HostMem host_alloc(std::size_t bytes) {
+  void* p = nullptr;
+  TRIATTN_CUDA_TRY(cudaMallocHost(&p, bytes > 0 ? bytes : 1));
+  return HostMem(p);
+}
+
+// ---- weight handles -------------------------------------------------------------------------------
+// A bf16 tensor's WeightPtrs entry is kHandleBase + (id << kHandleShift): outside any real
+// address (non-canonical on x86-64), so Model's float-sized pointer arithmetic on it (layer
+// offsets) stays decodable: byte offset / 4 = element offset in the bf16 tensor.
+inline constexpr std::uintptr_t kHandleBase = std::uintptr_t{1} << 62;
+inline constexpr int kHandleShift = 40;
+
+class HandleTable {
+ public:
+  static HandleTable& get() {
+    static HandleTable t;
+    return t;
+  }
+  std::uint32_t add(const void* p) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!free_.empty()) {
+      const std::uint32_t id = free_.back();
+      free_.pop_back();
+      real_[id] = p;
+      return id;
+    }
+    real_.push_back(p);
+    return static_cast<std::uint32_t>(real_.size() - 1);
+  }
+  void remove(std::uint32_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (id < real_.size()) {
+      real_[id] = nullptr;
+      free_.push_back(id);
+    }
+  }
+  const void* lookup(std::uint32_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return id < real_.size() ? real_[id] : nullptr;
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<const void*> real_;
+  std::vector<std::uint32_t> free_;
+};
+
+inline const float* make_handle(std::uint32_t id) {
+  return reinterpret_cast<const float*>(kHandleBase + (static_cast<std::uintptr_t>(id) << kHandleShift));
+}
+
+struct ResolvedWeight {
+  const void* ptr = nullptr;
+  bool bf16 = false;
+};
+
+/// Real address (and type) behind a WeightPtrs-derived pointer.
+inline ResolvedWeight resolve_weight(const float* h) {
+  const auto a = reinterpret_cast<std::uintptr_t>(h);
+  if (a < kHandleBase) return {h, false};
+  const std::uintptr_t rel = a - kHandleBase;
+  const auto id = static_cast<std::uint32_t>(rel >> kHandleShift);
+  const std::uintptr_t byte_off = rel & ((std::uintptr_t{1} << kHandleShift) - 1);
+  const void* base = HandleTable::get().lookup(id);
+  TRIATTN_EXPECTS(base != nullptr && byte_off % sizeof(float) == 0,
+                  "CudaBackend: a weight pointer that is neither device memory nor a live bf16 weight handle");
+  return {static_cast<const __nv_bfloat16*>(base) + byte_off / sizeof(float), true};
+}
+
+// ---- per-step arena: host pinned staging + device copy --------------------------------------------
+
+class Arena {
+ public:
+  Arena() = default;
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+  ~Arena() {
+    if (event_ != nullptr) {
+      triattn::cuda::report_error(cudaEventSynchronize(event_), "CudaBackend arena: cudaEventSynchronize");
+      triattn::cuda::report_error(cudaEventDestroy(event_), "CudaBackend arena: cudaEventDestroy");
+    }
+  }
+
+  /// Starts a new step: the previous upload must be finished before the staging is rewritten.
+  void reset() {
+    if (event_ != nullptr) TRIATTN_CUDA_TRY(cudaEventSynchronize(event_));
+    used_ = uploaded_ = 0;
+  }
+  /// Appends `bytes` (aligned to `align`), returns the offset.
+  long long push(const void* src, std::size_t bytes, std::size_t align, cudaStream_t stream) {
+    std::size_t off = (used_ + align - 1) / align * align;
+    if (off + bytes > cap_) grow(off + bytes, stream);
+    if (bytes > 0) std::memcpy(static_cast<char*>(host_.get()) + off, src, bytes);
+    used_ = off + bytes;
+    return static_cast<long long>(off);
+  }
+  /// Uploads what was pushed since the last upload.
+  void upload(cudaStream_t stream) {
+    if (used_ <= uploaded_) return;
+    if (event_ == nullptr) TRIATTN_CUDA_TRY(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+    TRIATTN_CUDA_TRY(cudaMemcpyAsync(static_cast<char*>(dev_.get()) + uploaded_, static_cast<char*>(host_.get()) + uploaded_,
+                                     used_ - uploaded_, cudaMemcpyHostToDevice, stream));
+    TRIATTN_CUDA_TRY(cudaEventRecord(event_, stream));
+    uploaded_ = used_;
+  }
+  template <class T>
+  [[nodiscard]] const T* dev(long long off) const {
+    return off < 0 ? nullptr : reinterpret_cast<const T*>(static_cast<const char*>(dev_.get()) + off);
+  }
+  [[nodiscard]] const void* device_base() const noexcept { return dev_.get(); }
+
+ private:
+  void grow(std::size_t need, cudaStream_t stream) {
+    std::size_t cap = cap_ > 0 ? cap_ : (std::size_t{1} << 16);
+    while (cap < need) cap *= 2;
+    // In-flight kernels may still read the old device copy, an in-flight upload the old staging.
+    TRIATTN_CUDA_TRY(cudaStreamSynchronize(stream));
+    HostMem h = host_alloc(cap);
+    if (used_ > 0) std::memcpy(h.get(), host_.get(), used_);
+    host_ = std::move(h);
+    dev_ = device_alloc(cap);
+    cap_ = cap;
+    uploaded_ = 0;  // the new device copy holds nothing yet
+  }
+
+  HostMem host_;
+  DeviceMem dev_;
+  std::size_t cap_ = 0, used_ = 0, uploaded_ = 0;
+  cudaEvent_t event_ = nullptr;
+};
+
+// ---- recorded ops ----------------------------------------------------------------------------------
+
+enum class OpKind : std::uint8_t { kEmbed = 1, kRmsNorm, kMatmul, kBias, kRope, kWriteKv, kAttention, kSwiglu, kAdd };
+
+/// One recorded backend call, plain data (the graph signature is the byte image of the op list).
+struct Op {
+  OpKind kind;
+  std::uint8_t wbf16;   // matmul / embed: bf16 weights
+  std::uint8_t dtype;   // write_kv / attention: the cache's triattn::DType
+  std::uint8_t flag;    // rope: float32 angles; attention: triattn decode kernel
+  std::uint8_t style;   // rope: RopeStyle
+  std::uint8_t pad0[3];  // explicit: the byte image has no implicit padding
+  int n;                // rows
+  int a, b;             // matmul: out_dim, in_dim; rmsnorm/embed/bias: dim; rope: heads, head_dim;
+                        // write_kv: kv_dim, num_kv_heads; attention: q heads, kv heads
+  int d;                // head_dim (write_kv, attention)
+  int layer;
+  float eps;
+  long long count;      // add / swiglu: elements
+  float* y;             // output or in-place target
+  const float* x;       // input
+  const float* x2;      // add: y; swiglu: up; write_kv: v; rope: float32 frequencies
+  const void* w;        // weights, norm weights, bias, float64 frequencies
+  long long arena_a;    // embed: tokens; rope: positions; write_kv: slots; attention: row sequences
+  long long arena_b;    // attention: row slots
+  triattn::KvCacheView<float, std::int32_t> view;  // type-erased cache view (write_kv, attention)
+  triattn::cuda::DecodeAttentionPlan plan;
+  int pad1;
+  void* q_t;            // attention (decode, 16-bit cache): q converted to the cache type
+  void* workspace;
+  std::size_t workspace_bytes;
+};
+static_assert(std::is_trivially_copyable_v<Op>);
+
+inline Op make_op(OpKind k) {
+  Op o;
+  std::memset(static_cast<void*>(&o), 0, sizeof o);
+  o.kind = k;
+  o.arena_a = o.arena_b = -1;
+  return o;
+}
+
+template <class T>
+triattn::KvCacheView<float, std::int32_t> erase_view(const triattn::KvCacheView<T, std::int32_t>& v) {
+  return std::bit_cast<triattn::KvCacheView<float, std::int32_t>>(v);
+}
+template <class T>
+triattn::KvCacheView<T, std::int32_t> typed_view(const triattn::KvCacheView<float, std::int32_t>& v) {
+  return std::bit_cast<triattn::KvCacheView<T, std::int32_t>>(v);
+}
+
+/// Calls f(type_identity<storage T>, type_identity<device T>) for a cache dtype.
+template <class F>
+void dispatch_cache_type(triattn::DType dt, F&& f) {
+  switch (dt) {
+    case triattn::DType::kF32: f(std::type_identity<float>{}, std::type_identity<float>{}); return;
+    case triattn::DType::kF16: f(std::type_identity<triattn::f16_storage>{}, std::type_identity<__half>{}); return;
+    case triattn::DType::kBF16:
+      f(std::type_identity<triattn::bf16_storage>{}, std::type_identity<__nv_bfloat16>{});
+      return;
+  }
+  TRIATTN_FAIL("CudaBackend: invalid cache dtype");
+}
+
+inline bool aligned16(const void* p) noexcept { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+
+}  // namespace cuda_detail
+
+class CudaBackend {
+ public:
+  static constexpr const char* kName = "cuda";
+  using Options = CudaBackendOptions;
+
+  /// Device activation buffer of n floats (shared ownership: Model keeps copies in members).
+  class Buffer {
+   public:
+    Buffer() = default;
+    [[nodiscard]] float* get() const noexcept { return ptr_; }
+    [[nodiscard]] std::size_t size() const noexcept { return n_; }
+
+   private:
+    friend class CudaBackend;
+    std::shared_ptr<void> mem_;
+    float* ptr_ = nullptr;
+    std::size_t n_ = 0;
+  };
+
+  /// Weights in device memory; ptrs() as backend.hpp describes (bf16 matrices are handles).
+  class WeightStore {
+   public:
+    WeightStore() = default;
+    [[nodiscard]] const WeightPtrs& ptrs() const noexcept { return impl_->ptrs; }
+    [[nodiscard]] WeightType matrix_type() const noexcept { return impl_->type; }
+    /// Bytes of all weights held on the device.
+    [[nodiscard]] std::size_t bytes() const noexcept { return impl_->bytes; }
+    /// Bytes one decode step reads at batch 1: every matrix except the embedding table (one row
+    /// of it is read), plus norms and biases.
+    [[nodiscard]] std::size_t bytes_per_step() const noexcept { return impl_->bytes_per_step; }
+
+   private:
+    friend class CudaBackend;
+    struct Impl {
+      WeightPtrs ptrs;
+      WeightType type = WeightType::kF32;
+      std::vector<cuda_detail::DeviceMem> mem;
+      std::vector<std::uint32_t> handles;
+      std::size_t bytes = 0, bytes_per_step = 0;
+      Impl() = default;
+      Impl(const Impl&) = delete;
+      Impl& operator=(const Impl&) = delete;
+      ~Impl() {
+        for (std::uint32_t id : handles) cuda_detail::HandleTable::get().remove(id);
+      }
+    };
+    std::shared_ptr<Impl> impl_;
+  };
+
+  explicit CudaBackend(const Options& opt = Options{}) : s_(std::make_shared<State>(opt)) {}
+
+  [[nodiscard]] const Options& options() const noexcept { return s_->opt; }
+  /// The stream every kernel of the backend runs on (give it to the cache's compactor and scorer).
+  [[nodiscard]] cudaStream_t stream() const noexcept { return s_->stream; }
+
+  // ---- backend.hpp interface ---------------------------------------------------------------------
+
+  [[nodiscard]] Buffer alloc(std::size_t n) const {
+    State& s = *s_;
+    s.flush(FlushReason::kOther);  // the buffer this one replaces may still be named by pending ops
+    Buffer b;
+    b.mem_ = std::shared_ptr<void>(cuda_detail::device_alloc(n * sizeof(float)).release(), cuda_detail::DeviceFree{});
+    b.ptr_ = static_cast<float*>(b.mem_.get());
+    b.n_ = n;
+    TRIATTN_CUDA_TRY(cudaMemsetAsync(b.ptr_, 0, n * sizeof(float), s.stream));
+    return b;
+  }
+  [[nodiscard]] static float* data(Buffer& b) noexcept { return b.ptr_; }
+  [[nodiscard]] static const float* data(const Buffer& b) noexcept { return b.ptr_; }
+  [[nodiscard]] static std::size_t size(const Buffer& b) noexcept { return b.n_; }
+
+  /// Copies the model's weights to the device (matrices converted to options().weights).
+  [[nodiscard]] WeightStore upload(const ModelWeights& w) const {
+    w.validate();
+    s_->set_model(w.config);
+    auto impl = std::make_shared<WeightStore::Impl>();
+    impl->type = s_->opt.weights;
+    const ModelConfig& c = w.config;
+    WeightPtrs& p = impl->ptrs;
+    auto matrix = [&](const std::vector<float>& t) { return put_matrix(*impl, t.data(), t.size()); };
+    auto vec = [&](const std::vector<float>& t) { return put_f32(*impl, t.data(), t.size()); };
+    p.tok_emb = matrix(w.tok_emb);
+    p.rms_att = vec(w.rms_att);
+    p.wq = matrix(w.wq);
+    p.wk = matrix(w.wk);
+    p.wv = matrix(w.wv);
+    p.wo = matrix(w.wo);
+    p.rms_ffn = vec(w.rms_ffn);
+    p.w1 = matrix(w.w1);
+    p.w2 = matrix(w.w2);
+    p.w3 = matrix(w.w3);
+    p.rms_final = vec(w.rms_final);
+    p.wcls = c.shared_classifier ? p.tok_emb : matrix(w.wcls);
+    if (c.has_qkv_bias) {
+      p.bq = vec(w.bq);
+      p.bk = vec(w.bk);
+      p.bv = vec(w.bv);
+    }
+    finish_store(*impl, c);
+    WeightStore ws;
+    ws.impl_ = std::move(impl);
+    return ws;
+  }
+
+  /// make_synthetic_weights(c, seed) generated directly on the device (same values: fp32 bitwise,
+  /// bf16 = those values rounded), for models too large for host memory.
+  [[nodiscard]] WeightStore generate_synthetic(const ModelConfig& c, std::uint64_t seed) const {
+    c.validate();
+    s_->set_model(c);
+    auto impl = std::make_shared<WeightStore::Impl>();
+    impl->type = s_->opt.weights;
+    WeightPtrs& p = impl->ptrs;
+    const float s_dim = 1.0f / std::sqrt(static_cast<float>(c.dim));
+    const float norm_std = 0.1f / 1.7320508f;
+    auto gen = [&](std::size_t n, SynthTensor id, float std_dev, float mean, bool is_matrix) {
+      return gen_tensor(*impl, n, seed, id, std_dev, mean, is_matrix && impl->type == WeightType::kBF16);
+    };
+    p.tok_emb = gen(c.n_tok_emb(), SynthTensor::kTokEmb, 1.0f, 0.0f, true);
+    p.rms_att = gen(c.n_rms(), SynthTensor::kRmsAtt, norm_std, 1.0f, false);
+    p.wq = gen(c.n_wq(), SynthTensor::kWq, s_dim, 0.0f, true);
+    p.wk = gen(c.n_wkv(), SynthTensor::kWk, s_dim, 0.0f, true);
+    p.wv = gen(c.n_wkv(), SynthTensor::kWv, s_dim, 0.0f, true);
+    p.wo = gen(c.n_wo(), SynthTensor::kWo, 1.0f / std::sqrt(static_cast<float>(c.q_dim())), 0.0f, true);
+    p.rms_ffn = gen(c.n_rms(), SynthTensor::kRmsFfn, norm_std, 1.0f, false);
+    p.w1 = gen(c.n_mlp(), SynthTensor::kW1, s_dim, 0.0f, true);
+    p.w2 = gen(c.n_mlp(), SynthTensor::kW2, 1.0f / std::sqrt(static_cast<float>(c.hidden_dim)), 0.0f, true);
+    p.w3 = gen(c.n_mlp(), SynthTensor::kW3, s_dim, 0.0f, true);
+    p.rms_final = gen(static_cast<std::size_t>(c.dim), SynthTensor::kRmsFinal, norm_std, 1.0f, false);
+    p.wcls = c.shared_classifier ? p.tok_emb : gen(c.n_tok_emb(), SynthTensor::kWcls, 2.0f * s_dim, 0.0f, true);
+    if (c.has_qkv_bias) {
+      const std::size_t L = static_cast<std::size_t>(c.n_layers);
+      p.bq = gen(L * static_cast<std::size_t>(c.q_dim()), SynthTensor::kBq, kQueryBiasStd, 0.0f, false);
+      p.bk = zeros(*impl, L * static_cast<std::size_t>(c.kv_dim()));
+      p.bv = zeros(*impl, L * static_cast<std::size_t>(c.kv_dim()));
+    }
+    TRIATTN_CUDA_TRY(cudaStreamSynchronize(s_->stream));
+    finish_store(*impl, c);
+    WeightStore ws;
+    ws.impl_ = std::move(impl);
+    return ws;
+  }
+
+  /// Host-readable copy of n floats (valid until the next host_view); runs pending work first.
+  [[nodiscard]] const float* host_view(const float* p, std::size_t n) const {
+    State& s = *s_;
+    s.flush(FlushReason::kOther);
+    s.ensure_host(n * sizeof(float));
+    TRIATTN_CUDA_TRY(cudaMemcpyAsync(s.host_buf.get(), p, n * sizeof(float), cudaMemcpyDeviceToHost, s.stream));
+    TRIATTN_CUDA_TRY(cudaStreamSynchronize(s.stream));
+    return static_cast<const float*>(s.host_buf.get());
+  }
+
+  void embed(float* x, const float* table, std::span<const int> tokens, int dim) {
+    State& s = *s_;
+    s.begin_step();
+    const cuda_detail::ResolvedWeight rw = cuda_detail::resolve_weight(table);
+    cuda_detail::Op o = cuda_detail::make_op(cuda_detail::OpKind::kEmbed);
+    o.y = x;
+    o.w = rw.ptr;
+    o.wbf16 = rw.bf16;
+    o.n = static_cast<int>(tokens.size());
+    o.a = dim;
+    o.arena_a = s.arena.push(tokens.data(), tokens.size_bytes(), 16, s.stream);
+    s.ops.push_back(o);
+  }
+
+  void rmsnorm(float* out, const float* x, const float* w, int n, int dim, float eps) {
+    cuda_detail::Op o = cuda_detail::make_op(cuda_detail::OpKind::kRmsNorm);
+    o.y = out;
+    o.x = x;
+    o.w = w;
+    o.n = n;
+    o.a = dim;
+    o.eps = eps;
+    s_->ops.push_back(o);
+  }
+
+  void matmul(float* out, const float* W, const float* x, int n, int out_dim, int in_dim) {
+    const cuda_detail::ResolvedWeight rw = cuda_detail::resolve_weight(W);
+    cuda_detail::Op o = cuda_detail::make_op(cuda_detail::OpKind::kMatmul);
+    o.y = out;
+    o.x = x;
+    o.w = rw.ptr;
+    o.wbf16 = rw.bf16;
+    o.n = n;
+    o.a = out_dim;
+    o.b = in_dim;
+    s_->ops.push_back(o);
+  }
+
+  void add_bias(float* y, const float* b, int n, int dim) {
+    cuda_detail::Op o = cuda_detail::make_op(cuda_detail::OpKind::kBias);
+    o.y = y;
+    o.w = b;
+    o.n = n;
+    o.a = dim;
+    s_->ops.push_back(o);
+  }
+
+  void rope(float* x, int n, int n_heads, int head_dim, std::span<const TokenInfo> rows, const RopeTables& t) {
+    State& s = *s_;
+    TRIATTN_EXPECTS(static_cast<int>(rows.size()) >= n, "CudaBackend::rope: fewer row infos than rows");
+    const State::RopeDev& rd = s.rope_tables(t, head_dim);
+    cuda_detail::Op o = cuda_detail::make_op(cuda_detail::OpKind::kRope);
+    o.y = x;
+    o.n = n;
+    o.a = n_heads;
+    o.b = head_dim;
+    o.flag = t.f32_angles ? 1 : 0;
+    o.style = static_cast<std::uint8_t>(t.style);
+    o.w = rd.d64;
+    o.x2 = rd.d32;
+    o.arena_a = s.row_info(rows).pos;
+    s.ops.push_back(o);
+  }
+
+  template <class T, class Cache>
+  void write_kv(Cache& cache, triattn::SeqId seq, int layer, int first_slot, const float* k, const float* v, int n,
+                int kv_dim) {
+    static_assert(triattn::cuda::has_device_tables_v<Cache>,
+                  "CudaBackend needs a KvCache whose allocator publishes device tables (cuda::DeviceAllocator)");
+    State& s = *s_;
+    s.publish_once(cache);
+    const triattn::CacheConfig& cfg = cache.config();
+    cuda_detail::Op o = cuda_detail::make_op(cuda_detail::OpKind::kWriteKv);
+    o.x = k;
+    o.x2 = v;
+    o.n = n;
+    o.a = kv_dim;
+    o.b = cfg.model.num_kv_heads;
+    o.d = cfg.model.head_dim;
+    o.layer = layer;
+    o.dtype = static_cast<std::uint8_t>(cfg.dtype);
+    o.view = cuda_detail::erase_view(cache.template view<T>());
+    o.arena_a = s.slot_mapping(cache, seq, first_slot, n);
+    s.ops.push_back(o);
+  }
+
+  template <class T, class Cache>
+  void attention(float* out, const float* q, std::span<const TokenInfo> rows, const Cache& cache, int layer,
+                 const ModelConfig& c, const AttentionObserver* observer) {
+    static_assert(triattn::cuda::has_device_tables_v<Cache>,
+                  "CudaBackend needs a KvCache whose allocator publishes device tables (cuda::DeviceAllocator)");
+    if (observer != nullptr && *observer)
+      throw triattn::unsupported(
+          "CudaBackend: attention observers need the probabilities on the host; use the CPU backend for them");
+    State& s = *s_;
+    TRIATTN_EXPECTS(c.head_dim <= gpu::kAttnMaxDimsPerLane * 32,
+                    "CudaBackend::attention: head_dim " + std::to_string(c.head_dim) + " > 256 is not supported");
+    const State::RowInfo ri = s.row_info(rows);
+    const int n = static_cast<int>(rows.size());
+    cuda_detail::Op o = cuda_detail::make_op(cuda_detail::OpKind::kAttention);
+    o.y = out;
+    o.x = q;
+    o.n = n;
+    o.a = c.n_heads;
+    o.b = c.n_kv_heads;
+    o.d = c.head_dim;
+    o.layer = layer;
+    o.dtype = static_cast<std::uint8_t>(cache.config().dtype);
+    o.view = cuda_detail::erase_view(cache.template view<T>());
+    o.arena_a = ri.seq;
+    o.arena_b = ri.slot;
+    // triattn's decode kernel: one row per sequence at its last slot, a compiled head_dim.
+    bool decode = triattn::cuda::is_supported_head_dim(c.head_dim) && n <= 65535;
+    int max_len = 1;
+    if (decode) {
+      s.seen.assign(static_cast<std::size_t>(cache.config().max_seqs), 0);
+      for (const TokenInfo& r : rows) {
+        auto& mark = s.seen[static_cast<std::size_t>(r.seq)];
+        if (mark != 0 || r.slot + 1 != cache.physical_length(r.seq)) {
+          decode = false;
+          break;
+        }
+        mark = 1;
+        max_len = std::max(max_len, r.slot + 1);
+      }
+    }
+    if (decode) {
+      o.flag = 1;
+      // A rounded bound keeps the plan (and a captured graph) stable while sequences grow.
+      const int bound = (max_len + State::kPlanGranule - 1) / State::kPlanGranule * State::kPlanGranule;
+      o.plan = triattn::cuda::decode_attention::make_plan(triattn::dtype_of<T>, n, c.n_kv_heads, c.group_size(), bound,
+                                                          s.resident_ctas<T>(c.head_dim));
+      o.workspace_bytes = triattn::cuda::decode_attention::workspace_size(o.plan, n, c.n_heads, c.head_dim);
+      o.workspace = o.workspace_bytes > 0 ? s.scratch(State::kWorkspace, o.workspace_bytes) : nullptr;
+      if constexpr (!std::is_same_v<T, float>)
+        o.q_t = s.scratch(State::kQt, static_cast<std::size_t>(n) * c.q_dim() * sizeof(T));
+    }
+    s.ops.push_back(o);
+  }
+
+  void swiglu(float* gate, const float* up, int n) {
+    cuda_detail::Op o = cuda_detail::make_op(cuda_detail::OpKind::kSwiglu);
+    o.y = gate;
+    o.x2 = up;
+    o.count = n;
+    s_->ops.push_back(o);
+  }
+
+  void add(float* x, const float* y, int n) {
+    State& s = *s_;
+    cuda_detail::Op o = cuda_detail::make_op(cuda_detail::OpKind::kAdd);
+    o.y = x;
+    o.x2 = y;
+    o.count = n;
+    s.ops.push_back(o);
+    // The model adds two residuals per layer: after the last one the layers are done.
+    if (s.step_open && s.n_layers > 0 && ++s.adds == 2 * s.n_layers) s.flush(FlushReason::kLayersDone);
+  }
+
+  // ---- beyond backend.hpp ------------------------------------------------------------------------
+
+  /// Launches everything pending and waits for the stream.
+  void synchronize() const {
+    s_->flush(FlushReason::kOther);
+    TRIATTN_CUDA_TRY(cudaStreamSynchronize(s_->stream));
+  }
+  /// Launches everything pending (no wait).
+  void flush() const { s_->flush(FlushReason::kOther); }
+
+  /// ids[r] = argmax of logits row r ([n, vocab], device), on the stream, after pending work.
+  void argmax(int* ids, const float* logits, int n, int vocab) const {
+    State& s = *s_;
+    s.flush(FlushReason::kOther);
+    if (n <= 0) return;
+    s.launch(gpu::argmax_kernel, dim3(static_cast<unsigned>(n)), dim3(gpu::kArgmaxThreads), 0, ids, logits, vocab);
+  }
+  /// Copies device memory to the host after pending work, and waits.
+  void download(void* host, const void* dev, std::size_t bytes) const {
+    State& s = *s_;
+    s.flush(FlushReason::kOther);
+    TRIATTN_CUDA_TRY(cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, s.stream));
+    TRIATTN_CUDA_TRY(cudaStreamSynchronize(s.stream));
+  }
+
+  struct Stats {
+    std::uint64_t graph_captures = 0;  ///< steps captured into a new graph
+    std::uint64_t graph_replays = 0;   ///< steps replayed from a captured graph (captures included)
+    std::uint64_t eager_flushes = 0;   ///< flushes launched kernel by kernel
+    std::uint64_t kernels = 0;         ///< kernels the backend launched itself (outside replays)
+  };
+  [[nodiscard]] Stats stats() const noexcept { return s_->stats; }
+
+ private:
+  enum class FlushReason { kLayersDone, kOther };
+
+  struct State {
+    static constexpr int kPlanGranule = 512;
+    enum ScratchId : int { kQt = 0, kKt, kVt, kWorkspace, kScratchCount };
+
+    struct RowInfo {
+      long long pos = -1, seq = -1, slot = -1;
+    };
+    struct RopeDev {
+      const RopeTables* key = nullptr;
+      std::vector<double> inv64;
+      std::vector<float> inv32;
+      cuda_detail::DeviceMem mem;
+      const double* d64 = nullptr;
+      const float* d32 = nullptr;
+    };
+    struct SlotMemo {
+      triattn::SeqId seq;
+      int first_slot, n;
+      long long off;
+    };
+    struct Graph {
+      std::vector<unsigned char> sig;
+      cudaGraphExec_t exec = nullptr;
+      std::uint64_t used = 0;
+    };
+
+    Options opt;
+    cudaStream_t stream = nullptr;
+    int sms = 0;
+    std::vector<cuda_detail::Op> ops;
+    bool step_open = false;
+    bool mid_flush = false;
+    int adds = 0;
+    int n_layers = 0;
+    const void* published_cache = nullptr;
+    cuda_detail::Arena arena;
+    std::vector<TokenInfo> rows_copy;
+    RowInfo rows_info;
+    std::vector<SlotMemo> slot_memo;
+    std::size_t slot_cursor = 0;
+    std::vector<RopeDev> ropes;
+    cuda_detail::DeviceMem scratch_mem[kScratchCount];
+    std::size_t scratch_bytes[kScratchCount] = {};
+    std::vector<cuda_detail::DeviceMem> retired;
+    cuda_detail::HostMem host_buf;
+    std::size_t host_bytes = 0;
+    std::vector<Graph> graphs;
+    std::uint64_t tick = 0;
+    std::map<std::pair<int, int>, int> resident;
+    std::vector<unsigned char> seen;
+    Stats stats;
+
+    explicit State(const Options& o) : opt(o) {
+      TRIATTN_CUDA_TRY(cudaStreamCreate(&stream));  // blocking: legacy-stream copies wait for it
+      TRIATTN_CUDA_TRY(triattn::cuda::current_device_sm_count(&sms));
+    }
+    State(const State&) = delete;
+    State& operator=(const State&) = delete;
+    ~State() {
+      triattn::cuda::report_error(cudaStreamSynchronize(stream), "CudaBackend: cudaStreamSynchronize");
+      for (Graph& g : graphs) triattn::cuda::report_error(cudaGraphExecDestroy(g.exec), "CudaBackend: cudaGraphExecDestroy");
+      graphs.clear();
+      triattn::cuda::report_error(cudaStreamDestroy(stream), "CudaBackend: cudaStreamDestroy");
+    }
+
+    void set_model(const ModelConfig& c) { n_layers = c.n_layers; }
+
+    // ---- step bookkeeping ----
+
+    void begin_step() {
+      flush(FlushReason::kOther);
+      arena.reset();
+      rows_copy.clear();
+      rows_info = RowInfo{};
+      slot_memo.clear();
+      slot_cursor = 0;
+      published_cache = nullptr;
+      adds = 0;
+      step_open = true;
+      mid_flush = false;
+    }
+
+    template <class Cache>
+    void publish_once(Cache& cache) {
+      if (published_cache == static_cast<const void*>(&cache)) return;
+      triattn::cuda::publish(cache, stream);  // extend() ran before the layers: upload once per step
+      published_cache = &cache;
+    }
+
+    /// Positions, sequences and slots of a step's rows, in the arena (once per step).
+    RowInfo row_info(std::span<const TokenInfo> rows) {
+      if (rows_info.pos >= 0 && rows.size() == rows_copy.size() &&
+          std::memcmp(rows.data(), rows_copy.data(), rows.size_bytes()) == 0)
+        return rows_info;
+      rows_copy.assign(rows.begin(), rows.end());
+      std::vector<long long> pos(rows.size());
+      std::vector<std::int32_t> seq(rows.size()), slot(rows.size());
+      for (std::size_t i = 0; i < rows.size(); ++i) {
+        pos[i] = rows[i].pos;
+        seq[i] = rows[i].seq;
+        slot[i] = rows[i].slot;
+      }
+      rows_info.pos = arena.push(pos.data(), pos.size() * sizeof(long long), 16, stream);
+      rows_info.seq = arena.push(seq.data(), seq.size() * sizeof(std::int32_t), 16, stream);
+      rows_info.slot = arena.push(slot.data(), slot.size() * sizeof(std::int32_t), 16, stream);
+      return rows_info;
+    }
+
+    /// Slot mapping (block * block_size + offset) of n tokens from first_slot of seq, in the
+    /// arena; chunks of one layer get consecutive arrays, later layers reuse them.
+    template <class Cache>
+    long long slot_mapping(const Cache& cache, triattn::SeqId seq, int first_slot, int n) {
+      auto same = [&](const SlotMemo& m) { return m.seq == seq && m.first_slot == first_slot && m.n == n; };
+      if (slot_cursor < slot_memo.size() && same(slot_memo[slot_cursor])) return slot_memo[slot_cursor++].off;
+      for (std::size_t i = 0; i < slot_memo.size(); ++i)
+        if (same(slot_memo[i])) {
+          slot_cursor = i + 1;
+          return slot_memo[i].off;
+        }
+      std::vector<std::int64_t> slots(static_cast<std::size_t>(n));
+      TRIATTN_EXPECTS(triattn::cuda::append::host_slot_mapping(cache.block_table(seq), cache.config().block_size,
+                                                                first_slot, n, slots.data()),
+                      "CudaBackend::write_kv: slots [" + std::to_string(first_slot) + ", " +
+                          std::to_string(first_slot + n) + ") of sequence " + std::to_string(seq) +
+                          " are beyond its blocks (call extend first)");
+      const long long off = arena.push(slots.data(), slots.size() * sizeof(std::int64_t), 8, stream);
+      slot_memo.push_back(SlotMemo{seq, first_slot, n, off});
+      slot_cursor = slot_memo.size();
+      return off;
+    }
+
+    const RopeDev& rope_tables(const RopeTables& t, int head_dim) {
+      const std::size_t F = static_cast<std::size_t>(head_dim / 2);
+      TRIATTN_EXPECTS(head_dim % 2 == 0 && t.inv_freq.size() >= F && t.inv_freq_f32.size() >= F,
+                      "CudaBackend::rope: RoPE tables shorter than head_dim / 2");
+      for (const RopeDev& r : ropes)
+        if (r.key == &t && r.inv64.size() == t.inv_freq.size() && r.inv32.size() == t.inv_freq_f32.size() &&
+            std::equal(r.inv64.begin(), r.inv64.end(), t.inv_freq.begin()) &&
+            std::equal(r.inv32.begin(), r.inv32.end(), t.inv_freq_f32.begin()))
+          return r;
+      RopeDev r;
+      r.key = &t;
+      r.inv64 = t.inv_freq;
+      r.inv32 = t.inv_freq_f32;
+      const std::size_t b64 = r.inv64.size() * sizeof(double), b32 = r.inv32.size() * sizeof(float);
+      r.mem = cuda_detail::device_alloc(b64 + b32 + 16);
+      char* base = static_cast<char*>(r.mem.get());
+      TRIATTN_CUDA_TRY(cudaMemcpy(base, r.inv64.data(), b64, cudaMemcpyHostToDevice));
+      TRIATTN_CUDA_TRY(cudaMemcpy(base + (b64 + 15) / 16 * 16, r.inv32.data(), b32, cudaMemcpyHostToDevice));
+      r.d64 = reinterpret_cast<const double*>(base);
+      r.d32 = reinterpret_cast<const float*>(base + (b64 + 15) / 16 * 16);
+      ropes.push_back(std::move(r));
+      return ropes.back();
+    }
+
+    /// Grow-only scratch buffer; a replaced buffer lives until the next flush has finished.
+    void* scratch(int id, std::size_t bytes) {
+      if (bytes > scratch_bytes[id]) {
+        if (scratch_mem[id]) retired.push_back(std::move(scratch_mem[id]));
+        scratch_mem[id] = cuda_detail::device_alloc(bytes);
+        scratch_bytes[id] = bytes;
+      }
+      return scratch_mem[id].get();
+    }
+
+    void ensure_host(std::size_t bytes) {
+      if (bytes <= host_bytes) return;
+      host_buf = cuda_detail::host_alloc(bytes);
+      host_bytes = bytes;
+    }
+
+    template <class T>
+    int resident_ctas(int head_dim) {
+      const auto key = std::make_pair(static_cast<int>(triattn::dtype_of<T>), head_dim);
+      if (auto it = resident.find(key); it != resident.end()) return it->second;
+      int ctas = 0;
+      TRIATTN_CUDA_TRY(triattn::cuda::decode_attention::resident_ctas<T>(head_dim, &ctas));
+      resident[key] = ctas;
+      return ctas;
+    }
+
+    template <class... KArgs, class... Args>
+    void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, std::size_t smem, Args&&... args) {
+      if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = grid;
+      cfg.blockDim = block;
+      cfg.dynamicSmemBytes = smem;
+      cfg.stream = stream;
+      cudaLaunchAttribute attr[1];
+      attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr[0].val.programmaticStreamSerializationAllowed = 1;
+      cfg.attrs = attr;
+      cfg.numAttrs = opt.pdl ? 1 : 0;
+      TRIATTN_CUDA_TRY(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+      ++stats.kernels;
+    }
+
+    // ---- flush: plan (fuse), upload, launch or replay ----
+
+    void flush(FlushReason why) {
+      if (ops.empty()) {
+        if (why == FlushReason::kLayersDone) step_open = false;
+        return;
+      }
+      // A decode step (one token per chunk): its launches repeat step after step.
+      bool graphable = opt.graphs && why == FlushReason::kLayersDone && step_open && !mid_flush &&
+                       ops.front().kind == cuda_detail::OpKind::kEmbed;
+      bool any_write = false;
+      for (const cuda_detail::Op& o : ops)
+        if (o.kind == cuda_detail::OpKind::kWriteKv) {
+          any_write = true;
+          graphable = graphable && o.n == 1;
+        }
+      graphable = graphable && any_write;
+      if (why == FlushReason::kLayersDone) step_open = false;
+      else if (step_open) mid_flush = true;
+
+      std::vector<std::function<void()>> items;
+      std::vector<unsigned char> facts;
+      plan(items, facts);
+      arena.upload(stream);
+      if (graphable) {
+        run_graph(items, facts);
+      } else {
+        for (auto& f : items) f();
+        ++stats.eager_flushes;
+      }
+      ops.clear();
+      if (!retired.empty()) {
+        TRIATTN_CUDA_TRY(cudaStreamSynchronize(stream));
+        retired.clear();
+      }
+    }
+
+    void run_graph(const std::vector<std::function<void()>>& items, const std::vector<unsigned char>& facts) {
+      std::vector<unsigned char> sig(ops.size() * sizeof(cuda_detail::Op) + facts.size());
+      std::memcpy(sig.data(), ops.data(), ops.size() * sizeof(cuda_detail::Op));
+      if (!facts.empty()) std::memcpy(sig.data() + ops.size() * sizeof(cuda_detail::Op), facts.data(), facts.size());
+      ++tick;
+      for (Graph& g : graphs)
+        if (g.sig == sig) {
+          g.used = tick;
+          TRIATTN_CUDA_TRY(cudaGraphLaunch(g.exec, stream));
+          ++stats.graph_replays;
+          return;
+        }
+      cudaGraph_t graph = nullptr;
+      TRIATTN_CUDA_TRY(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      try {
+        for (auto& f : items) f();
+      } catch (...) {
+        cudaGraph_t broken = nullptr;
+        (void)cudaStreamEndCapture(stream, &broken);
+        if (broken != nullptr) (void)cudaGraphDestroy(broken);
+        (void)cudaGetLastError();
+        throw;
+      }
+      TRIATTN_CUDA_TRY(cudaStreamEndCapture(stream, &graph));
+      cudaGraphExec_t exec = nullptr;
+      const cudaError_t e = cudaGraphInstantiate(&exec, graph, 0ULL);
+      triattn::cuda::report_error(cudaGraphDestroy(graph), "CudaBackend: cudaGraphDestroy");
+      TRIATTN_CUDA_TRY(e);
+      if (graphs.size() >= 8) {  // least recently used goes
+        auto lru = std::min_element(graphs.begin(), graphs.end(), [](const Graph& a, const Graph& b) { return a.used < b.used; });
+        triattn::cuda::report_error(cudaGraphExecDestroy(lru->exec), "CudaBackend: cudaGraphExecDestroy");
+        graphs.erase(lru);
+      }
+      graphs.push_back(Graph{std::move(sig), exec, tick});
+      ++stats.graph_captures;
+      TRIATTN_CUDA_TRY(cudaGraphLaunch(exec, stream));
+      ++stats.graph_replays;
+    }
+
+    static void add_fact(std::vector<unsigned char>& facts, const void* p) {
+      const auto v = reinterpret_cast<std::uintptr_t>(p);
+      const auto* b = reinterpret_cast<const unsigned char*>(&v);
+      facts.insert(facts.end(), b, b + sizeof v);
+    }
+
+    /// Turns the op list into launches, fusing neighbours (see the file comment).
+    void plan(std::vector<std::function<void()>>& items, std::vector<unsigned char>& facts) {
+      using cuda_detail::OpKind;
+      add_fact(facts, arena.device_base());
+      std::vector<char> q_ready(ops.size(), 0);
+      std::size_t i = 0;
+      while (i < ops.size()) {
+        const cuda_detail::Op& o = ops[i];
+        std::size_t used = 0;
+        if (opt.fuse) {
+          switch (o.kind) {
+            case OpKind::kRmsNorm: used = plan_classifier(i, items, facts); break;
+            case OpKind::kMatmul: used = plan_matmul_group(i, items); break;
+            case OpKind::kRope: used = plan_rope_group(i, items, facts, q_ready); break;
+            default: break;
+          }
+        }
+        if (used == 0) used = plan_single(i, items, facts, q_ready[i] != 0);
+        i += used;
+      }
+    }
+
+    // rmsnorm(row r) + matmul(reading it) repeated for n = 1 rows with the same weights: the
+    // classifier over the picked rows. One RMSNorm over a row list + one GEMV over those rows.
+    std::size_t plan_classifier(std::size_t i, std::vector<std::function<void()>>& items,
+                                std::vector<unsigned char>& facts) {
+      using cuda_detail::OpKind;
+      const cuda_detail::Op& n0 = ops[i];
+      auto pair_at = [&](std::size_t j) {
+        if (j + 1 >= ops.size()) return false;
+        const cuda_detail::Op& nm = ops[j];
+        const cuda_detail::Op& mm = ops[j + 1];
+        return nm.kind == OpKind::kRmsNorm && mm.kind == OpKind::kMatmul && nm.n == 1 && mm.n == 1 && nm.w == n0.w &&
+               nm.a == n0.a && nm.eps == n0.eps && mm.x == nm.y && mm.b == nm.a && mm.w == ops[i + 1].w &&
+               mm.a == ops[i + 1].a && mm.wbf16 == ops[i + 1].wbf16 && (nm.x - n0.x) == (nm.y - n0.y) &&
+               mm.y == ops[i + 1].y + (static_cast<long long>(j - i) / 2) * mm.a;
+      };
+      std::size_t j = i;
+      while (pair_at(j)) j += 2;
+      const int rows = static_cast<int>((j - i) / 2);
+      if (rows < 2 || n0.a % 4 != 0) return 0;
+      std::vector<long long> off(static_cast<std::size_t>(rows));
+      for (int r = 0; r < rows; ++r) off[static_cast<std::size_t>(r)] = ops[i + 2 * static_cast<std::size_t>(r)].x - n0.x;
+      const long long roff = arena.push(off.data(), off.size() * sizeof(long long), 16, stream);
+      const cuda_detail::Op norm = n0;
+      const cuda_detail::Op mm = ops[i + 1];
+      items.push_back([this, norm, rows, roff] {
+        launch(gpu::rmsnorm_kernel, dim3(static_cast<unsigned>(rows)), dim3(gpu::kNormThreads), 0, norm.y, norm.x,
+               static_cast<const float*>(norm.w), norm.a, norm.eps, arena.dev<long long>(roff), 0LL);
+      });
+      items.push_back([this, norm, mm, rows, roff] {
+        gpu::GemvParams p;
+        p.nseg = 1;
+        p.seg[0].w = mm.w;
+        p.seg[0].out = mm.y;
+        p.seg[0].out_stride = mm.a;
+        p.seg[0].M = mm.a;
+        p.x = norm.y;
+        p.x_rows = arena.dev<long long>(roff);
+        p.K = mm.b;
+        p.n = rows;
+        launch_gemv(p, mm.wbf16 != 0);
+      });
+      (void)facts;
+      return j - i;
+    }
+
+    // matmuls sharing x (+ their biases) and an epilogue: residual add or SwiGLU.
+    std::size_t plan_matmul_group(std::size_t i, std::vector<std::function<void()>>& items) {
+      using cuda_detail::OpKind;
+      const cuda_detail::Op& m0 = ops[i];
+      std::size_t j = i;
+      std::vector<std::size_t> mem;
+      while (j < ops.size() && ops[j].kind == OpKind::kMatmul && mem.size() < static_cast<std::size_t>(gpu::kMaxGemvSegs) &&
+             ops[j].x == m0.x && ops[j].n == m0.n && ops[j].b == m0.b && ops[j].wbf16 == m0.wbf16) {
+        // a member must not write what another member reads
+        const float* y = ops[j].y;
+        const bool overlaps = y < m0.x + static_cast<long long>(m0.n) * m0.b && m0.x < y + static_cast<long long>(m0.n) * ops[j].a;
+        if (overlaps) break;
+        mem.push_back(j++);
+      }
+      if (mem.empty()) return 0;
+      gpu::GemvParams p;
+      p.nseg = static_cast<int>(mem.size());
+      for (std::size_t s = 0; s < mem.size(); ++s) {
+        const cuda_detail::Op& m = ops[mem[s]];
+        p.seg[s].w = m.w;
+        p.seg[s].out = m.y;
+        p.seg[s].out_stride = m.a;
+        p.seg[s].M = m.a;
+      }
+      p.x = m0.x;
+      p.x_stride = m0.b;
+      p.K = m0.b;
+      p.n = m0.n;
+      // biases of the members' outputs
+      while (j < ops.size() && ops[j].kind == OpKind::kBias) {
+        int hit = -1;
+        for (std::size_t s = 0; s < mem.size(); ++s)
+          if (ops[j].y == p.seg[s].out && ops[j].n == m0.n && ops[j].a == p.seg[s].M && p.seg[s].bias == nullptr)
+            hit = static_cast<int>(s);
+        if (hit < 0) break;
+        p.seg[hit].bias = static_cast<const float*>(ops[j].w);
+        ++j;
+      }
+      if (j < ops.size() && ops[j].kind == OpKind::kAdd && mem.size() == 1) {
+        const cuda_detail::Op& ad = ops[j];
+        const long long cnt = static_cast<long long>(m0.n) * p.seg[0].M;
+        const float* in_end = m0.x + static_cast<long long>(m0.n) * m0.b;
+        const bool disjoint = ad.y + cnt <= m0.x || ad.y >= in_end;
+        if (ad.x2 == p.seg[0].out && ad.count == cnt && disjoint && ad.y != p.seg[0].out) {
+          p.seg[0].residual = ad.y;
+          p.seg[0].res_stride = p.seg[0].M;
+          ++j;
+        }
+      } else if (j < ops.size() && ops[j].kind == OpKind::kSwiglu && mem.size() == 2 && p.seg[0].M == p.seg[1].M) {
+        const cuda_detail::Op& sw = ops[j];
+        if (sw.y == p.seg[0].out && sw.x2 == p.seg[1].out && sw.count == static_cast<long long>(m0.n) * p.seg[0].M) {
+          p.paired = 1;
+          ++j;
+        }
+      }
+      const bool bf16 = m0.wbf16 != 0;
+      items.push_back([this, p, bf16] { launch_gemv(p, bf16); });
+      return j - i;
+    }
+
+    // rope(q) [+ rope(k)] [+ write_kv of every row] [-> q converted for the decode attention].
+    std::size_t plan_rope_group(std::size_t i, std::vector<std::function<void()>>& items,
+                                std::vector<unsigned char>& facts, std::vector<char>& q_ready) {
+      using cuda_detail::OpKind;
+      const cuda_detail::Op rq = ops[i];
+      std::size_t j = i + 1;
+      const cuda_detail::Op* rk = nullptr;
+      if (j < ops.size() && ops[j].kind == OpKind::kRope && ops[j].n == rq.n && ops[j].b == rq.b &&
+          ops[j].arena_a == rq.arena_a && ops[j].w == rq.w && ops[j].x2 == rq.x2 && ops[j].flag == rq.flag &&
+          ops[j].style == rq.style)
+        rk = &ops[j++];
+      // write_kv ops covering rows [0, n) of k in order, with consecutive slot arrays
+      const cuda_detail::Op* w0 = nullptr;
+      std::size_t wend = j;
+      if (rk != nullptr) {
+        long long r0 = 0;
+        std::size_t t = j;
+        while (t < ops.size() && ops[t].kind == OpKind::kWriteKv) {
+          const cuda_detail::Op& w = ops[t];
+          const cuda_detail::Op& first = w0 != nullptr ? *w0 : w;
+          if (w.layer != first.layer || w.dtype != first.dtype || w.a != rk->a * rk->b || w.d != rk->b ||
+              w.x != rk->y + r0 * w.a || w.x2 != first.x2 + r0 * w.a || w.arena_a != first.arena_a + r0 * 8 ||
+              std::memcmp(&w.view, &first.view, sizeof w.view) != 0)
+            break;
+          if (w0 == nullptr) w0 = &ops[t];
+          r0 += w.n;
+          ++t;
+        }
+        if (w0 != nullptr && r0 == rk->n) wend = t;
+        else w0 = nullptr;
+      }
+      const triattn::DType dt = w0 != nullptr ? static_cast<triattn::DType>(w0->dtype) : triattn::DType::kF32;
+      const bool lib_ok = w0 != nullptr && !opt.direct_kv_write && triattn::cuda::is_supported_head_dim(w0->d);
+      // q in the cache type for the decode attention right after
+      void* q_t = nullptr;
+      if (w0 != nullptr && wend < ops.size() && ops[wend].kind == OpKind::kAttention && ops[wend].x == rq.y &&
+          ops[wend].flag != 0 && ops[wend].q_t != nullptr && ops[wend].dtype == w0->dtype) {
+        q_t = ops[wend].q_t;
+        q_ready[wend] = 1;
+      }
+      void* k_t = nullptr;
+      void* v_t = nullptr;
+      if (lib_ok && dt != triattn::DType::kF32) {
+        const std::size_t bytes = static_cast<std::size_t>(rk->n) * w0->a * triattn::dtype_size(dt);
+        k_t = scratch(kKt, bytes);
+        v_t = scratch(kVt, bytes);
+        add_fact(facts, k_t);
+        add_fact(facts, v_t);
+      }
+      const cuda_detail::Op wk = w0 != nullptr ? *w0 : cuda_detail::make_op(OpKind::kWriteKv);
+      const bool has_kv = w0 != nullptr;
+      const cuda_detail::Op rkc = rk != nullptr ? *rk : cuda_detail::make_op(OpKind::kRope);
+      const bool has_k = rk != nullptr;
+      items.push_back([this, rq, rkc, has_k, wk, has_kv, lib_ok, dt, q_t, k_t, v_t] {
+        cuda_detail::dispatch_cache_type(dt, [&](auto st, auto dtag) {
+          using ST = typename decltype(st)::type;
+          using DT = typename decltype(dtag)::type;
+          gpu::RopeKvParams<DT> p;
+          p.q = rq.y;
+          p.k = has_k ? rkc.y : nullptr;
+          p.v = has_kv ? wk.x2 : nullptr;
+          p.n = rq.n;
+          p.hq = rq.a;
+          p.hkv = has_k ? rkc.a : 0;
+          p.d = rq.b;
+          p.pos = arena.dev<long long>(rq.arena_a);
+          p.inv64 = static_cast<const double*>(rq.w);
+          p.inv32 = rq.x2;
+          p.f32_angles = rq.flag;
+          p.style = static_cast<triattn::RopeStyle>(rq.style);
+          p.q_t = static_cast<DT*>(q_t);
+          p.k_t = static_cast<DT*>(k_t);
+          p.v_t = static_cast<DT*>(v_t);
+          if (has_kv && !lib_ok) {
+            p.direct = 1;
+            p.view = cuda_detail::typed_view<DT>(wk.view);
+            p.layer = wk.layer;
+            p.slots = arena.dev<long long>(wk.arena_a);
+          }
+          const long long heads = p.hq + p.hkv;
+          const long long threads = static_cast<long long>(p.n) * heads * (p.d / 2) +
+                                    (p.v != nullptr ? static_cast<long long>(p.n) * p.hkv * p.d : 0);
+          launch(gpu::rope_kv_kernel<DT>, dim3(static_cast<unsigned>((threads + 255) / 256)), dim3(256), 0, p);
+          if (has_kv && lib_ok) {
+            const auto view = cuda_detail::typed_view<ST>(wk.view);
+            const ST* ks = std::is_same_v<ST, float> ? reinterpret_cast<const ST*>(p.k) : static_cast<const ST*>(k_t);
+            const ST* vs = std::is_same_v<ST, float> ? reinterpret_cast<const ST*>(p.v) : static_cast<const ST*>(v_t);
+            TRIATTN_CUDA_TRY(triattn::cuda::append::run_slots(view, wk.layer, 1, ks, vs,
+                                                              reinterpret_cast<const std::int64_t*>(arena.dev<long long>(wk.arena_a)),
+                                                              rq.n, stream));
+          }
+        });
+      });
+      return wend - i;
+    }
+
+    std::size_t plan_single(std::size_t i, std::vector<std::function<void()>>& items, std::vector<unsigned char>& facts,
+                            bool q_ready) {
+      using cuda_detail::OpKind;
+      const cuda_detail::Op o = ops[i];
+      auto blocks = [](long long count, int threads) { return dim3(static_cast<unsigned>((count + threads - 1) / threads)); };
+      switch (o.kind) {
+        case OpKind::kEmbed:
+          items.push_back([this, o] {
+            const int* tok = arena.dev<int>(o.arena_a);
+            if (o.wbf16)
+              launch(gpu::embed_kernel<__nv_bfloat16>, dim3(static_cast<unsigned>(o.n)), dim3(256), 0, o.y,
+                     static_cast<const __nv_bfloat16*>(o.w), tok, o.a);
+            else
+              launch(gpu::embed_kernel<float>, dim3(static_cast<unsigned>(o.n)), dim3(256), 0, o.y,
+                     static_cast<const float*>(o.w), tok, o.a);
+          });
+          break;
+        case OpKind::kRmsNorm:
+          items.push_back([this, o] {
+            launch(gpu::rmsnorm_kernel, dim3(static_cast<unsigned>(o.n)), dim3(gpu::kNormThreads), 0, o.y, o.x,
+                   static_cast<const float*>(o.w), o.a, o.eps, static_cast<const long long*>(nullptr),
+                   static_cast<long long>(o.a));
+          });
+          break;
+        case OpKind::kMatmul:
+          items.push_back([this, o] {
+            gpu::GemvParams p;
+            p.nseg = 1;
+            p.seg[0].w = o.w;
+            p.seg[0].out = o.y;
+            p.seg[0].out_stride = o.a;
+            p.seg[0].M = o.a;
+            p.x = o.x;
+            p.x_stride = o.b;
+            p.K = o.b;
+            p.n = o.n;
+            launch_gemv(p, o.wbf16 != 0);
+          });
+          break;
+        case OpKind::kBias:
+          items.push_back([this, o, blocks] {
+            const long long cnt = static_cast<long long>(o.n) * o.a;
+            launch(gpu::bias_kernel, blocks(cnt, 256), dim3(256), 0, o.y, static_cast<const float*>(o.w), cnt, o.a);
+          });
+          break;
+        case OpKind::kAdd:
+          items.push_back([this, o, blocks] { launch(gpu::add_kernel, blocks(o.count, 256), dim3(256), 0, o.y, o.x2, o.count); });
+          break;
+        case OpKind::kSwiglu:
+          items.push_back(
+              [this, o, blocks] { launch(gpu::swiglu_kernel, blocks(o.count, 256), dim3(256), 0, o.y, o.x2, o.count); });
+          break;
+        case OpKind::kRope:
+          return plan_rope_alone(i, items);
+        case OpKind::kWriteKv:
+          items.push_back([this, o, blocks] {
+            cuda_detail::dispatch_cache_type(static_cast<triattn::DType>(o.dtype), [&](auto, auto dtag) {
+              using DT = typename decltype(dtag)::type;
+              launch(gpu::write_kv_kernel<DT>, blocks(static_cast<long long>(o.n) * o.a, 256), dim3(256), 0,
+                     cuda_detail::typed_view<DT>(o.view), o.layer, o.x, o.x2, arena.dev<long long>(o.arena_a), o.n,
+                     o.b, o.d);
+            });
+          });
+          break;
+        case OpKind::kAttention:
+          items.push_back([this, o, blocks, q_ready] {
+            cuda_detail::dispatch_cache_type(static_cast<triattn::DType>(o.dtype), [&](auto st, auto dtag) {
+              using ST = typename decltype(st)::type;
+              using DT = typename decltype(dtag)::type;
+              if (o.flag != 0) {
+                const ST* q = reinterpret_cast<const ST*>(o.x);
+                if constexpr (!std::is_same_v<ST, float>) {
+                  if (!q_ready) {
+                    const long long cnt = static_cast<long long>(o.n) * o.a * o.d;
+                    launch(gpu::convert_kernel<DT>, blocks(cnt, 256), dim3(256), 0, static_cast<DT*>(o.q_t), o.x, cnt);
+                  }
+                  q = static_cast<const ST*>(o.q_t);
+                }
+                TRIATTN_CUDA_TRY(triattn::cuda::decode_attention::run(
+                    o.plan, cuda_detail::typed_view<ST>(o.view), o.layer, q, o.y, o.n, o.a,
+                    arena.dev<std::int32_t>(o.arena_a), 1.0f / std::sqrt(static_cast<float>(o.d)), o.workspace,
+                    o.workspace_bytes, stream));
+              } else {
+                const long long warps = static_cast<long long>(o.n) * o.a;
+                launch(gpu::attention_rows_kernel<DT>, blocks(warps, gpu::kAttnRowWarps), dim3(gpu::kAttnRowWarps * 32), 0,
+                       o.y, o.x, cuda_detail::typed_view<DT>(o.view), o.layer, o.n, o.a, o.b, o.d,
+                       arena.dev<int>(o.arena_a), arena.dev<int>(o.arena_b), std::sqrt(static_cast<float>(o.d)));
+              }
+            });
+          });
+          break;
+      }
+      (void)facts;
+      return 1;
+    }
+
+    std::size_t plan_rope_alone(std::size_t i, std::vector<std::function<void()>>& items) {
+      const cuda_detail::Op o = ops[i];
+      items.push_back([this, o] {
+        gpu::RopeKvParams<float> p;
+        p.q = o.y;
+        p.n = o.n;
+        p.hq = o.a;
+        p.d = o.b;
+        p.pos = arena.dev<long long>(o.arena_a);
+        p.inv64 = static_cast<const double*>(o.w);
+        p.inv32 = o.x2;
+        p.f32_angles = o.flag;
+        p.style = static_cast<triattn::RopeStyle>(o.style);
+        const long long threads = static_cast<long long>(p.n) * p.hq * (p.d / 2);
+        launch(gpu::rope_kv_kernel<float>, dim3(static_cast<unsigned>((threads + 255) / 256)), dim3(256), 0, p);
+      });
+      return 1;
+    }
+
+    /// Picks the GEMV kernel for p (units and segment starts are filled in here).
+    void launch_gemv(gpu::GemvParams p, bool bf16) {
+      const int V = bf16 ? 8 : 4;
+      const std::size_t wsize = bf16 ? 2 : 4;
+      bool vec = p.K % V == 0 && cuda_detail::aligned16(p.x) && (p.x_rows != nullptr || p.x_stride % 4 == 0) &&
+                 (static_cast<std::size_t>(p.K) * wsize) % 16 == 0;
+      for (int s = 0; s < p.nseg; ++s) vec = vec && cuda_detail::aligned16(p.seg[s].w);
+      if (p.n <= 0) return;
+      if (bf16 && vec && p.n >= 3 && p.K % 32 == 0) {
+        int units = 0;
+        for (int s = 0; s < p.nseg; ++s) {
+          p.seg[s].first = units;
+          if (!p.paired || s == 0) units += p.paired ? (p.seg[s].M + 7) / 8 : (p.seg[s].M + 15) / 16;
+        }
+        if (p.paired) p.seg[1].first = 0;
+        p.units = units;
+        const int tiles8 = (p.n + 7) / 8;
+        const int nt = tiles8 >= 16 ? 16 : tiles8 >= 8 ? 8 : tiles8 >= 4 ? 4 : tiles8 >= 2 ? 2 : 1;
+        const dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>((p.n + nt * 8 - 1) / (nt * 8)));
+        const dim3 block(gpu::kGemvMmaWarps * 32);
+        switch (nt) {
+          case 1: launch(gpu::gemv_mma_kernel<1>, grid, block, 0, p); break;
+          case 2: launch(gpu::gemv_mma_kernel<2>, grid, block, 0, p); break;
+          case 4: launch(gpu::gemv_mma_kernel<4>, grid, block, 0, p); break;
+          case 8: launch(gpu::gemv_mma_kernel<8>, grid, block, 0, p); break;
+          default: launch(gpu::gemv_mma_kernel<16>, grid, block, 0, p); break;
+        }
+        return;
+      }
+      int units = 0;
+      for (int s = 0; s < p.nseg; ++s) {
+        p.seg[s].first = units;
+        if (!p.paired || s == 0) units += p.seg[s].M;
+      }
+      if (p.paired) p.seg[1].first = 0;
+      p.units = units;
+      const int nb = bf16 ? (p.n >= 2 ? 2 : 1) : (p.n >= 3 ? 4 : p.n >= 2 ? 2 : 1);
+      const dim3 grid(static_cast<unsigned>((units + gpu::kGemvWarpThreads / 32 - 1) / (gpu::kGemvWarpThreads / 32)),
+                      static_cast<unsigned>((p.n + nb - 1) / nb));
+      const dim3 block(gpu::kGemvWarpThreads);
+      auto go = [&](auto wt, auto nbc, auto rc, auto vc) {
+        using WT = typename decltype(wt)::type;
+        launch(gpu::gemv_warp_kernel<WT, decltype(nbc)::value, decltype(rc)::value, decltype(vc)::value>, grid, block, 0, p);
+      };
+      auto by_vec = [&](auto wt, auto nbc, auto rc) {
+        if (vec) go(wt, nbc, rc, std::true_type{});
+        else go(wt, nbc, rc, std::false_type{});
+      };
+      auto by_r = [&](auto wt, auto nbc) {
+        if (p.paired) by_vec(wt, nbc, std::integral_constant<int, 2>{});
+        else by_vec(wt, nbc, std::integral_constant<int, 1>{});
+      };
+      auto by_nb = [&](auto wt) {
+        if (nb == 1) by_r(wt, std::integral_constant<int, 1>{});
+        else if (nb == 2) by_r(wt, std::integral_constant<int, 2>{});
+        else by_r(wt, std::integral_constant<int, 4>{});
+      };
+      if (bf16) by_nb(std::type_identity<__nv_bfloat16>{});
+      else by_nb(std::type_identity<float>{});
+    }
+  };
+
+  // ---- weight upload helpers ----
+
+  const float* put_f32(WeightStore::Impl& impl, const float* src, std::size_t n) const {
+    cuda_detail::DeviceMem m = cuda_detail::device_alloc(n * sizeof(float));
+    if (n > 0) TRIATTN_CUDA_TRY(cudaMemcpy(m.get(), src, n * sizeof(float), cudaMemcpyHostToDevice));
+    const float* p = static_cast<const float*>(m.get());
+    impl.bytes += n * sizeof(float);
+    impl.mem.push_back(std::move(m));
+    return p;
+  }
+  const float* put_matrix(WeightStore::Impl& impl, const float* src, std::size_t n) const {
+    if (impl.type == WeightType::kF32) return put_f32(impl, src, n);
+    cuda_detail::DeviceMem m = cuda_detail::device_alloc(n * sizeof(__nv_bfloat16));
+    constexpr std::size_t kChunk = std::size_t{1} << 22;
+    std::vector<triattn::bf16_storage> tmp(std::min(n, kChunk));
+    for (std::size_t off = 0; off < n; off += kChunk) {
+      const std::size_t cnt = std::min(kChunk, n - off);
+      for (std::size_t e = 0; e < cnt; ++e) tmp[e] = triattn::from_float<triattn::bf16_storage>(src[off + e]);
+      TRIATTN_CUDA_TRY(cudaMemcpy(static_cast<triattn::bf16_storage*>(m.get()) + off, tmp.data(),
+                                  cnt * sizeof(triattn::bf16_storage), cudaMemcpyHostToDevice));
+    }
+    return add_handle(impl, std::move(m), n);
+  }
+  const float* add_handle(WeightStore::Impl& impl, cuda_detail::DeviceMem m, std::size_t n) const {
+    impl.bytes += n * sizeof(__nv_bfloat16);
+    const std::uint32_t id = cuda_detail::HandleTable::get().add(m.get());
+    impl.handles.push_back(id);
+    impl.mem.push_back(std::move(m));
+    return cuda_detail::make_handle(id);
+  }
+  const float* gen_tensor(WeightStore::Impl& impl, std::size_t n, std::uint64_t seed, SynthTensor id, float std_dev,
+                          float mean, bool bf16) const {
+    const float scale = 1.7320508075688772f * std_dev;
+    const unsigned blocks = static_cast<unsigned>(std::min<std::size_t>((n + 255) / 256, 65536));
+    if (bf16) {
+      cuda_detail::DeviceMem m = cuda_detail::device_alloc(n * sizeof(__nv_bfloat16));
+      if (n > 0)
+        gpu::synth_fill_kernel<__nv_bfloat16><<<blocks, 256, 0, s_->stream>>>(
+            static_cast<__nv_bfloat16*>(m.get()), n, seed, static_cast<unsigned>(id), scale, mean);
+      TRIATTN_CUDA_TRY(cudaGetLastError());
+      return add_handle(impl, std::move(m), n);
+    }
+    cuda_detail::DeviceMem m = cuda_detail::device_alloc(n * sizeof(float));
+    if (n > 0)
+      gpu::synth_fill_kernel<float><<<blocks, 256, 0, s_->stream>>>(static_cast<float*>(m.get()), n, seed,
+                                                                     static_cast<unsigned>(id), scale, mean);
+    TRIATTN_CUDA_TRY(cudaGetLastError());
+    const float* p = static_cast<const float*>(m.get());
+    impl.bytes += n * sizeof(float);
+    impl.mem.push_back(std::move(m));
+    return p;
+  }
+  const float* zeros(WeightStore::Impl& impl, std::size_t n) const {
+    cuda_detail::DeviceMem m = cuda_detail::device_alloc(n * sizeof(float));
+    TRIATTN_CUDA_TRY(cudaMemsetAsync(m.get(), 0, n * sizeof(float), s_->stream));
+    const float* p = static_cast<const float*>(m.get());
+    impl.bytes += n * sizeof(float);
+    impl.mem.push_back(std::move(m));
+    return p;
+  }
+  static void finish_store(WeightStore::Impl& impl, const ModelConfig& c) {
+    const std::size_t wb = impl.type == WeightType::kBF16 ? 2 : 4;
+    std::size_t per_step = impl.bytes;
+    if (!c.shared_classifier) per_step -= c.n_tok_emb() * wb;  // only one embedding row is read
+    impl.bytes_per_step = per_step;
+  }
+
+  std::shared_ptr<State> s_;
+};
+
+// ---- compression rounds entirely on the device ------------------------------------------------------
+
+/// TriAttention rounds with the device scorer and the device selector (cuda::compression_round::
+/// plan for every triggered sequence in one batch); the keep plans come back to the host, where
+/// KvCache::apply_keep_plan validates them, compacts through the cache's DeviceCompactor and
+/// updates the bookkeeping. Needs a cache with cuda::TriAttentionDeviceScorer and TopKSelector
+/// whose tables were published after the last extend (CudaBackend does that every step).
+class DeviceCompressor {
+ public:
+  explicit DeviceCompressor(cudaStream_t stream) : stream_(stream) {}
+
+  /// Keep plans of one round for each of `seqs` (all must be active), without applying them.
+  template <class Cache>
+  std::vector<triattn::KeepPlan> plan(Cache& cache, std::span<const triattn::SeqId> seqs) {
+    std::vector<triattn::KeepPlan> plans;
+    if (seqs.empty()) return plans;
+    const triattn::CacheConfig& cfg = cache.config();
+    const triattn::SelectionParams& sp = cache.selector().params();
+    const int L = cfg.model.num_layers, Hq = cfg.model.num_q_heads, Hkv = cfg.model.num_kv_heads;
+    TRIATTN_EXPECTS(triattn::cuda::is_supported_head_dim(cfg.model.head_dim),
+                    "DeviceCompressor: head_dim " + std::to_string(cfg.model.head_dim) +
+                        " has no compiled scoring kernel (64 and 128 do)");
+    const int batch = static_cast<int>(seqs.size());
+    std::vector<std::int32_t> ids(seqs.begin(), seqs.end()), prompts(static_cast<std::size_t>(batch));
+    std::vector<std::int64_t> t0(static_cast<std::size_t>(batch));
+    std::vector<int> keeps(static_cast<std::size_t>(batch));
+    int max_len = 1, max_keep = 1;
+    for (int b = 0; b < batch; ++b) {
+      const triattn::SeqId s = seqs[static_cast<std::size_t>(b)];
+      const int len = cache.physical_length(s);
+      prompts[static_cast<std::size_t>(b)] = cache.prompt_length(s);
+      t0[static_cast<std::size_t>(b)] = cache.logical_position(s);
+      keeps[static_cast<std::size_t>(b)] = triattn::ref::keep_counts(len, prompts[static_cast<std::size_t>(b)], sp).keep;
+      max_len = std::max(max_len, len);
+      max_keep = std::max(max_keep, keeps[static_cast<std::size_t>(b)]);
+    }
+    const triattn::cuda::RoundShape shape{L, Hq, Hkv};
+    const std::size_t ws_bytes = triattn::cuda::compression_round::workspace_size(shape, sp.mode, batch, max_len);
+    const std::size_t kept_n = static_cast<std::size_t>(batch) * L * Hkv * max_keep;
+    // inputs | keep | kept, one buffer; the workspace another (256-byte aligned by cudaMalloc)
+    const std::size_t in_bytes = round_up(static_cast<std::size_t>(batch) * (4 + 4 + 8 + 4)) + round_up(kept_n * 4);
+    ensure(io_, io_bytes_, in_bytes);
+    ensure(ws_, ws_bytes_, ws_bytes);
+    char* io = static_cast<char*>(io_.get());
+    auto* d_t0 = reinterpret_cast<std::int64_t*>(io);
+    auto* d_ids = reinterpret_cast<std::int32_t*>(io + 8 * static_cast<std::size_t>(batch));
+    auto* d_prompts = d_ids + batch;
+    auto* d_keep = d_prompts + batch;
+    auto* d_kept = reinterpret_cast<std::int32_t*>(io + round_up(static_cast<std::size_t>(batch) * 20));
+    TRIATTN_CUDA_TRY(cudaMemcpyAsync(d_t0, t0.data(), t0.size() * 8, cudaMemcpyHostToDevice, stream_));
+    TRIATTN_CUDA_TRY(cudaMemcpyAsync(d_ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice, stream_));
+    TRIATTN_CUDA_TRY(cudaMemcpyAsync(d_prompts, prompts.data(), prompts.size() * 4, cudaMemcpyHostToDevice, stream_));
+    const triattn::cuda::RoundBatch rb{d_ids, d_t0, d_prompts, batch, max_len};
+    const triattn::cuda::DeviceKeepPlanView pv{d_kept, d_keep, max_keep};
+    const triattn::cuda::DeviceSelectParams dsp(sp);
+    switch (cfg.dtype) {
+      case triattn::DType::kF32: run_plan<float>(cache, dsp, rb, pv, ws_bytes); break;
+      case triattn::DType::kF16: run_plan<triattn::f16_storage>(cache, dsp, rb, pv, ws_bytes); break;
+      case triattn::DType::kBF16: run_plan<triattn::bf16_storage>(cache, dsp, rb, pv, ws_bytes); break;
+    }
+    std::vector<std::int32_t> keep(static_cast<std::size_t>(batch)), kept(kept_n);
+    TRIATTN_CUDA_TRY(cudaMemcpyAsync(keep.data(), d_keep, keep.size() * 4, cudaMemcpyDeviceToHost, stream_));
+    TRIATTN_CUDA_TRY(cudaMemcpyAsync(kept.data(), d_kept, kept.size() * 4, cudaMemcpyDeviceToHost, stream_));
+    TRIATTN_CUDA_TRY(cudaStreamSynchronize(stream_));
+    for (int b = 0; b < batch; ++b) {
+      const int k = keep[static_cast<std::size_t>(b)];
+      TRIATTN_EXPECTS(k == keeps[static_cast<std::size_t>(b)],
+                      "DeviceCompressor: the device kept " + std::to_string(k) + " slots of sequence " +
+                          std::to_string(seqs[static_cast<std::size_t>(b)]) + ", the host expected " +
+                          std::to_string(keeps[static_cast<std::size_t>(b)]));
+      triattn::KeepPlan plan(L, Hkv, k);
+      for (int l = 0; l < L; ++l)
+        for (int g = 0; g < Hkv; ++g)
+          std::copy_n(kept.data() + ((static_cast<std::size_t>(b) * L + l) * Hkv + g) * max_keep, k, plan.row(l, g));
+      plans.push_back(std::move(plan));
+    }
+    return plans;
+  }
+
+  /// A round for every sequence of `seqs` whose trigger fired; returns what was done.
+  template <class Cache>
+  std::vector<triattn::CompressionReport> compress_if_needed(Cache& cache, std::span<const triattn::SeqId> seqs) {
+    std::vector<triattn::SeqId> due;
+    for (triattn::SeqId s : seqs)
+      if (cache.needs_compression(s)) due.push_back(s);
+    std::vector<triattn::CompressionReport> done;
+    if (due.empty()) return done;
+    const std::vector<triattn::KeepPlan> plans = plan(cache, due);
+    for (std::size_t b = 0; b < due.size(); ++b) {
+      triattn::CompressionReport r;
+      r.seq = due[b];
+      r.length_before = cache.physical_length(due[b]);
+      r.blocks_freed = static_cast<int>(cache.block_table(due[b]).size());
+      cache.apply_keep_plan(due[b], plans[b]);
+      r.length_after = cache.physical_length(due[b]);
+      r.blocks_freed -= static_cast<int>(cache.block_table(due[b]).size());
+      done.push_back(r);
+    }
+    return done;
+  }
+
+ private:
+  static std::size_t round_up(std::size_t x) noexcept { return (x + 255) / 256 * 256; }
+  static void ensure(cuda_detail::DeviceMem& m, std::size_t& have, std::size_t need) {
+    if (need <= have && m) return;
+    m = cuda_detail::device_alloc(need);
+    have = need;
+  }
+  template <class T, class Cache>
+  void run_plan(Cache& cache, const triattn::cuda::DeviceSelectParams& dsp, const triattn::cuda::RoundBatch& rb,
+                const triattn::cuda::DeviceKeepPlanView& pv, std::size_t ws_bytes) {
+    TRIATTN_CUDA_TRY(triattn::cuda::compression_round::plan(cache.template view<T>(), cache.scorer().device_model(), dsp,
+                                                             rb, pv, ws_.get(), ws_bytes, stream_));
+  }
+
+  cudaStream_t stream_ = nullptr;
+  cuda_detail::DeviceMem io_, ws_;
+  std::size_t io_bytes_ = 0, ws_bytes_ = 0;
+};
+
+}  // namespace triattn_example

@@ -1,0 +1,564 @@
+// SPDX-License-Identifier: Apache-2.0
+// The reference transformer on the GPU (examples/reference_transformer/cuda_backend.cuh):
+//   * stories260K greedy decoding through Model<CudaBackend> and a device KvCache reproduces
+//     llama2.c (stories260K_greedy_ref.json): 256 tokens, logits within 1e-4, K/V of positions
+//     0..3 read back from the device cache; with graphs / PDL / fusion on and off
+//   * a one-step prefill of 256 tokens gives the same argmax and logits
+//   * a batch of prompts equals each prompt alone (bitwise) and the CPU path's tokens
+//   * every backend option (graphs, PDL, fusion, direct KV write) gives bitwise the same logits;
+//     DeviceDecoder (device-generated weights, the benchmark's driver) equals Model<CudaBackend>
+//   * bf16 weights (warp and tensor-core GEMVs) stay close to the CPU on the same rounded weights
+//   * TriAttention compression on the GPU: for every round, the keep plans of the full device
+//     round (DeviceCompressor), of the device scorer + host selector (KvCache::compress's path)
+//     and of the CPU scorer + selector on the same (downloaded) keys are identical
+// Data come from TRIATTN_SHARED_DATA_DIR/models; a missing file fails the test. No GPU: fails.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <triattn/core/policy/topk_selector.hpp>
+#include <triattn/core/policy/triattention_scorer.hpp>
+#include <triattn/core/stats/calibrator.hpp>
+
+#include "cuda_test_utils.cuh"
+
+#include "../../examples/reference_transformer/cuda_backend.cuh"
+#include "../../examples/reference_transformer/cuda_device_model.cuh"
+#include "../../examples/reference_transformer/generate.hpp"
+#include "../../examples/reference_transformer/llama2c.hpp"
+#include "../../examples/reference_transformer/mini_json.hpp"
+#include "../../examples/reference_transformer/model.hpp"
+#include "../../examples/reference_transformer/sampler.hpp"
+#include "../../examples/reference_transformer/synthetic.hpp"
+
+namespace ex = triattn_example;
+using triattn::DType;
+using triattn::KvKind;
+using triattn::KvLayout;
+using triattn::SeqId;
+
+namespace {
+
+const std::string kModels = std::string(TRIATTN_SHARED_DATA_DIR) + "/models";
+
+std::string data_file(const std::string& name) {
+  const std::string p = kModels + "/" + name;
+  INFO("data file " << p);
+  REQUIRE_MESSAGE(std::filesystem::exists(p), "missing test data file " << p);
+  return p;
+}
+
+struct Stories {
+  ex::ModelWeights weights;
+  ex::json::Value ref;
+  std::vector<int> greedy;
+  static const Stories& get() {
+    static const Stories s = [] {
+      Stories t;
+      t.weights = ex::load_llama2c_checkpoint(data_file("stories260K.bin"));
+      t.ref = ex::json::parse_file(data_file("stories260K_greedy_ref.json"));
+      t.greedy = t.ref.at("greedy_ids").ints();
+      return t;
+    }();
+    return s;
+  }
+};
+
+triattn::CacheConfig cache_config(const ex::ModelConfig& mc, int tokens_per_seq, int seqs, int block_size = 16,
+                                  DType dtype = DType::kF32, KvLayout layout = KvLayout::kNHD) {
+  triattn::CacheConfig c;
+  c.model = mc.geometry();
+  c.block_size = block_size;
+  c.max_seqs = seqs;
+  c.num_blocks = seqs * ((tokens_per_seq + block_size - 1) / block_size + 1);
+  c.dtype = dtype;
+  c.layout = layout;
+  return c;
+}
+
+float max_abs_diff(std::span<const float> a, std::span<const float> b) {
+  REQUIRE(a.size() == b.size());
+  float m = 0.0f;
+  for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(a[i] - b[i]));
+  return m;
+}
+
+/// Host copy of a device cache: the pool plus a view over the cache's host tables.
+template <class T>
+struct Snapshot {
+  std::vector<T> data;
+  triattn::KvCacheView<T, std::int32_t> view{};
+};
+template <class T, class Cache>
+Snapshot<T> snapshot(Cache& cache, ex::CudaBackend& be) {
+  be.synchronize();
+  Snapshot<T> s;
+  const std::size_t bytes = cache.allocator().backend().bytes();
+  s.data.resize(bytes / sizeof(T));
+  TRIATTN_TEST_CUDA(cudaMemcpy(s.data.data(), cache.allocator().data(), bytes, cudaMemcpyDeviceToHost));
+  s.view = cache.template view<T>();
+  s.view.data = s.data.data();
+  s.view.block_tables = cache.host_block_tables().data();
+  s.view.seq_lens = cache.host_lengths().data();
+  return s;
+}
+
+ex::GpuPlainCache plain_cache(const triattn::CacheConfig& cfg, ex::CudaBackend& be) {
+  return ex::GpuPlainCache(cfg, triattn::cuda::DeviceCompactor(be.stream()));
+}
+
+const std::vector<int> kLogitPositions = {0, 1, 2, 10, 100, 255};
+
+/// Greedy stories260K from BOS for 256 tokens; checks tokens, logits and K/V of positions 0..3.
+template <class Cache>
+void check_stories_greedy(Cache& cache, ex::CudaBackend be) {
+  const Stories& s = Stories::get();
+  ex::Model<ex::CudaBackend> model(s.weights, be);
+  std::vector<std::vector<int>> prompts = {{1}};
+  std::vector<ex::Sampler> samplers(1);
+  ex::GenerationOptions opt;
+  opt.max_new_tokens = 256;
+  std::vector<std::vector<float>> logits_at(256);
+  ex::GenerationCallbacks cb;
+  cb.on_token = [&](int, int, std::int64_t pos, std::span<const float> logits) {
+    REQUIRE(pos >= 0);
+    REQUIRE(pos < 256);
+    logits_at[static_cast<std::size_t>(pos)].assign(logits.begin(), logits.end());
+  };
+  const auto res = ex::generate(model, cache, std::span<const std::vector<int>>(prompts),
+                                std::span<ex::Sampler>(samplers), opt, cb);
+  REQUIRE(res.size() == 1);
+  const std::vector<int>& got = res[0].generated;
+  REQUIRE(got.size() == s.greedy.size());
+  int matched = 0;
+  while (matched < static_cast<int>(got.size()) &&
+         got[static_cast<std::size_t>(matched)] == s.greedy[static_cast<std::size_t>(matched)])
+    ++matched;
+  CHECK_MESSAGE(matched == 256, "greedy tokens match the reference up to position " << matched);
+  float worst = 0.0f;
+  for (int p : kLogitPositions) {
+    const std::vector<float> ref = s.ref.at("logits").at(std::to_string(p)).floats();
+    const float d = max_abs_diff(logits_at[static_cast<std::size_t>(p)], ref);
+    INFO("logits at position " << p << ": max abs diff " << d);
+    CHECK(d < 1e-4f);
+    worst = std::max(worst, d);
+  }
+  const ex::ModelConfig& mc = s.weights.config;
+  const Snapshot<float> snap = snapshot<float>(cache, be);
+  float kv_worst = 0.0f;
+  for (int l = 0; l < mc.n_layers; ++l)
+    for (int p = 0; p < 4; ++p) {
+      const auto kref = s.ref.at("k_cache_pos0to3").at(static_cast<std::size_t>(l)).at(static_cast<std::size_t>(p)).floats();
+      const auto vref = s.ref.at("v_cache_pos0to3").at(static_cast<std::size_t>(l)).at(static_cast<std::size_t>(p)).floats();
+      REQUIRE(kref.size() == static_cast<std::size_t>(mc.kv_dim()));
+      for (int h = 0; h < mc.n_kv_heads; ++h)
+        for (int i = 0; i < mc.head_dim; ++i) {
+          const std::size_t j = static_cast<std::size_t>(h * mc.head_dim + i);
+          const float k = snap.view.token(l, KvKind::kKey, res[0].seq, p, h)[i];
+          const float v = snap.view.token(l, KvKind::kValue, res[0].seq, p, h)[i];
+          kv_worst = std::max({kv_worst, std::fabs(k - kref[j]), std::fabs(v - vref[j])});
+        }
+    }
+  CHECK_MESSAGE(kv_worst < 1e-5f, "K/V of positions 0..3: max abs diff " << kv_worst);
+  CHECK(cache.physical_length(res[0].seq) == 256);
+  CHECK(cache.logical_position(res[0].seq) == 256);
+  const ex::CudaBackend::Stats st = be.stats();
+  MESSAGE("stories260K on the GPU: " << matched << "/256 tokens, logits max abs diff " << worst << ", K/V max abs diff "
+                                     << kv_worst << "; graphs captured " << st.graph_captures << ", replayed "
+                                     << st.graph_replays << ", eager flushes " << st.eager_flushes);
+  if (be.options().graphs) {
+    CHECK(st.graph_captures >= 1);
+    CHECK(st.graph_replays >= 250);  // every decode step after the first capture
+  } else {
+    CHECK(st.graph_replays == 0);
+  }
+}
+
+/// A small Llama shape whose head_dim triattn's kernels compile (decode attention, append, scoring).
+ex::ModelConfig small_config(int head_dim, int vocab = 1000) {
+  ex::ModelConfig c = ex::synthetic_config("tiny");
+  c.name = "synthetic-test-" + std::to_string(head_dim);
+  c.dim = 256;
+  c.hidden_dim = 512;
+  c.n_layers = 2;
+  c.n_heads = 4;
+  c.n_kv_heads = 2;
+  c.head_dim = head_dim;
+  c.vocab_size = vocab;
+  c.rope_theta = 1e6;
+  return c;
+}
+
+/// The same weights with every matrix rounded to bf16 (what a bf16 WeightStore holds exactly).
+ex::ModelWeights rounded_to_bf16(ex::ModelWeights w) {
+  for (std::vector<float>* t : {&w.tok_emb, &w.wq, &w.wk, &w.wv, &w.wo, &w.w1, &w.w2, &w.w3, &w.wcls})
+    for (float& x : *t) x = triattn::to_float(triattn::from_float<triattn::bf16_storage>(x));
+  return w;
+}
+
+std::vector<int> prompt_tokens(int len, int salt, int vocab) {
+  std::vector<int> t = {1};
+  for (int i = 1; i < len; ++i) t.push_back((i * 37 + salt * 101 + 11) % vocab);
+  return t;
+}
+
+/// Prefill of `prompts` then `steps` decode steps with the given tokens (teacher forcing: the
+/// same inputs for every backend), all logits returned.
+template <class ModelT, class Cache>
+std::vector<std::vector<float>> run_forced(ModelT& model, Cache& cache, const std::vector<std::vector<int>>& prompts,
+                                           int steps) {
+  std::vector<SeqId> ids;
+  std::vector<ex::Chunk> chunks;
+  for (const auto& p : prompts) {
+    ids.push_back(cache.add_sequence());
+    chunks.push_back(ex::Chunk{ids.back(), p, triattn::Phase::kPrefill});
+  }
+  std::vector<std::vector<float>> all;
+  ex::StepOutput out = model.step(cache, chunks, ex::LogitsFor::kLastOfEachChunk);
+  all.push_back(out.logits);
+  std::vector<int> tok(prompts.size());
+  for (int s = 0; s < steps; ++s) {
+    chunks.clear();
+    for (std::size_t i = 0; i < prompts.size(); ++i) {
+      tok[i] = (s * 13 + static_cast<int>(i) * 7 + 5) % model.config().vocab_size;
+      chunks.push_back(ex::Chunk{ids[i], std::span<const int>(&tok[i], 1), triattn::Phase::kDecode});
+    }
+    out = model.step(cache, chunks, ex::LogitsFor::kLastOfEachChunk);
+    all.push_back(out.logits);
+  }
+  return all;
+}
+
+}  // namespace
+
+TEST_SUITE("gpu") {
+
+TEST_CASE("stories260K on the GPU: greedy decoding reproduces llama2.c tokens, logits and K/V") {
+  triattn::test::require_device();
+  const ex::ModelConfig& mc = Stories::get().weights.config;
+  SUBCASE("NHD, block 16, graphs + PDL + fusion") {
+    ex::CudaBackend be;
+    auto cache = plain_cache(cache_config(mc, 256, 1), be);
+    check_stories_greedy(cache, be);
+  }
+  SUBCASE("HND, block 5, a neighbour shuffles the pool, no graphs / PDL / fusion") {
+    ex::CudaBackendOptions o;
+    o.graphs = false;
+    o.pdl = false;
+    o.fuse = false;
+    ex::CudaBackend be(o);
+    auto cache = plain_cache(cache_config(mc, 256, 2, 5, DType::kF32, KvLayout::kHND), be);
+    const SeqId other = cache.add_sequence();
+    REQUIRE(cache.extend(other, 7, triattn::Phase::kPrefill).ok());
+    check_stories_greedy(cache, be);
+  }
+}
+
+TEST_CASE("stories260K on the GPU: one prefill step of 256 tokens equals the greedy reference") {
+  triattn::test::require_device();
+  const Stories& s = Stories::get();
+  ex::CudaBackend be;
+  ex::Model<ex::CudaBackend> model(s.weights, be);
+  auto cache = plain_cache(cache_config(s.weights.config, 256, 1), be);
+  std::vector<int> seq = {1};
+  seq.insert(seq.end(), s.greedy.begin(), s.greedy.end() - 1);
+  const SeqId id = cache.add_sequence();
+  const ex::Chunk chunk{id, seq, triattn::Phase::kPrefill};
+  const ex::StepOutput out = model.step(cache, std::span<const ex::Chunk>(&chunk, 1), ex::LogitsFor::kAllRows);
+  REQUIRE(out.num_logit_rows() == 256);
+  int argmax_ok = 0;
+  for (int p = 0; p < 256; ++p) argmax_ok += ex::Sampler::argmax(out.row(p)) == s.greedy[static_cast<std::size_t>(p)];
+  CHECK(argmax_ok == 256);
+  float worst = 0.0f;
+  for (int p : kLogitPositions) {
+    const std::vector<float> ref = s.ref.at("logits").at(std::to_string(p)).floats();
+    const float d = max_abs_diff(out.row(p), ref);
+    CHECK(d < 1e-4f);
+    worst = std::max(worst, d);
+  }
+  MESSAGE("stories260K GPU prefill of 256 tokens: " << argmax_ok << "/256 argmax, logits max abs diff " << worst);
+}
+
+TEST_CASE("stories260K on the GPU: a batch of 3 equals each prompt alone (bitwise) and the CPU's tokens") {
+  triattn::test::require_device();
+  const Stories& s = Stories::get();
+  const std::vector<std::vector<int>> prompts = {{1, 403, 407}, {1}, {1, 403, 407, 261, 378, 260, 375, 261}};
+  constexpr int kSteps = 60;
+  auto run = [&](const std::vector<std::vector<int>>& ps, bool gpu) {
+    std::vector<ex::Sampler> samplers(ps.size());
+    ex::GenerationOptions opt;
+    opt.max_new_tokens = kSteps;
+    opt.stop_at_bos = false;
+    std::vector<std::vector<std::vector<float>>> logits(ps.size());
+    ex::GenerationCallbacks cb;
+    cb.on_token = [&](int i, int, std::int64_t, std::span<const float> l) {
+      logits[static_cast<std::size_t>(i)].emplace_back(l.begin(), l.end());
+    };
+    std::vector<std::vector<int>> toks;
+    const auto cfg = cache_config(s.weights.config, 16 + kSteps, static_cast<int>(ps.size()));
+    if (gpu) {
+      ex::CudaBackend be;
+      ex::Model<ex::CudaBackend> model(s.weights, be);
+      auto cache = plain_cache(cfg, be);
+      for (const auto& r : ex::generate(model, cache, std::span<const std::vector<int>>(ps), std::span<ex::Sampler>(samplers), opt, cb))
+        toks.push_back(r.generated);
+    } else {
+      ex::Model<> model(s.weights);
+      triattn::KvCache<> cache(cfg);
+      for (const auto& r : ex::generate(model, cache, std::span<const std::vector<int>>(ps), std::span<ex::Sampler>(samplers), opt, cb))
+        toks.push_back(r.generated);
+    }
+    return std::make_pair(toks, logits);
+  };
+  const auto batch = run(prompts, true);
+  const auto cpu = run(prompts, false);
+  for (std::size_t i = 0; i < prompts.size(); ++i) {
+    INFO("prompt " << i);
+    const auto alone = run({prompts[i]}, true);
+    CHECK(alone.first[0] == batch.first[i]);
+    CHECK(alone.second[0] == batch.second[i]);  // bitwise: a row's arithmetic does not depend on the batch
+    CHECK(cpu.first[i] == batch.first[i]);
+    float worst = 0.0f;
+    for (std::size_t t = 0; t < cpu.second[i].size(); ++t) worst = std::max(worst, max_abs_diff(cpu.second[i][t], batch.second[i][t]));
+    CHECK(worst < 1e-4f);
+    MESSAGE("prompt " << i << ": GPU vs CPU logits max abs diff " << worst << " over " << kSteps << " tokens");
+  }
+}
+
+TEST_CASE("GPU backend options and DeviceDecoder give bitwise the same logits") {
+  triattn::test::require_device();
+  for (const DType kv : {DType::kF32, DType::kBF16}) {
+    for (const int hd : {64, 128}) {
+      INFO("KV " << triattn::dtype_name(kv) << ", head_dim " << hd);
+      const ex::ModelConfig c = small_config(hd);
+      const ex::ModelWeights w = ex::make_synthetic_weights(c, 77);
+      const std::vector<std::vector<int>> prompts = {prompt_tokens(19, 1, c.vocab_size), prompt_tokens(3, 2, c.vocab_size),
+                                                     prompt_tokens(40, 3, c.vocab_size)};
+      constexpr int kSteps = 20;
+      const auto cfg = cache_config(c, 64 + kSteps, 3, 16, kv);
+      auto with = [&](ex::CudaBackendOptions o) {
+        ex::CudaBackend be(o);
+        ex::Model<ex::CudaBackend> model(w, be);
+        auto cache = plain_cache(cfg, be);
+        return run_forced(model, cache, prompts, kSteps);
+      };
+      for (const ex::WeightType wt : {ex::WeightType::kF32, ex::WeightType::kBF16}) {
+        INFO("weights " << ex::weight_type_name(wt));
+        ex::CudaBackendOptions all_on;
+        all_on.weights = wt;
+        ex::CudaBackendOptions no_graphs = all_on;
+        no_graphs.graphs = no_graphs.pdl = false;
+        ex::CudaBackendOptions no_fuse = no_graphs;
+        no_fuse.fuse = false;
+        ex::CudaBackendOptions direct = all_on;
+        direct.direct_kv_write = true;
+        const auto a = with(all_on);
+        CHECK(a == with(no_graphs));
+        CHECK(a == with(direct));
+        const auto u = with(no_fuse);
+        if (wt == ex::WeightType::kF32) {
+          CHECK(a == u);
+        } else {
+          // Unfused, the classifier runs one row at a time (fp32 activations) instead of one
+          // tensor-core GEMV over the picked rows (bf16 activations): close, not bitwise.
+          float worst = 0.0f, scale = 0.0f;
+          REQUIRE(a.size() == u.size());
+          for (std::size_t s = 0; s < a.size(); ++s) {
+            worst = std::max(worst, max_abs_diff(a[s], u[s]));
+            for (float x : a[s]) scale = std::max(scale, std::fabs(x));
+          }
+          CHECK(worst <= 3e-2f * scale);
+        }
+      }
+      // DeviceDecoder with device-generated bf16 weights vs Model<CudaBackend> with the host
+      // weights uploaded as bf16: same weights (the generator is bitwise the host's), same calls.
+      ex::CudaBackendOptions o;
+      o.weights = ex::WeightType::kBF16;
+      ex::CudaBackend be(o);
+      ex::Model<ex::CudaBackend> model(w, be);
+      ex::DeviceDecoder dec(c, be, be.generate_synthetic(c, 77));
+      auto ca = plain_cache(cfg, be);
+      auto cb = plain_cache(cfg, be);
+      std::vector<SeqId> ia, ib;
+      for (const auto& p : prompts) {
+        ia.push_back(ca.add_sequence());
+        ib.push_back(cb.add_sequence());
+        const ex::Chunk x{ia.back(), p, triattn::Phase::kPrefill}, y{ib.back(), p, triattn::Phase::kPrefill};
+        (void)model.step(ca, std::span<const ex::Chunk>(&x, 1));
+        (void)model.step(cb, std::span<const ex::Chunk>(&y, 1));
+      }
+      int equal_steps = 0;
+      std::vector<int> tok(prompts.size());
+      for (int s = 0; s < kSteps; ++s) {
+        std::vector<ex::Chunk> chunks;
+        for (std::size_t i = 0; i < prompts.size(); ++i) {
+          tok[i] = (s * 29 + static_cast<int>(i) * 3 + 1) % c.vocab_size;
+          chunks.push_back(ex::Chunk{ia[i], std::span<const int>(&tok[i], 1), triattn::Phase::kDecode});
+        }
+        const ex::StepOutput out = model.step(ca, chunks);
+        dec.step(cb, ib, tok);
+        const std::vector<float> dl = dec.logits_host();
+        equal_steps += dl == out.logits;
+        const std::vector<int> am = dec.argmax();
+        for (std::size_t i = 0; i < prompts.size(); ++i) CHECK(am[i] == ex::Sampler::argmax(out.row(static_cast<int>(i))));
+      }
+      CHECK(equal_steps == kSteps);
+    }
+  }
+}
+
+TEST_CASE("GPU bf16 weights: warp and tensor-core GEMVs stay close to the CPU on the same rounded weights") {
+  triattn::test::require_device();
+  const ex::ModelConfig c = small_config(128);
+  const ex::ModelWeights w = rounded_to_bf16(ex::make_synthetic_weights(c, 5));
+  for (const int batch : {1, 2, 5}) {
+    INFO("batch " << batch);
+    std::vector<std::vector<int>> prompts;
+    for (int i = 0; i < batch; ++i) prompts.push_back(prompt_tokens(7 + 5 * i, i, c.vocab_size));
+    const auto cfg = cache_config(c, 64, batch);
+    ex::CudaBackendOptions o;
+    o.weights = ex::WeightType::kBF16;
+    ex::CudaBackend be(o);
+    ex::Model<ex::CudaBackend> gm(w, be);
+    auto gc = plain_cache(cfg, be);
+    const auto g = run_forced(gm, gc, prompts, 10);
+    ex::Model<> cm(w);
+    triattn::KvCache<> cc(cfg);
+    const auto r = run_forced(cm, cc, prompts, 10);
+    REQUIRE(g.size() == r.size());
+    float worst = 0.0f, scale = 0.0f;
+    int same_argmax = 0, rows = 0;
+    for (std::size_t s = 0; s < g.size(); ++s) {
+      worst = std::max(worst, max_abs_diff(g[s], r[s]));
+      for (float x : r[s]) scale = std::max(scale, std::fabs(x));
+      for (int i = 0; i < batch; ++i, ++rows) {
+        const auto row = [&](const std::vector<float>& l) {
+          return std::span<const float>(l.data() + static_cast<std::size_t>(i) * c.vocab_size, static_cast<std::size_t>(c.vocab_size));
+        };
+        same_argmax += ex::Sampler::argmax(row(g[s])) == ex::Sampler::argmax(row(r[s]));
+      }
+    }
+    // n <= 2 rows: fp32 activations (only the summation order differs); n >= 3: activations
+    // rounded to bf16 for the tensor cores (~2^-9 relative).
+    const float tol = batch <= 2 ? 1e-3f : 3e-2f;
+    CHECK_MESSAGE(worst <= tol * scale, "max |GPU - CPU| logit " << worst << " vs max |logit| " << scale);
+    MESSAGE("bf16 weights, batch " << batch << ": max |GPU - CPU| " << worst << " (max |logit| " << scale << "), argmax equal "
+                                   << same_argmax << "/" << rows);
+  }
+}
+
+TEST_CASE("TriAttention on the GPU: device rounds keep exactly what the CPU scorer and selector keep") {
+  triattn::test::require_device();
+  const ex::ModelConfig c = small_config(64, 512);
+  const ex::ModelWeights w = ex::make_synthetic_weights(c, 2024);
+  // Calibration on the CPU: pre-RoPE queries of a 256-token prefill.
+  triattn::Calibrator cal(c.n_layers, c.n_heads, c.head_dim, c.rope_style, c.name);
+  {
+    ex::Model<> model(w);
+    model.set_query_observer([&](int layer, const float* q, int n) { cal.add(layer, q, n); });
+    triattn::KvCache<> cache(cache_config(c, 256, 1));
+    const std::vector<int> toks = prompt_tokens(256, 9, c.vocab_size);
+    const SeqId id = cache.add_sequence();
+    const ex::Chunk chunk{id, toks, triattn::Phase::kPrefill};
+    (void)model.step(cache, std::span<const ex::Chunk>(&chunk, 1), ex::LogitsFor::kNone);
+  }
+  const triattn::QueryStats stats = cal.finish();
+  triattn::RopeConfig rope;
+  rope.style = c.rope_style;
+  rope.theta = c.rope_theta;
+  constexpr int kBudget = 64, kDivide = 16, kSteps = 200;
+  triattn::SelectionParams sel;
+  sel.budget = kBudget;
+  sel.divide_length = kDivide;
+
+  for (const DType kv : {DType::kF32, DType::kBF16}) {
+    INFO("KV " << triattn::dtype_name(kv));
+    ex::CudaBackend be;
+    ex::Model<ex::CudaBackend> model(w, be);
+    ex::GpuTriCache cache(cache_config(c, kBudget + kDivide + 48, 3, 16, kv), triattn::cuda::DeviceCompactor(be.stream()),
+                          triattn::cuda::TriAttentionDeviceScorer(stats, rope, triattn::ScoringParams{}, c.n_kv_heads, be.stream()),
+                          triattn::TopKSelector(sel));
+    triattn::TriAttentionScorer cpu_scorer(stats, rope, triattn::ScoringParams{}, c.n_kv_heads);
+    const triattn::TopKSelector cpu_selector(sel);
+    ex::DeviceCompressor compressor(be.stream());
+    // Prompts of 5 and 21 tokens reach the trigger on the same steps: rounds of two sequences at once.
+    const std::vector<std::vector<int>> prompts = {prompt_tokens(5, 1, c.vocab_size), prompt_tokens(21, 2, c.vocab_size),
+                                                   prompt_tokens(12, 3, c.vocab_size)};
+    std::vector<ex::Sampler> samplers;
+    for (int i = 0; i < 3; ++i) samplers.emplace_back(0.8f, 0.95f, 100 + static_cast<std::uint64_t>(i));
+    ex::GenerationOptions opt;
+    opt.max_new_tokens = kSteps;
+    opt.stop_at_bos = false;
+    int rounds = 0, plan_mismatch = 0, host_mismatch = 0, max_len = 0, batched_rounds = 0;
+    ex::GenerationCallbacks cb;
+    cb.after_step = [&](std::span<const SeqId> seqs) {
+      std::vector<SeqId> due;
+      for (SeqId s : seqs) {
+        max_len = std::max(max_len, cache.physical_length(s));
+        if (cache.needs_compression(s)) due.push_back(s);
+      }
+      std::vector<triattn::CompressionReport> done;
+      if (due.empty()) return done;
+      batched_rounds += due.size() > 1;
+      const triattn::ModelGeometry g = cache.config().model;
+      const std::vector<triattn::KeepPlan> dev = compressor.plan(cache, due);
+      auto same = [](const triattn::KeepPlan& a, const triattn::KeepPlan& b) { return a.keep == b.keep && a.indices == b.indices; };
+      auto check_with = [&](auto tag) {
+        using T = typename decltype(tag)::type;
+        const Snapshot<T> snap = snapshot<T>(cache, be);
+        for (std::size_t b = 0; b < due.size(); ++b) {
+          const SeqId s = due[b];
+          const int len = cache.physical_length(s);
+          std::vector<float> scores(static_cast<std::size_t>(g.num_layers) * g.num_q_heads * len);
+          cpu_scorer.score(snap.view, s, len, cache.logical_position(s), scores);  // CPU, same keys
+          const triattn::KeepPlan cpu = cpu_selector.select(scores, g, len, cache.prompt_length(s));
+          cache.scorer().score(cache.template view<T>(), s, len, cache.logical_position(s), scores);  // device scores
+          const triattn::KeepPlan host = cache.selector().select(scores, g, len, cache.prompt_length(s));
+          plan_mismatch += !same(cpu, dev[b]);
+          host_mismatch += !same(cpu, host);
+        }
+      };
+      if (kv == DType::kF32) check_with(std::type_identity<float>{});
+      else check_with(std::type_identity<triattn::bf16_storage>{});
+      for (std::size_t b = 0; b < due.size(); ++b) {
+        triattn::CompressionReport r;
+        r.seq = due[b];
+        r.length_before = cache.physical_length(due[b]);
+        cache.apply_keep_plan(due[b], dev[b]);
+        r.length_after = cache.physical_length(due[b]);
+        done.push_back(r);
+        ++rounds;
+      }
+      return done;
+    };
+    const auto res = ex::generate(model, cache, std::span<const std::vector<int>>(prompts), std::span<ex::Sampler>(samplers),
+                                  opt, cb);
+    CHECK(rounds >= 3 * ((kSteps - kBudget) / kDivide - 1));
+    CHECK(plan_mismatch == 0);
+    CHECK(host_mismatch == 0);
+    CHECK(max_len == kBudget + kDivide);
+    CHECK(batched_rounds > 0);
+    for (const auto& r : res) {
+      CHECK(r.generated.size() == static_cast<std::size_t>(kSteps));
+      CHECK(cache.physical_length(r.seq) >= kBudget);
+      CHECK(cache.physical_length(r.seq) < kBudget + kDivide);
+      CHECK(cache.logical_position(r.seq) == static_cast<std::int64_t>(r.prompt.size()) + kSteps - 1);
+    }
+    // The ordinary KvCache path (device scores, host top-k, device compaction) runs too; the
+    // last rounds shrank host tables after the step's publish, so publish first.
+    triattn::cuda::publish(cache, be.stream());
+    const SeqId extra = res[0].seq;
+    CHECK_NOTHROW((void)cache.compress(extra));
+    MESSAGE("GPU TriAttention (KV " << triattn::dtype_name(kv) << "): " << rounds << " rounds (" << batched_rounds
+                                     << " steps compressed several sequences at once), device plan == CPU plan for all; "
+                                     << "graphs captured " << be.stats().graph_captures);
+  }
+}
+
+}  // TEST_SUITE
