@@ -4,12 +4,17 @@
 // bf16 output. Bytes = K + V read; roofline = 4.49 TB/s (H200 pure read). L2 is flushed before
 // every iteration. For context: BM_read_kernel streams the same bytes through a plain read
 // kernel, BM_memcpy_d2d copies them with cudaMemcpyAsync (counted read + write, vs 4.25 TB/s).
+// Every launcher variant (tuning::sm90::DecodeAttention, argument `variant`) runs at batch 1 and
+// 16. Counters: us_med (median iteration), TB/s (bytes / median). A table in GB/s closes the
+// output. Pick a subset with e.g. --benchmark_filter='decode_attention/batch:1/.*page:16/hnd:0'.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "common/cuda_event_timer.hpp"
@@ -21,7 +26,6 @@ namespace {
 
 using namespace triattn;
 using T = bf16_storage;
-using triattn::bench::CudaEventTimer;
 using triattn::bench::L2Flusher;
 
 constexpr int kQHeads = 32, kKvHeads = 8, kHeadDim = 128;
@@ -57,19 +61,73 @@ U* device_alloc(std::size_t n) {
   return p;
 }
 
-void report(benchmark::State& state, double bytes, double roofline) {
-  state.SetBytesProcessed(static_cast<std::int64_t>(bytes) * state.iterations());
-  state.counters["GB/s"] = benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["pct_roofline"] =
-      benchmark::Counter(bytes / roofline * 100.0, benchmark::Counter::kIsIterationInvariantRate);
+/// CudaEventTimer that also keeps each iteration's time (microseconds) for the median.
+class SampledTimer {
+ public:
+  SampledTimer(benchmark::State& state, cudaStream_t stream, L2Flusher* flush, std::vector<double>& us)
+      : state_(state), stream_(stream), us_(us) {
+    if (flush) flush->flush(stream_);
+    TRIATTN_BENCH_CUDA(cudaEventCreate(&start_));
+    TRIATTN_BENCH_CUDA(cudaEventCreate(&stop_));
+    TRIATTN_BENCH_CUDA(cudaEventRecord(start_, stream_));
+  }
+  ~SampledTimer() {
+    TRIATTN_BENCH_CUDA(cudaEventRecord(stop_, stream_));
+    TRIATTN_BENCH_CUDA(cudaEventSynchronize(stop_));
+    float ms = 0.f;
+    TRIATTN_BENCH_CUDA(cudaEventElapsedTime(&ms, start_, stop_));
+    state_.SetIterationTime(static_cast<double>(ms) * 1e-3);
+    us_.push_back(static_cast<double>(ms) * 1e3);
+    cudaEventDestroy(start_);
+    cudaEventDestroy(stop_);
+  }
+  SampledTimer(const SampledTimer&) = delete;
+  SampledTimer& operator=(const SampledTimer&) = delete;
+
+ private:
+  benchmark::State& state_;
+  cudaStream_t stream_;
+  std::vector<double>& us_;
+  cudaEvent_t start_{}, stop_{};
+};
+
+/// One line of the closing table.
+struct Row {
+  std::string name;
+  double us_med, us_min, gbps;
+};
+std::vector<Row>& rows() {
+  static std::vector<Row> r;
+  return r;
 }
 
-/// args: batch, seq_len, block_size, layout (0 NHD, 1 HND)
+double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+/// Plain counters (no rate flags): us_med, TB/s and pct_roofline from the median iteration.
+void report(benchmark::State& state, const std::string& label, double bytes, double roofline,
+            const std::vector<double>& us) {
+  state.SetBytesProcessed(static_cast<std::int64_t>(bytes) * state.iterations());
+  const double med = median(us);
+  const double bps = med > 0 ? bytes / (med * 1e-6) : 0.0;
+  state.counters["us_med"] = benchmark::Counter(med);
+  state.counters["TB/s"] = benchmark::Counter(bps * 1e-12);
+  state.counters["pct_roofline"] = benchmark::Counter(bps / roofline * 100.0);
+  if (state.thread_index() == 0 && !us.empty())
+    rows().push_back({label, med, *std::min_element(us.begin(), us.end()), bps * 1e-9});
+}
+
+/// args: batch, seq_len, block_size, layout (0 NHD, 1 HND), launcher variant
 void BM_decode_attention(benchmark::State& state) {
   const int batch = static_cast<int>(state.range(0));
   const int len = static_cast<int>(state.range(1));
   const int bs = static_cast<int>(state.range(2));
   const KvLayout layout = state.range(3) ? KvLayout::kHND : KvLayout::kNHD;
+  const int variant = static_cast<int>(state.range(4));
   const int per_seq = (len + bs - 1) / bs;
   const int blocks = batch * per_seq;
   const BlockLayout bl{layout, bs, kKvHeads, kHeadDim};
@@ -92,25 +150,36 @@ void BM_decode_attention(benchmark::State& state) {
   fill_random<<<64, 256>>>(reinterpret_cast<std::uint16_t*>(q), q_elems, 2);
 
   int resident = 0;
-  TRIATTN_BENCH_CUDA(cuda::decode_attention::resident_ctas<T>(kHeadDim, &resident));
+  TRIATTN_BENCH_CUDA(cuda::decode_attention::resident_ctas<T>(kHeadDim, &resident, variant));
   const auto plan =
-      cuda::decode_attention::make_plan(DType::kBF16, batch, kKvHeads, kQHeads / kKvHeads, len, resident);
+      cuda::decode_attention::make_plan(DType::kBF16, batch, kKvHeads, kQHeads / kKvHeads, len, resident, variant);
   const std::size_t ws_bytes = cuda::decode_attention::workspace_size(plan, batch, kQHeads, kHeadDim);
   void* ws = ws_bytes ? device_alloc<char>(ws_bytes) : nullptr;
+  if (ws) TRIATTN_BENCH_CUDA(cudaMemset(ws, 0, ws_bytes));  // variant 4's contract (harmless for the others)
   const float scale = ref::default_sm_scale(kHeadDim);
 
   cudaStream_t stream;
   TRIATTN_BENCH_CUDA(cudaStreamCreate(&stream));
   TRIATTN_BENCH_CUDA(cudaDeviceSynchronize());
   L2Flusher flush;
+  for (int w = 0; w < 3; ++w)  // warm-up: module load, attribute setting
+    TRIATTN_BENCH_CUDA(cuda::decode_attention::run(plan, view, 0, q, out, batch, kQHeads, nullptr, scale, ws, ws_bytes,
+                                                   stream));
+  TRIATTN_BENCH_CUDA(cudaStreamSynchronize(stream));
+  std::vector<double> us;
   for (auto _ : state) {
-    CudaEventTimer timer(state, stream, &flush);
+    SampledTimer timer(state, stream, &flush, us);
     TRIATTN_BENCH_CUDA(cuda::decode_attention::run(plan, view, 0, q, out, batch, kQHeads, nullptr, scale, ws, ws_bytes,
                                                    stream));
   }
-  report(state, static_cast<double>(cuda::decode_attention::bytes_read(static_cast<std::int64_t>(batch) * len, kKvHeads,
-                                                                       kHeadDim, sizeof(T))),
-         kReadRoofline);
+  TRIATTN_BENCH_CUDA(cudaStreamSynchronize(stream));
+  TRIATTN_BENCH_CUDA(cudaGetLastError());
+  report(state,
+         "decode_attention batch " + std::to_string(batch) + " page " + std::to_string(bs) +
+             (layout == KvLayout::kHND ? " HND" : " NHD") + " variant " + std::to_string(variant),
+         static_cast<double>(
+             cuda::decode_attention::bytes_read(static_cast<std::int64_t>(batch) * len, kKvHeads, kHeadDim, sizeof(T))),
+         kReadRoofline, us);
   state.counters["splits"] = plan.num_splits;
   state.counters["resident_ctas"] = resident;
   cudaStreamDestroy(stream);
@@ -131,12 +200,13 @@ void BM_read_kernel(benchmark::State& state) {
   cudaStream_t stream;
   TRIATTN_BENCH_CUDA(cudaStreamCreate(&stream));
   L2Flusher flush;
+  std::vector<double> us;
   for (auto _ : state) {
-    CudaEventTimer timer(state, stream, &flush);
+    SampledTimer timer(state, stream, &flush, us);
     read_kernel<<<sms * 8, 256, 0, stream>>>(src, bytes / 16, sink);
     TRIATTN_BENCH_CUDA(cudaGetLastError());
   }
-  report(state, static_cast<double>(bytes), kReadRoofline);
+  report(state, "read_kernel batch " + std::to_string(state.range(0)), static_cast<double>(bytes), kReadRoofline, us);
   cudaStreamDestroy(stream);
   cudaFree(src);
   cudaFree(sink);
@@ -152,11 +222,12 @@ void BM_memcpy_d2d(benchmark::State& state) {
   cudaStream_t stream;
   TRIATTN_BENCH_CUDA(cudaStreamCreate(&stream));
   L2Flusher flush;
+  std::vector<double> us;
   for (auto _ : state) {
-    CudaEventTimer timer(state, stream, &flush);
+    SampledTimer timer(state, stream, &flush, us);
     TRIATTN_BENCH_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
   }
-  report(state, 2.0 * bytes, kCopyRoofline);
+  report(state, "memcpy_d2d (read + write) batch " + std::to_string(state.range(0)), 2.0 * bytes, kCopyRoofline, us);
   cudaStreamDestroy(stream);
   cudaFree(src);
   cudaFree(dst);
@@ -164,20 +235,37 @@ void BM_memcpy_d2d(benchmark::State& state) {
 
 }  // namespace
 
+std::vector<std::int64_t> all_variants() {
+  std::vector<std::int64_t> v(triattn::cuda::tuning::sm90::DecodeAttention::kNumVariants);
+  std::iota(v.begin(), v.end(), std::int64_t{0});
+  return v;
+}
+
 BENCHMARK(BM_decode_attention)
-    ->ArgNames({"batch", "len", "page", "hnd"})
-    ->ArgsProduct({{1, 16}, {32768}, {16, 64}, {0, 1}})
+    ->ArgNames({"batch", "len", "page", "hnd", "variant"})
+    ->ArgsProduct({{1, 16}, {32768}, {16, 64}, {0, 1}, all_variants()})
     ->UseManualTime()
+    ->Iterations(200)
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_read_kernel)
     ->ArgNames({"batch", "len"})
     ->ArgsProduct({{1, 16}, {32768}})
     ->UseManualTime()
+    ->Iterations(200)
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_memcpy_d2d)
     ->ArgNames({"batch", "len"})
     ->ArgsProduct({{1, 16}, {32768}})
     ->UseManualTime()
+    ->Iterations(200)
     ->Unit(benchmark::kMicrosecond);
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  std::printf("\n%-48s %9s %9s %8s\n", "benchmark", "us_med", "us_min", "GB/s");
+  for (const Row& r : rows()) std::printf("%-48s %9.1f %9.1f %8.0f\n", r.name.c_str(), r.us_med, r.us_min, r.gbps);
+  return 0;
+}

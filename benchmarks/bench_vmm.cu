@@ -16,7 +16,8 @@
 //                                     trimming every 128 steps (keeping 2 empty slabs mapped as
 //                                     hysteresis; a final trim keeps none). Reports peak/final resident bytes
 //                                     (allocator ledger and cudaMemGetInfo), live KV bytes, bytes in
-//                                     used blocks and the full-KV requirement.
+//                                     used blocks and the full-KV requirement; finally releases
+//                                     every sequence and checks that the memory went back.
 // Counters are per page (2 MiB granule of one range) where named *_us_per_page.
 #include <benchmark/benchmark.h>
 
@@ -189,6 +190,10 @@ void BM_Qwen3Workload_body(benchmark::State& state) {
   for (auto _ : state) {
     TRIATTN_BENCH_CUDA(cudaDeviceSynchronize());
     const std::size_t used0 = device_used();
+    auto used_since = [used0] {  // device bytes taken since the baseline (never negative)
+      const std::size_t u = device_used();
+      return u > used0 ? u - used0 : std::size_t{0};
+    };
     const auto t0 = Clock::now();
     WorkloadCache cache(cfg);
     auto& a = cache.allocator();
@@ -210,7 +215,7 @@ void BM_Qwen3Workload_body(benchmark::State& state) {
     std::int64_t compressions = 0, failures = 0;
     auto sample = [&](int step) {
       const auto m = cache.memory();
-      const std::size_t mi = device_used() - used0;
+      const std::size_t mi = used_since();
       peak_resident = std::max(peak_resident, m.bytes_resident);
       peak_physical = std::max(peak_physical, a.physical_bytes());
       peak_meminfo = std::max(peak_meminfo, mi);
@@ -246,9 +251,14 @@ void BM_Qwen3Workload_body(benchmark::State& state) {
     a.synchronize();
     sample(step);
     const auto fm = cache.memory();
-    const std::size_t final_meminfo = device_used() - used0;
+    const std::size_t final_meminfo = used_since();
     const double secs = seconds_since(t0);
     state.SetIterationTime(secs);
+    // Requests finish: every page must go back to the driver.
+    for (SeqId s : ids) cache.release(s);
+    (void)a.trim(nullptr);
+    a.synchronize();
+    const std::size_t released_meminfo = used_since();
 
     state.counters["full_kv_GB"] = full_kv / gb;
     state.counters["peak_resident_GB"] = static_cast<double>(peak_resident) / gb;
@@ -259,6 +269,8 @@ void BM_Qwen3Workload_body(benchmark::State& state) {
     state.counters["final_resident_GB"] = static_cast<double>(fm.bytes_resident) / gb;
     state.counters["final_meminfo_GB"] = static_cast<double>(final_meminfo) / gb;
     state.counters["final_live_GB"] = static_cast<double>(fm.bytes_live) / gb;
+    state.counters["after_release_resident_GB"] = static_cast<double>(a.bytes_resident()) / gb;
+    state.counters["after_release_meminfo_GB"] = static_cast<double>(released_meminfo) / gb;
     state.counters["steady_resident_over_live"] = samples > 0 ? sum_ratio / samples : 0.0;
     state.counters["peak_resident_over_full"] = static_cast<double>(peak_resident) / full_kv;
     state.counters["compressions"] = static_cast<double>(compressions);

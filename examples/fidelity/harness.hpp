@@ -166,6 +166,7 @@ struct PolicyRun {
   std::vector<double> recall;    ///< attention_recall of the full-KV query of pass i
   std::vector<double> kl;        ///< KL(full || compressed) of pass i's next-token distribution
   int tf_top1_matches = 0;       ///< counted passes whose compressed argmax equals the reference token
+  std::vector<double> recency_overlap;  ///< per round: recency_overlap() of its plan
 };
 
 /// Runs the reference's prompt through `cache` (one sequence, opened and released here) for as
@@ -195,7 +196,10 @@ PolicyRun run_policy(ModelT& model, Cache& cache, const FullRun& full, bool teac
   auto maybe_round = [&](int pass) {
     if (!cache.needs_compression(seq)) return;
     const int before = cache.physical_length(seq);
-    held.apply(compress_round(cache, seq, scores));
+    const int pinned = cache.prompt_length(seq);
+    const triattn::KeepPlan plan = compress_round(cache, seq, scores);
+    run.recency_overlap.push_back(recency_overlap(plan, before, pinned));
+    held.apply(plan);
     TRIATTN_EXPECTS(held.length() == cache.physical_length(seq), "run_policy: position tracker out of step");
     run.evicted += before - cache.physical_length(seq);
     if (run.rounds++ == 0) run.first_round_pass = pass;

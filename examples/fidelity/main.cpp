@@ -203,6 +203,7 @@ struct Cell {
   std::vector<double> first_div;     // per prompt (generated-token index; G when none)
   int censored = 0;                  // prompts without divergence
   std::vector<double> first_round;   // per prompt: pass index of the first round
+  std::vector<double> overlap;       // per round of the teacher-forced runs: recency_overlap
   double rounds = 0;                 // total rounds (free runs)
   double seconds = 0;
 };
@@ -320,6 +321,7 @@ void run_experiment(const Experiment& e, const Options& o, Report& rep) {
         c.recall.insert(c.recall.end(), tf.recall.begin(), tf.recall.end());
         c.kl.insert(c.kl.end(), tf.kl.begin(), tf.kl.end());
         c.tf_matches += tf.tf_top1_matches;
+        c.overlap.insert(c.overlap.end(), tf.recency_overlap.begin(), tf.recency_overlap.end());
         c.tf_counted += static_cast<int>(tf.kl.size());
         const int from = fr.first_round_pass < 0 ? e.gen : fr.first_round_pass + 1;
         const fid::Agreement a = fid::greedy_agreement(full.generated, fr.generated, from);
@@ -356,8 +358,8 @@ void run_experiment(const Experiment& e, const Options& o, Report& rep) {
   for (std::size_t bi = 0; bi < e.budgets.size(); ++bi)
     md << (bi ? ", " : "") << "B=" << e.budgets[bi] << ": " << fmt("%.1f", fid::mean(cells[0][bi].first_round));
   md << ".\n\n";
-  md << "| scorer | budget | attention recall | greedy agreement | first divergence mean / median (no div.) | KL full‖comp (nats) | TF top-1 |\n";
-  md << "|---|---:|---:|---:|---:|---:|---:|\n";
+  md << "| scorer | budget | attention recall | greedy agreement | first divergence mean / median (no div.) | KL full‖comp (nats) | TF top-1 | recency overlap |\n";
+  md << "|---|---:|---:|---:|---:|---:|---:|---:|\n";
   for (std::size_t bi = 0; bi < e.budgets.size(); ++bi)
     for (std::size_t pi = 0; pi < pols.size(); ++pi) {
       const Cell& c = cells[pi][bi];
@@ -366,12 +368,13 @@ void run_experiment(const Experiment& e, const Options& o, Report& rep) {
       md << "| " << pols[pi].name << " | " << e.budgets[bi] << " | " << fmt("%.3f", fid::mean(c.recall)) << " | "
          << fmt("%.3f", agree) << " | " << fmt("%.1f", fid::mean(c.first_div)) << " / "
          << fmt("%.1f", fid::median(c.first_div)) << " (" << c.censored << ") | " << fmt("%.4f", fid::mean(c.kl))
-         << " | " << fmt("%.3f", top1) << " |\n";
+         << " | " << fmt("%.3f", top1) << " | " << fmt("%.3f", fid::mean(c.overlap)) << " |\n";
       rep.csv << e.label << "," << pols[pi].name << "," << e.budgets[bi] << "," << fmt("%.6f", fid::mean(c.recall))
               << "," << fmt("%.6f", agree) << "," << fmt("%.3f", fid::mean(c.first_div)) << ","
               << fmt("%.3f", fid::median(c.first_div)) << "," << c.censored << "," << fmt("%.6f", fid::mean(c.kl))
               << "," << fmt("%.6f", top1) << "," << e.eval_prompts.size() << "," << e.gen << ","
-              << fmt("%.3f", fid::mean(c.first_round)) << "," << fmt("%.2f", c.seconds) << "\n";
+              << fmt("%.3f", fid::mean(c.first_round)) << "," << fmt("%.6f", fid::mean(c.overlap)) << ","
+              << fmt("%.2f", c.seconds) << "\n";
     }
   md << "\nScorer settings beyond the shared SelectionParams: ";
   for (std::size_t pi = 0; pi < pols.size(); ++pi)
@@ -396,7 +399,7 @@ int real_main(int argc, char** argv) {
   const std::string started = utc_now();
   Report rep;
   rep.csv << "model,scorer,budget,recall,agreement,first_div_mean,first_div_median,censored,kl,tf_top1,prompts,gen,"
-             "first_round_mean,seconds\n";
+             "first_round_mean,recency_overlap,seconds\n";
   for (const std::string& m : o.models) {
     Experiment e;
     if (m == "stories") {

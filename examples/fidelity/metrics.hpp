@@ -7,6 +7,7 @@
 //   attention_recall   share of a full-KV attention distribution that falls on the tokens a
 //                      compressed cache still holds, averaged over layers and query heads
 //   kl_divergence      KL(softmax(p) || softmax(q)) of two logit vectors, in nats, float64
+//   recency_overlap    share of a keep plan's slots that StreamingLLM would keep too
 //   greedy_agreement   position-wise agreement of two token streams from an index on, and the
 //                      first index where they differ
 //   mean / median      of a list of doubles
@@ -74,6 +75,26 @@ class PositionTracker {
   int heads_;
   std::vector<std::vector<std::int64_t>> rows_;  // [L * Hkv][length]
 };
+
+/// How recency-like a keep plan is: the share of kept slots, over all (layer, KV head) rows,
+/// that StreamingLLM would also keep on the same cache, i.e. slots in the pinned prefix
+/// [0, pinned) or among the newest keep − pinned slots of the `length` slots before the round.
+/// 1 for recency itself; for uniform random picks of the unpinned part its expectation is
+/// (pinned + q² / (length − pinned)) / keep with q = keep − pinned.
+[[nodiscard]] inline double recency_overlap(const triattn::KeepPlan& plan, int length, int pinned) {
+  TRIATTN_EXPECTS(pinned >= 0 && pinned <= plan.keep && plan.keep <= length, "recency_overlap: bad counts");
+  const std::size_t rows = static_cast<std::size_t>(plan.num_layers) * static_cast<std::size_t>(plan.num_kv_heads);
+  if (rows == 0 || plan.keep == 0) return 1.0;
+  const int newest_from = length - (plan.keep - pinned);
+  std::size_t hits = 0;
+  for (int l = 0; l < plan.num_layers; ++l)
+    for (int g = 0; g < plan.num_kv_heads; ++g)
+      for (int i = 0; i < plan.keep; ++i) {
+        const std::int32_t j = plan.row(l, g)[i];
+        if (j < pinned || j >= newest_from) ++hits;
+      }
+  return static_cast<double>(hits) / (static_cast<double>(rows) * plan.keep);
+}
 
 /// Σ probs[p] over the given positions, in float64 (positions must lie in [0, probs.size())).
 [[nodiscard]] inline double mass_on(std::span<const float> probs, std::span<const std::int64_t> positions) {

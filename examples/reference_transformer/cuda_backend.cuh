@@ -873,16 +873,31 @@ class CudaBackend {
       if (why == FlushReason::kLayersDone) step_open = false;
       else if (step_open) mid_flush = true;
 
+      if (graphable) {  // a replay needs no planning: the launches are the graph's
+        const std::vector<unsigned char> sig = signature();
+        for (Graph& g : graphs)
+          if (g.sig == sig) {
+            arena.upload(stream);
+            g.used = ++tick;
+            TRIATTN_CUDA_TRY(cudaGraphLaunch(g.exec, stream));
+            ++stats.graph_replays;
+            finish_flush();
+            return;
+          }
+      }
       std::vector<std::function<void()>> items;
-      std::vector<unsigned char> facts;
-      plan(items, facts);
+      plan(items);
       arena.upload(stream);
       if (graphable) {
-        run_graph(items, facts);
+        capture(items, signature());  // after planning: it may have replaced scratch buffers
       } else {
         for (auto& f : items) f();
         ++stats.eager_flushes;
       }
+      finish_flush();
+    }
+
+    void finish_flush() {
       ops.clear();
       if (!retired.empty()) {
         TRIATTN_CUDA_TRY(cudaStreamSynchronize(stream));
@@ -890,18 +905,17 @@ class CudaBackend {
       }
     }
 
-    void run_graph(const std::vector<std::function<void()>>& items, const std::vector<unsigned char>& facts) {
-      std::vector<unsigned char> sig(ops.size() * sizeof(cuda_detail::Op) + facts.size());
+    /// What a captured graph depends on: the op list (pointers, shapes, plans, arena offsets),
+    /// the arena's device address and the scratch buffers the planner adds.
+    std::vector<unsigned char> signature() const {
+      const void* extra[3] = {arena.device_base(), scratch_mem[kKt].get(), scratch_mem[kVt].get()};
+      std::vector<unsigned char> sig(ops.size() * sizeof(cuda_detail::Op) + sizeof extra);
       std::memcpy(sig.data(), ops.data(), ops.size() * sizeof(cuda_detail::Op));
-      if (!facts.empty()) std::memcpy(sig.data() + ops.size() * sizeof(cuda_detail::Op), facts.data(), facts.size());
-      ++tick;
-      for (Graph& g : graphs)
-        if (g.sig == sig) {
-          g.used = tick;
-          TRIATTN_CUDA_TRY(cudaGraphLaunch(g.exec, stream));
-          ++stats.graph_replays;
-          return;
-        }
+      std::memcpy(sig.data() + ops.size() * sizeof(cuda_detail::Op), extra, sizeof extra);
+      return sig;
+    }
+
+    void capture(const std::vector<std::function<void()>>& items, std::vector<unsigned char> sig) {
       cudaGraph_t graph = nullptr;
       TRIATTN_CUDA_TRY(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
       try {
@@ -923,22 +937,15 @@ class CudaBackend {
         triattn::cuda::report_error(cudaGraphExecDestroy(lru->exec), "CudaBackend: cudaGraphExecDestroy");
         graphs.erase(lru);
       }
-      graphs.push_back(Graph{std::move(sig), exec, tick});
+      graphs.push_back(Graph{std::move(sig), exec, ++tick});
       ++stats.graph_captures;
       TRIATTN_CUDA_TRY(cudaGraphLaunch(exec, stream));
       ++stats.graph_replays;
     }
 
-    static void add_fact(std::vector<unsigned char>& facts, const void* p) {
-      const auto v = reinterpret_cast<std::uintptr_t>(p);
-      const auto* b = reinterpret_cast<const unsigned char*>(&v);
-      facts.insert(facts.end(), b, b + sizeof v);
-    }
-
     /// Turns the op list into launches, fusing neighbours (see the file comment).
-    void plan(std::vector<std::function<void()>>& items, std::vector<unsigned char>& facts) {
+    void plan(std::vector<std::function<void()>>& items) {
       using cuda_detail::OpKind;
-      add_fact(facts, arena.device_base());
       std::vector<char> q_ready(ops.size(), 0);
       std::size_t i = 0;
       while (i < ops.size()) {
@@ -946,21 +953,20 @@ class CudaBackend {
         std::size_t used = 0;
         if (opt.fuse) {
           switch (o.kind) {
-            case OpKind::kRmsNorm: used = plan_classifier(i, items, facts); break;
+            case OpKind::kRmsNorm: used = plan_classifier(i, items); break;
             case OpKind::kMatmul: used = plan_matmul_group(i, items); break;
-            case OpKind::kRope: used = plan_rope_group(i, items, facts, q_ready); break;
+            case OpKind::kRope: used = plan_rope_group(i, items, q_ready); break;
             default: break;
           }
         }
-        if (used == 0) used = plan_single(i, items, facts, q_ready[i] != 0);
+        if (used == 0) used = plan_single(i, items, q_ready[i] != 0);
         i += used;
       }
     }
 
     // rmsnorm(row r) + matmul(reading it) repeated for n = 1 rows with the same weights: the
     // classifier over the picked rows. One RMSNorm over a row list + one GEMV over those rows.
-    std::size_t plan_classifier(std::size_t i, std::vector<std::function<void()>>& items,
-                                std::vector<unsigned char>& facts) {
+    std::size_t plan_classifier(std::size_t i, std::vector<std::function<void()>>& items) {
       using cuda_detail::OpKind;
       const cuda_detail::Op& n0 = ops[i];
       auto pair_at = [&](std::size_t j) {
@@ -998,7 +1004,6 @@ class CudaBackend {
         p.n = rows;
         launch_gemv(p, mm.wbf16 != 0);
       });
-      (void)facts;
       return j - i;
     }
 
@@ -1063,8 +1068,7 @@ class CudaBackend {
     }
 
     // rope(q) [+ rope(k)] [+ write_kv of every row] [-> q converted for the decode attention].
-    std::size_t plan_rope_group(std::size_t i, std::vector<std::function<void()>>& items,
-                                std::vector<unsigned char>& facts, std::vector<char>& q_ready) {
+    std::size_t plan_rope_group(std::size_t i, std::vector<std::function<void()>>& items, std::vector<char>& q_ready) {
       using cuda_detail::OpKind;
       const cuda_detail::Op rq = ops[i];
       std::size_t j = i + 1;
@@ -1108,8 +1112,6 @@ class CudaBackend {
         const std::size_t bytes = static_cast<std::size_t>(rk->n) * w0->a * triattn::dtype_size(dt);
         k_t = scratch(kKt, bytes);
         v_t = scratch(kVt, bytes);
-        add_fact(facts, k_t);
-        add_fact(facts, v_t);
       }
       const cuda_detail::Op wk = w0 != nullptr ? *w0 : cuda_detail::make_op(OpKind::kWriteKv);
       const bool has_kv = w0 != nullptr;
@@ -1122,7 +1124,7 @@ class CudaBackend {
           gpu::RopeKvParams<DT> p;
           p.q = rq.y;
           p.k = has_k ? rkc.y : nullptr;
-          p.v = has_kv ? wk.x2 : nullptr;
+          p.v = has_kv && (!lib_ok || v_t != nullptr) ? wk.x2 : nullptr;  // fp32 + append: V is read in place
           p.n = rq.n;
           p.hq = rq.a;
           p.hkv = has_k ? rkc.a : 0;
@@ -1148,7 +1150,7 @@ class CudaBackend {
           if (has_kv && lib_ok) {
             const auto view = cuda_detail::typed_view<ST>(wk.view);
             const ST* ks = std::is_same_v<ST, float> ? reinterpret_cast<const ST*>(p.k) : static_cast<const ST*>(k_t);
-            const ST* vs = std::is_same_v<ST, float> ? reinterpret_cast<const ST*>(p.v) : static_cast<const ST*>(v_t);
+            const ST* vs = std::is_same_v<ST, float> ? reinterpret_cast<const ST*>(wk.x2) : static_cast<const ST*>(v_t);
             TRIATTN_CUDA_TRY(triattn::cuda::append::run_slots(view, wk.layer, 1, ks, vs,
                                                               reinterpret_cast<const std::int64_t*>(arena.dev<long long>(wk.arena_a)),
                                                               rq.n, stream));
@@ -1158,8 +1160,7 @@ class CudaBackend {
       return wend - i;
     }
 
-    std::size_t plan_single(std::size_t i, std::vector<std::function<void()>>& items, std::vector<unsigned char>& facts,
-                            bool q_ready) {
+    std::size_t plan_single(std::size_t i, std::vector<std::function<void()>>& items, bool q_ready) {
       using cuda_detail::OpKind;
       const cuda_detail::Op o = ops[i];
       auto blocks = [](long long count, int threads) { return dim3(static_cast<unsigned>((count + threads - 1) / threads)); };
@@ -1250,7 +1251,6 @@ class CudaBackend {
           });
           break;
       }
-      (void)facts;
       return 1;
     }
 

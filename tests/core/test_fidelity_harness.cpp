@@ -110,6 +110,14 @@ TEST_CASE("PositionTracker follows appends and keep plans per (layer, KV head)")
   CHECK(t.length() == 3);                                                    // unchanged
 }
 
+TEST_CASE("recency overlap of a keep plan") {
+  // 10 slots before the round, 2 pinned, keep 5: StreamingLLM keeps {0, 1, 7, 8, 9}.
+  CHECK(fid::recency_overlap(plan_from(1, 2, {{0, 1, 7, 8, 9}, {0, 1, 7, 8, 9}}), 10, 2) == 1.0);
+  CHECK(fid::recency_overlap(plan_from(1, 2, {{0, 1, 2, 3, 4}, {0, 1, 7, 8, 9}}), 10, 2) == doctest::Approx(0.7));
+  CHECK(fid::recency_overlap(plan_from(1, 1, {{0, 1, 2, 3, 9}}), 10, 2) == doctest::Approx(0.6));
+  CHECK_THROWS((void)fid::recency_overlap(plan_from(1, 1, {{0, 1}}), 10, 3));  // pinned > keep
+}
+
 TEST_CASE("attention recall: 1 when everything is held, share of mass otherwise") {
   const int L = 2, Hq = 4, T = 5;  // 2 KV heads, groups of 2
   std::vector<float> probs(static_cast<std::size_t>(L * Hq * T), 1.0f / T);

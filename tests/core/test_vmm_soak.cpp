@@ -63,6 +63,7 @@ class Model {
   std::size_t mapped_bytes() const { return mapped_ * kPage; }
   std::size_t pooled_bytes() const { return pool_ * kPage; }
   const std::vector<int>& refs() const { return ref_; }
+  const std::vector<int>& used_counts() const { return used_; }
   int state(int s) const { return st_[idx(s)]; }
 
   /// Returns the predicted block ids, or false with `last` set.
@@ -470,6 +471,7 @@ class Soak {
   void compare() {
     const Alloc& a = alloc();
     if (a.ledger().ref_counts() != model_.refs()) return (void)fail("ref counts differ from the model");
+    if (a.ledger().used_counts() != model_.used_counts()) return (void)fail("per-slab occupancy differs from the model");
     for (int s = 0; s < a.geometry().num_slabs; ++s)
       if (static_cast<int>(a.ledger().state(s)) != model_.state(s))
         return (void)fail("slab " + std::to_string(s) + " state " + std::to_string(static_cast<int>(a.ledger().state(s))) +

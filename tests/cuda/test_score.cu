@@ -290,7 +290,7 @@ TEST_CASE("FastDiv divides exactly for every n < 2^31 (host twin of the device c
 }
 
 TEST_SUITE("gpu") {
-  TEST_CASE_TEMPLATE("score matches the CPU reference: page sizes, layouts, head dims, pairings, aggregations", T, float,
+  TEST_CASE_TEMPLATE("score matches the CPU reference over page sizes x layouts x head dims x pairings x aggregations", T, float,
                      f16_storage, bf16_storage) {
     require_gpu();
     const std::uint32_t seed = test_seed();
@@ -329,7 +329,7 @@ TEST_SUITE("gpu") {
       }
   }
 
-  TEST_CASE("score: long sequences over many tiles, short offset sets") {
+  TEST_CASE("score: long sequences over many tiles and short offset sets") {
     require_gpu();
     const std::uint32_t seed = test_seed();
     Case c;

@@ -288,7 +288,7 @@ TEST_SUITE("gpu") {
           }
   }
 
-  TEST_CASE("select: group sizes, one layer, many layers") {
+  TEST_CASE("select: group sizes and layer counts") {
     require_gpu();
     const std::uint32_t seed = test_seed();
     int combo = 0;

@@ -294,6 +294,7 @@ class VmmAllocatorCore {
       else sched.push_back(slab);
     }
     if (!sched.empty()) {
+      s.groups.reserve(s.groups.size() + 1);  // nothing below may throw once the event exists
       event_type ev{};
       if (const int c = s.drv.event_record(stream, &ev)) s.drv.raise(DriverCall::kEventRecord, c, "ordering a trim");
       const std::uint64_t id = ++s.next_group;
@@ -364,6 +365,7 @@ class VmmAllocatorCore {
         going += static_cast<std::size_t>(s.geo.slab_bytes_all_ranges(*it));
       }
       if (!sched.empty()) {
+        s.groups.reserve(s.groups.size() + 1);
         event_type ev{};
         if (const int c = s.drv.event_record(stream, &ev)) s.drv.raise(DriverCall::kEventRecord, c, "ordering a limit change");
         const std::uint64_t id = ++s.next_group;

@@ -133,6 +133,14 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
+/// Release / acquire fence at GPU scope (CUTLASS's generic barrier uses the same pattern).
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+__device__ __forceinline__ std::uint32_t atomic_add_relaxed_gpu(std::uint32_t* p, std::uint32_t v) {
+  std::uint32_t old;
+  asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+
 /// XOR applied to a 16-byte chunk index of token row t (0..15) of a shared-memory tile: the K
 /// fragment reads (tokens t, t+1 x chunks 4i..4i+3 per quarter warp) and the V fragment reads
 /// (tokens t, t+2, t+4, t+6 x chunks 2j, 2j+1) then hit 8 distinct 16-byte bank groups.
@@ -282,30 +290,52 @@ __device__ __forceinline__ void fused_split_merge(void* smem, int nh, int b, int
   const int lane = tid & 31;
   const int warp = tid >> 5;
 
-  __threadfence();  // this CTA's partial (every thread's stores) before its arrival
-  __syncthreads();  // also: every thread is done with MergeSmem, which sm aliases
+  // Arrival (CUTLASS generic barrier / cooperative groups grid sync pattern): the CTA barrier
+  // orders every thread's partial stores (and MergeSmem reads: sm aliases it) before thread 0's
+  // release fence and atomic; the last CTA's thread 0 fences (acquire) before the barrier that
+  // lets its threads read the other CTAs' partials (through L2: ld.global.cg).
+  __syncthreads();
   if (tid == 0) {
+    fence_acq_rel_gpu();
     griddep_wait();  // variant 3: the counters were zeroed by the preceding kernel
     std::uint32_t* ctr = p.counters + static_cast<std::int64_t>(b) * gridDim.y + blockIdx.y;
-    const std::uint32_t prev = atomicAdd(ctr, 1u);
+    const std::uint32_t prev = atomic_add_relaxed_gpu(ctr, 1u);
     const int last = prev + 1u == static_cast<std::uint32_t>(n_active) ? 1 : 0;
-    if (last) atomicExch(ctr, 0u);  // every CTA of this call has arrived: ready for the next call
+    if (last) {
+      atomicExch(ctr, 0u);  // every CTA of this call has arrived: ready for the next call
+      fence_acq_rel_gpu();
+    }
     sm.last = last;
   }
   __syncthreads();
   if (sm.last == 0) return;
-  __threadfence();  // the other CTAs' partials (they fenced before arriving)
 
-  // Weights per head: one warp per head, lanes over splits.
+  // Weights per head: one warp per head, lanes over splits; the first kReg * 32 (m, l) pairs
+  // stay in registers between the max and the weights.
+  constexpr int kReg = 4;
   for (int h = warp; h < nh; h += kWarps) {
     const std::int64_t row = static_cast<std::int64_t>(b) * p.num_q_heads + first_q_head + h;
     const float2* ml = p.partial_ml + row * p.num_splits;
+    float2 xr[kReg];
+#pragma unroll
+    for (int i = 0; i < kReg; ++i) xr[i] = __ldcg(ml + min(lane + 32 * i, n_active - 1));
     float mx = -INFINITY;
-    for (int s = lane; s < n_active; s += 32) mx = fmaxf(mx, __ldcg(ml + s).x);
+#pragma unroll
+    for (int i = 0; i < kReg; ++i) mx = fmaxf(mx, xr[i].x);  // clamped duplicates: harmless for a max
+    for (int s = lane + 32 * kReg; s < n_active; s += 32) mx = fmaxf(mx, __ldcg(ml + s).x);
 #pragma unroll
     for (int x = 16; x > 0; x >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x));
     float ls = 0.f;
-    for (int s = lane; s < n_active; s += 32) {
+#pragma unroll
+    for (int i = 0; i < kReg; ++i) {
+      const int s = lane + 32 * i;
+      if (s < n_active) {
+        const float w = exp2f(xr[i].x - mx);
+        sm.w[h][s] = w;
+        ls += xr[i].y * w;
+      }
+    }
+    for (int s = lane + 32 * kReg; s < n_active; s += 32) {
       const float2 x = __ldcg(ml + s);
       const float w = exp2f(x.x - mx);
       sm.w[h][s] = w;
@@ -325,10 +355,10 @@ __device__ __forceinline__ void fused_split_merge(void* smem, int nh, int b, int
     const float4* po = reinterpret_cast<const float4*>(p.partial_o + row * p.num_splits * D) + e4;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int s0 = 0; s0 < n_active; s0 += kBatch) {
+      // Unpredicated loads (index clamped to a valid split) so that all kBatch are in flight.
       float4 x[kBatch];
 #pragma unroll
-      for (int u = 0; u < kBatch; ++u)
-        x[u] = s0 + u < n_active ? __ldcg(po + static_cast<std::int64_t>(s0 + u) * kQ) : make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int u = 0; u < kBatch; ++u) x[u] = __ldcg(po + static_cast<std::int64_t>(min(s0 + u, n_active - 1)) * kQ);
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
         if (s0 + u < n_active) {
@@ -601,8 +631,7 @@ __global__ void __launch_bounds__(tuning::sm90::DecodeAttention::kThreads, tunin
     }
   };
 
-  const int spec_tile0 = max(0, min(wstart + (lane & 15), min(start + p.tokens_per_split, cap) - 1));
-  Id blk_next = slot_of(0) / bs == spec_tile0 / bs ? spec_blk : block_of(0);
+  Id blk_next = cap > 0 && slot_of(0) / bs == spec_slot / bs ? spec_blk : block_of(0);
 #pragma unroll
   for (int k = 0; k < kStages - 1; ++k) {
     if (k < ntiles) issue(k, blk_next, k);
@@ -894,9 +923,10 @@ __global__ void __launch_bounds__(HeadDim) decode_attention_combine_fast_kernel(
 
   float o = 0.f;
   for (int s0 = 0; s0 < n; s0 += kBatch) {
+    // Unpredicated loads (index clamped to a valid split) so that all kBatch are in flight.
     float x[kBatch];
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) x[u] = s0 + u < n ? po[static_cast<std::int64_t>(s0 + u) * HeadDim] : 0.f;
+    for (int u = 0; u < kBatch; ++u) x[u] = po[static_cast<std::int64_t>(min(s0 + u, n - 1)) * HeadDim];
 #pragma unroll
     for (int u = 0; u < kBatch; ++u)
       if (s0 + u < n) o += x[u] * s_w[s0 + u];
@@ -906,10 +936,11 @@ __global__ void __launch_bounds__(HeadDim) decode_attention_combine_fast_kernel(
 
 /// Zeroes the fused merge's arrival counters (variant 3); lets the split kernel launch at once
 /// (programmatic dependent launch), which waits for it only before its first arrival.
-__global__ void decode_attention_zero_counters_kernel(std::uint32_t* counters, int n) {
+template <class Counter>
+__global__ void decode_attention_zero_counters_kernel(Counter* counters, int n) {
   detail::griddep_launch_dependents();
   for (int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x); i < n; i += static_cast<int>(gridDim.x * blockDim.x))
-    counters[i] = 0u;
+    counters[i] = Counter{0};
 }
 
 }  // namespace triattn::cuda

@@ -56,8 +56,9 @@ struct DecodeAttention {
   ///   3 cp.async kernel; the last CTA of each (entry, KV head) merges the splits (arrival
   ///     counters in the workspace, zeroed by a one-CTA kernel that the split kernel overlaps
   ///     through programmatic dependent launch): no combine kernel
-  ///   4 as 3 without the zeroing kernel: the workspace must be zero-filled once before its first
-  ///     use; every call leaves the counters zero again
+  ///   4 as 3 without the zeroing kernel (measures its cost): the workspace must be zero-filled
+  ///     before the first call and then serve only variant-4 calls of one batch / num_q_heads;
+  ///     every completed call leaves the counters zero again
   /// fp32 caches run their one kernel; variants >= 1 use the parallel combine.
   static constexpr int kNumVariants = 5;
   static constexpr int kDefaultVariant = 2;
