@@ -10,8 +10,10 @@
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <string>
@@ -182,6 +184,45 @@ void BM_decode_attention(benchmark::State& state) {
          kReadRoofline, us);
   state.counters["splits"] = plan.num_splits;
   state.counters["resident_ctas"] = resident;
+
+  // Same function as variant 0 (the original kernels) on these inputs: relative L2 difference of
+  // the bf16 outputs (both rounded to bf16: expect ~1e-3, far under 1e-2).
+  {
+    int resident0 = 0;
+    TRIATTN_BENCH_CUDA(cuda::decode_attention::resident_ctas<T>(kHeadDim, &resident0, 0));
+    const auto plan0 =
+        cuda::decode_attention::make_plan(DType::kBF16, batch, kKvHeads, kQHeads / kKvHeads, len, resident0, 0);
+    const std::size_t ws0_bytes = cuda::decode_attention::workspace_size(plan0, batch, kQHeads, kHeadDim);
+    void* ws0 = ws0_bytes ? device_alloc<char>(ws0_bytes) : nullptr;
+    T* out0 = device_alloc<T>(q_elems);
+    TRIATTN_BENCH_CUDA(cuda::decode_attention::run(plan0, view, 0, q, out0, batch, kQHeads, nullptr, scale, ws0,
+                                                   ws0_bytes, stream));
+    TRIATTN_BENCH_CUDA(cudaStreamSynchronize(stream));
+    std::vector<std::uint16_t> a(q_elems), r(q_elems);
+    TRIATTN_BENCH_CUDA(cudaMemcpy(a.data(), out, q_elems * 2, cudaMemcpyDeviceToHost));
+    TRIATTN_BENCH_CUDA(cudaMemcpy(r.data(), out0, q_elems * 2, cudaMemcpyDeviceToHost));
+    auto f32 = [](std::uint16_t x) {
+      const std::uint32_t u = static_cast<std::uint32_t>(x) << 16;
+      float f;
+      std::memcpy(&f, &u, 4);
+      return static_cast<double>(f);
+    };
+    double num = 0, den = 0;
+    for (std::size_t i = 0; i < q_elems; ++i) {
+      const double d = f32(a[i]) - f32(r[i]);
+      num += d * d;
+      den += f32(r[i]) * f32(r[i]);
+    }
+    const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+    state.counters["err_vs_v0"] = benchmark::Counter(rel);
+    if (!(rel <= 1e-2)) {
+      std::fprintf(stderr, "MISMATCH: variant %d differs from variant 0 by %g (batch %d page %d)\n", variant, rel, batch,
+                   bs);
+      state.SkipWithError("output differs from variant 0");
+    }
+    cudaFree(out0);
+    if (ws0) cudaFree(ws0);
+  }
   cudaStreamDestroy(stream);
   for (void* p : {static_cast<void*>(data), static_cast<void*>(d_tables), static_cast<void*>(d_lens),
                   static_cast<void*>(q), static_cast<void*>(out), ws})

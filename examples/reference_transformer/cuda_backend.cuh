@@ -360,6 +360,12 @@ class CudaBackend {
   explicit CudaBackend(const Options& opt = Options{}) : s_(std::make_shared<State>(opt)) {}
 
   [[nodiscard]] const Options& options() const noexcept { return s_->opt; }
+  /// Changes graphs / PDL / fusion / direct KV write for the following steps (weights: future
+  /// uploads). Pending work is launched first; captured graphs of other settings stay unused.
+  void set_options(const Options& o) const {
+    s_->flush(FlushReason::kOther);
+    s_->opt = o;
+  }
   /// The stream every kernel of the backend runs on (give it to the cache's compactor and scorer).
   [[nodiscard]] cudaStream_t stream() const noexcept { return s_->stream; }
 
@@ -909,9 +915,14 @@ class CudaBackend {
     /// the arena's device address and the scratch buffers the planner adds.
     std::vector<unsigned char> signature() const {
       const void* extra[3] = {arena.device_base(), scratch_mem[kKt].get(), scratch_mem[kVt].get()};
-      std::vector<unsigned char> sig(ops.size() * sizeof(cuda_detail::Op) + sizeof extra);
-      std::memcpy(sig.data(), ops.data(), ops.size() * sizeof(cuda_detail::Op));
-      std::memcpy(sig.data() + ops.size() * sizeof(cuda_detail::Op), extra, sizeof extra);
+      const unsigned char flags[4] = {static_cast<unsigned char>(opt.fuse), static_cast<unsigned char>(opt.pdl),
+                                      static_cast<unsigned char>(opt.direct_kv_write), 0};
+      std::vector<unsigned char> sig(ops.size() * sizeof(cuda_detail::Op) + sizeof extra + sizeof flags);
+      unsigned char* out = sig.data();
+      std::memcpy(out, ops.data(), ops.size() * sizeof(cuda_detail::Op));
+      out += ops.size() * sizeof(cuda_detail::Op);
+      std::memcpy(out, extra, sizeof extra);
+      std::memcpy(out + sizeof extra, flags, sizeof flags);
       return sig;
     }
 
@@ -953,7 +964,10 @@ class CudaBackend {
         std::size_t used = 0;
         if (opt.fuse) {
           switch (o.kind) {
-            case OpKind::kRmsNorm: used = plan_classifier(i, items); break;
+            case OpKind::kRmsNorm:
+              used = plan_classifier(i, items);
+              if (used == 0) used = plan_matmul_group(i, items);  // RMSNorm as the GEMV's prologue
+              break;
             case OpKind::kMatmul: used = plan_matmul_group(i, items); break;
             case OpKind::kRope: used = plan_rope_group(i, items, q_ready); break;
             default: break;
@@ -1007,18 +1021,30 @@ class CudaBackend {
       return j - i;
     }
 
-    // matmuls sharing x (+ their biases) and an epilogue: residual add or SwiGLU.
+    // [rmsnorm +] matmuls sharing x (+ their biases) and an epilogue: residual add or SwiGLU.
     std::size_t plan_matmul_group(std::size_t i, std::vector<std::function<void()>>& items) {
       using cuda_detail::OpKind;
-      const cuda_detail::Op& m0 = ops[i];
-      std::size_t j = i;
+      const cuda_detail::Op* norm = nullptr;
+      std::size_t first = i;
+      if (ops[i].kind == OpKind::kRmsNorm) {
+        norm = &ops[i];
+        first = i + 1;
+        if (first >= ops.size() || ops[first].kind != OpKind::kMatmul || ops[first].x != norm->y ||
+            ops[first].n != norm->n || ops[first].b != norm->a || norm->a % 4 != 0)
+          return 0;
+      }
+      const cuda_detail::Op& m0 = ops[first];
+      const float* in = norm != nullptr ? norm->x : m0.x;  // what the kernel reads
+      const long long in_len = static_cast<long long>(m0.n) * m0.b;
+      std::size_t j = first;
       std::vector<std::size_t> mem;
       while (j < ops.size() && ops[j].kind == OpKind::kMatmul && mem.size() < static_cast<std::size_t>(gpu::kMaxGemvSegs) &&
              ops[j].x == m0.x && ops[j].n == m0.n && ops[j].b == m0.b && ops[j].wbf16 == m0.wbf16) {
-        // a member must not write what another member reads
+        // a member must not write what the kernel reads (x, or the RMSNorm's input and output)
         const float* y = ops[j].y;
-        const bool overlaps = y < m0.x + static_cast<long long>(m0.n) * m0.b && m0.x < y + static_cast<long long>(m0.n) * ops[j].a;
-        if (overlaps) break;
+        const long long y_len = static_cast<long long>(m0.n) * ops[j].a;
+        auto overlaps = [&](const float* a, long long alen) { return y < a + alen && a < y + y_len; };
+        if (overlaps(m0.x, in_len) || overlaps(in, in_len)) break;
         mem.push_back(j++);
       }
       if (mem.empty()) return 0;
@@ -1031,7 +1057,12 @@ class CudaBackend {
         p.seg[s].out_stride = m.a;
         p.seg[s].M = m.a;
       }
-      p.x = m0.x;
+      if (norm != nullptr) {
+        p.norm_w = static_cast<const float*>(norm->w);
+        p.norm_out = norm->y;
+        p.eps = norm->eps;
+      }
+      p.x = in;
       p.x_stride = m0.b;
       p.K = m0.b;
       p.n = m0.n;
@@ -1048,8 +1079,8 @@ class CudaBackend {
       if (j < ops.size() && ops[j].kind == OpKind::kAdd && mem.size() == 1) {
         const cuda_detail::Op& ad = ops[j];
         const long long cnt = static_cast<long long>(m0.n) * p.seg[0].M;
-        const float* in_end = m0.x + static_cast<long long>(m0.n) * m0.b;
-        const bool disjoint = ad.y + cnt <= m0.x || ad.y >= in_end;
+        auto apart = [&](const float* a, long long alen) { return ad.y + cnt <= a || ad.y >= a + alen; };
+        const bool disjoint = apart(in, in_len) && apart(m0.x, in_len);
         if (ad.x2 == p.seg[0].out && ad.count == cnt && disjoint && ad.y != p.seg[0].out) {
           p.seg[0].residual = ad.y;
           p.seg[0].res_stride = p.seg[0].M;
@@ -1278,10 +1309,19 @@ class CudaBackend {
       const int V = bf16 ? 8 : 4;
       const std::size_t wsize = bf16 ? 2 : 4;
       bool vec = p.K % V == 0 && cuda_detail::aligned16(p.x) && (p.x_rows != nullptr || p.x_stride % 4 == 0) &&
-                 (static_cast<std::size_t>(p.K) * wsize) % 16 == 0;
+                 (static_cast<std::size_t>(p.K) * wsize) % 16 == 0 &&
+                 (p.norm_w == nullptr || (cuda_detail::aligned16(p.norm_w) && cuda_detail::aligned16(p.norm_out)));
       for (int s = 0; s < p.nseg; ++s) vec = vec && cuda_detail::aligned16(p.seg[s].w);
       if (p.n <= 0) return;
-      if (bf16 && vec && p.n >= 3 && p.K % 32 == 0) {
+      const bool mma = bf16 && vec && p.n >= 3 && p.K % 32 == 0;
+      if (mma && p.norm_w != nullptr) {  // the tensor-core kernel has no RMSNorm prologue: run it first
+        launch(gpu::rmsnorm_kernel, dim3(static_cast<unsigned>(p.n)), dim3(gpu::kNormThreads), 0, p.norm_out, p.x,
+               p.norm_w, p.K, p.eps, p.x_rows, p.x_stride);
+        p.x = p.norm_out;
+        p.norm_w = nullptr;
+        p.norm_out = nullptr;
+      }
+      if (mma) {
         int units = 0;
         for (int s = 0; s < p.nseg; ++s) {
           p.seg[s].first = units;

@@ -132,6 +132,24 @@ __global__ void embed_kernel(float* __restrict__ x, const WT* __restrict__ table
 
 inline constexpr int kNormThreads = 256;
 
+/// 1/sqrt(mean(x²) + eps) of one row, computed by a whole CTA of kNormThreads threads (every
+/// thread gets the value). The GEMV's fused prologue calls the same function, so fused and
+/// separate RMSNorm give bitwise the same activations. s_part: kNormThreads / 32 floats.
+__device__ __forceinline__ float row_inv_rms(const float* xr, int dim, float eps, float* s_part) {
+  float ss = 0.0f;
+  for (int i = static_cast<int>(threadIdx.x); i < dim; i += kNormThreads) ss += xr[i] * xr[i];
+  ss = warp_sum(ss);
+  if ((threadIdx.x & 31) == 0) s_part[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  float total = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kNormThreads / 32; ++i) total += s_part[i];
+  __syncthreads();  // s_part may be reused right after
+  total /= static_cast<float>(dim);
+  total += eps;
+  return 1.0f / sqrtf(total);
+}
+
 /// out = w * (x * 1/sqrt(mean(x²) + eps)) per row; row r at offset rows[r] (or r * stride) of
 /// both x and out. Grid: [n rows], kNormThreads.
 __global__ void __launch_bounds__(kNormThreads)
@@ -142,17 +160,7 @@ __global__ void __launch_bounds__(kNormThreads)
   pdl_wait();
   const long long off = rows != nullptr ? rows[blockIdx.x] : static_cast<long long>(blockIdx.x) * stride;
   const float* xr = x + off;
-  float ss = 0.0f;
-  for (int i = static_cast<int>(threadIdx.x); i < dim; i += kNormThreads) ss += xr[i] * xr[i];
-  ss = warp_sum(ss);
-  if ((threadIdx.x & 31) == 0) s_part[threadIdx.x >> 5] = ss;
-  __syncthreads();
-  float total = 0.0f;
-#pragma unroll
-  for (int i = 0; i < kNormThreads / 32; ++i) total += s_part[i];
-  total /= static_cast<float>(dim);
-  total += eps;
-  const float inv = 1.0f / sqrtf(total);
+  const float inv = row_inv_rms(xr, dim, eps, s_part);
   float* o = out + off;
   for (int i = static_cast<int>(threadIdx.x); i < dim; i += kNormThreads) o[i] = w[i] * (inv * xr[i]);
 }
@@ -185,6 +193,12 @@ struct GemvParams {
   long long x_stride = 0;
   int K = 0;
   int n = 0;
+  // Fused RMSNorm prologue (warp kernel only): x rows are the raw residual stream; the GEMV reads
+  // norm_w * (x * inv_rms(x)) and the CTAs of blockIdx.x == 0 write that row to norm_out (the
+  // model's xb) as the separate kernel would.
+  const float* norm_w = nullptr;
+  float* norm_out = nullptr;
+  float eps = 0.0f;
 };
 
 __device__ __forceinline__ const float* gemv_x_row(const GemvParams& p, int b) {
@@ -214,20 +228,55 @@ inline constexpr int kGemvWarpThreads = 256;
 /// 16 / sizeof(WT), aligned rows and x); else scalar loads.
 template <class WT, int NB, int R, bool VEC>
 __global__ void __launch_bounds__(kGemvWarpThreads) gemv_warp_kernel(const __grid_constant__ GemvParams p) {
+  static_assert(kGemvWarpThreads == kNormThreads, "the fused RMSNorm prologue reduces like rmsnorm_kernel");
+  __shared__ float s_part[kNormThreads / 32];
+  __shared__ float s_inv[NB];
   pdl_trigger();
   constexpr int V = 16 / static_cast<int>(sizeof(WT));
+  constexpr int U = 8 / R;  // 16-byte weight loads in flight per lane: 8
+  constexpr int kStep = 32 * V * U;
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int unit = static_cast<int>(blockIdx.x) * (kGemvWarpThreads / 32) + (static_cast<int>(threadIdx.x) >> 5);
-  if (unit >= p.units) return;
+  const bool active = unit < p.units;
+  const bool norm = p.norm_w != nullptr;
+  const int b0 = static_cast<int>(blockIdx.y) * NB;
   int s = 0;
   if constexpr (R == 1)
     while (s + 1 < p.nseg && unit >= p.seg[s + 1].first) ++s;
-  const int i = unit - p.seg[s].first;
+  const int i = active ? unit - p.seg[s].first : 0;
   const long long K = p.K;
   const WT* w[R];
   w[0] = static_cast<const WT*>(p.seg[s].w) + i * K;
   if constexpr (R == 2) w[1] = static_cast<const WT*>(p.seg[1].w) + i * K;
-  const int b0 = static_cast<int>(blockIdx.y) * NB;
+
+  // Weights never depend on the previous kernel: the first tile is fetched before waiting.
+  uint4 wv[R][U];
+  auto load = [&](int base) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int idx = base + u * 32 * V;
+#pragma unroll
+      for (int r = 0; r < R; ++r) wv[r][u] = idx < p.K ? ld_stream(w[r] + idx) : make_uint4(0u, 0u, 0u, 0u);
+    }
+  };
+  if (VEC && active) load(lane * V);
+  pdl_wait();
+
+  if (norm) {  // the whole CTA computes its rows' 1/rms before any warp may leave
+#pragma unroll 1
+    for (int b = 0; b < NB && b0 + b < p.n; ++b) {
+      const float* xr = gemv_x_row(p, b0 + b);
+      const float inv = row_inv_rms(xr, p.K, p.eps, s_part);
+      if (threadIdx.x == 0) s_inv[b] = inv;
+      if (blockIdx.x == 0) {  // the model's normalised row, same layout as x
+        float* o = p.norm_out + (xr - p.x);
+        for (int e = static_cast<int>(threadIdx.x); e < p.K; e += kGemvWarpThreads) o[e] = p.norm_w[e] * (inv * xr[e]);
+      }
+    }
+    __syncthreads();
+  }
+  if (!active) return;
+
   float acc[R][NB];
 #pragma unroll
   for (int r = 0; r < R; ++r)
@@ -235,23 +284,10 @@ __global__ void __launch_bounds__(kGemvWarpThreads) gemv_warp_kernel(const __gri
     for (int b = 0; b < NB; ++b) acc[r][b] = 0.0f;
 
   if constexpr (VEC) {
-    constexpr int U = 8 / R;  // 16-byte loads in flight per lane: 8
-    constexpr int kStep = 32 * V * U;
-    uint4 wv[R][U];
-    auto load = [&](int base) {
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int idx = base + u * 32 * V;
-#pragma unroll
-        for (int r = 0; r < R; ++r) wv[r][u] = idx < p.K ? ld_stream(w[r] + idx) : make_uint4(0u, 0u, 0u, 0u);
-      }
-    };
-    int base = lane * V;
-    load(base);  // weights never depend on the previous kernel: fetch them before waiting
-    pdl_wait();
     const float* xr[NB];
 #pragma unroll
     for (int b = 0; b < NB; ++b) xr[b] = b0 + b < p.n ? gemv_x_row(p, b0 + b) : nullptr;
+    int base = lane * V;
     for (;;) {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
@@ -260,6 +296,14 @@ __global__ void __launch_bounds__(kGemvWarpThreads) gemv_warp_kernel(const __gri
           float wf[R][V];
 #pragma unroll
           for (int r = 0; r < R; ++r) unpack16(wv[r][u], wf[r]);
+          float nw[V];
+          if (norm) {
+#pragma unroll
+            for (int j = 0; j < V; j += 4) {
+              const float4 t = __ldg(reinterpret_cast<const float4*>(p.norm_w + idx + j));
+              nw[j] = t.x, nw[j + 1] = t.y, nw[j + 2] = t.z, nw[j + 3] = t.w;
+            }
+          }
 #pragma unroll
           for (int b = 0; b < NB; ++b) {
             if (b0 + b < p.n) {
@@ -268,6 +312,11 @@ __global__ void __launch_bounds__(kGemvWarpThreads) gemv_warp_kernel(const __gri
               for (int j = 0; j < V; j += 4) {
                 const float4 t = __ldg(reinterpret_cast<const float4*>(xr[b] + idx + j));
                 xv[j] = t.x, xv[j + 1] = t.y, xv[j + 2] = t.z, xv[j + 3] = t.w;
+              }
+              if (norm) {
+                const float inv = s_inv[b];
+#pragma unroll
+                for (int j = 0; j < V; ++j) xv[j] = nw[j] * (inv * xv[j]);
               }
 #pragma unroll
               for (int r = 0; r < R; ++r)
@@ -282,7 +331,6 @@ __global__ void __launch_bounds__(kGemvWarpThreads) gemv_warp_kernel(const __gri
       load(base);
     }
   } else {
-    pdl_wait();
     for (int k = lane; k < p.K; k += 32) {
       float wf[R];
 #pragma unroll
@@ -290,7 +338,8 @@ __global__ void __launch_bounds__(kGemvWarpThreads) gemv_warp_kernel(const __gri
 #pragma unroll
       for (int b = 0; b < NB; ++b) {
         if (b0 + b < p.n) {
-          const float xv = gemv_x_row(p, b0 + b)[k];
+          float xv = gemv_x_row(p, b0 + b)[k];
+          if (norm) xv = p.norm_w[k] * (s_inv[b] * xv);
 #pragma unroll
           for (int r = 0; r < R; ++r) acc[r][b] = fmaf(wf[r], xv, acc[r][b]);
         }

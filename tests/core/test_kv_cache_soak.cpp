@@ -165,7 +165,7 @@ class Soak {
   }
 
   std::string op_fork(SeqId parent) {
-    const int tokens = bs() * rand(0, m(parent).len() / bs());
+    const int tokens = bs() * rand(0, cache_.forkable_prefix(parent) / bs());
     last_op_ = "fork_prefix(" + std::to_string(parent) + ", " + std::to_string(tokens) + ")";
     const SeqId c = cache_.fork_prefix(parent, tokens);
     if (c < 0 || c >= cfg_.max_seqs || seqs_[static_cast<std::size_t>(c)]) return "fork_prefix returned slot " + std::to_string(c);

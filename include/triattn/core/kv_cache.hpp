@@ -148,6 +148,12 @@ class KvCache {
                     "fork_prefix: tokens = " + std::to_string(tokens) + " must be a multiple of block_size = " +
                         std::to_string(config_.block_size) + " within the parent's length " +
                         std::to_string(lens_[idx(parent)]));
+    // The child continues at logical position `tokens`, which is only true while those slots
+    // still hold tokens 0..tokens-1 (compaction may have moved later tokens down).
+    TRIATTN_EXPECTS(tokens <= p.in_place,
+                    "fork_prefix: slots below " + std::to_string(tokens) + " of sequence " + std::to_string(parent) +
+                        " no longer hold its first tokens in order (compaction moved slot " + std::to_string(p.in_place) +
+                        "); fork at most " + std::to_string(p.in_place) + " tokens");
     const int prompt = std::min(p.prompt_len, tokens);
     const SeqId child = add_sequence();
     const int nb = tokens / config_.block_size;
@@ -156,9 +162,17 @@ class KvCache {
       allocator_.retain(b);
       tables_[row(child) + j] = b;
     }
-    seqs_[idx(child)] = SeqState{true, tokens, prompt, tokens > prompt};
+    seqs_[idx(child)] = SeqState{true, tokens, prompt, tokens > prompt, std::numeric_limits<int>::max()};
     lens_[idx(child)] = tokens;
     return child;
+  }
+
+  /// Largest `tokens` fork_prefix(seq, tokens) accepts: whole blocks whose slots still hold the
+  /// sequence's first tokens in order.
+  [[nodiscard]] int forkable_prefix(SeqId seq) const {
+    const SeqState& s = state(seq, "forkable_prefix");
+    const int n = std::min(lens_[idx(seq)], s.in_place);
+    return n - n % config_.block_size;
   }
 
   /// Frees the sequence's blocks (shared ones lose one reference) and its slot.
@@ -306,6 +320,7 @@ class KvCache {
     }
     shrink_to(seq, plan.keep);
     s.prompt_len = std::min(s.prompt_len, first_changed);
+    s.in_place = std::min({s.in_place, first_changed, plan.keep});
   }
 
   /// True when `seq`'s counted length reached budget + divide_length (the selector's trigger).
@@ -424,6 +439,7 @@ class KvCache {
     std::int64_t logical = 0;  ///< tokens processed (next RoPE position)
     int prompt_len = 0;        ///< prefill tokens still in place in slots [0, prompt_len)
     bool decoded = false;      ///< a decode token was appended (prompt_len alone cannot tell once compaction shortened it)
+    int in_place = std::numeric_limits<int>::max();  ///< slots [0, in_place) still hold tokens 0..in_place-1
   };
 
   static const CacheConfig& validated(const CacheConfig& c) {
