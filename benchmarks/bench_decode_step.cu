@@ -195,7 +195,11 @@ void BM_DecodeStep(benchmark::State& state) {
   const Kv kv = static_cast<Kv>(state.range(0));
   const int batch = static_cast<int>(state.range(1));
   const bool pipelined = state.range(2) != 0;
+  const bool direct = state.range(3) != 0;
   ModelHolder& m = model();
+  ex::CudaBackendOptions opt = m.backend.options();
+  opt.direct_kv_write = direct;
+  m.backend.set_options(opt);
   ex::DeviceDecoder& dec = *m.decoder;
   Scenario& sc = scenario(kv, batch);
   sc.rewind();
@@ -248,7 +252,10 @@ void BM_DecodeStep(benchmark::State& state) {
   state.counters["GBps"] = ms_step > 0 ? (wbytes + live) / (ms_step * 1e-3) * 1e-9 : 0.0;
   const ex::CudaBackend::Stats st = m.backend.stats();
   state.counters["graph_captures"] = static_cast<double>(st.graph_captures);
-  state.SetLabel(std::string(kv_name(kv)) + (pipelined ? " pipelined" : " latency"));
+  state.SetLabel(std::string(kv_name(kv)) + (pipelined ? " pipelined" : " latency") +
+                 (direct ? ", K/V written by the RoPE kernel" : ", K/V through triattn append"));
+  opt.direct_kv_write = false;
+  m.backend.set_options(opt);
 }
 
 triattn::QueryStats random_stats(const ex::ModelConfig& c) {
@@ -346,18 +353,23 @@ void BM_CompressionRound(benchmark::State& state) {
 
 }  // namespace
 
+// kv: 0 compressed, 1 full, 2 short; direct: K/V written by the RoPE kernel instead of triattn's
+// append kernel (one launch per layer less).
 BENCHMARK(BM_DecodeStep)
-    ->ArgNames({"kv", "batch", "pipelined"})
-    ->Args({static_cast<int>(Kv::kShort), 1, 0})
-    ->Args({static_cast<int>(Kv::kShort), 1, 1})
-    ->Args({static_cast<int>(Kv::kCompressed), 1, 0})
-    ->Args({static_cast<int>(Kv::kCompressed), 1, 1})
-    ->Args({static_cast<int>(Kv::kFull), 1, 0})
-    ->Args({static_cast<int>(Kv::kFull), 1, 1})
-    ->Args({static_cast<int>(Kv::kFull), 8, 0})
-    ->Args({static_cast<int>(Kv::kFull), 8, 1})
-    ->Args({static_cast<int>(Kv::kCompressed), 128, 0})
-    ->Args({static_cast<int>(Kv::kCompressed), 128, 1})
+    ->ArgNames({"kv", "batch", "pipelined", "direct"})
+    ->Args({static_cast<int>(Kv::kShort), 1, 0, 0})
+    ->Args({static_cast<int>(Kv::kShort), 1, 1, 0})
+    ->Args({static_cast<int>(Kv::kShort), 1, 1, 1})
+    ->Args({static_cast<int>(Kv::kCompressed), 1, 0, 0})
+    ->Args({static_cast<int>(Kv::kCompressed), 1, 1, 0})
+    ->Args({static_cast<int>(Kv::kCompressed), 1, 0, 1})
+    ->Args({static_cast<int>(Kv::kCompressed), 1, 1, 1})
+    ->Args({static_cast<int>(Kv::kFull), 1, 0, 0})
+    ->Args({static_cast<int>(Kv::kFull), 1, 1, 0})
+    ->Args({static_cast<int>(Kv::kFull), 8, 0, 0})
+    ->Args({static_cast<int>(Kv::kFull), 8, 1, 0})
+    ->Args({static_cast<int>(Kv::kCompressed), 128, 0, 0})
+    ->Args({static_cast<int>(Kv::kCompressed), 128, 1, 0})
     ->Iterations(12)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
