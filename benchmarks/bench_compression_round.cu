@@ -121,7 +121,8 @@ void BM_compression_round(benchmark::State& state) {
   TRIATTN_BENCH_CUDA(cudaStreamCreate(&stream));
   const auto round = [&] {
     if (variant == 1)
-      TRIATTN_BENCH_CUDA(cuda::compression_round::plan(view, scorer.device_model(), dp, rb, plan, ws, ws_bytes, stream));
+      TRIATTN_BENCH_CUDA(
+          cuda::compression_round::plan(view, scorer.device_model(), dp, rb, plan, ws, ws_bytes, stream));
     else
       TRIATTN_BENCH_CUDA(cuda::compression_round::run(view, scorer.device_model(), dp, rb, plan, ws, ws_bytes, stream));
   };

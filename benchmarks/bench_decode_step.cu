@@ -34,6 +34,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <exception>
 #include <memory>
 #include <random>
 #include <string>
@@ -191,7 +192,17 @@ Scenario& scenario(Kv kv, int batch) {
   return *s;
 }
 
-void BM_DecodeStep(benchmark::State& state) {
+/// Runs a benchmark body, turning exceptions (no GPU, out of memory) into a skipped benchmark.
+template <class F>
+void guarded(benchmark::State& state, F&& body) {
+  try {
+    body();
+  } catch (const std::exception& e) {
+    state.SkipWithError(e.what());
+  }
+}
+
+void decode_step(benchmark::State& state) {
   const Kv kv = static_cast<Kv>(state.range(0));
   const int batch = static_cast<int>(state.range(1));
   const bool pipelined = state.range(2) != 0;
@@ -280,7 +291,11 @@ triattn::QueryStats random_stats(const ex::ModelConfig& c) {
   return s;
 }
 
-void BM_CompressionRound(benchmark::State& state) {
+void BM_DecodeStep(benchmark::State& state) {
+  guarded(state, [&] { decode_step(state); });
+}
+
+void compression_round(benchmark::State& state) {
   const int batch = static_cast<int>(state.range(0));
   ModelHolder& m = model();
   const ex::ModelConfig& c = m.config;
@@ -349,6 +364,10 @@ void BM_CompressionRound(benchmark::State& state) {
   state.counters["len"] = len;
   state.SetLabel("score + select + compact");
   for (SeqId s : sc.seqs) sc.cache->apply_keep_plan(s, sc.prefix);  // back to 2,048
+}
+
+void BM_CompressionRound(benchmark::State& state) {
+  guarded(state, [&] { compression_round(state); });
 }
 
 }  // namespace

@@ -83,8 +83,12 @@ void BM_select(benchmark::State& state) {
   cudaStream_t stream;
   TRIATTN_BENCH_CUDA(cudaStreamCreate(&stream));
   const auto run_stats = [&] { TRIATTN_BENCH_CUDA(cuda::row_stats(scores, stats, seqs, dp, shape, stream)); };
-  const auto run_reduce = [&] { TRIATTN_BENCH_CUDA(cuda::gqa_reduce(scores, stats, reduced, flags, seqs, dp, shape, stream)); };
-  const auto run_select = [&] { TRIATTN_BENCH_CUDA(cuda::select_keep(scores, reduced, flags, plan, seqs, dp, shape, stream)); };
+  const auto run_reduce = [&] {
+    TRIATTN_BENCH_CUDA(cuda::gqa_reduce(scores, stats, reduced, flags, seqs, dp, shape, stream));
+  };
+  const auto run_select = [&] {
+    TRIATTN_BENCH_CUDA(cuda::select_keep(scores, reduced, flags, plan, seqs, dp, shape, stream));
+  };
   run_stats();
   run_reduce();
   run_select();

@@ -17,20 +17,23 @@ echo "device: $GPU  commit: $COMMIT  date: $(date -u +%FT%TZ)" | tee "$OUT_DIR/d
 
 PREFIX_ARGS=()
 [ -n "${DEPS:-}" ] && PREFIX_ARGS=(-DCMAKE_PREFIX_PATH="$DEPS")
-GEN=(); command -v ninja >/dev/null && GEN=(-G Ninja)
+GEN=(); command -v ninja >/dev/null && GEN=(-G Ninja)  # make also works; -k 0 below is understood by both
 cmake -S . -B "$BUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release "${PREFIX_ARGS[@]}" >"$OUT_DIR/configure.log" 2>&1 \
   || { tail -30 "$OUT_DIR/configure.log"; exit 1; }
-if ! cmake --build "$BUILD" -j "$(nproc)" >"$OUT_DIR/build.log" 2>&1; then
-  grep -E "error|Error" "$OUT_DIR/build.log" | head -40
-  exit 1
+# Keep going past a failing target so one broken binary does not hide every other result.
+if ! cmake --build "$BUILD" -j "$(nproc)" -- -k 0 >"$OUT_DIR/build.log" 2>&1; then
+  echo "BUILD FAILED for some targets:"
+  grep -E "FAILED:|error" "$OUT_DIR/build.log" | head -30
+  BUILD_FAILED=1
+else
+  echo "build ok"
 fi
-echo "build ok"
 
 ctest --test-dir "$BUILD" -L gpu --output-on-failure --timeout 600 >"$OUT_DIR/ctest_gpu.log" 2>&1
 GPU_RC=$?
 tail -15 "$OUT_DIR/ctest_gpu.log"
 if [ "${SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
-  for t in "$BUILD"/tests/test_cuda_*; do
+  for t in "$BUILD"/tests/test_cuda_${SANITIZE_FILTER:-*}; do
     for tool in memcheck racecheck; do
       compute-sanitizer --tool $tool --error-exitcode 9 "$t" -ts=gpu >"$OUT_DIR/sanitizer_${tool}_$(basename "$t").log" 2>&1
       echo "compute-sanitizer $tool $(basename "$t"): rc=$? $(grep -E 'ERROR SUMMARY' "$OUT_DIR/sanitizer_${tool}_$(basename "$t").log" | tail -1)"
@@ -47,4 +50,5 @@ for b in "$BUILD"/benchmarks/bench_*; do
        >"$OUT_DIR/$name.txt" 2>&1
   echo "$name rc=$?"
 done
+[ "${BUILD_FAILED:-0}" = 1 ] && exit 1
 exit $GPU_RC

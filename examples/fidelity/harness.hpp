@@ -13,6 +13,7 @@
 // A pass "counts" once at least one round ran before it: passes i > first_round_pass.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -162,6 +163,7 @@ struct PolicyRun {
   int first_round_pass = -1;     ///< pass after which the first round ran; -1 when none did
   int rounds = 0;
   std::int64_t evicted = 0;      ///< tokens dropped over all rounds
+  int max_kept = 0;              ///< largest cache length right after a round (the budget, unless protected tokens exceed it)
   // Teacher-forced runs only, one entry per counted pass (i > first_round_pass):
   std::vector<double> recall;    ///< attention_recall of the full-KV query of pass i
   std::vector<double> kl;        ///< KL(full || compressed) of pass i's next-token distribution
@@ -202,6 +204,7 @@ PolicyRun run_policy(ModelT& model, Cache& cache, const FullRun& full, bool teac
     held.apply(plan);
     TRIATTN_EXPECTS(held.length() == cache.physical_length(seq), "run_policy: position tracker out of step");
     run.evicted += before - cache.physical_length(seq);
+    run.max_kept = std::max(run.max_kept, cache.physical_length(seq));
     if (run.rounds++ == 0) run.first_round_pass = pass;
   };
   auto next_token = [&](int pass, std::span<const float> logits) {

@@ -198,6 +198,8 @@ struct Experiment {
 struct Cell {
   std::vector<double> recall;        // per counted teacher-forced pass, all prompts
   std::vector<double> kl;            // idem
+  std::vector<double> recall_prompt; // per prompt: mean recall over its counted passes
+  std::vector<double> kl_prompt;     // per prompt: mean KL
   int tf_matches = 0, tf_counted = 0;
   int agree_matches = 0, agree_counted = 0;
   std::vector<double> first_div;     // per prompt (generated-token index; G when none)
@@ -219,7 +221,7 @@ std::vector<Policy> policies(int divide_length) {
       {"recency+sinks", "n_sink = 4 (StreamingLLM)"},
       {"key_norm", "-"},
       {"random", "seeded"},
-      {"snapkv", "w = 32, pool 7, window = 32 protected"},
+      {"snapkv", "w = 32, pool 7, newest min(32, B - prompt) tokens protected"},
   };
   // Without the protected window SnapKV's causal limits need rounds >= w decode steps apart.
   if (divide_length >= kSnapWindow) p.push_back({"snapkv_nowin", "w = 32, pool 7, window not protected"});
@@ -228,7 +230,7 @@ std::vector<Policy> policies(int divide_length) {
 
 /// Builds the cache of `policy` and hands it to fn (a generic lambda taking the cache).
 template <class Fn>
-void with_cache(const std::string& policy, const triattn::CacheConfig& cfg, triattn::SelectionParams sel,
+void with_cache(const std::string& policy, const triattn::CacheConfig& cfg, triattn::SelectionParams sel, int prompt_len,
                 const triattn::QueryStats& stats, const ex::ModelConfig& mc, std::uint64_t random_seed, Fn&& fn) {
   using namespace triattn;
   if (policy == "triattention") {
@@ -248,7 +250,11 @@ void with_cache(const std::string& policy, const triattn::CacheConfig& cfg, tria
     fid::HostCache<RandomScorer> c(cfg, TopKSelector(sel), RandomScorer(random_seed));
     fn(c);
   } else if (policy == "snapkv" || policy == "snapkv_nowin") {
-    if (policy == "snapkv") sel.window = kSnapWindow;
+    // The protected window is capped so that pinned prompt + window fit in the budget: every
+    // scorer then runs at the same cache size (uncapped, a long prompt would push SnapKV's
+    // cache above the budget). Rounds are divide_length >= w apart, so the causal limits of
+    // SnapKvScorer hold with any window.
+    if (policy == "snapkv") sel.window = std::min(kSnapWindow, std::max(0, sel.budget - prompt_len));
     fid::HostCache<SnapKvScorer> c(cfg, TopKSelector(sel), SnapKvScorer(cfg, SnapKvParams{kSnapWindow, kSnapPool}));
     fn(c);
   } else {
@@ -313,13 +319,18 @@ void run_experiment(const Experiment& e, const Options& o, Report& rep) {
         Cell& c = cells[pi][bi];
         const auto t_cell = clk::now();
         fid::PolicyRun tf, fr;
-        with_cache(pols[pi].name, cfg, sel, stats, mc, o.random_seed,
+        const int P = static_cast<int>(full.prompt.size());
+        with_cache(pols[pi].name, cfg, sel, P, stats, mc, o.random_seed,
                    [&](auto& cache) { tf = fid::run_policy(model, cache, full, true); });
-        with_cache(pols[pi].name, cfg, sel, stats, mc, o.random_seed,
+        with_cache(pols[pi].name, cfg, sel, P, stats, mc, o.random_seed,
                    [&](auto& cache) { fr = fid::run_policy(model, cache, full, false); });
         TRIATTN_EXPECTS(tf.first_round_pass == fr.first_round_pass, "round timing differs between runs");
+        TRIATTN_EXPECTS(P >= sel.budget || (tf.max_kept <= sel.budget && fr.max_kept <= sel.budget),
+                        pols[pi].name + " kept more than the budget " + std::to_string(sel.budget));
         c.recall.insert(c.recall.end(), tf.recall.begin(), tf.recall.end());
         c.kl.insert(c.kl.end(), tf.kl.begin(), tf.kl.end());
+        c.recall_prompt.push_back(fid::mean(tf.recall));
+        c.kl_prompt.push_back(fid::mean(tf.kl));
         c.tf_matches += tf.tf_top1_matches;
         c.overlap.insert(c.overlap.end(), tf.recency_overlap.begin(), tf.recency_overlap.end());
         c.tf_counted += static_cast<int>(tf.kl.size());
@@ -336,10 +347,10 @@ void run_experiment(const Experiment& e, const Options& o, Report& rep) {
       std::string line;
       for (std::size_t bi = 0; bi < e.budgets.size(); ++bi) {
         const Cell& c = cells[pi][bi];
-        line += "  B=" + std::to_string(e.budgets[bi]) + " recall " + fmt("%.3f", fid::mean(c.recall)) + " first div " +
+        line += "  B=" + std::to_string(e.budgets[bi]) + ": recall " + fmt("%.3f", fid::mean(c.recall)) + ", 1st div " +
                 fmt("%.0f", c.first_div.back());
       }
-      std::fprintf(stderr, "[%s]   %-14s %5.2f s |%s (running means)\n", e.label.c_str(), pols[pi].name.c_str(),
+      std::fprintf(stderr, "[%s]   %-14s %5.2f s |%s  (recall: mean so far; 1st div: this prompt)\n", e.label.c_str(), pols[pi].name.c_str(),
                    since(t0), line.c_str());
     }
     std::fprintf(stderr, "[%s] prompt %zu done in %.1f s (elapsed %.1f s)\n", e.label.c_str(), k + 1, since(t_prompt),
@@ -358,23 +369,32 @@ void run_experiment(const Experiment& e, const Options& o, Report& rep) {
   for (std::size_t bi = 0; bi < e.budgets.size(); ++bi)
     md << (bi ? ", " : "") << "B=" << e.budgets[bi] << ": " << fmt("%.1f", fid::mean(cells[0][bi].first_round));
   md << ".\n\n";
-  md << "| scorer | budget | attention recall | greedy agreement | first divergence mean / median (no div.) | KL full‖comp (nats) | TF top-1 | recency overlap |\n";
-  md << "|---|---:|---:|---:|---:|---:|---:|---:|\n";
+  md << "| scorer | budget | attention recall | greedy agreement | first divergence mean / median (no div.) | KL full‖comp (nats) | TF top-1 | recency overlap | TriAttention recall higher (prompts) |\n";
+  md << "|---|---:|---:|---:|---:|---:|---:|---:|---:|\n";
   for (std::size_t bi = 0; bi < e.budgets.size(); ++bi)
     for (std::size_t pi = 0; pi < pols.size(); ++pi) {
       const Cell& c = cells[pi][bi];
       const double agree = c.agree_counted > 0 ? static_cast<double>(c.agree_matches) / c.agree_counted : 1.0;
       const double top1 = c.tf_counted > 0 ? static_cast<double>(c.tf_matches) / c.tf_counted : 1.0;
-      md << "| " << pols[pi].name << " | " << e.budgets[bi] << " | " << fmt("%.3f", fid::mean(c.recall)) << " | "
-         << fmt("%.3f", agree) << " | " << fmt("%.1f", fid::mean(c.first_div)) << " / "
-         << fmt("%.1f", fid::median(c.first_div)) << " (" << c.censored << ") | " << fmt("%.4f", fid::mean(c.kl))
-         << " | " << fmt("%.3f", top1) << " | " << fmt("%.3f", fid::mean(c.overlap)) << " |\n";
+      std::string paired = "-";  // prompts on which TriAttention's recall beats this row's
+      if (pi != 0) {
+        const Cell& tri = cells[0][bi];
+        int wins = 0;
+        for (std::size_t k = 0; k < c.recall_prompt.size(); ++k) wins += tri.recall_prompt[k] > c.recall_prompt[k] ? 1 : 0;
+        paired = std::to_string(wins) + "/" + std::to_string(c.recall_prompt.size());
+      }
+      md << "| " << pols[pi].name << " | " << e.budgets[bi] << " | " << fmt("%.3f", fid::mean(c.recall)) << " ± "
+         << fmt("%.3f", fid::standard_error(c.recall_prompt)) << " | " << fmt("%.3f", agree) << " | "
+         << fmt("%.1f", fid::mean(c.first_div)) << " / " << fmt("%.1f", fid::median(c.first_div)) << " ("
+         << c.censored << ") | " << fmt("%.4f", fid::mean(c.kl)) << " ± " << fmt("%.4f", fid::standard_error(c.kl_prompt))
+         << " | " << fmt("%.3f", top1) << " | " << fmt("%.3f", fid::mean(c.overlap)) << " | " << paired << " |\n";
       rep.csv << e.label << "," << pols[pi].name << "," << e.budgets[bi] << "," << fmt("%.6f", fid::mean(c.recall))
               << "," << fmt("%.6f", agree) << "," << fmt("%.3f", fid::mean(c.first_div)) << ","
               << fmt("%.3f", fid::median(c.first_div)) << "," << c.censored << "," << fmt("%.6f", fid::mean(c.kl))
               << "," << fmt("%.6f", top1) << "," << e.eval_prompts.size() << "," << e.gen << ","
               << fmt("%.3f", fid::mean(c.first_round)) << "," << fmt("%.6f", fid::mean(c.overlap)) << ","
-              << fmt("%.2f", c.seconds) << "\n";
+              << fmt("%.6f", fid::standard_error(c.recall_prompt)) << "," << fmt("%.6f", fid::standard_error(c.kl_prompt))
+              << "," << fmt("%.2f", c.seconds) << "\n";
     }
   md << "\nScorer settings beyond the shared SelectionParams: ";
   for (std::size_t pi = 0; pi < pols.size(); ++pi)
@@ -399,7 +419,7 @@ int real_main(int argc, char** argv) {
   const std::string started = utc_now();
   Report rep;
   rep.csv << "model,scorer,budget,recall,agreement,first_div_mean,first_div_median,censored,kl,tf_top1,prompts,gen,"
-             "first_round_mean,recency_overlap,seconds\n";
+             "first_round_mean,recency_overlap,recall_se,kl_se,seconds\n";
   for (const std::string& m : o.models) {
     Experiment e;
     if (m == "stories") {

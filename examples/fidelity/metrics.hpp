@@ -10,7 +10,7 @@
 //   recency_overlap    share of a keep plan's slots that StreamingLLM would keep too
 //   greedy_agreement   position-wise agreement of two token streams from an index on, and the
 //                      first index where they differ
-//   mean / median      of a list of doubles
+//   mean / median / standard_error  of a list of doubles
 #pragma once
 
 #include <algorithm>
@@ -183,6 +183,15 @@ struct Agreement {
   double s = 0.0;
   for (double v : x) s += v;
   return s / static_cast<double>(x.size());
+}
+
+/// Standard error of the mean, sample standard deviation / sqrt(n); NaN for fewer than 2 values.
+[[nodiscard]] inline double standard_error(std::span<const double> x) {
+  if (x.size() < 2) return std::nan("");
+  const double m = mean(x);
+  double ss = 0.0;
+  for (double v : x) ss += (v - m) * (v - m);
+  return std::sqrt(ss / static_cast<double>(x.size() - 1) / static_cast<double>(x.size()));
 }
 
 /// Median (mean of the two middle values for an even count); NaN for an empty list.

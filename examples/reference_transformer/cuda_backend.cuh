@@ -35,7 +35,9 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <map>
 #include <memory>
@@ -855,7 +857,16 @@ class CudaBackend {
       attr[0].val.programmaticStreamSerializationAllowed = 1;
       cfg.attrs = attr;
       cfg.numAttrs = opt.pdl ? 1 : 0;
-      TRIATTN_CUDA_TRY(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+      cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, args...);
+      if (e != cudaSuccess && cfg.numAttrs > 0) {
+        // A driver or stream that refuses programmatic dependent launch: plain launches from now
+        // on (the kernels' griddepcontrol instructions are then no-ops).
+        (void)cudaGetLastError();
+        cfg.numAttrs = 0;
+        e = cudaLaunchKernelEx(&cfg, kernel, args...);
+        if (e == cudaSuccess) opt.pdl = false;
+      }
+      TRIATTN_CUDA_TRY(e);
       ++stats.kernels;
     }
 
@@ -928,21 +939,34 @@ class CudaBackend {
 
     void capture(const std::vector<std::function<void()>>& items, std::vector<unsigned char> sig) {
       cudaGraph_t graph = nullptr;
-      TRIATTN_CUDA_TRY(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-      try {
-        for (auto& f : items) f();
-      } catch (...) {
-        cudaGraph_t broken = nullptr;
-        (void)cudaStreamEndCapture(stream, &broken);
-        if (broken != nullptr) (void)cudaGraphDestroy(broken);
-        (void)cudaGetLastError();
-        throw;
-      }
-      TRIATTN_CUDA_TRY(cudaStreamEndCapture(stream, &graph));
       cudaGraphExec_t exec = nullptr;
-      const cudaError_t e = cudaGraphInstantiate(&exec, graph, 0ULL);
-      triattn::cuda::report_error(cudaGraphDestroy(graph), "CudaBackend: cudaGraphDestroy");
-      TRIATTN_CUDA_TRY(e);
+      std::string failed;
+      cudaError_t e = cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal);
+      if (e == cudaSuccess) {
+        try {
+          for (auto& f : items) f();
+        } catch (const std::exception& ex) {
+          failed = ex.what();
+        }
+        e = cudaStreamEndCapture(stream, &graph);
+        if (failed.empty() && e != cudaSuccess) failed = std::string("cudaStreamEndCapture: ") + cudaGetErrorString(e);
+        if (failed.empty()) {
+          e = cudaGraphInstantiate(&exec, graph, 0ULL);
+          if (e != cudaSuccess) failed = std::string("cudaGraphInstantiate: ") + cudaGetErrorString(e);
+        }
+        if (graph != nullptr) triattn::cuda::report_error(cudaGraphDestroy(graph), "CudaBackend: cudaGraphDestroy");
+      } else {
+        failed = std::string("cudaStreamBeginCapture: ") + cudaGetErrorString(e);
+      }
+      if (!failed.empty()) {
+        // Nothing of the step ran yet: run it kernel by kernel, and stop capturing.
+        (void)cudaGetLastError();
+        std::fprintf(stderr, "CudaBackend: capturing a decode step failed (%s); CUDA graphs off\n", failed.c_str());
+        opt.graphs = false;
+        for (auto& f : items) f();
+        ++stats.eager_flushes;
+        return;
+      }
       if (graphs.size() >= 8) {  // least recently used goes
         auto lru = std::min_element(graphs.begin(), graphs.end(), [](const Graph& a, const Graph& b) { return a.used < b.used; });
         triattn::cuda::report_error(cudaGraphExecDestroy(lru->exec), "CudaBackend: cudaGraphExecDestroy");

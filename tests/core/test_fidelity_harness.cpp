@@ -81,12 +81,15 @@ TEST_CASE("greedy agreement arithmetic") {
   CHECK_THROWS((void)fid::greedy_agreement(ref, std::vector<int>{1, 2}, 0));
 }
 
-TEST_CASE("mean and median") {
+TEST_CASE("mean, median and standard error") {
   CHECK(fid::mean(std::vector<double>{1, 2, 6}) == 3.0);
   CHECK(fid::median(std::vector<double>{5, 1, 3}) == 3.0);
   CHECK(fid::median(std::vector<double>{4, 1, 3, 2}) == 2.5);
   CHECK(std::isnan(fid::mean(std::vector<double>{})));
   CHECK(std::isnan(fid::median(std::vector<double>{})));
+  // values 1, 2, 3, 6: mean 3, sample variance (4 + 1 + 0 + 9) / 3 = 14/3, SE = sqrt(14/3 / 4).
+  CHECK(fid::standard_error(std::vector<double>{1, 2, 3, 6}) == doctest::Approx(std::sqrt(14.0 / 12.0)));
+  CHECK(std::isnan(fid::standard_error(std::vector<double>{1})));
 }
 
 TEST_CASE("PositionTracker follows appends and keep plans per (layer, KV head)") {
@@ -290,6 +293,7 @@ TEST_CASE("harness on the tiny model: SnapKV gets the post-RoPE queries attentio
   const fid::PolicyRun r = fid::run_policy(model, snap, full, true);
   CHECK(r.rounds >= 3);
   CHECK(r.evicted > 0);
+  CHECK(r.max_kept == sel.budget);
   for (double x : r.recall) {
     CHECK(x > 0.0);
     CHECK(x <= 1.0 + 1e-6);

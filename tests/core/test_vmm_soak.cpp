@@ -358,7 +358,7 @@ class Soak {
   void fork() {
     const int p = random_active();
     if (p < 0 || cache_.num_active() == cfg_.max_seqs) return;
-    const int full = cache_.physical_length(p) / cfg_.block_size;
+    const int full = cache_.forkable_prefix(p) / cfg_.block_size;  // whole blocks still holding tokens in order
     if (full == 0) return;
     const int tokens = (1 + pick(full)) * cfg_.block_size;
     const auto parent_table = cache_.block_table(p);

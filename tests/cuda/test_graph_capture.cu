@@ -102,9 +102,10 @@ struct RoundCase {
 
   std::string name() const {
     char buf[256];
-    std::snprintf(buf, sizeof buf, "L=%d Hq=%d Hkv=%d d=%d bs=%d %s %s %s budget=%d mode=%s prompt=%s sink=%d window=%d",
-                  L, Hq, Hkv, d, bs, layout_name(layout), style == RopeStyle::kHalf ? "half" : "interleaved",
-                  to_string(agg), sp.budget, to_string(sp.mode), to_string(sp.prompt), sp.n_sink, sp.window);
+    std::snprintf(buf, sizeof buf,
+                  "L=%d Hq=%d Hkv=%d d=%d bs=%d %s %s %s budget=%d mode=%s prompt=%s sink=%d window=%d", L, Hq, Hkv, d,
+                  bs, layout_name(layout), style == RopeStyle::kHalf ? "half" : "interleaved", to_string(agg),
+                  sp.budget, to_string(sp.mode), to_string(sp.prompt), sp.n_sink, sp.window);
     return buf;
   }
 };

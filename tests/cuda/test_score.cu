@@ -26,10 +26,11 @@ using namespace triattn;
 
 namespace {
 
-#define TEST_CUDA(call)                                                                        \
-  do {                                                                                         \
-    const cudaError_t e_ = (call);                                                             \
-    REQUIRE_MESSAGE(e_ == cudaSuccess, #call " failed: ", std::string(cudaGetErrorName(e_)), " ", std::string(cudaGetErrorString(e_))); \
+#define TEST_CUDA(call)                                                                           \
+  do {                                                                                            \
+    const cudaError_t e_ = (call);                                                                \
+    REQUIRE_MESSAGE(e_ == cudaSuccess, #call " failed: ", std::string(cudaGetErrorName(e_)), " ", \
+                    std::string(cudaGetErrorString(e_)));                                         \
   } while (0)
 
 void require_gpu() {
@@ -124,7 +125,8 @@ void make_paged(Paged<T>& p, std::mt19937& rng, int L, int Hkv, int d, int bs, K
   for (int b = 0; b < batch; ++b) {
     const int s = p.seq_ids[b];
     p.seq_lens[s] = p.lens[b];
-    for (int j = 0; j < (p.lens[b] + bs - 1) / bs; ++j) p.tables[static_cast<std::size_t>(s) * p.max_blocks + j] = ids[next++];
+    for (int j = 0; j < (p.lens[b] + bs - 1) / bs; ++j)
+      p.tables[static_cast<std::size_t>(s) * p.max_blocks + j] = ids[next++];
   }
   const std::size_t elems = static_cast<std::size_t>(2 * L) * p.range_stride();
   p.data.resize(elems);
@@ -290,8 +292,8 @@ TEST_CASE("FastDiv divides exactly for every n < 2^31 (host twin of the device c
 }
 
 TEST_SUITE("gpu") {
-  TEST_CASE_TEMPLATE("score matches the CPU reference over page sizes x layouts x head dims x pairings x aggregations", T, float,
-                     f16_storage, bf16_storage) {
+  TEST_CASE_TEMPLATE("score matches the CPU reference over page sizes x layouts x head dims x pairings x aggregations",
+                     T, float, f16_storage, bf16_storage) {
     require_gpu();
     const std::uint32_t seed = test_seed();
     int combo = 0;

@@ -83,9 +83,10 @@ struct SelCase {
 
   std::string name() const {
     char buf[256];
-    std::snprintf(buf, sizeof buf, "L=%d Hq=%d Hkv=%d budget=%d mode=%s prompt=%s sink=%d window=%d normalize=%d fill=%d",
-                  L, Hq, Hkv, sp.budget, to_string(sp.mode), to_string(sp.prompt), sp.n_sink, sp.window,
-                  sp.normalize ? 1 : 0, static_cast<int>(fill));
+    std::snprintf(buf, sizeof buf,
+                  "L=%d Hq=%d Hkv=%d budget=%d mode=%s prompt=%s sink=%d window=%d normalize=%d fill=%d", L, Hq, Hkv,
+                  sp.budget, to_string(sp.mode), to_string(sp.prompt), sp.n_sink, sp.window, sp.normalize ? 1 : 0,
+                  static_cast<int>(fill));
     return buf;
   }
 };
@@ -128,7 +129,9 @@ std::vector<float> make_scores(const SelCase& c, int max_len, std::mt19937& rng)
 std::vector<float> ref_reduced(const SelCase& c, const float* raw_b, int max_len, int b, const ref::KeepCounts& kc) {
   const int T = c.lens[b], rows = c.L * c.Hq;
   std::vector<float> s(static_cast<std::size_t>(rows) * T);
-  for (int r = 0; r < rows; ++r) std::copy(raw_b + static_cast<std::size_t>(r) * max_len, raw_b + static_cast<std::size_t>(r) * max_len + T, s.begin() + static_cast<std::size_t>(r) * T);
+  for (int r = 0; r < rows; ++r)
+    std::copy(raw_b + static_cast<std::size_t>(r) * max_len, raw_b + static_cast<std::size_t>(r) * max_len + T,
+              s.begin() + static_cast<std::size_t>(r) * T);
   if (c.sp.normalize) ref::normalize_scores(s.data(), rows, T, kc.selectable_begin, kc.selectable_end);
   std::vector<float> gmax(static_cast<std::size_t>(c.L) * c.Hkv * T);
   ref::reduce_gqa_max(s.data(), c.L, c.Hq, c.Hkv, T, gmax.data());
@@ -343,7 +346,8 @@ TEST_SUITE("gpu") {
     const cuda::RoundSeqs<int> seqs{ids.p, lens.p, prompts.p, 1, 100};
     TEST_CUDA(cuda::row_stats(scores.p, stats.p, seqs, dp, shape));
     TEST_CUDA(cuda::gqa_reduce(scores.p, stats.p, reduced.p, nullptr, seqs, dp, shape));
-    TEST_CUDA(cuda::select_keep(scores.p, reduced.p, nullptr, cuda::DeviceKeepPlanView{kept.p, keep.p, 10}, seqs, dp, shape));
+    TEST_CUDA(
+        cuda::select_keep(scores.p, reduced.p, nullptr, cuda::DeviceKeepPlanView{kept.p, keep.p, 10}, seqs, dp, shape));
     TEST_CUDA(cudaDeviceSynchronize());
     CHECK_EQ(keep.download()[0], -1);
   }

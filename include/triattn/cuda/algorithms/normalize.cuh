@@ -77,13 +77,13 @@ template <class Id>
   if (smem > 48 * 1024) {  // > 192 layers: raise the limit once
     static std::atomic<std::size_t> granted{0};
     if (smem > granted.load(std::memory_order_relaxed)) {
-      TRIATTN_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(gqa_reduce_kernel<Id>,
-                                                        cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+      TRIATTN_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+          gqa_reduce_kernel<Id>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
       granted.store(smem, std::memory_order_relaxed);
     }
   }
-  gqa_reduce_kernel<Id><<<grid, kReduceThreads, smem, stream>>>(scores, stats, out, flags, seqs, params,
-                                                                shape.num_layers, shape.num_q_heads, shape.num_kv_heads);
+  gqa_reduce_kernel<Id><<<grid, kReduceThreads, smem, stream>>>(
+      scores, stats, out, flags, seqs, params, shape.num_layers, shape.num_q_heads, shape.num_kv_heads);
   return check_launch(stream);
 }
 

@@ -49,7 +49,8 @@ template <class Kernel>
 [[nodiscard]] inline cudaError_t ensure_dynamic_smem(Kernel kernel, std::size_t smem,
                                                      std::atomic<std::size_t>& granted) noexcept {
   if (smem <= 48 * 1024 || smem <= granted.load(std::memory_order_relaxed)) return cudaSuccess;
-  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  const cudaError_t e =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (e == cudaSuccess) granted.store(smem, std::memory_order_relaxed);  // a race only repeats the call
   return e;
 }
@@ -89,7 +90,8 @@ template <class T>
 
 template <class T, class Id, int HD, RopeStyle S>
 [[nodiscard]] inline cudaError_t launch_score_max_mma(const KvCacheView<T, Id>& view, const ScoreModelView& m,
-                                                      const ScoreBatch& a, float* scores, cudaStream_t stream) noexcept {
+                                                      const ScoreBatch& a, float* scores,
+                                                      cudaStream_t stream) noexcept {
   if constexpr (sizeof(T) == 2) {
     using Shape = MmaMaxShape<T, HD>;
     const FastDiv fd(view.block.block_size);
@@ -172,7 +174,8 @@ template <class T, class Id, int HD, RopeStyle S, int GMAX>
 /// @note asynchronous on `stream`; allocates nothing, never throws; capturable in a CUDA graph.
 template <class T, class Id>
 [[nodiscard]] cudaError_t score(const KvCacheView<T, Id>& view, const ScoreModelView& model, const ScoreBatch& batch,
-                                float* scores, cudaStream_t stream = nullptr, const ScoreOptions& options = {}) noexcept {
+                                float* scores, cudaStream_t stream = nullptr,
+                                const ScoreOptions& options = {}) noexcept {
   TRIATTN_CUDA_RETURN_IF_ERROR(detail::check_score_args(view, model, batch, scores));
   if (batch.batch == 0 || batch.max_len == 0) return cudaSuccess;
   const int G = model.num_q_heads / model.num_kv_heads;

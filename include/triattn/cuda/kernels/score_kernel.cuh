@@ -5,7 +5,14 @@
 //
 //   mean aggregation (or disable_trig): the exact fold, score = Σ_f W_re·k_re + W_im·k_im
 //                                        + Σ_f c_f·sqrt(k_re² + k_im² + 1e-8)
-//   max aggregation:                     |D| folds (one per offset δ), max over δ
+//                                        (score_mean_kernel: CUDA cores, bound by reading K)
+//   max aggregation:                     |D| folds (one per offset δ), max over δ: a
+//                                        [T×d]·[d×|D|·G] product, on the tensor cores for 16-bit
+//                                        caches (score_max_mma_kernel), else CUDA cores
+//                                        (score_max_kernel, ~4.5x the K read time in FMAs)
+//
+// All kernels accumulate in fp32 in a fixed order: the same inputs give bitwise the same scores
+// (what CUDA-graph replays and the round's determinism rely on).
 //
 // The per-round weights are computed on the device from per-model constants (ScoreModelView) and
 // the round start t0 read from device memory, with core's TRIATTN_HOST_DEVICE helpers
@@ -15,8 +22,8 @@
 // Work decomposition: a "row" is (sequence b, layer l, KV head g, head chunk hc); rows are cut
 // into tiles of kTile keys; each CTA takes a contiguous range of (row, tile) items, so it
 // recomputes the weights only when its row changes (usually once or twice per CTA).
-// Lane mapping: a group of LPK lanes owns one key; lane i of the group owns the P consecutive
-// frequency pairs [i·P, (i+1)·P), i.e. whole complex pairs in both RoPE pairings, loaded with
+// Lane mapping (CUDA-core kernels): a group of LPK lanes owns one key; lane i of the group owns
+// the P consecutive frequency pairs [i·P, (i+1)·P), i.e. whole complex pairs in both RoPE pairings, loaded with
 // 16-byte (8-byte for GMAX = 8, 16-bit types, half pairing) loads. Partial sums of the GMAX heads
 // are combined across the group with a reduce-scatter (log2(LPK) shuffle steps, GMAX−1 shuffles
 // for HD 64, GMAX for HD 128), after which each lane holds the score of one head.

@@ -90,12 +90,13 @@ class TriAttentionDeviceScorer {
                     "TriAttentionDeviceScorer::score: output holds " + std::to_string(out.size()) +
                         " floats, expected L*Hq*length = " + std::to_string(rows * static_cast<std::size_t>(length)));
     TRIATTN_EXPECTS(t0 >= 0, "TriAttentionDeviceScorer::score: t0 must be >= 0, got " + std::to_string(t0));
-    TRIATTN_EXPECTS(seq >= 0 && seq < view.max_seqs, "TriAttentionDeviceScorer::score: sequence " + std::to_string(seq) +
+    TRIATTN_EXPECTS(seq >= 0 && seq < view.max_seqs, "TriAttentionDeviceScorer::score: sequence " +
+                                                         std::to_string(seq) +
                                                          " is not a row of the view's block tables");
-    TRIATTN_EXPECTS(is_device_memory(view.block_tables) && is_device_memory(view.seq_lens) &&
-                        is_device_memory(view.data),
-                    "TriAttentionDeviceScorer::score: the view's data, block tables and lengths must be device "
-                    "memory (publish the cache's tables to its device mirror first)");
+    TRIATTN_EXPECTS(
+        is_device_memory(view.block_tables) && is_device_memory(view.seq_lens) && is_device_memory(view.data),
+        "TriAttentionDeviceScorer::score: the view's data, block tables and lengths must be device "
+        "memory (publish the cache's tables to its device mirror first)");
     if (length == 0) return;
     reserve_scratch(out.size());
     // (seq, t0) staged in the scratch header; the kernel reads them from device memory.
@@ -109,7 +110,8 @@ class TriAttentionDeviceScorer {
     float* dev_scores = reinterpret_cast<float*>(scratch_ + kHeaderBytes);
     const ScoreBatch batch{&dh->seq, &dh->t0, 1, length};
     TRIATTN_CUDA_TRY(cuda::score(view, view_, batch, dev_scores, stream_));
-    TRIATTN_CUDA_TRY(cudaMemcpyAsync(out.data(), dev_scores, out.size() * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+    TRIATTN_CUDA_TRY(
+        cudaMemcpyAsync(out.data(), dev_scores, out.size() * sizeof(float), cudaMemcpyDeviceToHost, stream_));
     TRIATTN_CUDA_TRY(cudaStreamSynchronize(stream_));
   }
 
