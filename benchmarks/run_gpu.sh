@@ -11,8 +11,9 @@ ROOT=$PWD
 OUT_DIR=${1:-$ROOT/benchmarks/results/$(date +%F)}
 BUILD=${BUILD:-$ROOT/build-gpu}
 mkdir -p "$OUT_DIR"
-COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 GPU=$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)
+GPU_TAG=$(echo "$GPU" | tr -c 'A-Za-z0-9.\n-' '_')   # --benchmark_context values cannot hold commas
 echo "device: $GPU  commit: $COMMIT  date: $(date -u +%FT%TZ)" | tee "$OUT_DIR/device.txt"
 
 PREFIX_ARGS=()
@@ -46,7 +47,7 @@ for b in "$BUILD"/benchmarks/bench_*; do
   [[ "$name" == bench_ref_* ]] && continue
   [ -n "${BENCH_FILTER:-}" ] && ! [[ "$name" =~ $BENCH_FILTER ]] && continue
   "$b" --benchmark_min_time="${BENCH_MIN_TIME:-0.2}" --benchmark_out="$OUT_DIR/$name.json" \
-       --benchmark_out_format=json --benchmark_context=commit="$COMMIT" --benchmark_context=device="$GPU" \
+       --benchmark_out_format=json --benchmark_context=commit="$COMMIT" --benchmark_context=device="$GPU_TAG" --benchmark_context=date="$(date -u +%FT%TZ)" \
        >"$OUT_DIR/$name.txt" 2>&1
   echo "$name rc=$?"
 done

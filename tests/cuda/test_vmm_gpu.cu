@@ -213,6 +213,9 @@ TEST_CASE_TEMPLATE("vmm gpu: cached tokens survive compaction and trim and regro
       dev.allocator().synchronize();
       require_same_tokens<T>(host, dev, seqs);
       CHECK(dev.allocator().bytes_resident() <= resident_before);
+      // Whether a slab empties depends on how the survivors interleave; what must hold is that
+      // after a completed trim no mapped slab is empty (none is kept: handle_pool_bytes = 0).
+      CHECK(dev.allocator().ledger().empty_mapped_slabs().empty());
       MESSAGE("resident " << resident_before / kMiB << " MiB -> " << dev.allocator().bytes_resident() / kMiB
                           << " MiB after compaction + trim");
 
@@ -225,7 +228,6 @@ TEST_CASE_TEMPLATE("vmm gpu: cached tokens survive compaction and trim and regro
       for (int step = 0; step < 40; ++step)
         for (auto [hs, ds] : seqs) append_both<T>(rng, host, dev, hs, ds, 1, Phase::kDecode, stream);
       require_same_tokens<T>(host, dev, seqs);
-      CHECK(dev.allocator().counters().pages_unmapped > 0);
       CHECK(dev.allocator().stats().blocks_used == host.memory().blocks_used);
     }
     TRIATTN_TEST_CUDA(cudaStreamDestroy(stream));
