@@ -13,6 +13,7 @@
 // harness.hpp / metrics.hpp.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <ctime>
@@ -263,6 +264,7 @@ void with_cache(const std::string& policy, const triattn::CacheConfig& cfg, tria
 }
 
 std::string fmt(const char* f, double v) {
+  if (std::isnan(v)) return "n/a";  // e.g. a standard error over a single prompt
   char buf[64];
   std::snprintf(buf, sizeof buf, f, v);
   return buf;

@@ -44,7 +44,7 @@ std::vector<std::int64_t> as_vec(std::span<const std::int64_t> s) { return {s.be
 
 TEST_SUITE("fidelity") {
 
-TEST_CASE("KL divergence: zero for identical logits, known value, shift invariance") {
+TEST_CASE("KL divergence: zero for identical logits and a known value and shift invariance") {
   const std::vector<float> a = {0.5f, -1.0f, 2.0f, 0.0f};
   CHECK(fid::kl_divergence(a, a) == 0.0);
   std::vector<float> shifted = a;
@@ -81,7 +81,7 @@ TEST_CASE("greedy agreement arithmetic") {
   CHECK_THROWS((void)fid::greedy_agreement(ref, std::vector<int>{1, 2}, 0));
 }
 
-TEST_CASE("mean, median and standard error") {
+TEST_CASE("mean / median / standard error") {
   CHECK(fid::mean(std::vector<double>{1, 2, 6}) == 3.0);
   CHECK(fid::median(std::vector<double>{5, 1, 3}) == 3.0);
   CHECK(fid::median(std::vector<double>{4, 1, 3, 2}) == 2.5);
@@ -92,7 +92,7 @@ TEST_CASE("mean, median and standard error") {
   CHECK(std::isnan(fid::standard_error(std::vector<double>{1})));
 }
 
-TEST_CASE("PositionTracker follows appends and keep plans per (layer, KV head)") {
+TEST_CASE("PositionTracker follows appends and keep plans per layer and KV head") {
   fid::PositionTracker t(2, 2);
   t.append(0, 6);  // positions 0..5
   CHECK(t.length() == 6);
@@ -121,7 +121,7 @@ TEST_CASE("recency overlap of a keep plan") {
   CHECK_THROWS((void)fid::recency_overlap(plan_from(1, 1, {{0, 1}}), 10, 3));  // pinned > keep
 }
 
-TEST_CASE("attention recall: 1 when everything is held, share of mass otherwise") {
+TEST_CASE("attention recall: 1 when everything is held and the share of mass otherwise") {
   const int L = 2, Hq = 4, T = 5;  // 2 KV heads, groups of 2
   std::vector<float> probs(static_cast<std::size_t>(L * Hq * T), 1.0f / T);
   fid::PositionTracker all(L, 2);
@@ -138,7 +138,7 @@ TEST_CASE("attention recall: 1 when everything is held, share of mass otherwise"
   CHECK_THROWS((void)fid::attention_recall(probs, 3, T, some));  // 3 q heads on 2 kv heads
 }
 
-TEST_CASE("harness on the tiny model: nothing evicted gives recall 1, KL 0, full agreement") {
+TEST_CASE("harness on the tiny model: nothing evicted gives recall 1 and KL 0 and full agreement") {
   const ex::ModelWeights w = ex::make_synthetic_weights(ex::synthetic_config("tiny"), 42);
   ex::Model<ex::CpuBackend> model(w);
   const std::vector<int> prompt = {1, 40, 41, 42, 43, 44};

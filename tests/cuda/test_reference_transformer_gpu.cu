@@ -448,9 +448,11 @@ TEST_CASE("GPU bf16 weights: warp and tensor-core GEMVs stay close to the CPU on
         same_argmax += ex::Sampler::argmax(row(g[s])) == ex::Sampler::argmax(row(r[s]));
       }
     }
-    // n <= 2 rows: fp32 activations (only the summation order differs); n >= 3: activations
-    // rounded to bf16 for the tensor cores (~2^-9 relative).
-    const float tol = batch <= 2 ? 1e-3f : 3e-2f;
+    // GEMVs of n >= 3 rows round activations to bf16 for the tensor cores (~2^-9 relative). The
+    // prefill step always has >= 3 rows, and its K/V feed every later step, so the whole run
+    // carries that rounding (measured on the H200: 0.23% of max |logit| at batch 1).
+    const float tol = 3e-2f;
+    CHECK(same_argmax == rows);
     CHECK_MESSAGE(worst <= tol * scale, "max |GPU - CPU| logit " << worst << " vs max |logit| " << scale);
     MESSAGE("bf16 weights, batch " << batch << ": max |GPU - CPU| " << worst << " (max |logit| " << scale << "), argmax equal "
                                    << same_argmax << "/" << rows);
