@@ -35,9 +35,10 @@ GPU_RC=$?
 tail -15 "$OUT_DIR/ctest_gpu.log"
 if [ "${SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
   for t in "$BUILD"/tests/test_cuda_${SANITIZE_FILTER:-*}; do
+    [[ -x "$t" && "$t" != *.cmake ]] || continue
     for tool in memcheck racecheck; do
       compute-sanitizer --tool $tool --error-exitcode 9 "$t" -ts=gpu >"$OUT_DIR/sanitizer_${tool}_$(basename "$t").log" 2>&1
-      echo "compute-sanitizer $tool $(basename "$t"): rc=$? $(grep -E 'ERROR SUMMARY' "$OUT_DIR/sanitizer_${tool}_$(basename "$t").log" | tail -1)"
+      echo "compute-sanitizer $tool $(basename "$t"): rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT_DIR/sanitizer_${tool}_$(basename "$t").log" | tail -1)"
     done
   done | tee "$OUT_DIR/sanitizer_summary.txt"
 fi
