@@ -19,7 +19,7 @@ echo "device: $GPU  commit: $COMMIT  date: $(date -u +%FT%TZ)" | tee "$OUT_DIR/d
 PREFIX_ARGS=()
 [ -n "${DEPS:-}" ] && PREFIX_ARGS=(-DCMAKE_PREFIX_PATH="$DEPS")
 GEN=(); command -v ninja >/dev/null && GEN=(-G Ninja)  # make also works; -k 0 below is understood by both
-cmake -S . -B "$BUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release "${PREFIX_ARGS[@]}" >"$OUT_DIR/configure.log" 2>&1 \
+cmake -S . -B "$BUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release "${PREFIX_ARGS[@]}" ${EXTRA_CMAKE_ARGS:-} >"$OUT_DIR/configure.log" 2>&1 \
   || { tail -30 "$OUT_DIR/configure.log"; exit 1; }
 # Keep going past a failing target so one broken binary does not hide every other result.
 if ! cmake --build "$BUILD" -j "$(nproc)" -- -k 0 >"$OUT_DIR/build.log" 2>&1; then
