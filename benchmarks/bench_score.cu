@@ -143,11 +143,12 @@ void report(benchmark::State& state, double bytes) {
 }
 
 /// args: aggregation (0 mean, 1 max on the tensor cores, 2 max on the CUDA cores), page size,
-/// layout (0 NHD, 1 HND)
+/// layout (0 NHD, 1 HND), mean kernel variant (ScoreOptions::mean_variant; agg:0 only)
 void BM_score(benchmark::State& state) {
   const Aggregation agg = state.range(0) ? Aggregation::kMax : Aggregation::kMean;
   cuda::ScoreOptions opt;
   opt.tensor_core_max = state.range(0) != 2;
+  opt.mean_variant = static_cast<int>(state.range(3));
   const int bs = static_cast<int>(state.range(1));
   const KvLayout layout = state.range(2) ? KvLayout::kHND : KvLayout::kNHD;
   constexpr int kSeqs = 4;  // 4 x 64 MiB of K in rotation: more than 5x the L2
@@ -224,8 +225,14 @@ void BM_score_round_shape(benchmark::State& state) {
 }  // namespace
 
 BENCHMARK(BM_score)
-    ->ArgNames({"agg", "page", "hnd"})
-    ->ArgsProduct({{0, 1, 2}, {16, 64}, {0, 1}})
+    ->ArgNames({"agg", "page", "hnd", "variant"})
+    ->Apply([](benchmark::internal::Benchmark* b) {
+      for (int agg : {0, 1, 2})
+        for (int page : {16, 64})
+          for (int hnd : {0, 1})
+            for (int variant : {0, 1})
+              if (agg == 0 || variant == 0) b->Args({agg, page, hnd, variant});
+    })
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_read_k)->UseManualTime()->Unit(benchmark::kMicrosecond);

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // Umbrella header of the host-only core (g++ alone compiles it; never includes a CUDA header).
+// Testing helpers (core/vmm/fake_driver.hpp, core/vmm/testing.hpp) are not included.
 #pragma once
 
 #include <triattn/core/block_pool.hpp>
@@ -14,7 +15,23 @@
 #include <triattn/core/layout.hpp>
 #include <triattn/core/policy/host_backend.hpp>
 #include <triattn/core/policy/host_compactor.hpp>
+#include <triattn/core/policy/key_norm_scorer.hpp>
+#include <triattn/core/policy/no_scorer.hpp>
+#include <triattn/core/policy/random_scorer.hpp>
+#include <triattn/core/policy/recency_scorer.hpp>
+#include <triattn/core/policy/snapkv_scorer.hpp>
 #include <triattn/core/policy/static_allocator.hpp>
+#include <triattn/core/policy/topk_selector.hpp>
+#include <triattn/core/policy/triattention_scorer.hpp>
+#include <triattn/core/ref/attention.hpp>
+#include <triattn/core/ref/baseline_scores.hpp>
 #include <triattn/core/ref/compact.hpp>
+#include <triattn/core/ref/score.hpp>
+#include <triattn/core/ref/select.hpp>
+#include <triattn/core/rope.hpp>
 #include <triattn/core/rope_types.hpp>
-#include <triattn/core/stats/query_stats.hpp>
+#include <triattn/core/scoring_params.hpp>
+#include <triattn/core/stats.hpp>
+#include <triattn/core/trigger.hpp>
+#include <triattn/core/vmm/driver_api.hpp>
+#include <triattn/core/vmm/vmm_allocator_core.hpp>

@@ -229,16 +229,28 @@ void check_case(const Case& c, std::uint32_t seed) {
   for (int b = 0; b < batch; ++b) wants.push_back(ref_scores(p, scorer.model(), b, t0[b]));
   // Max aggregation on 16-bit caches has two kernels (tensor cores, CUDA cores): check both.
   const bool two_paths = c.agg == Aggregation::kMax && !c.no_trig && sizeof(T) == 2;
+  // Mean aggregation has two kernels (mean_variant 0, 1) with bitwise the same scores: check both.
+  const bool mean_paths = c.agg == Aggregation::kMean || c.no_trig;
+  std::vector<float> variant0;
   for (const bool tensor_cores : {true, false}) {
     if (!tensor_cores && !two_paths) break;
-    INFO("tensor_core_max = ", tensor_cores);
-    scores.poison();
-    const cuda::ScoreBatch sb{p.d_seq_ids.p, d_t0.p, batch, max_len};
-    cuda::ScoreOptions opt;
-    opt.tensor_core_max = tensor_cores;
-    TEST_CUDA(cuda::score(p.device_view(), scorer.device_model(), sb, scores.p, nullptr, opt));
-    TEST_CUDA(cudaDeviceSynchronize());
-    compare(c, scores.download(), wants, max_len);
+    for (const int variant : {0, 1}) {
+      if (variant == 1 && !mean_paths) break;
+      INFO("tensor_core_max = ", tensor_cores, ", mean_variant = ", variant);
+      scores.poison();
+      const cuda::ScoreBatch sb{p.d_seq_ids.p, d_t0.p, batch, max_len};
+      cuda::ScoreOptions opt;
+      opt.tensor_core_max = tensor_cores;
+      opt.mean_variant = variant;
+      TEST_CUDA(cuda::score(p.device_view(), scorer.device_model(), sb, scores.p, nullptr, opt));
+      TEST_CUDA(cudaDeviceSynchronize());
+      std::vector<float> got = scores.download();
+      compare(c, got, wants, max_len);
+      if (mean_paths && variant == 0) variant0 = got;
+      if (mean_paths && variant == 1)
+        CHECK_MESSAGE(std::memcmp(got.data(), variant0.data(), got.size() * sizeof(float)) == 0,
+                      "mean_variant 1 differs bitwise from mean_variant 0");
+    }
   }
 }
 

@@ -26,6 +26,10 @@ struct ScoreOptions {
   /// Max aggregation on 16-bit caches through mma.sync (weights split into 16-bit parts);
   /// false runs the CUDA-core kernel (always used for float32 caches).
   bool tensor_core_max = true;
+  /// Mean-aggregation (and disable_trig) kernel: 0 score_mean_kernel (8 keys per lane, one tile
+  /// in flight per CTA), 1 score_mean_pipe_kernel (4 keys per lane, next tile prefetched into a
+  /// register double buffer). Both give bitwise the same scores.
+  int mean_variant = 0;
 };
 
 namespace detail {
@@ -122,12 +126,21 @@ template <class T, class Id, int HD, RopeStyle S>
 
 template <class T, class Id, int HD, RopeStyle S, int GMAX>
 [[nodiscard]] inline cudaError_t launch_score_kernel(const KvCacheView<T, Id>& view, const ScoreModelView& m,
-                                                     const ScoreBatch& a, float* scores, cudaStream_t stream) noexcept {
+                                                     const ScoreBatch& a, float* scores, cudaStream_t stream,
+                                                     int mean_variant) noexcept {
   const FastDiv fd(view.block.block_size);
   const int G = m.num_q_heads / m.num_kv_heads;
   const long long rows = static_cast<long long>(a.batch) * m.num_layers * m.num_kv_heads * ((G + GMAX - 1) / GMAX);
   int sms = 0;
   TRIATTN_CUDA_RETURN_IF_ERROR(current_device_sm_count(&sms));
+  if ((m.aggregation == Aggregation::kMean || m.disable_trig) && mean_variant == 1) {
+    using Shape = ScoreShape<T, HD, GMAX, 4>;
+    auto kernel = score_mean_pipe_kernel<T, Id, HD, S, GMAX>;
+    static const int per_sm = resident_ctas(kernel, Shape::kThreads, 0);
+    const long long items = rows * ((a.max_len + Shape::kTile - 1) / Shape::kTile);
+    kernel<<<score_grid(items, sms, per_sm), Shape::kThreads, 0, stream>>>(view, m, a, scores, fd);
+    return check_launch(stream);
+  }
   if (m.aggregation == Aggregation::kMean || m.disable_trig) {
     using Shape = ScoreShape<T, HD, GMAX, 8>;
     auto kernel = score_mean_kernel<T, Id, HD, S, GMAX>;
@@ -185,8 +198,9 @@ template <class T, class Id>
     const auto by_group = [&](auto style) -> cudaError_t {
       constexpr RopeStyle S = decltype(style)::value;
       if (mma) return detail::launch_score_max_mma<T, Id, HD, S>(view, model, batch, scores, stream);
-      if (G <= 4) return detail::launch_score_kernel<T, Id, HD, S, 4>(view, model, batch, scores, stream);
-      return detail::launch_score_kernel<T, Id, HD, S, 8>(view, model, batch, scores, stream);  // G > 8: chunks of 8
+      const int mv = options.mean_variant;
+      if (G <= 4) return detail::launch_score_kernel<T, Id, HD, S, 4>(view, model, batch, scores, stream, mv);
+      return detail::launch_score_kernel<T, Id, HD, S, 8>(view, model, batch, scores, stream, mv);  // G > 8: chunks of 8
     };
     if (model.style == RopeStyle::kHalf) return by_group(std::integral_constant<RopeStyle, RopeStyle::kHalf>{});
     return by_group(std::integral_constant<RopeStyle, RopeStyle::kInterleaved>{});

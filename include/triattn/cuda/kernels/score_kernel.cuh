@@ -433,6 +433,169 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 8>::kThreads, 
   }
 }
 
+/// Mean-aggregation scorer, variant 1 (same contract and bitwise the same scores as
+/// score_mean_kernel): U = 4 keys per lane, register double buffer. The K loads of the CTA's next
+/// item are issued before the current item is scored, so a CTA keeps its next tile (32 KiB) in
+/// flight while it computes, instead of draining to zero between items. Per key the summation
+/// order (pairs j, then the reduce-scatter) is unchanged; only the key-to-lane mapping differs.
+template <class T, class Id, int HD, RopeStyle S, int GMAX>
+__global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 4>::kThreads, 2)
+    score_mean_pipe_kernel(KvCacheView<T, Id> view, ScoreModelView m, ScoreBatch a, float* __restrict__ scores,
+                           detail::FastDiv fd) {
+  using Shape = detail::ScoreShape<T, HD, GMAX, 4>;
+  constexpr int F = Shape::kF, P = Shape::kP, LPK = Shape::kLPK, KPW = Shape::kKPW, U = Shape::kUnroll;
+  constexpr int Q = Shape::kQ, W = Shape::kWords;
+  __shared__ float4 w_s[P * 3 * Q * LPK];
+
+  const int L = m.num_layers, Hq = m.num_q_heads, Hkv = m.num_kv_heads;
+  const int G = Hq / Hkv;
+  const int HC = (G + GMAX - 1) / GMAX;
+  const int tiles_per_row = (a.max_len + Shape::kTile - 1) / Shape::kTile;
+  const long long total = static_cast<long long>(a.batch) * L * Hkv * HC * tiles_per_row;
+  long long it, end;
+  detail::cta_item_range(total, it, end);
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int li = lane % LPK, kg = lane / LPK;
+  const int my_head = detail::reduce_scatter_head<LPK, GMAX>(lane);
+  const bool writer = (lane & (LPK / GMAX - 1)) == 0;
+  const int block_size = view.block.block_size;
+
+  // Row of the next item (the one being prefetched).
+  long long rid_n = -1;
+  detail::ScoreRow row_n{};
+  detail::KeyRowAddr<T, Id> kr_n{};
+  // Advances i to the next item with keys (uniform across the CTA); false when none is left.
+  const auto find = [&](long long& i) -> bool {
+    while (i < end) {
+      const long long rid = i / tiles_per_row;
+      if (rid != rid_n) {
+        row_n = detail::decode_score_row(rid, L, Hkv, HC);
+        kr_n = detail::key_row(view, a, row_n.b, row_n.l, row_n.g);
+        rid_n = rid;
+      }
+      const int tile = static_cast<int>(i - rid * tiles_per_row);
+      if (tile * Shape::kTile < kr_n.len) return true;
+      i = (rid + 1) * tiles_per_row;
+    }
+    return false;
+  };
+  const auto load = [&](long long i, std::uint32_t (&raw)[U][W]) {
+    const int tile = static_cast<int>(i - rid_n * tiles_per_row);
+    const int key0 = tile * Shape::kTile + warp * KPW * U + kg;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int t = key0 + u * KPW;
+      if (t < kr_n.len) {
+        detail::load_key<T, S, Shape>(kr_n.key(t, fd, block_size), li, raw[u]);
+      } else {
+#pragma unroll
+        for (int w = 0; w < W; ++w) raw[u][w] = 0u;
+      }
+    }
+  };
+  long long cur_row = -1;
+  const auto compute = [&](const std::uint32_t (&raw)[U][W], long long i, long long rid, const detail::ScoreRow& row,
+                           int len) {
+    if (rid != cur_row) {
+      __syncthreads();  // every warp is done with the previous row's weights
+      const long long t0 = a.t0[row.b];
+      for (int f = threadIdx.x; f < F; f += blockDim.x) {
+        double cs = 1.0, sn = 0.0;
+        if (!m.disable_trig) {
+          const double phi = rope_phase(t0, m.omega[f]);
+          cs = ::cos(phi);
+          sn = ::sin(phi);
+        }
+        const int ii = f / P, j = f % P;
+#pragma unroll
+        for (int k = 0; k < GMAX; ++k) {
+          const int hg = row.hc * GMAX + k;
+          float wr = 0.0f, wi = 0.0f, c = 0.0f;
+          if (hg < G) {
+            const std::int64_t idx = (static_cast<std::int64_t>(row.l) * Hq + row.g * G + hg) * F + f;
+            if (!m.disable_trig)
+              fold_weight_from_phase(m.q_re[idx], m.q_im[idx], m.cmean_re[f], m.cmean_im[f], cs, sn, m.s2, &wr, &wi);
+            c = m.c[idx];
+          }
+          float* base = reinterpret_cast<float*>(w_s);
+          base[(((j * 3 + 0) * Q + k / 4) * LPK + ii) * 4 + k % 4] = wr;
+          base[(((j * 3 + 1) * Q + k / 4) * LPK + ii) * 4 + k % 4] = wi;
+          base[(((j * 3 + 2) * Q + k / 4) * LPK + ii) * 4 + k % 4] = c;
+        }
+      }
+      __syncthreads();
+      cur_row = rid;
+    }
+    const int tile = static_cast<int>(i - rid * tiles_per_row);
+    const int key0 = tile * Shape::kTile + warp * KPW * U + kg;
+    float acc[U][GMAX];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int k = 0; k < GMAX; ++k) acc[u][k] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < P; ++j) {
+      float4 wre[Q], wim[Q], wc[Q];
+#pragma unroll
+      for (int q = 0; q < Q; ++q) {
+        wre[q] = w_s[((j * 3 + 0) * Q + q) * LPK + li];
+        wim[q] = w_s[((j * 3 + 1) * Q + q) * LPK + li];
+        wc[q] = w_s[((j * 3 + 2) * Q + q) * LPK + li];
+      }
+      const float* fre = reinterpret_cast<const float*>(wre);
+      const float* fim = reinterpret_cast<const float*>(wim);
+      const float* fc = reinterpret_cast<const float*>(wc);
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        float re, im;
+        detail::pair_of<T, S, P>(raw[u], j, re, im);
+        const float sq = fmaf(re, re, fmaf(im, im, 1e-8f));
+        const float nrm = sq * rsqrtf(sq);
+#pragma unroll
+        for (int k = 0; k < GMAX; ++k) {
+          acc[u][k] = fmaf(fre[k], re, acc[u][k]);
+          acc[u][k] = fmaf(fim[k], im, acc[u][k]);
+          acc[u][k] = fmaf(fc[k], nrm, acc[u][k]);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      detail::reduce_scatter<LPK, GMAX>(acc[u], lane);
+      const int t = key0 + u * KPW;
+      const int hg = row.hc * GMAX + my_head;
+      if (writer && t < len && hg < G) {
+        const std::int64_t o = ((static_cast<std::int64_t>(row.b) * L + row.l) * Hq + row.g * G + hg) * a.max_len + t;
+        scores[o] = acc[u][0];
+      }
+    }
+  };
+
+  if (!find(it)) return;
+  std::uint32_t ra[U][W], rb[U][W];
+  load(it, ra);
+  while (true) {
+    long long ic = it, rid_c = rid_n;
+    detail::ScoreRow row_c = row_n;
+    int len_c = kr_n.len;
+    ++it;
+    bool more = find(it);
+    if (more) load(it, rb);
+    compute(ra, ic, rid_c, row_c, len_c);
+    if (!more) break;
+    ic = it;
+    rid_c = rid_n;
+    row_c = row_n;
+    len_c = kr_n.len;
+    ++it;
+    more = find(it);
+    if (more) load(it, ra);
+    compute(rb, ic, rid_c, row_c, len_c);
+    if (!more) break;
+  }
+}
+
 /// Dynamic shared memory of score_max_kernel: per-offset W_re/W_im plus c.
 template <int HD, int GMAX>
 constexpr std::size_t score_max_smem_bytes(int num_offsets) {
