@@ -6,6 +6,7 @@
 One table per file: benchmark name, time, and every user counter (bytes_per_second and
 items_per_second are left out: the GB/s or TB/s counters say the same in readable units)."""
 import json
+import re
 import pathlib
 import sys
 
@@ -38,7 +39,7 @@ def table(path):
     out = [f"#### {path.stem}  \n{ctx.get('device', '?')}, commit {ctx.get('commit', '?')}, {ctx.get('date', '?')}\n",
            "| benchmark | time | " + " | ".join(keys) + " |", "|---|---:|" + "---:|" * len(keys)]
     for b in rows:
-        name = b["name"].replace("/manual_time", "").replace("/iterations:1", "").replace("/iterations:200", "")
+        name = re.sub(r"/(manual_time|iterations:\d+)", "", b["name"])
         out.append(f"| `{name}` | {b['real_time']:.4g} {b['time_unit']} | " +
                    " | ".join(fmt(b.get(k, "")) for k in keys) + " |")
     return "\n".join(out) + "\n"
