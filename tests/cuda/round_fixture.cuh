@@ -1,0 +1,214 @@
+// SPDX-License-Identifier: Apache-2.0
+// Shared fixture of the compression-round GPU tests (test_compression_round.cu and
+// test_graph_capture.cu): random paged caches, model statistics, CPU reference rounds and the
+// device round with its workspace. Test-only; included once per test TU.
+#pragma once
+
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <triattn/core/ref/compact.hpp>
+#include <triattn/core/ref/score.hpp>
+#include <triattn/core/ref/select.hpp>
+#include <triattn/cuda/algorithms/compression_round.cuh>
+#include <triattn/cuda/policy/triattention_device_scorer.cuh>
+
+using namespace triattn;
+
+namespace {
+
+#define TEST_CUDA(call)                                                                                \
+  do {                                                                                                 \
+    const cudaError_t e_ = (call);                                                                     \
+    REQUIRE_MESSAGE(e_ == cudaSuccess, #call " failed: ", std::string(cudaGetErrorName(e_)), " ",      \
+                    std::string(cudaGetErrorString(e_)));                                              \
+  } while (0)
+
+void require_gpu() {
+  int n = 0;
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  REQUIRE_MESSAGE((e == cudaSuccess && n > 0), "a CUDA device is required: ", std::string(cudaGetErrorString(e)));
+}
+
+std::uint32_t test_seed() {
+  if (const char* s = std::getenv("TRIATTN_TEST_SEED")) return static_cast<std::uint32_t>(std::strtoul(s, nullptr, 10));
+  return std::random_device{}();
+}
+
+template <class T>
+struct DevBuf {
+  T* p = nullptr;
+  std::size_t n = 0;
+  DevBuf() = default;
+  explicit DevBuf(std::size_t count) { reset(count); }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  ~DevBuf() { cudaFree(p); }
+  void reset(std::size_t count) {
+    cudaFree(p);
+    p = nullptr;
+    n = count;
+    TEST_CUDA(cudaMalloc(&p, (count ? count : 1) * sizeof(T)));
+  }
+  void upload(const std::vector<T>& h) {
+    REQUIRE(h.size() <= n);
+    TEST_CUDA(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  std::vector<T> download() const {
+    std::vector<T> h(n);
+    TEST_CUDA(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+    return h;
+  }
+  void poison() { TEST_CUDA(cudaMemset(p, 0xff, n * sizeof(T))); }
+};
+
+QueryStats random_stats(std::mt19937& rng, int L, int Hq, int d, RopeStyle style) {
+  QueryStats s;
+  s.model_name = "random";
+  s.rope_style = style;
+  s.num_layers = L;
+  s.num_q_heads = Hq;
+  s.head_dim = d;
+  const std::size_t n = static_cast<std::size_t>(L) * Hq * (d / 2);
+  std::uniform_real_distribution<float> ua(0.05f, 3.0f), uu(0.0f, 1.0f), ang(-3.14159f, 3.14159f);
+  s.q_mean_real.resize(n);
+  s.q_mean_imag.resize(n);
+  s.q_abs_mean.resize(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    const float a = ua(rng), r = a * uu(rng), t = ang(rng);
+    s.q_abs_mean[i] = a;
+    s.q_mean_real[i] = r * std::cos(t);
+    s.q_mean_imag[i] = r * std::sin(t);
+  }
+  return s;
+}
+
+struct RoundCase {
+  int L = 3, Hq = 8, Hkv = 2, d = 128, bs = 16;
+  KvLayout layout = KvLayout::kNHD;
+  RopeStyle style = RopeStyle::kHalf;
+  Aggregation agg = Aggregation::kMean;
+  std::vector<int> lens{600, 333, 257, 41};
+  std::vector<int> prompts{40, 0, 257, 10};
+  SelectionParams sp;
+
+  std::string name() const {
+    char buf[256];
+    std::snprintf(buf, sizeof buf,
+                  "L=%d Hq=%d Hkv=%d d=%d bs=%d %s %s %s budget=%d mode=%s prompt=%s sink=%d window=%d", L, Hq, Hkv, d,
+                  bs, layout_name(layout), style == RopeStyle::kHalf ? "half" : "interleaved", to_string(agg),
+                  sp.budget, to_string(sp.mode), to_string(sp.prompt), sp.n_sink, sp.window);
+    return buf;
+  }
+};
+
+/// Everything a round needs, host and device, built from a case and a seed.
+template <class T>
+struct RoundFixture {
+  RoundCase c;
+  int batch = 0, max_len = 0, max_seqs = 0, max_blocks = 0, num_blocks = 0, max_keep = 0;
+  std::vector<int> seq_ids, tables, seq_lens;
+  std::vector<std::int64_t> t0;
+  std::vector<T> data;  // [2L, num_blocks, block elems] original contents
+  DevBuf<T> d_data;
+  DevBuf<int> d_tables, d_lens, d_seq_ids, d_prompts;
+  DevBuf<std::int64_t> d_t0;
+  DevBuf<std::int32_t> d_kept, d_keep;
+  DevBuf<char> d_ws;
+  std::size_t ws_bytes = 0;
+  std::unique_ptr<cuda::TriAttentionDeviceScorer> scorer;
+
+  RoundFixture(const RoundCase& rc, std::uint32_t seed) : c(rc) {
+    std::mt19937 rng(seed);
+    batch = static_cast<int>(c.lens.size());
+    max_seqs = batch + 2;
+    std::vector<int> slots(max_seqs);
+    std::iota(slots.begin(), slots.end(), 0);
+    std::shuffle(slots.begin(), slots.end(), rng);
+    seq_ids.assign(slots.begin(), slots.begin() + batch);
+    int need = 0;
+    max_blocks = 1;
+    max_len = 1;
+    for (int len : c.lens) {
+      need += (len + c.bs - 1) / c.bs;
+      max_blocks = std::max(max_blocks, (len + c.bs - 1) / c.bs + 1);
+      max_len = std::max(max_len, len);
+    }
+    num_blocks = need + 2;
+    std::vector<int> ids(num_blocks);
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end(), rng);
+    tables.assign(static_cast<std::size_t>(max_seqs) * max_blocks, -1);
+    seq_lens.assign(max_seqs, 0);
+    int next = 0;
+    for (int b = 0; b < batch; ++b) {
+      seq_lens[seq_ids[b]] = c.lens[b];
+      for (int j = 0; j < (c.lens[b] + c.bs - 1) / c.bs; ++j)
+        tables[static_cast<std::size_t>(seq_ids[b]) * max_blocks + j] = ids[next++];
+    }
+    data.resize(static_cast<std::size_t>(2 * c.L) * range_stride());
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    for (T& x : data) x = from_float<T>(nd(rng));
+    t0.resize(batch);
+    for (int b = 0; b < batch; ++b) t0[b] = c.lens[b] + std::uniform_int_distribution<int>(0, 200000)(rng);
+
+    RopeConfig rope;
+    rope.style = c.style;
+    rope.theta = 1e6;
+    ScoringParams scp;
+    scp.aggregation = c.agg;
+    scorer = std::make_unique<cuda::TriAttentionDeviceScorer>(random_stats(rng, c.L, c.Hq, c.d, c.style), rope, scp,
+                                                               c.Hkv);
+
+    d_data.reset(data.size());
+    d_data.upload(data);
+    d_tables.reset(tables.size());
+    d_tables.upload(tables);
+    d_lens.reset(seq_lens.size());
+    d_lens.upload(seq_lens);
+    d_seq_ids.reset(batch);
+    d_seq_ids.upload(seq_ids);
+    d_prompts.reset(batch);
+    d_prompts.upload(c.prompts);
+    d_t0.reset(batch);
+    d_t0.upload(t0);
+    max_keep = cuda::compression_round::safe_max_keep(max_len);
+    d_kept.reset(static_cast<std::size_t>(batch) * c.L * c.Hkv * max_keep);
+    d_keep.reset(batch);
+    ws_bytes = cuda::compression_round::workspace_size(shape(), c.sp.mode, batch, max_len);
+    d_ws.reset(ws_bytes);
+  }
+
+  BlockLayout block() const { return BlockLayout{c.layout, c.bs, c.Hkv, c.d}; }
+  std::int64_t range_stride() const { return static_cast<std::int64_t>(num_blocks) * block().block_elems(); }
+  cuda::RoundShape shape() const { return {c.L, c.Hq, c.Hkv}; }
+  KvCacheView<T, int> host_view(T* d) {
+    return {d, range_stride(), block(), c.L, num_blocks, max_seqs, max_blocks, tables.data(), seq_lens.data()};
+  }
+  KvCacheView<T, int> device_view() const {
+    return {d_data.p, range_stride(), block(), c.L, num_blocks, max_seqs, max_blocks, d_tables.p, d_lens.p};
+  }
+  cuda::RoundBatch round_batch() const { return {d_seq_ids.p, d_t0.p, d_prompts.p, batch, max_len}; }
+  cuda::DeviceKeepPlanView plan() const { return {d_kept.p, d_keep.p, max_keep}; }
+  /// Raw scores of the last round ([batch, L, Hq, max_len]; union mode overwrote the selectable slots).
+  std::vector<float> round_scores() const {
+    cuda::RoundWorkspace ws;
+    cuda::detail::carve_round_workspace(d_ws.p, shape(), c.sp.mode, batch, max_len, &ws);
+    std::vector<float> h(static_cast<std::size_t>(batch) * c.L * c.Hq * max_len);
+    TEST_CUDA(cudaMemcpy(h.data(), ws.scores, h.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    return h;
+  }
+};
+
+}  // namespace
