@@ -13,10 +13,10 @@ if [ ${#missing[@]} -gt 0 ] && command -v apt-get >/dev/null; then
   $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 [ -x /usr/local/cuda/bin/nvcc ] && export PATH=/usr/local/cuda/bin:$PATH
+# The CUDA build is only worth its compile time where a GPU will run it.
 CUDA=OFF; DEVICE=cpu
-if command -v nvcc >/dev/null 2>&1; then
-  CUDA=ON
-  if nvidia-smi -L >/dev/null 2>&1; then DEVICE=gpu; fi
+if command -v nvcc >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  CUDA=ON; DEVICE=gpu
 fi
 cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTRIATTN_ENABLE_CUDA=$CUDA \
       -DTRIATTN_BUILD_TESTS=OFF -DTRIATTN_BUILD_BENCHMARKS=OFF >/dev/null
