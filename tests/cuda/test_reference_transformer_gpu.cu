@@ -243,7 +243,7 @@ std::vector<std::vector<float>> run_forced(ModelT& model, Cache& cache, const st
 
 TEST_SUITE("gpu") {
 
-TEST_CASE("stories260K on the GPU: greedy decoding reproduces llama2.c tokens, logits and K/V") {
+TEST_CASE("stories260K on the GPU: greedy decoding reproduces llama2.c tokens and logits and K/V") {
   triattn::test::require_device();
   const ex::ModelConfig& mc = Stories::get().weights.config;
   SUBCASE("NHD, block 16, graphs + PDL + fusion") {
