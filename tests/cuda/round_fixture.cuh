@@ -6,6 +6,8 @@
 
 #include <doctest/doctest.h>
 
+#include "cuda_test_utils.cuh"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -28,19 +30,6 @@ using namespace triattn;
 
 namespace {
 
-#define TEST_CUDA(call)                                                                                \
-  do {                                                                                                 \
-    const cudaError_t e_ = (call);                                                                     \
-    REQUIRE_MESSAGE(e_ == cudaSuccess, #call " failed: ", std::string(cudaGetErrorName(e_)), " ",      \
-                    std::string(cudaGetErrorString(e_)));                                              \
-  } while (0)
-
-void require_gpu() {
-  int n = 0;
-  const cudaError_t e = cudaGetDeviceCount(&n);
-  REQUIRE_MESSAGE((e == cudaSuccess && n > 0), "a CUDA device is required: ", std::string(cudaGetErrorString(e)));
-}
-
 std::uint32_t test_seed() {
   if (const char* s = std::getenv("TRIATTN_TEST_SEED")) return static_cast<std::uint32_t>(std::strtoul(s, nullptr, 10));
   return std::random_device{}();
@@ -59,18 +48,18 @@ struct DevBuf {
     cudaFree(p);
     p = nullptr;
     n = count;
-    TEST_CUDA(cudaMalloc(&p, (count ? count : 1) * sizeof(T)));
+    TRIATTN_TEST_CUDA(cudaMalloc(&p, (count ? count : 1) * sizeof(T)));
   }
   void upload(const std::vector<T>& h) {
     REQUIRE(h.size() <= n);
-    TEST_CUDA(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+    TRIATTN_TEST_CUDA(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
   }
   std::vector<T> download() const {
     std::vector<T> h(n);
-    TEST_CUDA(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+    TRIATTN_TEST_CUDA(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
     return h;
   }
-  void poison() { TEST_CUDA(cudaMemset(p, 0xff, n * sizeof(T))); }
+  void poison() { TRIATTN_TEST_CUDA(cudaMemset(p, 0xff, n * sizeof(T))); }
 };
 
 QueryStats random_stats(std::mt19937& rng, int L, int Hq, int d, RopeStyle style) {
@@ -206,7 +195,7 @@ struct RoundFixture {
     cuda::RoundWorkspace ws;
     cuda::detail::carve_round_workspace(d_ws.p, shape(), c.sp.mode, batch, max_len, &ws);
     std::vector<float> h(static_cast<std::size_t>(batch) * c.L * c.Hq * max_len);
-    TEST_CUDA(cudaMemcpy(h.data(), ws.scores, h.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    TRIATTN_TEST_CUDA(cudaMemcpy(h.data(), ws.scores, h.size() * sizeof(float), cudaMemcpyDeviceToHost));
     return h;
   }
 };

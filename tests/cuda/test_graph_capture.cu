@@ -26,11 +26,11 @@ struct Outcome {
 /// Restores the original cache contents and poisons the outputs and the workspace.
 template <class T>
 void reset_state(RoundFixture<T>& f, const DevBuf<T>& pristine, cudaStream_t s) {
-  TEST_CUDA(cudaMemcpyAsync(f.d_data.p, pristine.p, pristine.n * sizeof(T), cudaMemcpyDeviceToDevice, s));
-  TEST_CUDA(cudaMemsetAsync(f.d_ws.p, 0xff, f.ws_bytes, s));
-  TEST_CUDA(cudaMemsetAsync(f.d_kept.p, 0xff, f.d_kept.n * sizeof(std::int32_t), s));
-  TEST_CUDA(cudaMemsetAsync(f.d_keep.p, 0xff, f.d_keep.n * sizeof(std::int32_t), s));
-  TEST_CUDA(cudaStreamSynchronize(s));
+  TRIATTN_TEST_CUDA(cudaMemcpyAsync(f.d_data.p, pristine.p, pristine.n * sizeof(T), cudaMemcpyDeviceToDevice, s));
+  TRIATTN_TEST_CUDA(cudaMemsetAsync(f.d_ws.p, 0xff, f.ws_bytes, s));
+  TRIATTN_TEST_CUDA(cudaMemsetAsync(f.d_kept.p, 0xff, f.d_kept.n * sizeof(std::int32_t), s));
+  TRIATTN_TEST_CUDA(cudaMemsetAsync(f.d_keep.p, 0xff, f.d_keep.n * sizeof(std::int32_t), s));
+  TRIATTN_TEST_CUDA(cudaStreamSynchronize(s));
 }
 
 template <class T>
@@ -62,13 +62,13 @@ void check_graph(const RoundCase& rc, std::uint32_t seed) {
   INFO("seed ", seed, " (set TRIATTN_TEST_SEED to replay): ", rc.name());
   RoundFixture<T> f(rc, seed);
   DevBuf<T> pristine(f.d_data.n);
-  TEST_CUDA(cudaMemcpy(pristine.p, f.d_data.p, pristine.n * sizeof(T), cudaMemcpyDeviceToDevice));
+  TRIATTN_TEST_CUDA(cudaMemcpy(pristine.p, f.d_data.p, pristine.n * sizeof(T), cudaMemcpyDeviceToDevice));
   cudaStream_t s = nullptr;
-  TEST_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  TRIATTN_TEST_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
 
   reset_state(f, pristine, s);
-  TEST_CUDA(eager_round(f, s));
-  TEST_CUDA(cudaStreamSynchronize(s));
+  TRIATTN_TEST_CUDA(eager_round(f, s));
+  TRIATTN_TEST_CUDA(cudaStreamSynchronize(s));
   const Outcome eager = collect(f);
   bool any_moved = false;
   for (int k : eager.keep) any_moved |= k >= 0;
@@ -77,15 +77,15 @@ void check_graph(const RoundCase& rc, std::uint32_t seed) {
   reset_state(f, pristine, s);
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
-  TEST_CUDA(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  TRIATTN_TEST_CUDA(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
   const cudaError_t captured = eager_round(f, s);
-  TEST_CUDA(cudaStreamEndCapture(s, &graph));
-  TEST_CUDA(captured);
-  TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  TRIATTN_TEST_CUDA(cudaStreamEndCapture(s, &graph));
+  TRIATTN_TEST_CUDA(captured);
+  TRIATTN_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
   for (int replay = 0; replay < 3; ++replay) {
     reset_state(f, pristine, s);
-    TEST_CUDA(cudaGraphLaunch(exec, s));
-    TEST_CUDA(cudaStreamSynchronize(s));
+    TRIATTN_TEST_CUDA(cudaGraphLaunch(exec, s));
+    TRIATTN_TEST_CUDA(cudaStreamSynchronize(s));
     check_same(eager, collect(f), "graph replay vs eager round");
   }
 
@@ -97,25 +97,25 @@ void check_graph(const RoundCase& rc, std::uint32_t seed) {
   f.d_t0.upload(t0);
   f.d_prompts.upload(prompts);
   reset_state(f, pristine, s);
-  TEST_CUDA(cudaGraphLaunch(exec, s));
-  TEST_CUDA(cudaStreamSynchronize(s));
+  TRIATTN_TEST_CUDA(cudaGraphLaunch(exec, s));
+  TRIATTN_TEST_CUDA(cudaStreamSynchronize(s));
   const Outcome replayed = collect(f);
   reset_state(f, pristine, s);
-  TEST_CUDA(eager_round(f, s));
-  TEST_CUDA(cudaStreamSynchronize(s));
+  TRIATTN_TEST_CUDA(eager_round(f, s));
+  TRIATTN_TEST_CUDA(cudaStreamSynchronize(s));
   check_same(collect(f), replayed, "graph replay with new device inputs vs eager round on them");
   CHECK((replayed.kept != eager.kept || replayed.keep != eager.keep));  // the inputs did change the round
 
-  TEST_CUDA(cudaGraphExecDestroy(exec));
-  TEST_CUDA(cudaGraphDestroy(graph));
-  TEST_CUDA(cudaStreamDestroy(s));
+  TRIATTN_TEST_CUDA(cudaGraphExecDestroy(exec));
+  TRIATTN_TEST_CUDA(cudaGraphDestroy(graph));
+  TRIATTN_TEST_CUDA(cudaStreamDestroy(s));
 }
 
 }  // namespace
 
 TEST_SUITE("gpu") {
   TEST_CASE("a compression round captured in a CUDA graph replays the eager round bitwise") {
-    require_gpu();
+    triattn::test::require_device();
     const std::uint32_t seed = test_seed();
     int combo = 0;
     for (PruningMode mode : {PruningMode::kPerHead, PruningMode::kPerLayerPerHead, PruningMode::kUnion})

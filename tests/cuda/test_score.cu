@@ -6,6 +6,8 @@
 // must be written (outputs are poisoned with NaN before each launch) and nothing past it.
 #include <doctest/doctest.h>
 
+#include "cuda_test_utils.cuh"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -26,19 +28,6 @@ using namespace triattn;
 
 namespace {
 
-#define TEST_CUDA(call)                                                                           \
-  do {                                                                                            \
-    const cudaError_t e_ = (call);                                                                \
-    REQUIRE_MESSAGE(e_ == cudaSuccess, #call " failed: ", std::string(cudaGetErrorName(e_)), " ", \
-                    std::string(cudaGetErrorString(e_)));                                         \
-  } while (0)
-
-void require_gpu() {
-  int n = 0;
-  const cudaError_t e = cudaGetDeviceCount(&n);
-  REQUIRE_MESSAGE((e == cudaSuccess && n > 0), "a CUDA device is required: ", std::string(cudaGetErrorString(e)));
-}
-
 std::uint32_t test_seed() {
   if (const char* s = std::getenv("TRIATTN_TEST_SEED")) return static_cast<std::uint32_t>(std::strtoul(s, nullptr, 10));
   return std::random_device{}();
@@ -58,18 +47,18 @@ struct DevBuf {
     cudaFree(p);
     p = nullptr;
     n = count;
-    TEST_CUDA(cudaMalloc(&p, (count ? count : 1) * sizeof(T)));
+    TRIATTN_TEST_CUDA(cudaMalloc(&p, (count ? count : 1) * sizeof(T)));
   }
   void upload(const std::vector<T>& h) {
     REQUIRE(h.size() <= n);
-    TEST_CUDA(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+    TRIATTN_TEST_CUDA(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
   }
   std::vector<T> download() const {
     std::vector<T> h(n);
-    TEST_CUDA(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+    TRIATTN_TEST_CUDA(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
     return h;
   }
-  void poison() { TEST_CUDA(cudaMemset(p, 0xff, n * sizeof(T))); }
+  void poison() { TRIATTN_TEST_CUDA(cudaMemset(p, 0xff, n * sizeof(T))); }
 };
 
 /// A paged cache holding `lens.size()` sequences in random slots with randomly permuted blocks.
@@ -242,8 +231,8 @@ void check_case(const Case& c, std::uint32_t seed) {
       cuda::ScoreOptions opt;
       opt.tensor_core_max = tensor_cores;
       opt.mean_variant = variant;
-      TEST_CUDA(cuda::score(p.device_view(), scorer.device_model(), sb, scores.p, nullptr, opt));
-      TEST_CUDA(cudaDeviceSynchronize());
+      TRIATTN_TEST_CUDA(cuda::score(p.device_view(), scorer.device_model(), sb, scores.p, nullptr, opt));
+      TRIATTN_TEST_CUDA(cudaDeviceSynchronize());
       std::vector<float> got = scores.download();
       compare(c, got, wants, max_len);
       if (mean_paths && variant == 0) variant0 = got;
@@ -306,7 +295,7 @@ TEST_CASE("FastDiv divides exactly for every n < 2^31 (host twin of the device c
 TEST_SUITE("gpu") {
   TEST_CASE_TEMPLATE("score matches the CPU reference over page sizes x layouts x head dims x pairings x aggregations",
                      T, float, f16_storage, bf16_storage) {
-    require_gpu();
+    triattn::test::require_device();
     const std::uint32_t seed = test_seed();
     int combo = 0;
     for (int bs : {1, 7, 16, 64})
@@ -328,7 +317,7 @@ TEST_SUITE("gpu") {
   }
 
   TEST_CASE("score: GQA group sizes 1..16 (head chunks of 4 and 8)") {
-    require_gpu();
+    triattn::test::require_device();
     const std::uint32_t seed = test_seed();
     int combo = 0;
     for (int G : {1, 2, 3, 4, 5, 7, 8, 12, 16})
@@ -344,7 +333,7 @@ TEST_SUITE("gpu") {
   }
 
   TEST_CASE("score: long sequences over many tiles and short offset sets") {
-    require_gpu();
+    triattn::test::require_device();
     const std::uint32_t seed = test_seed();
     Case c;
     c.L = 3;
@@ -364,7 +353,7 @@ TEST_SUITE("gpu") {
   }
 
   TEST_CASE("TriAttentionDeviceScorer::score (the KvCache::compress interface) matches the CPU scorer") {
-    require_gpu();
+    triattn::test::require_device();
     const std::uint32_t seed = test_seed();
     INFO("seed ", seed);
     std::mt19937 rng(seed);

@@ -7,6 +7,8 @@
 // zero-quota rounds, and rows long enough to skip the shared-memory cache.
 #include <doctest/doctest.h>
 
+#include "cuda_test_utils.cuh"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -27,19 +29,6 @@ using namespace triattn;
 
 namespace {
 
-#define TEST_CUDA(call)                                                                                \
-  do {                                                                                                 \
-    const cudaError_t e_ = (call);                                                                     \
-    REQUIRE_MESSAGE(e_ == cudaSuccess, #call " failed: ", std::string(cudaGetErrorName(e_)), " ",      \
-                    std::string(cudaGetErrorString(e_)));                                              \
-  } while (0)
-
-void require_gpu() {
-  int n = 0;
-  const cudaError_t e = cudaGetDeviceCount(&n);
-  REQUIRE_MESSAGE((e == cudaSuccess && n > 0), "a CUDA device is required: ", std::string(cudaGetErrorString(e)));
-}
-
 std::uint32_t test_seed() {
   if (const char* s = std::getenv("TRIATTN_TEST_SEED")) return static_cast<std::uint32_t>(std::strtoul(s, nullptr, 10));
   return std::random_device{}();
@@ -58,18 +47,18 @@ struct DevBuf {
     cudaFree(p);
     p = nullptr;
     n = count;
-    TEST_CUDA(cudaMalloc(&p, (count ? count : 1) * sizeof(T)));
+    TRIATTN_TEST_CUDA(cudaMalloc(&p, (count ? count : 1) * sizeof(T)));
   }
   void upload(const std::vector<T>& h) {
     REQUIRE(h.size() <= n);
-    TEST_CUDA(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
+    TRIATTN_TEST_CUDA(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
   }
   std::vector<T> download() const {
     std::vector<T> h(n);
-    TEST_CUDA(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
+    TRIATTN_TEST_CUDA(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
     return h;
   }
-  void poison() { TEST_CUDA(cudaMemset(p, 0xff, n * sizeof(T))); }
+  void poison() { TRIATTN_TEST_CUDA(cudaMemset(p, 0xff, n * sizeof(T))); }
 };
 
 enum class Fill { kRandom, kQuantised, kDuplicates, kConstantRows };
@@ -187,10 +176,10 @@ void check_select(const SelCase& c, std::uint32_t seed) {
   const cuda::DeviceSelectParams dp(c.sp);
   const cuda::RoundSeqs<int> seqs{d_seq_ids.p, d_lens.p, d_prompts.p, batch, max_len};
   const cuda::DeviceKeepPlanView plan{d_kept.p, d_keep.p, max_keep};
-  if (c.sp.normalize) TEST_CUDA(cuda::row_stats(d_scores.p, d_stats.p, seqs, dp, shape));
-  TEST_CUDA(cuda::gqa_reduce(d_scores.p, d_stats.p, d_reduced.p, d_flags.p, seqs, dp, shape));
-  TEST_CUDA(cuda::select_keep(d_scores.p, d_reduced.p, d_flags.p, plan, seqs, dp, shape));
-  TEST_CUDA(cudaDeviceSynchronize());
+  if (c.sp.normalize) TRIATTN_TEST_CUDA(cuda::row_stats(d_scores.p, d_stats.p, seqs, dp, shape));
+  TRIATTN_TEST_CUDA(cuda::gqa_reduce(d_scores.p, d_stats.p, d_reduced.p, d_flags.p, seqs, dp, shape));
+  TRIATTN_TEST_CUDA(cuda::select_keep(d_scores.p, d_reduced.p, d_flags.p, plan, seqs, dp, shape));
+  TRIATTN_TEST_CUDA(cudaDeviceSynchronize());
   const std::vector<float> reduced = d_reduced.download();
   const std::vector<std::int32_t> kept = d_kept.download(), keep = d_keep.download();
 
@@ -274,7 +263,7 @@ TEST_CASE("device_keep_counts equals ref::keep_counts (host twin)") {
 
 TEST_SUITE("gpu") {
   TEST_CASE("select matches ref::select_keep: modes x prompt modes x sinks/window x normalisation x ties") {
-    require_gpu();
+    triattn::test::require_device();
     const std::uint32_t seed = test_seed();
     int combo = 0;
     for (PruningMode mode : {PruningMode::kPerHead, PruningMode::kPerLayerPerHead, PruningMode::kUnion})
@@ -292,7 +281,7 @@ TEST_SUITE("gpu") {
   }
 
   TEST_CASE("select: group sizes and layer counts") {
-    require_gpu();
+    triattn::test::require_device();
     const std::uint32_t seed = test_seed();
     int combo = 0;
     for (auto [L, Hq, Hkv] : {std::tuple{1, 1, 1}, std::tuple{1, 4, 4}, std::tuple{36, 32, 8}, std::tuple{5, 12, 2}})
@@ -310,7 +299,7 @@ TEST_SUITE("gpu") {
   }
 
   TEST_CASE("select: rows longer than the shared-memory cache (global-memory passes)") {
-    require_gpu();
+    triattn::test::require_device();
     const std::uint32_t seed = test_seed();
     int combo = 0;
     for (PruningMode mode : {PruningMode::kPerHead, PruningMode::kUnion})
@@ -328,7 +317,7 @@ TEST_SUITE("gpu") {
   }
 
   TEST_CASE("select: a max_keep smaller than the keep count is reported as keep = -1") {
-    require_gpu();
+    triattn::test::require_device();
     DevBuf<float> scores(2 * 100), reduced(2 * 100);
     DevBuf<cuda::RowStats> stats(2);
     DevBuf<int> ids(1), lens(1), prompts(1);
@@ -344,11 +333,11 @@ TEST_SUITE("gpu") {
     const cuda::DeviceSelectParams dp(sp);
     const cuda::RoundShape shape{1, 2, 2};
     const cuda::RoundSeqs<int> seqs{ids.p, lens.p, prompts.p, 1, 100};
-    TEST_CUDA(cuda::row_stats(scores.p, stats.p, seqs, dp, shape));
-    TEST_CUDA(cuda::gqa_reduce(scores.p, stats.p, reduced.p, nullptr, seqs, dp, shape));
-    TEST_CUDA(
+    TRIATTN_TEST_CUDA(cuda::row_stats(scores.p, stats.p, seqs, dp, shape));
+    TRIATTN_TEST_CUDA(cuda::gqa_reduce(scores.p, stats.p, reduced.p, nullptr, seqs, dp, shape));
+    TRIATTN_TEST_CUDA(
         cuda::select_keep(scores.p, reduced.p, nullptr, cuda::DeviceKeepPlanView{kept.p, keep.p, 10}, seqs, dp, shape));
-    TEST_CUDA(cudaDeviceSynchronize());
+    TRIATTN_TEST_CUDA(cudaDeviceSynchronize());
     CHECK_EQ(keep.download()[0], -1);
   }
 }
