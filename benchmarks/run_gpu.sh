@@ -2,10 +2,14 @@
 # One command to build triattn on a GPU machine, run every `gpu`-labelled test (plus the host
 # tests), optionally compute-sanitizer, and every CUDA benchmark, writing JSON results.
 #   benchmarks/run_gpu.sh [OUT_DIR]          (default: benchmarks/results/<date>)
+# Labels: `gpu` tests need one GPU; `gpu_multi` tests (tensor parallelism) need two and run only
+# where nvidia-smi lists at least two.
 # Env: BUILD (build dir, default build-gpu), BENCH_FILTER (regex of benchmark binaries to run),
 #      BENCH_MIN_TIME (default 0.2), SANITIZE=1 (run compute-sanitizer memcheck+racecheck on the
 #      gpu tests), DEPS (a prefix with doctest and Google Benchmark, if the machine lacks them).
 set -uo pipefail
+# NVLink multicast stays off: a program that uses it can put a shared host's GPUs out of service.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 OUT_DIR=${1:-$ROOT/benchmarks/results/$(date +%F)}
@@ -30,7 +34,11 @@ else
   echo "build ok"
 fi
 
-ctest --test-dir "$BUILD" -L gpu --output-on-failure --timeout 600 >"$OUT_DIR/ctest_gpu.log" 2>&1
+# `gpu_multi` tests need two GPUs: run them (label regex "gpu") only where there are two.
+NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+LABEL='^gpu$'; [ "$NGPU" -ge 2 ] && LABEL='gpu'
+echo "GPUs: $NGPU, ctest -L '$LABEL'" | tee -a "$OUT_DIR/device.txt"
+ctest --test-dir "$BUILD" -L "$LABEL" --output-on-failure --timeout 600 >"$OUT_DIR/ctest_gpu.log" 2>&1
 GPU_RC=$?
 tail -15 "$OUT_DIR/ctest_gpu.log"
 if [ "${SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
