@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/cuda_event_timer.hpp"
+#include "common/device_memory.cuh"
 
 #include <triattn/core/dtype.hpp>
 #include <triattn/cuda/algorithms/append.cuh>
@@ -23,28 +24,9 @@ using namespace triattn;
 using T = bf16_storage;
 using triattn::bench::CudaEventTimer;
 using triattn::bench::L2Flusher;
+using triattn::bench::device_alloc;
 
 constexpr int kLayers = 36, kKvHeads = 8, kHeadDim = 128;
-constexpr double kCopyRoofline = 4.25e12;  // bytes/s, read + write (H200 device copy)
-
-__global__ void fill_random(std::uint16_t* p, std::size_t n, std::uint32_t seed) {
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    std::uint32_t x = static_cast<std::uint32_t>(i) * 2654435761u ^ seed;
-    x ^= x >> 15;
-    x *= 2246822519u;
-    x ^= x >> 13;
-    // bf16 in +-[0.5, 2): sign, exponent 126..127, random mantissa
-    p[i] = static_cast<std::uint16_t>((x & 0x8000u) | ((126u + ((x >> 8) & 1u)) << 7) | (x & 0x7Fu));
-  }
-}
-
-template <class U>
-U* device_alloc(std::size_t n) {
-  U* p = nullptr;
-  TRIATTN_BENCH_CUDA(cudaMalloc(&p, n * sizeof(U)));
-  return p;
-}
 
 /// Paged cache for `seqs` sequences of `cap` tokens each, shuffled block tables on the device.
 struct Cache {
@@ -62,7 +44,7 @@ struct Cache {
     const BlockLayout bl{layout, block_size, kKvHeads, kHeadDim};
     const std::size_t elems = 2ull * kLayers * blocks * static_cast<std::size_t>(bl.block_elems());
     data = device_alloc<T>(elems);
-    fill_random<<<1024, 256>>>(reinterpret_cast<std::uint16_t*>(data), elems, 1);
+    bench::fill_random_bf16<<<1024, 256>>>(reinterpret_cast<std::uint16_t*>(data), elems, 1);
     tables = device_alloc<std::int32_t>(ids.size());
     lens = device_alloc<std::int32_t>(lengths.size());
     TRIATTN_BENCH_CUDA(cudaMemcpy(tables, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
@@ -76,13 +58,6 @@ struct Cache {
   }
 };
 
-void report(benchmark::State& state, double bytes) {
-  state.SetBytesProcessed(static_cast<std::int64_t>(bytes) * state.iterations());
-  state.counters["GB/s"] = benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["pct_roofline"] =
-      benchmark::Counter(bytes / kCopyRoofline * 100.0, benchmark::Counter::kIsIterationInvariantRate);
-}
-
 /// args: tokens, block_size, layout (0 NHD, 1 HND)
 void BM_append_prefill(benchmark::State& state) {
   const int n = static_cast<int>(state.range(0));
@@ -92,8 +67,8 @@ void BM_append_prefill(benchmark::State& state) {
   const std::size_t in_elems = static_cast<std::size_t>(kLayers) * n * kKvHeads * kHeadDim;
   T* k = device_alloc<T>(in_elems);
   T* v = device_alloc<T>(in_elems);
-  fill_random<<<1024, 256>>>(reinterpret_cast<std::uint16_t*>(k), in_elems, 2);
-  fill_random<<<1024, 256>>>(reinterpret_cast<std::uint16_t*>(v), in_elems, 3);
+  bench::fill_random_bf16<<<1024, 256>>>(reinterpret_cast<std::uint16_t*>(k), in_elems, 2);
+  bench::fill_random_bf16<<<1024, 256>>>(reinterpret_cast<std::uint16_t*>(v), in_elems, 3);
   cudaStream_t stream;
   TRIATTN_BENCH_CUDA(cudaStreamCreate(&stream));
   TRIATTN_BENCH_CUDA(cudaDeviceSynchronize());
@@ -102,7 +77,7 @@ void BM_append_prefill(benchmark::State& state) {
     CudaEventTimer timer(state, stream, &flush);
     TRIATTN_BENCH_CUDA(cuda::append::run_contiguous(cache.view, 0, 0, 0, kLayers, k, v, n, stream));
   }
-  report(state, 2.0 * 2.0 * in_elems * sizeof(T));  // K and V, read and written
+  bench::report_bandwidth(state, 2.0 * 2.0 * in_elems * sizeof(T), bench::kCopyRoofline);  // K and V, read and written
   cudaStreamDestroy(stream);
   cudaFree(k);
   cudaFree(v);
@@ -117,8 +92,8 @@ void BM_append_decode(benchmark::State& state) {
   const std::size_t in_elems = static_cast<std::size_t>(kLayers) * batch * kKvHeads * kHeadDim;
   T* k = device_alloc<T>(in_elems);
   T* v = device_alloc<T>(in_elems);
-  fill_random<<<1024, 256>>>(reinterpret_cast<std::uint16_t*>(k), in_elems, 4);
-  fill_random<<<1024, 256>>>(reinterpret_cast<std::uint16_t*>(v), in_elems, 5);
+  bench::fill_random_bf16<<<1024, 256>>>(reinterpret_cast<std::uint16_t*>(k), in_elems, 4);
+  bench::fill_random_bf16<<<1024, 256>>>(reinterpret_cast<std::uint16_t*>(v), in_elems, 5);
   std::vector<std::int32_t> ids(static_cast<std::size_t>(batch));
   std::iota(ids.begin(), ids.end(), 0);
   std::int32_t* d_ids = device_alloc<std::int32_t>(ids.size());
@@ -131,7 +106,7 @@ void BM_append_decode(benchmark::State& state) {
     CudaEventTimer timer(state, stream, &flush);
     TRIATTN_BENCH_CUDA(cuda::append::run_decode(cache.view, d_ids, 0, kLayers, k, v, batch, stream));
   }
-  report(state, 2.0 * 2.0 * in_elems * sizeof(T));
+  bench::report_bandwidth(state, 2.0 * 2.0 * in_elems * sizeof(T), bench::kCopyRoofline);
   cudaStreamDestroy(stream);
   cudaFree(k);
   cudaFree(v);
@@ -142,20 +117,7 @@ void BM_append_decode(benchmark::State& state) {
 /// (counted as read + write, like the kernel). arg: tokens.
 void BM_memcpy_d2d(benchmark::State& state) {
   const std::size_t bytes = 2ull * kLayers * static_cast<std::size_t>(state.range(0)) * kKvHeads * kHeadDim * sizeof(T);
-  char* src = device_alloc<char>(bytes);
-  char* dst = device_alloc<char>(bytes);
-  TRIATTN_BENCH_CUDA(cudaMemset(src, 1, bytes));
-  cudaStream_t stream;
-  TRIATTN_BENCH_CUDA(cudaStreamCreate(&stream));
-  L2Flusher flush;
-  for (auto _ : state) {
-    CudaEventTimer timer(state, stream, &flush);
-    TRIATTN_BENCH_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
-  }
-  report(state, 2.0 * bytes);
-  cudaStreamDestroy(stream);
-  cudaFree(src);
-  cudaFree(dst);
+  bench::time_device_copy(state, bytes);
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/cuda_event_timer.hpp"
+#include "common/device_memory.cuh"
 
 #include <triattn/core/dtype.hpp>
 #include <triattn/cuda/algorithms/compact.cuh>
@@ -23,34 +24,9 @@ using namespace triattn;
 using T = bf16_storage;
 using triattn::bench::CudaEventTimer;
 using triattn::bench::L2Flusher;
+using triattn::bench::device_alloc;
 
 constexpr int kLayers = 36, kKvHeads = 8, kHeadDim = 128, kLen = 2560, kKeep = 2048;
-constexpr double kCopyRoofline = 4.25e12;  // bytes/s, read + write
-
-__global__ void fill_random(std::uint16_t* p, std::size_t n, std::uint32_t seed) {
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    std::uint32_t x = static_cast<std::uint32_t>(i) * 2654435761u ^ seed;
-    x ^= x >> 15;
-    x *= 2246822519u;
-    x ^= x >> 13;
-    p[i] = static_cast<std::uint16_t>((x & 0x8000u) | ((126u + ((x >> 8) & 1u)) << 7) | (x & 0x7Fu));
-  }
-}
-
-template <class U>
-U* device_alloc(std::size_t n) {
-  U* p = nullptr;
-  TRIATTN_BENCH_CUDA(cudaMalloc(&p, n * sizeof(U)));
-  return p;
-}
-
-void report(benchmark::State& state, double bytes) {
-  state.SetBytesProcessed(static_cast<std::int64_t>(bytes) * state.iterations());
-  state.counters["GB/s"] = benchmark::Counter(bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["pct_roofline"] =
-      benchmark::Counter(bytes / kCopyRoofline * 100.0, benchmark::Counter::kIsIterationInvariantRate);
-}
 
 /// Random plan [batch, L, Hkv, kKeep]; returns the number of head vectors that move.
 std::int64_t make_plan(int batch, std::vector<std::int32_t>& kept) {
@@ -78,7 +54,7 @@ void BM_compact(benchmark::State& state) {
   const BlockLayout bl{layout, bs, kKvHeads, kHeadDim};
   const std::size_t elems = 2ull * kLayers * blocks * static_cast<std::size_t>(bl.block_elems());
   T* data = device_alloc<T>(elems);
-  fill_random<<<1024, 256>>>(reinterpret_cast<std::uint16_t*>(data), elems, 1);
+  bench::fill_random_bf16<<<1024, 256>>>(reinterpret_cast<std::uint16_t*>(data), elems, 1);
   std::vector<std::int32_t> ids(static_cast<std::size_t>(blocks));
   std::iota(ids.begin(), ids.end(), 0);
   std::shuffle(ids.begin(), ids.end(), std::mt19937(3));
@@ -108,7 +84,7 @@ void BM_compact(benchmark::State& state) {
     CudaEventTimer timer(state, stream, &flush);
     TRIATTN_BENCH_CUDA(cuda::compact::run(view, plan, batch, stream));
   }
-  report(state, static_cast<double>(cuda::compact::bytes_moved<T>(moved, kHeadDim)));
+  bench::report_bandwidth(state, static_cast<double>(cuda::compact::bytes_moved<T>(moved, kHeadDim)), bench::kCopyRoofline);
   state.counters["moved_frac"] = static_cast<double>(moved) / (static_cast<double>(batch) * kLayers * kKvHeads * kKeep);
   cudaStreamDestroy(stream);
   for (void* p : {static_cast<void*>(data), static_cast<void*>(d_tables), static_cast<void*>(d_lens),
@@ -122,20 +98,7 @@ void BM_memcpy_d2d(benchmark::State& state) {
   std::vector<std::int32_t> kept;
   const std::int64_t moved = make_plan(batch, kept);
   const std::size_t bytes = static_cast<std::size_t>(cuda::compact::bytes_moved<T>(moved, kHeadDim) / 2);
-  char* src = device_alloc<char>(bytes);
-  char* dst = device_alloc<char>(bytes);
-  TRIATTN_BENCH_CUDA(cudaMemset(src, 1, bytes));
-  cudaStream_t stream;
-  TRIATTN_BENCH_CUDA(cudaStreamCreate(&stream));
-  L2Flusher flush;
-  for (auto _ : state) {
-    CudaEventTimer timer(state, stream, &flush);
-    TRIATTN_BENCH_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
-  }
-  report(state, 2.0 * bytes);
-  cudaStreamDestroy(stream);
-  cudaFree(src);
-  cudaFree(dst);
+  bench::time_device_copy(state, bytes);
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "common/cuda_event_timer.hpp"
+#include "common/device_memory.cuh"
 
 #include <triattn/core/dtype.hpp>
 #include <triattn/cuda/algorithms/compression_round.cuh>
@@ -27,8 +28,11 @@ using namespace triattn;
 using T = bf16_storage;
 using triattn::bench::CudaEventTimer;
 using triattn::bench::L2Flusher;
+using triattn::bench::device_alloc;
+using triattn::bench::upload;
 
-constexpr double kReadRoofline = 4.49e12, kCopyRoofline = 4.25e12;
+using triattn::bench::kCopyRoofline;
+using triattn::bench::kReadRoofline;
 constexpr int kL = 36, kHq = 32, kHkv = 8, kD = 128, kLen = 2560, kBudget = 2048, kPage = 16;
 
 __global__ void fill_keys(std::uint16_t* p, std::size_t n, std::uint32_t seed) {
@@ -45,19 +49,6 @@ __global__ void fill_keys(std::uint16_t* p, std::size_t n, std::uint32_t seed) {
     const float g = sqrtf(-2.0f * logf(u)) * cospif(2.0f * v) * 1.5f;
     p[i] = static_cast<std::uint16_t>(__float_as_uint(g) >> 16);
   }
-}
-
-template <class U>
-U* device_alloc(std::size_t n) {
-  U* p = nullptr;
-  TRIATTN_BENCH_CUDA(cudaMalloc(&p, n * sizeof(U)));
-  return p;
-}
-template <class U>
-U* upload(const std::vector<U>& h) {
-  U* d = device_alloc<U>(h.size());
-  TRIATTN_BENCH_CUDA(cudaMemcpy(d, h.data(), h.size() * sizeof(U), cudaMemcpyHostToDevice));
-  return d;
 }
 
 QueryStats random_stats() {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "common/cuda_event_timer.hpp"
+#include "common/device_memory.cuh"
 
 #include <triattn/core/scoring_params.hpp>
 #include <triattn/cuda/algorithms/normalize.cuh>
@@ -22,8 +23,10 @@ namespace {
 using namespace triattn;
 using triattn::bench::CudaEventTimer;
 using triattn::bench::L2Flusher;
+using triattn::bench::device_alloc;
+using triattn::bench::upload;
 
-constexpr double kReadRoofline = 4.49e12;
+using triattn::bench::kReadRoofline;
 constexpr int kL = 36, kHq = 32, kHkv = 8, kBudget = 2048;
 
 __global__ void fill_scores(float* p, std::size_t n, std::uint32_t seed) {
@@ -37,19 +40,6 @@ __global__ void fill_scores(float* p, std::size_t n, std::uint32_t seed) {
     x ^= x >> 16;
     p[i] = 10.0f + 3.0f * (static_cast<float>(x) * (1.0f / 4294967296.0f) - 0.5f);
   }
-}
-
-template <class U>
-U* device_alloc(std::size_t n) {
-  U* p = nullptr;
-  TRIATTN_BENCH_CUDA(cudaMalloc(&p, n * sizeof(U)));
-  return p;
-}
-template <class U>
-U* upload(const std::vector<U>& h) {
-  U* d = device_alloc<U>(h.size());
-  TRIATTN_BENCH_CUDA(cudaMemcpy(d, h.data(), h.size() * sizeof(U), cudaMemcpyHostToDevice));
-  return d;
 }
 
 /// args: batch, tokens, mode (0 per_head, 1 per_layer_per_head, 2 union), stage (0 stats,
