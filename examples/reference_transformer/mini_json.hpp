@@ -17,6 +17,7 @@
 #include <vector>
 
 #include <triattn/core/error.hpp>
+#include <triattn/core/stats/json.hpp>
 
 namespace triattn_example::json {
 
@@ -167,73 +168,8 @@ class Parser {
     return d;
   }
 
-  static void put_utf8(std::string& out, std::uint32_t cp) {
-    if (cp < 0x80) {
-      out += static_cast<char>(cp);
-    } else if (cp < 0x800) {
-      out += static_cast<char>(0xC0 | (cp >> 6));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    } else if (cp < 0x10000) {
-      out += static_cast<char>(0xE0 | (cp >> 12));
-      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    } else {
-      out += static_cast<char>(0xF0 | (cp >> 18));
-      out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    }
-  }
-  std::uint32_t hex4() {
-    if (p_ + 4 > s_.size()) fail("short \\u escape");
-    std::uint32_t v = 0;
-    for (int i = 0; i < 4; ++i) {
-      const char h = s_[p_++];
-      v <<= 4;
-      if (h >= '0' && h <= '9') v |= static_cast<std::uint32_t>(h - '0');
-      else if (h >= 'a' && h <= 'f') v |= static_cast<std::uint32_t>(h - 'a' + 10);
-      else if (h >= 'A' && h <= 'F') v |= static_cast<std::uint32_t>(h - 'A' + 10);
-      else fail("bad \\u escape");
-    }
-    return v;
-  }
   std::string string() {
-    expect('"');
-    std::string out;
-    for (;;) {
-      if (p_ >= s_.size()) fail("unterminated string");
-      const char c = s_[p_++];
-      if (c == '"') break;
-      if (c != '\\') {
-        out += c;
-        continue;
-      }
-      if (p_ >= s_.size()) fail("unterminated escape");
-      const char e = s_[p_++];
-      switch (e) {
-        case '"': out += '"'; break;
-        case '\\': out += '\\'; break;
-        case '/': out += '/'; break;
-        case 'b': out += '\b'; break;
-        case 'f': out += '\f'; break;
-        case 'n': out += '\n'; break;
-        case 'r': out += '\r'; break;
-        case 't': out += '\t'; break;
-        case 'u': {
-          std::uint32_t cp = hex4();
-          if (cp >= 0xD800 && cp < 0xDC00 && s_.substr(p_, 2) == "\\u") {
-            p_ += 2;
-            const std::uint32_t lo = hex4();
-            if (lo < 0xDC00 || lo >= 0xE000) fail("bad surrogate pair");
-            cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
-          }
-          put_utf8(out, cp);
-          break;
-        }
-        default: fail(std::string("bad escape \\") + e);
-      }
-    }
-    return out;
+    return triattn::detail::read_json_string(s_, p_, [this](const std::string& what) { fail(what); });
   }
 
   std::string_view s_;

@@ -45,6 +45,82 @@ struct JsonValue {
   return "?";
 }
 
+/// Reads the JSON string literal that starts at s[pos] (the opening quote): all escapes, \u
+/// surrogate pairs to UTF-8, raw control characters rejected. Leaves pos after the closing quote.
+/// `fail(message)` must throw; it is called with pos at the offending byte.
+template <class Fail>
+[[nodiscard]] std::string read_json_string(std::string_view s, std::size_t& pos, Fail&& fail) {
+  const auto hex4 = [&] {
+    if (s.size() - pos < 4) fail("truncated \\u escape");
+    unsigned v = 0;
+    for (int i = 0; i < 4; ++i) {
+      const char c = s[pos++];
+      v <<= 4;
+      if (c >= '0' && c <= '9') v |= static_cast<unsigned>(c - '0');
+      else if (c >= 'a' && c <= 'f') v |= static_cast<unsigned>(c - 'a' + 10);
+      else if (c >= 'A' && c <= 'F') v |= static_cast<unsigned>(c - 'A' + 10);
+      else fail("bad hex digit in \\u escape");
+    }
+    return v;
+  };
+  const auto put_utf8 = [](std::string& out, unsigned cp) {
+    if (cp < 0x80) {
+      out += static_cast<char>(cp);
+    } else if (cp < 0x800) {
+      out += static_cast<char>(0xC0 | (cp >> 6));
+      out += static_cast<char>(0x80 | (cp & 0x3F));
+    } else if (cp < 0x10000) {
+      out += static_cast<char>(0xE0 | (cp >> 12));
+      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+      out += static_cast<char>(0x80 | (cp & 0x3F));
+    } else {
+      out += static_cast<char>(0xF0 | (cp >> 18));
+      out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+      out += static_cast<char>(0x80 | (cp & 0x3F));
+    }
+  };
+  if (pos >= s.size() || s[pos] != '"') fail("expected '\"'");
+  ++pos;
+  std::string out;
+  while (true) {
+    if (pos >= s.size()) fail("unterminated string (truncated)");
+    const char c = s[pos++];
+    if (c == '"') return out;
+    if (static_cast<unsigned char>(c) < 0x20) fail("raw control character in a string");
+    if (c != '\\') {
+      out += c;
+      continue;
+    }
+    if (pos >= s.size()) fail("unterminated escape (truncated)");
+    const char e = s[pos++];
+    switch (e) {
+      case '"': out += '"'; break;
+      case '\\': out += '\\'; break;
+      case '/': out += '/'; break;
+      case 'b': out += '\b'; break;
+      case 'f': out += '\f'; break;
+      case 'n': out += '\n'; break;
+      case 'r': out += '\r'; break;
+      case 't': out += '\t'; break;
+      case 'u': {
+        unsigned cp = hex4();
+        if (cp >= 0xDC00 && cp <= 0xDFFF) fail("unpaired low surrogate in \\u escape");
+        if (cp >= 0xD800 && cp <= 0xDBFF) {
+          if (s.size() - pos < 2 || s[pos] != '\\' || s[pos + 1] != 'u') fail("unpaired high surrogate");
+          pos += 2;
+          const unsigned lo = hex4();
+          if (lo < 0xDC00 || lo > 0xDFFF) fail("bad low surrogate");
+          cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+        }
+        put_utf8(out, cp);
+        break;
+      }
+      default: fail(std::string("bad escape \\") + e);
+    }
+  }
+}
+
 namespace json_impl {
 
 class Parser {
@@ -163,77 +239,8 @@ class Parser {
     return neg ? -static_cast<std::int64_t>(v) : static_cast<std::int64_t>(v);
   }
 
-  unsigned hex4() {
-    if (s_.size() - pos_ < 4) fail("truncated \\u escape");
-    unsigned v = 0;
-    for (int i = 0; i < 4; ++i) {
-      const char c = s_[pos_++];
-      v <<= 4;
-      if (c >= '0' && c <= '9') v |= static_cast<unsigned>(c - '0');
-      else if (c >= 'a' && c <= 'f') v |= static_cast<unsigned>(c - 'a' + 10);
-      else if (c >= 'A' && c <= 'F') v |= static_cast<unsigned>(c - 'A' + 10);
-      else fail("bad hex digit in \\u escape");
-    }
-    return v;
-  }
-
-  static void put_utf8(std::string& out, unsigned cp) {
-    if (cp < 0x80) {
-      out += static_cast<char>(cp);
-    } else if (cp < 0x800) {
-      out += static_cast<char>(0xC0 | (cp >> 6));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    } else if (cp < 0x10000) {
-      out += static_cast<char>(0xE0 | (cp >> 12));
-      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    } else {
-      out += static_cast<char>(0xF0 | (cp >> 18));
-      out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-      out += static_cast<char>(0x80 | (cp & 0x3F));
-    }
-  }
-
   std::string string() {
-    expect('"');
-    std::string out;
-    while (true) {
-      if (pos_ >= s_.size()) fail("unterminated string (truncated)");
-      const char c = s_[pos_++];
-      if (c == '"') return out;
-      if (static_cast<unsigned char>(c) < 0x20) fail("raw control character in a string");
-      if (c != '\\') {
-        out += c;
-        continue;
-      }
-      if (pos_ >= s_.size()) fail("unterminated escape (truncated)");
-      const char e = s_[pos_++];
-      switch (e) {
-        case '"': out += '"'; break;
-        case '\\': out += '\\'; break;
-        case '/': out += '/'; break;
-        case 'b': out += '\b'; break;
-        case 'f': out += '\f'; break;
-        case 'n': out += '\n'; break;
-        case 'r': out += '\r'; break;
-        case 't': out += '\t'; break;
-        case 'u': {
-          unsigned cp = hex4();
-          if (cp >= 0xDC00 && cp <= 0xDFFF) fail("unpaired low surrogate in \\u escape");
-          if (cp >= 0xD800 && cp <= 0xDBFF) {
-            if (s_.size() - pos_ < 2 || s_[pos_] != '\\' || s_[pos_ + 1] != 'u') fail("unpaired high surrogate");
-            pos_ += 2;
-            const unsigned lo = hex4();
-            if (lo < 0xDC00 || lo > 0xDFFF) fail("bad low surrogate");
-            cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
-          }
-          put_utf8(out, cp);
-          break;
-        }
-        default: fail(std::string("bad escape \\") + e);
-      }
-    }
+    return read_json_string(s_, pos_, [this](const std::string& what) { fail(what); });
   }
 
   std::string_view s_;
