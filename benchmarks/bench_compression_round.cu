@@ -38,12 +38,7 @@ constexpr int kL = 36, kHq = 32, kHkv = 8, kD = 128, kLen = 2560, kBudget = 2048
 __global__ void fill_keys(std::uint16_t* p, std::size_t n, std::uint32_t seed) {
   for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    std::uint32_t x = static_cast<std::uint32_t>(i) * 2654435761u ^ seed;
-    x ^= x >> 15;
-    x *= 2246822519u;
-    x ^= x >> 13;
-    x *= 3266489917u;
-    x ^= x >> 16;
+    const std::uint32_t x = bench::hash_index(i, seed);
     const float u = (static_cast<float>(x & 0xffffu) + 0.5f) / 65536.0f;
     const float v = (static_cast<float>(x >> 16) + 0.5f) / 65536.0f;
     const float g = sqrtf(-2.0f * logf(u)) * cospif(2.0f * v) * 1.5f;

@@ -32,12 +32,7 @@ constexpr int kL = 36, kHq = 32, kHkv = 8, kBudget = 2048;
 __global__ void fill_scores(float* p, std::size_t n, std::uint32_t seed) {
   for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    std::uint32_t x = static_cast<std::uint32_t>(i) * 2654435761u ^ seed;
-    x ^= x >> 15;
-    x *= 2246822519u;
-    x ^= x >> 13;
-    x *= 3266489917u;
-    x ^= x >> 16;
+    const std::uint32_t x = bench::hash_index(i, seed);
     p[i] = 10.0f + 3.0f * (static_cast<float>(x) * (1.0f / 4294967296.0f) - 0.5f);
   }
 }

@@ -33,15 +33,23 @@ template <class U>
   return d;
 }
 
+/// 32 well-mixed bits from (index, seed): the benchmarks' stateless device random source.
+__device__ __forceinline__ std::uint32_t hash_index(std::size_t i, std::uint32_t seed) {
+  std::uint32_t x = static_cast<std::uint32_t>(i) * 2654435761u ^ seed;
+  x ^= x >> 15;
+  x *= 2246822519u;
+  x ^= x >> 13;
+  x *= 3266489917u;
+  x ^= x >> 16;
+  return x;
+}
+
 /// bf16 patterns in ±[0.5, 2) from a hash of (index, seed): finite, no denormals, cheap.
 /// @param p [n] bf16 bit patterns
 __global__ void fill_random_bf16(std::uint16_t* p, std::size_t n, std::uint32_t seed) {
   for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    std::uint32_t x = static_cast<std::uint32_t>(i) * 2654435761u ^ seed;
-    x ^= x >> 15;
-    x *= 2246822519u;
-    x ^= x >> 13;
+    const std::uint32_t x = hash_index(i, seed);
     p[i] = static_cast<std::uint16_t>((x & 0x8000u) | ((126u + ((x >> 8) & 1u)) << 7) | (x & 0x7Fu));
   }
 }
