@@ -10,6 +10,11 @@
 set -uo pipefail
 # NVLink multicast stays off: a program that uses it can put a shared host's GPUs out of service.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# triattn dlopen()s libnccl.so.2; where it is not on the loader path, use the NCCL wheel's copy.
+if [ -z "${TRIATTN_NCCL_LIBRARY:-}" ] && ! ldconfig -p 2>/dev/null | grep -q 'libnccl\.so\.2'; then
+  NCCL_WHEEL_LIB=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null)
+  [ -n "$NCCL_WHEEL_LIB" ] && [ -f "$NCCL_WHEEL_LIB" ] && export TRIATTN_NCCL_LIBRARY=$NCCL_WHEEL_LIB
+fi
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 OUT_DIR=${1:-$ROOT/benchmarks/results/$(date +%F)}

@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstddef>
+#include <functional>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -195,6 +196,21 @@ class CpuBackend {
     for (int i = 0; i < n; ++i) x[i] += y[i];
   }
 
+  /// Tensor parallelism (tensor_parallel.hpp): `sum` adds a host array over the `ranks` ranks of
+  /// the group, in place, identically on every rank. Model calls all_reduce_sum after the
+  /// attention output and MLP down projections. Never set: a single rank.
+  void set_all_reduce(int ranks, std::function<void(std::span<float>)> sum) {
+    TRIATTN_EXPECTS(ranks >= 1 && (ranks == 1 || sum), "CpuBackend::set_all_reduce: ranks = " + std::to_string(ranks) +
+                                                           " must be >= 1, with a function when > 1");
+    tp_size_ = ranks;
+    all_reduce_ = ranks > 1 ? std::move(sum) : nullptr;
+  }
+  [[nodiscard]] int tp_size() const noexcept { return tp_size_; }
+  /// x[0..n) = sum over the ranks (a no-op for a single rank).
+  void all_reduce_sum(float* x, std::size_t n) {
+    if (all_reduce_) all_reduce_(std::span<float>(x, n));
+  }
+
   /// In-place softmax with max subtraction (run.c's order).
   static void softmax(float* x, int n) {
     float max_val = x[0];
@@ -209,6 +225,8 @@ class CpuBackend {
   }
 
  private:
+  int tp_size_ = 1;
+  std::function<void(std::span<float>)> all_reduce_;  // empty: single rank
   std::vector<float> att_;
   template <class T>
   std::vector<T>& scratch(int which) {

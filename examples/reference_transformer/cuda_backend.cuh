@@ -65,8 +65,11 @@
 
 #include "backend.hpp"
 #include "cuda_kernels.cuh"
+#include "gemv_stream_kernel.cuh"
 #include "model_config.hpp"
 #include "synthetic.hpp"
+#include "tensor_parallel.hpp"
+#include "tp_kernels.cuh"
 
 namespace triattn_example {
 
@@ -81,6 +84,8 @@ struct CudaBackendOptions {
   bool pdl = true;               ///< programmatic dependent launch between the backend's kernels
   bool fuse = true;              ///< fused epilogues, batched matmuls, RoPE + KV write in one pass
   bool direct_kv_write = false;  ///< the RoPE kernel writes K/V into the cache itself (else triattn's append kernel)
+  /// bf16 GEMVs of 1-2 rows: gemv_stream_kernel.cuh variant (0 = warp kernel); -1: TRIATTN_GEMV_VARIANT or the default
+  int gemv_variant = -1;
 };
 
 /// A KvCache in device memory without compression, and one running TriAttention rounds with
@@ -244,7 +249,7 @@ class Arena {
 
 // ---- recorded ops ----------------------------------------------------------------------------------
 
-enum class OpKind : std::uint8_t { kEmbed = 1, kRmsNorm, kMatmul, kBias, kRope, kWriteKv, kAttention, kSwiglu, kAdd };
+enum class OpKind : std::uint8_t { kEmbed = 1, kRmsNorm, kMatmul, kBias, kRope, kWriteKv, kAttention, kSwiglu, kAdd, kAllReduce };
 
 /// One recorded backend call, plain data (the graph signature is the byte image of the op list).
 struct Op {
@@ -421,38 +426,50 @@ class CudaBackend {
   }
 
   /// make_synthetic_weights(c, seed) generated directly on the device (same values: fp32 bitwise,
-  /// bf16 = those values rounded), for models too large for host memory.
-  [[nodiscard]] WeightStore generate_synthetic(const ModelConfig& c, std::uint64_t seed) const {
+  /// bf16 = those values rounded), for models too large for host memory. With `shard` (tensor
+  /// parallelism) only that rank's share, shard_weights(make_synthetic_weights(c, seed), shard):
+  /// a model of shard_config(c, shard).
+  [[nodiscard]] WeightStore generate_synthetic(const ModelConfig& c, std::uint64_t seed, TpRank shard = {}) const {
     c.validate();
-    s_->set_model(c);
+    const ModelConfig sc = shard_config(c, shard);  // sizes; the standard deviations stay the full model's
+    s_->set_model(sc);
     auto impl = std::make_shared<WeightStore::Impl>();
     impl->type = s_->opt.weights;
     WeightPtrs& p = impl->ptrs;
     const float s_dim = 1.0f / std::sqrt(static_cast<float>(c.dim));
     const float norm_std = 0.1f / 1.7320508f;
-    auto gen = [&](std::size_t n, SynthTensor id, float std_dev, float mean, bool is_matrix) {
-      return gen_tensor(*impl, n, seed, id, std_dev, mean, is_matrix && impl->type == WeightType::kBF16);
+    using gpu::ShardMap;
+    auto gen = [&](ShardMap map, SynthTensor id, float std_dev, float mean, bool is_matrix) {
+      return gen_tensor(*impl, map, seed, id, std_dev, mean, is_matrix && impl->type == WeightType::kBF16);
     };
-    p.tok_emb = gen(c.n_tok_emb(), SynthTensor::kTokEmb, 1.0f, 0.0f, true);
-    p.rms_att = gen(c.n_rms(), SynthTensor::kRmsAtt, norm_std, 1.0f, false);
-    p.wq = gen(c.n_wq(), SynthTensor::kWq, s_dim, 0.0f, true);
-    p.wk = gen(c.n_wkv(), SynthTensor::kWk, s_dim, 0.0f, true);
-    p.wv = gen(c.n_wkv(), SynthTensor::kWv, s_dim, 0.0f, true);
-    p.wo = gen(c.n_wo(), SynthTensor::kWo, 1.0f / std::sqrt(static_cast<float>(c.q_dim())), 0.0f, true);
-    p.rms_ffn = gen(c.n_rms(), SynthTensor::kRmsFfn, norm_std, 1.0f, false);
-    p.w1 = gen(c.n_mlp(), SynthTensor::kW1, s_dim, 0.0f, true);
-    p.w2 = gen(c.n_mlp(), SynthTensor::kW2, 1.0f / std::sqrt(static_cast<float>(c.hidden_dim)), 0.0f, true);
-    p.w3 = gen(c.n_mlp(), SynthTensor::kW3, s_dim, 0.0f, true);
-    p.rms_final = gen(static_cast<std::size_t>(c.dim), SynthTensor::kRmsFinal, norm_std, 1.0f, false);
-    p.wcls = c.shared_classifier ? p.tok_emb : gen(c.n_tok_emb(), SynthTensor::kWcls, 2.0f * s_dim, 0.0f, true);
+    auto whole = [](std::size_t n) { return ShardMap{1, n, 0, 0}; };
+    const std::size_t L = static_cast<std::size_t>(c.n_layers), D = static_cast<std::size_t>(c.dim);
+    const std::size_t QD = static_cast<std::size_t>(c.q_dim()), KVD = static_cast<std::size_t>(c.kv_dim());
+    const std::size_t H = static_cast<std::size_t>(c.hidden_dim), r = static_cast<std::size_t>(shard.rank);
+    const std::size_t qd = static_cast<std::size_t>(sc.q_dim()), kvd = static_cast<std::size_t>(sc.kv_dim());
+    const std::size_t h = static_cast<std::size_t>(sc.hidden_dim);
+    // tensor_parallel.hpp's split: row shards (one run per layer), column shards (one run per row)
+    const ShardMap q_rows{L, qd * D, QD * D, r * qd * D}, kv_rows{L, kvd * D, KVD * D, r * kvd * D};
+    const ShardMap o_cols{L * D, qd, QD, r * qd}, mlp_rows{L, h * D, H * D, r * h * D}, down_cols{L * D, h, H, r * h};
+    p.tok_emb = gen(whole(c.n_tok_emb()), SynthTensor::kTokEmb, 1.0f, 0.0f, true);
+    p.rms_att = gen(whole(c.n_rms()), SynthTensor::kRmsAtt, norm_std, 1.0f, false);
+    p.wq = gen(q_rows, SynthTensor::kWq, s_dim, 0.0f, true);
+    p.wk = gen(kv_rows, SynthTensor::kWk, s_dim, 0.0f, true);
+    p.wv = gen(kv_rows, SynthTensor::kWv, s_dim, 0.0f, true);
+    p.wo = gen(o_cols, SynthTensor::kWo, 1.0f / std::sqrt(static_cast<float>(c.q_dim())), 0.0f, true);
+    p.rms_ffn = gen(whole(c.n_rms()), SynthTensor::kRmsFfn, norm_std, 1.0f, false);
+    p.w1 = gen(mlp_rows, SynthTensor::kW1, s_dim, 0.0f, true);
+    p.w2 = gen(down_cols, SynthTensor::kW2, 1.0f / std::sqrt(static_cast<float>(c.hidden_dim)), 0.0f, true);
+    p.w3 = gen(mlp_rows, SynthTensor::kW3, s_dim, 0.0f, true);
+    p.rms_final = gen(whole(D), SynthTensor::kRmsFinal, norm_std, 1.0f, false);
+    p.wcls = c.shared_classifier ? p.tok_emb : gen(whole(c.n_tok_emb()), SynthTensor::kWcls, 2.0f * s_dim, 0.0f, true);
     if (c.has_qkv_bias) {
-      const std::size_t L = static_cast<std::size_t>(c.n_layers);
-      p.bq = gen(L * static_cast<std::size_t>(c.q_dim()), SynthTensor::kBq, kQueryBiasStd, 0.0f, false);
-      p.bk = zeros(*impl, L * static_cast<std::size_t>(c.kv_dim()));
-      p.bv = zeros(*impl, L * static_cast<std::size_t>(c.kv_dim()));
+      p.bq = gen(ShardMap{L, qd, QD, r * qd}, SynthTensor::kBq, kQueryBiasStd, 0.0f, false);
+      p.bk = zeros(*impl, L * kvd);
+      p.bv = zeros(*impl, L * kvd);
     }
     TRIATTN_CUDA_TRY(cudaStreamSynchronize(s_->stream));
-    finish_store(*impl, c);
+    finish_store(*impl, sc);
     WeightStore ws;
     ws.impl_ = std::move(impl);
     return ws;
@@ -536,7 +553,7 @@ class CudaBackend {
   void write_kv(Cache& cache, triattn::SeqId seq, int layer, int first_slot, const float* k, const float* v, int n,
                 int kv_dim) {
     static_assert(triattn::cuda::has_device_tables_v<Cache>,
-                  "CudaBackend needs a KvCache whose allocator publishes device tables (cuda::DeviceAllocator)");
+                  "CudaBackend needs a KvCache whose allocator publishes device tables (cuda::DeviceAllocator, cuda::VmmAllocator)");
     State& s = *s_;
     s.publish_once(cache);
     const triattn::CacheConfig& cfg = cache.config();
@@ -558,7 +575,7 @@ class CudaBackend {
   void attention(float* out, const float* q, std::span<const TokenInfo> rows, const Cache& cache, int layer,
                  const ModelConfig& c, const AttentionObserver* observer) {
     static_assert(triattn::cuda::has_device_tables_v<Cache>,
-                  "CudaBackend needs a KvCache whose allocator publishes device tables (cuda::DeviceAllocator)");
+                  "CudaBackend needs a KvCache whose allocator publishes device tables (cuda::DeviceAllocator, cuda::VmmAllocator)");
     if (observer != nullptr && *observer)
       throw triattn::unsupported(
           "CudaBackend: attention observers need the probabilities on the host; use the CPU backend for them");
@@ -613,6 +630,28 @@ class CudaBackend {
     o.y = gate;
     o.x2 = up;
     o.count = n;
+    s_->ops.push_back(o);
+  }
+
+  /// Tensor parallelism (tensor_parallel.hpp, tp_cuda.cuh): `sum` enqueues an in-place sum of
+  /// `count` device floats over the `ranks` ranks on `stream` (e.g. an NCCL all-reduce; it must be
+  /// capturable, steps are replayed from CUDA graphs) and throws on failure. Never set: one rank.
+  using AllReduceFn = std::function<void(float* x, std::size_t count, cudaStream_t stream)>;
+  void set_all_reduce(int ranks, AllReduceFn sum) const {
+    TRIATTN_EXPECTS(ranks >= 1 && (ranks == 1 || sum), "CudaBackend::set_all_reduce: ranks = " + std::to_string(ranks) +
+                                                           " must be >= 1, with a function when > 1");
+    s_->flush(FlushReason::kOther);
+    s_->tp_size = ranks;
+    s_->all_reduce = ranks > 1 ? std::move(sum) : nullptr;
+  }
+  [[nodiscard]] int tp_size() const noexcept { return s_->tp_size; }
+  /// x[0..n) = sum over the ranks, in stream order (records nothing for a single rank, so the
+  /// GEMV + residual-add fusions stay intact at tp 1).
+  void all_reduce_sum(float* x, std::size_t n) {
+    if (!s_->all_reduce) return;
+    cuda_detail::Op o = cuda_detail::make_op(cuda_detail::OpKind::kAllReduce);
+    o.y = x;
+    o.count = static_cast<long long>(n);
     s_->ops.push_back(o);
   }
 
@@ -714,6 +753,8 @@ class CudaBackend {
     std::map<std::pair<int, int>, int> resident;
     std::vector<unsigned char> seen;
     Stats stats;
+    int tp_size = 1;
+    AllReduceFn all_reduce;  // empty: a single rank
 
     explicit State(const Options& o) : opt(o) {
       TRIATTN_CUDA_TRY(cudaStreamCreate(&stream));  // blocking: legacy-stream copies wait for it
@@ -927,7 +968,8 @@ class CudaBackend {
     std::vector<unsigned char> signature() const {
       const void* extra[3] = {arena.device_base(), scratch_mem[kKt].get(), scratch_mem[kVt].get()};
       const unsigned char flags[4] = {static_cast<unsigned char>(opt.fuse), static_cast<unsigned char>(opt.pdl),
-                                      static_cast<unsigned char>(opt.direct_kv_write), 0};
+                                      static_cast<unsigned char>(opt.direct_kv_write),
+                                      static_cast<unsigned char>(opt.gemv_variant + 1)};
       std::vector<unsigned char> sig(ops.size() * sizeof(cuda_detail::Op) + sizeof extra + sizeof flags);
       unsigned char* out = sig.data();
       std::memcpy(out, ops.data(), ops.size() * sizeof(cuda_detail::Op));
@@ -1268,6 +1310,9 @@ class CudaBackend {
           break;
         case OpKind::kRope:
           return plan_rope_alone(i, items);
+        case OpKind::kAllReduce:
+          items.push_back([this, o] { all_reduce(o.y, static_cast<std::size_t>(o.count), stream); });
+          break;
         case OpKind::kWriteKv:
           items.push_back([this, o, blocks] {
             cuda_detail::dispatch_cache_type(static_cast<triattn::DType>(o.dtype), [&](auto, auto dtag) {
@@ -1366,6 +1411,14 @@ class CudaBackend {
         }
         return;
       }
+      if (bf16 && vec && p.n <= 2) {  // streaming GEMVs (gemv_stream_kernel.cuh); refused shapes go on below
+        gpu::GemvLaunch gl;
+        const int variant = opt.gemv_variant >= 0 ? opt.gemv_variant : gpu::gemv_default_variant();
+        if (gpu::plan_gemv_bf16_small(p, variant, sms, &gl).empty()) {
+          launch(gl.kernel, gl.grid, gl.block, gl.smem, gl.p);
+          return;
+        }
+      }
       int units = 0;
       for (int s = 0; s < p.nseg; ++s) {
         p.seg[s].first = units;
@@ -1429,22 +1482,24 @@ class CudaBackend {
     impl.mem.push_back(std::move(m));
     return cuda_detail::make_handle(id);
   }
-  const float* gen_tensor(WeightStore::Impl& impl, std::size_t n, std::uint64_t seed, SynthTensor id, float std_dev,
+  // The elements `map` selects of synthetic tensor `id` (the whole tensor: ShardMap{1, n, 0, 0}).
+  const float* gen_tensor(WeightStore::Impl& impl, gpu::ShardMap map, std::uint64_t seed, SynthTensor id, float std_dev,
                           float mean, bool bf16) const {
     const float scale = 1.7320508075688772f * std_dev;
+    const std::size_t n = static_cast<std::size_t>(map.count());
     const unsigned blocks = static_cast<unsigned>(std::min<std::size_t>((n + 255) / 256, 65536));
     if (bf16) {
       cuda_detail::DeviceMem m = cuda_detail::device_alloc(n * sizeof(__nv_bfloat16));
       if (n > 0)
-        gpu::synth_fill_kernel<__nv_bfloat16><<<blocks, 256, 0, s_->stream>>>(
-            static_cast<__nv_bfloat16*>(m.get()), n, seed, static_cast<unsigned>(id), scale, mean);
+        gpu::synth_fill_shard_kernel<__nv_bfloat16><<<blocks, 256, 0, s_->stream>>>(
+            static_cast<__nv_bfloat16*>(m.get()), map, seed, static_cast<unsigned>(id), scale, mean);
       TRIATTN_CUDA_TRY(cudaGetLastError());
       return add_handle(impl, std::move(m), n);
     }
     cuda_detail::DeviceMem m = cuda_detail::device_alloc(n * sizeof(float));
     if (n > 0)
-      gpu::synth_fill_kernel<float><<<blocks, 256, 0, s_->stream>>>(static_cast<float*>(m.get()), n, seed,
-                                                                     static_cast<unsigned>(id), scale, mean);
+      gpu::synth_fill_shard_kernel<float><<<blocks, 256, 0, s_->stream>>>(static_cast<float*>(m.get()), map, seed,
+                                                                           static_cast<unsigned>(id), scale, mean);
     TRIATTN_CUDA_TRY(cudaGetLastError());
     const float* p = static_cast<const float*>(m.get());
     impl.bytes += n * sizeof(float);
@@ -1479,6 +1534,12 @@ class CudaBackend {
 class DeviceCompressor {
  public:
   explicit DeviceCompressor(cudaStream_t stream) : stream_(stream) {}
+
+  /// Tensor parallelism: union rounds agree through `agree` (cuda::UnionAgreement's call, e.g. a
+  /// cuda::NcclUnionAgreement; see compression_round::plan) so every rank keeps tp 1's set. The
+  /// cache then holds the rank's KV heads and its scorer the rank's statistics slice. Empty: tp 1.
+  using AgreementFn = std::function<cudaError_t(std::uint8_t* flags, float* vmax, int batch, int max_len, cudaStream_t)>;
+  void set_agreement(AgreementFn agree) { agreement_ = std::move(agree); }
 
   /// Keep plans of one round for each of `seqs` (all must be active), without applying them.
   template <class Cache>
@@ -1580,10 +1641,24 @@ class DeviceCompressor {
   template <class T, class Cache>
   void run_plan(Cache& cache, const triattn::cuda::DeviceSelectParams& dsp, const triattn::cuda::RoundBatch& rb,
                 const triattn::cuda::DeviceKeepPlanView& pv, std::size_t ws_bytes) {
+    if (agreement_) {
+      // compression_round runs the agreement inside noexcept launchers
+      auto agree = [this](std::uint8_t* f, float* v, int b, int m, cudaStream_t st) noexcept {
+        try {
+          return agreement_(f, v, b, m, st);
+        } catch (...) {
+          return cudaErrorUnknown;
+        }
+      };
+      TRIATTN_CUDA_TRY(triattn::cuda::compression_round::plan(cache.template view<T>(), cache.scorer().device_model(),
+                                                               dsp, rb, pv, ws_.get(), ws_bytes, agree, stream_));
+      return;
+    }
     TRIATTN_CUDA_TRY(triattn::cuda::compression_round::plan(cache.template view<T>(), cache.scorer().device_model(), dsp,
                                                              rb, pv, ws_.get(), ws_bytes, stream_));
   }
 
+  AgreementFn agreement_;  // empty: tp 1
   cudaStream_t stream_ = nullptr;
   cuda_detail::DeviceMem io_, ws_;
   std::size_t io_bytes_ = 0, ws_bytes_ = 0;

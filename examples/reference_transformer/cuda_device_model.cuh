@@ -7,6 +7,8 @@
 // stay on the device (greedy tokens come back through a device argmax). The benchmark
 // (benchmarks/bench_decode_step.cu) times it; tests/cuda/test_reference_transformer_gpu.cu checks
 // that its logits equal Model<CudaBackend>'s bit for bit. Keep the two in step when model.hpp changes.
+// Tensor parallel: give it shard_config(full, rank) and generate_synthetic(full, seed, rank) on a
+// backend with set_all_reduce (tp_cuda.cuh); it all-reduces where Model does.
 #pragma once
 
 #include <cstddef>
@@ -151,12 +153,14 @@ class DeviceDecoder {
         backend_.template write_kv<T>(cache, seqs[i], l, slots_[i], k + i * KVD, v + i * KVD, 1, c.kv_dim());
       backend_.template attention<T>(att, q, rows, cache, l, c, nullptr);
       backend_.matmul(xb2, w.wo + L * D * QD, att, n, c.dim, c.q_dim());
+      backend_.all_reduce_sum(xb2, N * D);  // tensor parallel (set_all_reduce); records nothing at tp 1
       backend_.add(x, xb2, n * c.dim);
       backend_.rmsnorm(xb, x, w.rms_ffn + L * D, n, c.dim, c.rms_eps);
       backend_.matmul(h1, w.w1 + L * H * D, xb, n, c.hidden_dim, c.dim);
       backend_.matmul(h3, w.w3 + L * H * D, xb, n, c.hidden_dim, c.dim);
       backend_.swiglu(h1, h3, n * c.hidden_dim);
       backend_.matmul(xb, w.w2 + L * D * H, h1, n, c.dim, c.hidden_dim);
+      backend_.all_reduce_sum(xb, N * D);
       backend_.add(x, xb, n * c.dim);
     }
   }

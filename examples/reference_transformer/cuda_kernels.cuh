@@ -6,7 +6,8 @@
 //   rmsnorm_kernel          one CTA per row, run.c's arithmetic (mean of squares, 1/sqrt, w * (s * x))
 //   gemv_warp_kernel        y = W x for few rows (bf16: n <= 2, fp32: any n): one warp per output row
 //                           (two rows when a SwiGLU pair is fused), 16-byte streaming loads of W
-//                           (8 loads in flight per lane), fp32 x from L1, fp32 accumulation
+//                           (8 loads in flight per lane), fp32 x from L1, fp32 accumulation;
+//                           bf16 with n <= 2 goes to gemv_stream_kernel.cuh's streaming variants
 //   gemv_mma_kernel         bf16 W, n >= 3 rows: mma.sync m16n8k16 with W fragments straight from
 //                           16-byte global loads, x rounded to bf16 on the fly, split-K over the
 //                           CTA's warps with a fixed-order reduction (deterministic)

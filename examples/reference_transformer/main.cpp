@@ -9,11 +9,16 @@
 //   reference_transformer --stats stats.safetensors --budget 64 --divide-length 16 --steps 400
 //   reference_transformer --synthetic tiny --steps 64
 //   reference_transformer --device gpu --synthetic small --weight-dtype bf16 --kv-dtype bf16
+//   reference_transformer --tp 2 --stats stats.safetensors --budget 64 --divide-length 16
 //
 // The model code (model.hpp) is written against a backend interface (backend.hpp): --device cpu
 // runs CpuBackend, --device gpu CudaBackend (cuda_backend.cuh) with the cache in device memory and
 // TriAttention rounds on the device. Built without CUDA (TRIATTN_ENABLE_CUDA=OFF), this file is
 // compiled as C++ and --device gpu is refused; with CUDA it is compiled through main_gpu.cu.
+// --tp N runs the model tensor-parallel (tensor_parallel.hpp): N ranks in N threads, each with its
+// shard of the weights, its own KvCache over its KV heads and its statistics slice; on the CPU
+// they all-reduce through triattn::tp::ThreadTeamCollective, on the GPU rank r runs on device r
+// and all-reduces through NCCL (tp_cuda.cuh).
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -33,20 +38,26 @@
 #include <triattn/core/policy/host_backend.hpp>
 #include <triattn/core/policy/host_compactor.hpp>
 #include <triattn/core/policy/static_allocator.hpp>
+#include <triattn/core/policy/tensor_parallel_selector.hpp>
 #include <triattn/core/policy/topk_selector.hpp>
 #include <triattn/core/policy/triattention_scorer.hpp>
 #include <triattn/core/stats/calibrator.hpp>
 #include <triattn/core/stats/pt_loader.hpp>
 #include <triattn/core/stats/safetensors.hpp>
+#include <triattn/core/stats/slice.hpp>
+#include <triattn/core/tp/collective.hpp>
+#include <triattn/core/tp/rank_geometry.hpp>
 
 #if defined(TRIATTN_EXAMPLE_CUDA)
 #include "cuda_backend.cuh"
+#include "tp_cuda.cuh"
 #endif
 #include "generate.hpp"
 #include "llama2c.hpp"
 #include "model.hpp"
 #include "sampler.hpp"
 #include "synthetic.hpp"
+#include "tensor_parallel.hpp"
 
 #ifndef TRIATTN_SHARED_DATA_DIR
 #define TRIATTN_SHARED_DATA_DIR "../shared/data"
@@ -61,6 +72,10 @@ using PlainCache = triattn::KvCache<triattn::StaticAllocator<triattn::HostBacken
 /// A cache that runs TriAttention rounds: compress_if_needed() scores, selects and compacts.
 using TriCache = triattn::KvCache<triattn::StaticAllocator<triattn::HostBackend>, triattn::HostCompactor,
                                   triattn::TriAttentionScorer, triattn::TopKSelector>;
+/// One tensor-parallel rank's compressing cache: union rounds agree through the team's all-reduce.
+using TpTriCache = triattn::KvCache<triattn::StaticAllocator<triattn::HostBackend>, triattn::HostCompactor,
+                                    triattn::TriAttentionScorer,
+                                    triattn::TensorParallelTopKSelector<triattn::tp::ThreadTeamCollective>>;
 
 struct Options {
   std::string model_path;       // empty = default
@@ -85,6 +100,8 @@ struct Options {
   std::string device = "cpu";   // cpu | gpu
   bool weights_bf16 = false;     // GPU: matrices stored as bf16
   bool no_graphs = false;        // GPU: launch decode steps kernel by kernel
+  int tp = 1;                    // tensor-parallel ranks
+  triattn::PruningMode mode = triattn::PruningMode::kPerHead;
 };
 
 #if defined(TRIATTN_EXAMPLE_CUDA)
@@ -111,6 +128,7 @@ void usage() {
       "  --budget B            tokens kept per compression round (default 2048)\n"
       "  --divide-length D     compress when the cache reaches B + D (default 128)\n"
       "  --no-compress         ignore --stats' compression\n"
+      "  --pruning MODE        per_head (default) | per_layer_per_head | union\n"
       "  --calibrate OUT       record pre-RoPE query statistics over the run, save to OUT (.safetensors)\n"
       "  --kv-dtype T          f32 (default) | bf16 | f16\n"
       "  --block-size N        tokens per KV block (default 16)\n"
@@ -118,7 +136,9 @@ void usage() {
       "  --quiet               do not stream the text\n"
       "  --device D            cpu (default) | gpu (needs a build with TRIATTN_ENABLE_CUDA=ON)\n"
       "  --weight-dtype T      gpu: f32 (default) | bf16 weight matrices\n"
-      "  --no-graphs           gpu: launch every decode step kernel by kernel (no CUDA graphs)\n",
+      "  --no-graphs           gpu: launch every decode step kernel by kernel (no CUDA graphs)\n"
+      "  --tp N                tensor parallelism over N ranks (threads; gpu: devices 0..N-1, NCCL);\n"
+      "                        N must divide the query heads, KV heads and MLP width (default 1)\n",
       TRIATTN_SHARED_DATA_DIR);
 }
 
@@ -171,6 +191,13 @@ Options parse_args(int argc, char** argv) {
     else if (a == "--stats") o.stats_path = need(i);
     else if (a == "--calibrate") o.calibrate_out = need(i);
     else if (a == "--no-compress") o.no_compress = true;
+    else if (a == "--pruning") {
+      const std::string v = need(i);
+      if (v == "per_head") o.mode = triattn::PruningMode::kPerHead;
+      else if (v == "per_layer_per_head") o.mode = triattn::PruningMode::kPerLayerPerHead;
+      else if (v == "union") o.mode = triattn::PruningMode::kUnion;
+      else throw std::runtime_error("--pruning: '" + v + "' is not per_head, per_layer_per_head or union");
+    }
     else if (a == "--kv-dtype") {
       const std::string v = need(i);
       if (v == "f32") o.kv_dtype = triattn::DType::kF32;
@@ -189,12 +216,16 @@ Options parse_args(int argc, char** argv) {
       else if (v == "bf16") o.weights_bf16 = true;
       else throw std::runtime_error("--weight-dtype: '" + v + "' is not f32 or bf16");
     } else if (a == "--no-graphs") o.no_graphs = true;
+    else if (a == "--tp") o.tp = to_int(a, need(i));
     else throw std::runtime_error("unknown option '" + a + "' (--help lists them)");
   }
   if (o.steps < 0) throw std::runtime_error("--steps must be >= 0");
   if (o.temperature < 0) throw std::runtime_error("--temperature must be >= 0");
   if (!(o.top_p > 0)) throw std::runtime_error("--top-p must be > 0");
   if (o.block_size <= 0) throw std::runtime_error("--block-size must be positive");
+  if (o.tp < 1) throw std::runtime_error("--tp must be >= 1");
+  if (o.tp > 1 && !o.calibrate_out.empty())
+    throw std::runtime_error("--calibrate records the whole model's query heads; run it with --tp 1");
   if (!o.calibrate_out.empty() && !o.stats_path.empty())
     throw std::runtime_error("--calibrate and --stats exclude each other (calibration runs uncompressed)");
   if (o.device == "gpu" && !kHaveCuda)
@@ -284,10 +315,23 @@ void print_status(const Cache& cache, std::span<const ex::SequenceResult> res) {
 /// Runs one compression round per triggered sequence (default: cache.compress_if_needed).
 using CompressFn = std::function<std::vector<triattn::CompressionReport>(std::span<const triattn::SeqId>)>;
 
+/// Tensor parallelism: which rank run() is, and where it leaves its KV memory at the end.
+struct RankSlot {
+  int rank = 0;
+  std::vector<triattn::MemoryStats>* kv = nullptr;  // [tp] one entry per rank
+};
+
 template <class Cache, class ModelT>
 int run(ModelT& model, Cache& cache, const TextCodec& codec, const std::vector<std::vector<int>>& prompts,
-        const Options& o, triattn::Calibrator* calibrator, CompressFn compress_fn = {}) {
+        const Options& o_in, triattn::Calibrator* calibrator, CompressFn compress_fn = {}, RankSlot rank = {}) {
   constexpr bool kCompress = !std::is_same_v<typename Cache::scorer_type, triattn::NoScorer>;
+  // Every rank generates the same tokens; only rank 0 talks.
+  Options o = o_in;
+  if (rank.rank != 0) {
+    o.quiet = true;
+    o.report_every = 0;
+  }
+  const bool speak = rank.rank == 0;
   const bool stream = !o.quiet && prompts.size() == 1;
   std::vector<ex::Sampler> samplers;
   for (std::size_t i = 0; i < prompts.size(); ++i) samplers.emplace_back(o.temperature, o.top_p, o.seed + i);
@@ -340,6 +384,11 @@ int run(ModelT& model, Cache& cache, const TextCodec& codec, const std::vector<s
                                                      std::span<ex::Sampler>(samplers), go, cb, &st);
   const double total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
   if (stream) std::printf("\n");
+  if (rank.kv != nullptr) (*rank.kv)[static_cast<std::size_t>(rank.rank)] = cache.memory();
+  if (!speak) {
+    for (const auto& r : res) cache.release(r.seq);
+    return 0;
+  }
 
   if (!o.quiet && prompts.size() > 1) {
     for (std::size_t i = 0; i < res.size(); ++i) {
@@ -355,10 +404,14 @@ int run(ModelT& model, Cache& cache, const TextCodec& codec, const std::vector<s
   }
 
   std::fprintf(stderr, "\n=== summary ===\n");
+  const ex::ModelConfig& full = model.full_config();
   std::fprintf(stderr, "model %s (%d layers, dim %d, %d q / %d kv heads, d %d, vocab %d), backend %s, KV %s\n",
-               model.config().name.c_str(), model.config().n_layers, model.config().dim, model.config().n_heads,
-               model.config().n_kv_heads, model.config().head_dim, model.config().vocab_size,
-               ModelT::backend_type::kName, triattn::dtype_name(cache.config().dtype));
+               full.name.c_str(), full.n_layers, full.dim, full.n_heads, full.n_kv_heads, full.head_dim,
+               full.vocab_size, ModelT::backend_type::kName, triattn::dtype_name(cache.config().dtype));
+  if (model.tp().size > 1)
+    std::fprintf(stderr, "tensor parallel: %d ranks, each %d q / %d kv heads and %d of %d MLP columns (KV below: rank 0)\n",
+                 model.tp().size, model.config().n_heads, model.config().n_kv_heads, model.config().hidden_dim,
+                 full.hidden_dim);
   std::fprintf(stderr, "compression: %s\n",
                kCompress ? ("TriAttention, budget " + std::to_string(o.budget) + ", divide_length " +
                             std::to_string(o.divide_length))
@@ -446,6 +499,7 @@ int run_gpu(const Options& o, const ex::ModelWeights& weights, const TextCodec& 
   triattn::SelectionParams sel;
   sel.budget = o.budget;
   sel.divide_length = o.divide_length;
+  sel.mode = o.mode;
   ex::GpuTriCache cache(cfg, triattn::cuda::DeviceCompactor(backend.stream()),
                         triattn::cuda::TriAttentionDeviceScorer(stats, rope, triattn::ScoringParams{}, mc.n_kv_heads,
                                                                 backend.stream()),
@@ -453,6 +507,110 @@ int run_gpu(const Options& o, const ex::ModelWeights& weights, const TextCodec& 
   ex::DeviceCompressor compressor(backend.stream());  // score + select on the device, compaction by the cache
   return run(model, cache, codec, prompts, o, nullptr,
              [&](std::span<const triattn::SeqId> live) { return compressor.compress_if_needed(cache, live); });
+}
+#endif
+
+/// After a tensor-parallel run: what each rank's cache holds.
+void print_rank_kv(const std::vector<triattn::MemoryStats>& kv) {
+  std::fprintf(stderr, "per-rank KV (each rank caches its own KV heads of every token):\n");
+  for (std::size_t r = 0; r < kv.size(); ++r)
+    std::fprintf(stderr, "  rank %zu: %s live, %s in used blocks, %s resident, %lld cached / %lld logical tokens\n", r,
+                 human_bytes(static_cast<double>(kv[r].bytes_live)).c_str(),
+                 human_bytes(static_cast<double>(kv[r].bytes_in_used_blocks)).c_str(),
+                 human_bytes(static_cast<double>(kv[r].bytes_resident)).c_str(),
+                 static_cast<long long>(kv[r].cached_tokens), static_cast<long long>(kv[r].logical_tokens));
+}
+
+/// Rank `rank`'s share of the statistics (its query heads), checked against its geometry.
+triattn::QueryStats rank_stats(const triattn::QueryStats& full, const ex::ModelConfig& mc, int rank, int tp) {
+  const triattn::tp::TpGeometry geo(tp, rank, mc.geometry());
+  triattn::QueryStats s = triattn::slice_for_rank(full, rank, tp, mc.n_kv_heads);
+  triattn::tp::check_stats_for_rank(s, geo);
+  return s;
+}
+
+/// The CPU path with --tp N: N ranks in N threads, all-reduce through a ThreadTeamCollective.
+int run_cpu_tp(const Options& o, const ex::ModelWeights& weights, const TextCodec& codec,
+               const std::vector<std::vector<int>>& prompts, bool compress) {
+  const ex::ModelConfig& mc = weights.config;
+  ex::check_tp(mc, ex::TpRank{0, o.tp});  // before the threads start: a bad split fails here, once
+  triattn::QueryStats stats;
+  if (compress) stats = load_stats(o.stats_path, mc);
+  triattn::tp::ThreadTeam team(o.tp);
+  std::vector<triattn::MemoryStats> kv(static_cast<std::size_t>(o.tp));
+  ex::run_ranks(o.tp, [&](int r) {
+    triattn::tp::ThreadTeamCollective comm(team, r);
+    ex::Model<ex::CpuBackend> model(weights, ex::TpRank{r, o.tp}, ex::cpu_backend_for(comm));
+    const ex::ModelConfig& local = model.config();
+    const triattn::CacheConfig cfg = make_cache_config(local, prompts, o, compress);  // this rank's KV heads
+    if (!compress) {
+      PlainCache cache(cfg);
+      (void)run(model, cache, codec, prompts, o, nullptr, {}, RankSlot{r, &kv});
+      return;
+    }
+    triattn::RopeConfig rope;
+    rope.style = mc.rope_style;
+    rope.theta = mc.rope_theta;
+    triattn::SelectionParams sel;
+    sel.budget = o.budget;
+    sel.divide_length = o.divide_length;
+    sel.mode = o.mode;
+    TpTriCache cache(cfg, triattn::TriAttentionScorer(rank_stats(stats, mc, r, o.tp), rope, triattn::ScoringParams{},
+                                                      local.n_kv_heads),
+                     triattn::TensorParallelTopKSelector<triattn::tp::ThreadTeamCollective>(
+                         sel, comm, triattn::tp::TpGeometry(o.tp, r, mc.geometry())));
+    (void)run(model, cache, codec, prompts, o, nullptr, {}, RankSlot{r, &kv});
+  });
+  print_rank_kv(kv);
+  return 0;
+}
+
+#if defined(TRIATTN_EXAMPLE_CUDA)
+/// The GPU path with --tp N: rank r on device r, all-reduces and union agreement over NCCL.
+int run_gpu_tp(const Options& o, const ex::ModelWeights& weights, const TextCodec& codec,
+               const std::vector<std::vector<int>>& prompts, bool compress) {
+  const ex::ModelConfig& mc = weights.config;
+  ex::check_tp(mc, ex::TpRank{0, o.tp});  // before any thread or communicator exists
+  if (compress && !triattn::cuda::is_supported_head_dim(mc.head_dim))
+    throw std::runtime_error("--device gpu with --stats: the GPU scoring kernels are compiled for head_dim 64 and 128, " +
+                             mc.name + " has head_dim " + std::to_string(mc.head_dim));
+  triattn::QueryStats stats;
+  if (compress) stats = load_stats(o.stats_path, mc);
+  std::vector<triattn::MemoryStats> kv(static_cast<std::size_t>(o.tp));
+  ex::run_gpu_ranks(o.tp, [&](int r, triattn::cuda::NcclCommunicator& comm) {
+    ex::CudaBackendOptions bo;
+    bo.weights = o.weights_bf16 ? ex::WeightType::kBF16 : ex::WeightType::kF32;
+    bo.graphs = !o.no_graphs;
+    ex::CudaBackend backend(bo);
+    ex::attach_nccl(backend, comm);
+    ex::Model<ex::CudaBackend> model(weights, ex::TpRank{r, o.tp}, backend);
+    const ex::ModelConfig& local = model.config();
+    const triattn::CacheConfig cfg = make_cache_config(local, prompts, o, compress);  // this rank's KV heads
+    if (!compress) {
+      ex::GpuPlainCache cache(cfg, triattn::cuda::DeviceCompactor(backend.stream()));
+      (void)run(model, cache, codec, prompts, o, nullptr, {}, RankSlot{r, &kv});
+      return;
+    }
+    triattn::RopeConfig rope;
+    rope.style = mc.rope_style;
+    rope.theta = mc.rope_theta;
+    triattn::SelectionParams sel;
+    sel.budget = o.budget;
+    sel.divide_length = o.divide_length;
+    sel.mode = o.mode;
+    ex::GpuTriCache cache(cfg, triattn::cuda::DeviceCompactor(backend.stream()),
+                          triattn::cuda::TriAttentionDeviceScorer(rank_stats(stats, mc, r, o.tp), rope,
+                                                                  triattn::ScoringParams{}, local.n_kv_heads,
+                                                                  backend.stream()),
+                          triattn::TopKSelector(sel));
+    ex::DeviceCompressor compressor(backend.stream());
+    ex::attach_nccl(compressor, comm);  // union: one keep set for every rank
+    (void)run(model, cache, codec, prompts, o, nullptr,
+              [&](std::span<const triattn::SeqId> live) { return compressor.compress_if_needed(cache, live); },
+              RankSlot{r, &kv});
+  });
+  print_rank_kv(kv);
+  return 0;
 }
 #endif
 
@@ -517,8 +675,10 @@ int real_main(int argc, char** argv) {
 
   const triattn::CacheConfig cfg = make_cache_config(mc, prompts, o, compress);
 #if defined(TRIATTN_EXAMPLE_CUDA)
+  if (o.device == "gpu" && o.tp > 1) return run_gpu_tp(o, weights, codec, prompts, compress);
   if (o.device == "gpu") return run_gpu(o, weights, codec, prompts, cfg, compress, calibrator.get());
 #endif
+  if (o.tp > 1) return run_cpu_tp(o, weights, codec, prompts, compress);
   ex::Model<ex::CpuBackend> model(weights);
   if (!compress) {
     PlainCache cache(cfg);
@@ -531,6 +691,7 @@ int real_main(int argc, char** argv) {
   triattn::SelectionParams sel;
   sel.budget = o.budget;
   sel.divide_length = o.divide_length;
+  sel.mode = o.mode;
   TriCache cache(cfg, triattn::TriAttentionScorer(stats, rope, triattn::ScoringParams{}, mc.n_kv_heads),
                  triattn::TopKSelector(sel));
   return run(model, cache, codec, prompts, o, nullptr);

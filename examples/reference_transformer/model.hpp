@@ -15,8 +15,10 @@
 #pragma once
 
 #include <cmath>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -31,6 +33,7 @@
 #include "backend.hpp"
 #include "cpu_backend.hpp"
 #include "model_config.hpp"
+#include "tensor_parallel.hpp"
 
 namespace triattn_example {
 
@@ -74,7 +77,43 @@ class Model {
 
   /// `weights` must outlive the model (backends may keep pointers into it).
   explicit Model(const ModelWeights& weights, Backend backend = Backend{})
-      : config_((weights.validate(), weights.config)), backend_(std::move(backend)), store_(backend_.upload(weights)) {
+      : Model(nullptr, weights, TpRank{}, std::move(backend)) {}
+
+  /// Rank tp.rank of a tensor-parallel group of tp.size (tensor_parallel.hpp): the model runs its
+  /// shard of `full` (copied, so `full` may go away; with tp.size 1 nothing is copied and `full`
+  /// must outlive the model). config() is then the shard's (Hq, Hkv, hidden divided by tp.size):
+  /// the cache gets that geometry. For tp.size > 1 the backend must carry the group's all-reduce
+  /// (backend.tp_size() == tp.size). @throws triattn::logic_error when the model cannot be split.
+  Model(const ModelWeights& full, TpRank tp, Backend backend = Backend{})
+      : Model(tp.size > 1 ? std::make_shared<const ModelWeights>(shard_weights(full, tp)) : nullptr, full, tp,
+              std::move(backend)) {}
+
+  [[nodiscard]] TpRank tp() const noexcept { return tp_; }
+  /// The whole model's config (equals config() at tp 1).
+  [[nodiscard]] const ModelConfig& full_config() const noexcept { return full_config_; }
+
+ private:
+  Model(std::shared_ptr<const ModelWeights> shard, const ModelWeights& full, TpRank tp, Backend backend)
+      : shard_(std::move(shard)),
+        tp_((check_tp(full.config, tp), tp)),
+        full_config_(full.config),
+        config_(((shard_ ? *shard_ : full).validate(), (shard_ ? *shard_ : full).config)),
+        backend_(std::move(backend)),
+        store_(backend_.upload(shard_ ? *shard_ : full)) {
+    if (tp_.size > 1) {
+      if constexpr (requires(Backend& b, float* p) {
+                      { b.tp_size() } -> std::convertible_to<int>;
+                      b.all_reduce_sum(p, std::size_t{1});
+                    }) {
+        TRIATTN_EXPECTS(backend_.tp_size() == tp_.size,
+                        "Model: rank " + std::to_string(tp_.rank) + " of tp = " + std::to_string(tp_.size) +
+                            " needs a backend whose all-reduce spans " + std::to_string(tp_.size) + " ranks, it spans " +
+                            std::to_string(backend_.tp_size()) + " (set_all_reduce)");
+      } else {
+        throw triattn::unsupported(std::string("Model: backend ") + Backend::kName +
+                                   " has no all_reduce_sum / tp_size: it cannot run tensor-parallel");
+      }
+    }
     rope_.style = config_.rope_style;
     rope_.f32_angles = config_.rope_f32_angles;
     triattn::RopeConfig rc;
@@ -84,6 +123,7 @@ class Model {
     rope_.inv_freq_f32 = triattn::rope_inv_freq_f32(config_.head_dim, static_cast<float>(config_.rope_theta));
   }
 
+ public:
   [[nodiscard]] const ModelConfig& config() const noexcept { return config_; }
   [[nodiscard]] triattn::ModelGeometry geometry() const noexcept { return config_.geometry(); }
   [[nodiscard]] Backend& backend() noexcept { return backend_; }
@@ -179,6 +219,14 @@ class Model {
     return {};
   }
 
+  // The only cross-rank step (tensor_parallel.hpp); nothing at tp 1, so single-rank backends
+  // keep their fusions (e.g. a GEMV with the residual add as its epilogue).
+  void all_reduce(float* p, std::size_t n) {
+    if constexpr (requires { backend_.all_reduce_sum(p, n); }) {
+      if (tp_.size > 1) backend_.all_reduce_sum(p, n);
+    }
+  }
+
   void ensure(typename Backend::Buffer& b, std::size_t n) {
     if (backend_.size(b) < n) b = backend_.alloc(n);
   }
@@ -234,12 +282,14 @@ class Model {
       }
       backend_.template attention<T>(att, q, rows, cache, l, c, att_observer_ ? &att_observer_ : nullptr);
       backend_.matmul(xb2, w.wo + L * D * QD, att, n, c.dim, c.q_dim());
+      all_reduce(xb2, N * D);  // tensor parallel: sum of the ranks' partial projections
       backend_.add(x, xb2, n * c.dim);
       backend_.rmsnorm(xb, x, w.rms_ffn + L * D, n, c.dim, c.rms_eps);
       backend_.matmul(h1, w.w1 + L * H * D, xb, n, c.hidden_dim, c.dim);
       backend_.matmul(h3, w.w3 + L * H * D, xb, n, c.hidden_dim, c.dim);
       backend_.swiglu(h1, h3, n * c.hidden_dim);
       backend_.matmul(xb, w.w2 + L * D * H, h1, n, c.dim, c.hidden_dim);
+      all_reduce(xb, N * D);
       backend_.add(x, xb, n * c.dim);
     }
   }
@@ -269,6 +319,9 @@ class Model {
     out.logits.assign(host, host + pick.size() * V);
   }
 
+  std::shared_ptr<const ModelWeights> shard_;  // this rank's weights when tp > 1 (else the caller's)
+  TpRank tp_;
+  ModelConfig full_config_;
   ModelConfig config_;
   Backend backend_;
   typename Backend::WeightStore store_;

@@ -28,8 +28,11 @@
 #include <triattn/cuda/kernels/score_kernel.cuh>
 #include <triattn/cuda/kernels/select_kernel.cuh>
 #include <triattn/cuda/kernels/snapkv_kernel.cuh>
+#include <triattn/cuda/kernels/union_agreement_kernel.cuh>
 #include <triattn/cuda/launch.cuh>
 #include <triattn/cuda/policy/device_compactor.cuh>
 #include <triattn/cuda/policy/triattention_device_scorer.cuh>
+#include <triattn/cuda/tp/nccl_communicator.cuh>
+#include <triattn/cuda/tp/nccl_union_agreement.cuh>
 #include <triattn/cuda/tuning/sm90.cuh>
 #include <triattn/cuda/types.cuh>

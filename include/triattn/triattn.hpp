@@ -21,6 +21,7 @@
 #include <triattn/core/policy/recency_scorer.hpp>
 #include <triattn/core/policy/snapkv_scorer.hpp>
 #include <triattn/core/policy/static_allocator.hpp>
+#include <triattn/core/policy/tensor_parallel_selector.hpp>
 #include <triattn/core/policy/topk_selector.hpp>
 #include <triattn/core/policy/triattention_scorer.hpp>
 #include <triattn/core/ref/attention.hpp>
@@ -32,6 +33,9 @@
 #include <triattn/core/rope_types.hpp>
 #include <triattn/core/scoring_params.hpp>
 #include <triattn/core/stats.hpp>
+#include <triattn/core/tp/collective.hpp>
+#include <triattn/core/tp/rank_geometry.hpp>
+#include <triattn/core/tp/select.hpp>
 #include <triattn/core/trigger.hpp>
 #include <triattn/core/vmm/driver_api.hpp>
 #include <triattn/core/vmm/vmm_allocator_core.hpp>

@@ -86,4 +86,29 @@ template <class F>
   return reinterpret_cast<std::uintptr_t>(p) % bytes == 0;
 }
 
+/// Dynamic shared memory a kernel has been opted into, per device. cudaFuncSetAttribute acts on
+/// the current device only, so a process driving several GPUs (tensor parallelism) opts in on
+/// each; after that, launches (also inside a graph capture) make no attribute call. Keep one
+/// static instance per kernel instantiation.
+class DynamicSmemGrant {
+ public:
+  template <class Kernel>
+  [[nodiscard]] cudaError_t ensure(Kernel kernel, std::size_t smem) noexcept {
+    if (smem <= kDefaultLimit) return cudaSuccess;
+    int dev = 0;
+    TRIATTN_CUDA_RETURN_IF_ERROR(cudaGetDevice(&dev));
+    std::atomic<std::size_t>* slot = dev >= 0 && dev < kMaxDevices ? &granted_[dev] : nullptr;
+    if (slot != nullptr && smem <= slot->load(std::memory_order_relaxed)) return cudaSuccess;
+    const cudaError_t e =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (e == cudaSuccess && slot != nullptr) slot->store(smem, std::memory_order_relaxed);  // a race repeats the call
+    return e;
+  }
+
+ private:
+  static constexpr std::size_t kDefaultLimit = 48 * 1024;  // what every kernel may use unasked
+  static constexpr int kMaxDevices = 64;                   // beyond: opt in on every launch
+  std::atomic<std::size_t> granted_[kMaxDevices]{};
+};
+
 }  // namespace triattn::cuda

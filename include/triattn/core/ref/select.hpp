@@ -207,7 +207,104 @@ inline void write_row(std::int32_t* row, const KeepCounts& kc, const std::vector
   for (std::int32_t j : chosen) row[i++] = j;
   for (int j = kc.selectable_end; j < kc.length; ++j) row[i++] = j;
 }
+
+// Writes the same row into every (layer, KV head) of `plan`.
+inline void write_all_rows(KeepPlan& plan, const KeepCounts& kc, const std::vector<std::int32_t>& chosen) {
+  for (int l = 0; l < plan.num_layers; ++l)
+    for (int g = 0; g < plan.num_kv_heads; ++g) write_row(plan.row(l, g), kc, chosen);
+}
+
+// select_keep's checks and bookkeeping before any score is combined: shapes, params, the
+// one-time prompt-over-budget warning, finite scores in the selectable range.
+inline KeepCounts prepare_selection(const float* scores, int L, int Hq, int Hkv, int T, int prompt_len,
+                                    const SelectionParams& params) {
+  TRIATTN_EXPECTS(L > 0 && Hq > 0 && Hkv > 0 && Hq % Hkv == 0,
+                  "select_keep: need layers > 0 and num_q_heads (" + std::to_string(Hq) +
+                      ") a positive multiple of num_kv_heads (" + std::to_string(Hkv) + "), layers = " +
+                      std::to_string(L));
+  TRIATTN_EXPECTS(T >= 0, "select_keep: length must be >= 0, got " + std::to_string(T));
+  TRIATTN_EXPECTS(T == 0 || scores != nullptr, "select_keep: scores is null");
+  const KeepCounts kc = keep_counts(T, prompt_len, params);
+  if (kc.prompt_over_budget) {
+    triattn::detail::warn_once(
+        triattn::detail::WarningId::kPromptOverBudget,
+        "pinned prompt (" + std::to_string(prompt_len) + " tokens) is not shorter than the budget (" +
+            std::to_string(params.budget) +
+            ") that counts it (PromptMode::kPinnedInBudget): the whole prompt is kept and no decode token "
+            "survives a round beyond sinks/window; consider PromptMode::kPinnedOnTop");
+  }
+  const std::size_t rows = static_cast<std::size_t>(L) * Hq;
+  for (std::size_t r = 0; r < rows; ++r)
+    for (int j = kc.selectable_begin; j < kc.selectable_end; ++j)
+      TRIATTN_EXPECTS(std::isfinite(scores[r * T + j]),
+                      "select_keep: score (layer " + std::to_string(r / Hq) + ", q head " + std::to_string(r % Hq) +
+                          ", slot " + std::to_string(j) + ") is not finite");
+  return kc;
+}
+
+// Ŝ: a copy of the scores, z-normalised per row over the selectable range when asked.
+inline std::vector<float> selection_values(const float* scores, std::size_t rows, const KeepCounts& kc,
+                                           const SelectionParams& params) {
+  std::vector<float> s(scores, scores + rows * static_cast<std::size_t>(kc.length));  // [rows, T]
+  if (params.normalize)
+    normalize_scores(s.data(), static_cast<int>(rows), kc.length, kc.selectable_begin, kc.selectable_end);
+  return s;
+}
 }  // namespace detail
+
+/// Union mode, the part each set of rows can do alone. For selectable slot j (relative to
+/// kc.selectable_begin): flags[j] = 1 when j is among the top-quota of at least one of the rows,
+/// vmax[j] = max over the rows of Ŝ. The element-wise max of flags and of vmax over disjoint sets
+/// of rows equals the result on their union (max is exact and order-free), which is how
+/// tensor-parallel ranks agree (tp::select_keep).
+/// @param s_hat [rows, T] normalised scores Ŝ, T = kc.length; only the selectable range is read
+/// @param flags [n] output, n = kc.num_selectable()
+/// @param vmax  [n] output
+/// @throws logic_error when rows < 1 or the round keeps everything (kc.identity).
+inline void union_candidates(const float* s_hat, std::size_t rows, const KeepCounts& kc, std::uint8_t* flags,
+                             float* vmax) {
+  TRIATTN_EXPECTS(rows >= 1 && !kc.identity,
+                  "union_candidates: needs at least one row and a round that does not keep everything (rows " +
+                      std::to_string(rows) + ")");
+  const int n = kc.num_selectable();
+  const std::size_t T = static_cast<std::size_t>(kc.length);
+  std::fill(flags, flags + n, std::uint8_t{0});
+  std::copy(s_hat + kc.selectable_begin, s_hat + kc.selectable_end, vmax);
+  for (std::size_t r = 0; r < rows; ++r) {
+    const float* x = s_hat + r * T + kc.selectable_begin;
+    for (std::int32_t j : top_k_with_ties(x, n, kc.quota)) flags[j] = 1;
+    for (int j = 0; j < n; ++j) vmax[j] = std::max(vmax[j], x[j]);
+  }
+}
+
+/// Union mode, the part that needs every row: the top-quota of U = {j : flags[j]} by vmax (ties to
+/// the lower slot); when |U| < quota, U is kept whole and the rest is filled from outside U by vmax.
+/// @param flags [n] candidate flags over all rows, n = kc.num_selectable()
+/// @param vmax  [n] max over all rows of Ŝ (finite)
+/// @return the chosen selectable slots, absolute and ascending (kc.quota of them)
+[[nodiscard]] inline std::vector<std::int32_t> union_finish(const std::uint8_t* flags, const float* vmax,
+                                                            const KeepCounts& kc) {
+  const int n = kc.num_selectable();
+  std::vector<std::int32_t> u, rest;  // ascending, relative to selectable_begin
+  for (int j = 0; j < n; ++j) (flags[j] ? u : rest).push_back(j);
+  const auto top_of = [&](const std::vector<std::int32_t>& cand, int k) {
+    std::vector<float> v(cand.size());
+    for (std::size_t i = 0; i < cand.size(); ++i) v[i] = vmax[cand[i]];
+    std::vector<std::int32_t> pos = top_k_with_ties(v.data(), static_cast<int>(v.size()), k);
+    for (std::int32_t& p : pos) p = cand[p];  // cand ascending: ties still go to the lower slot
+    return pos;
+  };
+  std::vector<std::int32_t> chosen;
+  if (static_cast<int>(u.size()) >= kc.quota) {
+    chosen = top_of(u, kc.quota);
+  } else {  // unreachable with per-row top-quota (|U| >= quota), kept for fidelity to the spec
+    chosen = top_of(rest, kc.quota - static_cast<int>(u.size()));
+    chosen.insert(chosen.end(), u.begin(), u.end());
+    std::sort(chosen.begin(), chosen.end());
+  }
+  for (std::int32_t& j : chosen) j += kc.selectable_begin;
+  return chosen;
+}
 
 /// One compression round: which slots of a sequence survive, per (layer, KV head).
 ///
@@ -228,28 +325,9 @@ inline void write_row(std::int32_t* row, const KeepCounts& kc, const std::vector
 /// @throws triattn::logic_error on bad shapes or params, or a non-finite score in the selectable range.
 [[nodiscard]] inline KeepPlan select_keep(const float* scores, int L, int Hq, int Hkv, int T, int prompt_len,
                                           const SelectionParams& params) {
-  TRIATTN_EXPECTS(L > 0 && Hq > 0 && Hkv > 0 && Hq % Hkv == 0,
-                  "select_keep: need layers > 0 and num_q_heads (" + std::to_string(Hq) +
-                      ") a positive multiple of num_kv_heads (" + std::to_string(Hkv) + "), layers = " +
-                      std::to_string(L));
-  TRIATTN_EXPECTS(T >= 0, "select_keep: length must be >= 0, got " + std::to_string(T));
-  TRIATTN_EXPECTS(T == 0 || scores != nullptr, "select_keep: scores is null");
-  const KeepCounts kc = keep_counts(T, prompt_len, params);
-  if (kc.prompt_over_budget) {
-    triattn::detail::warn_once(
-        triattn::detail::WarningId::kPromptOverBudget,
-        "pinned prompt (" + std::to_string(prompt_len) + " tokens) is not shorter than the budget (" +
-            std::to_string(params.budget) +
-            ") that counts it (PromptMode::kPinnedInBudget): the whole prompt is kept and no decode token "
-            "survives a round beyond sinks/window; consider PromptMode::kPinnedOnTop");
-  }
+  const KeepCounts kc = detail::prepare_selection(scores, L, Hq, Hkv, T, prompt_len, params);
   const std::size_t rows = static_cast<std::size_t>(L) * Hq;
-  const int lo = kc.selectable_begin, hi = kc.selectable_end, n = kc.num_selectable();
-  for (std::size_t r = 0; r < rows; ++r)
-    for (int j = lo; j < hi; ++j)
-      TRIATTN_EXPECTS(std::isfinite(scores[r * T + j]),
-                      "select_keep: score (layer " + std::to_string(r / Hq) + ", q head " + std::to_string(r % Hq) +
-                          ", slot " + std::to_string(j) + ") is not finite");
+  const int lo = kc.selectable_begin, n = kc.num_selectable();
 
   KeepPlan plan(L, Hkv, kc.keep);
   if (kc.identity) {
@@ -259,8 +337,7 @@ inline void write_row(std::int32_t* row, const KeepCounts& kc, const std::vector
     return plan;
   }
 
-  std::vector<float> s(scores, scores + rows * T);  // Ŝ  [L, Hq, T]
-  if (params.normalize) normalize_scores(s.data(), static_cast<int>(rows), T, lo, hi);
+  const std::vector<float> s = detail::selection_values(scores, rows, kc, params);  // Ŝ  [L, Hq, T]
 
   switch (params.mode) {
     case PruningMode::kPerHead: {
@@ -289,33 +366,10 @@ inline void write_row(std::int32_t* row, const KeepCounts& kc, const std::vector
     }
     case PruningMode::kUnion: {
       // The "query head" unit of the spec's union is one (layer, query head) row.
-      std::vector<char> in_u(static_cast<std::size_t>(n), 0);             // [n]
-      std::vector<float> vmax(s.begin() + lo, s.begin() + hi);            // [n] max_{l,h} Ŝ
-      for (std::size_t r = 0; r < rows; ++r) {
-        const float* x = s.data() + r * T + lo;
-        for (std::int32_t j : top_k_with_ties(x, n, kc.quota)) in_u[j] = 1;
-        for (int j = 0; j < n; ++j) vmax[j] = std::max(vmax[j], x[j]);
-      }
-      std::vector<std::int32_t> u, rest;  // ascending, relative to lo
-      for (int j = 0; j < n; ++j) (in_u[j] ? u : rest).push_back(j);
-      const auto top_of = [&](const std::vector<std::int32_t>& cand, int k) {
-        std::vector<float> v(cand.size());
-        for (std::size_t i = 0; i < cand.size(); ++i) v[i] = vmax[cand[i]];
-        std::vector<std::int32_t> pos = top_k_with_ties(v.data(), static_cast<int>(v.size()), k);
-        for (std::int32_t& p : pos) p = cand[p];  // cand ascending: ties still go to the lower slot
-        return pos;
-      };
-      std::vector<std::int32_t> chosen;
-      if (static_cast<int>(u.size()) >= kc.quota) {
-        chosen = top_of(u, kc.quota);
-      } else {  // unreachable with per-row top-quota (|U| >= quota), kept for fidelity to the spec
-        chosen = top_of(rest, kc.quota - static_cast<int>(u.size()));
-        chosen.insert(chosen.end(), u.begin(), u.end());
-        std::sort(chosen.begin(), chosen.end());
-      }
-      for (std::int32_t& j : chosen) j += lo;
-      for (int l = 0; l < L; ++l)
-        for (int g = 0; g < Hkv; ++g) detail::write_row(plan.row(l, g), kc, chosen);
+      std::vector<std::uint8_t> flags(static_cast<std::size_t>(n));  // [n]
+      std::vector<float> vmax(static_cast<std::size_t>(n));           // [n] max_{l,h} Ŝ
+      union_candidates(s.data(), rows, kc, flags.data(), vmax.data());
+      detail::write_all_rows(plan, kc, union_finish(flags.data(), vmax.data(), kc));
       break;
     }
   }

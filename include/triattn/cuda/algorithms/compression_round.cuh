@@ -14,6 +14,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 
 #include <triattn/core/kv_view.hpp>
 #include <triattn/core/scoring_params.hpp>
@@ -41,6 +42,7 @@ struct RoundWorkspace {
   RowStats* stats = nullptr;     ///< [batch, L, Hq]
   float* reduced = nullptr;      ///< [batch, reduced_rows, max_len]
   std::uint8_t* flags = nullptr; ///< [batch, max_len] (union)
+  float* vmax = nullptr;         ///< [batch, max_len] (union with an agreement: max over this rank's rows)
 };
 
 namespace detail {
@@ -52,11 +54,12 @@ inline std::size_t carve_round_workspace(void* base, const RoundShape& s, Prunin
   const std::size_t B = static_cast<std::size_t>(batch > 0 ? batch : 0);
   const std::size_t T = static_cast<std::size_t>(max_len > 0 ? max_len : 0);
   const std::size_t rows = B * static_cast<std::size_t>(s.num_layers) * static_cast<std::size_t>(s.num_q_heads);
-  const std::size_t sizes[4] = {rows * T * sizeof(float), rows * sizeof(RowStats),
+  const bool u = mode == PruningMode::kUnion;
+  const std::size_t sizes[5] = {rows * T * sizeof(float), rows * sizeof(RowStats),
                                 B * static_cast<std::size_t>(reduced_rows(s, mode)) * T * sizeof(float),
-                                mode == PruningMode::kUnion ? B * T : 0};
-  std::size_t off[4], total = 0;
-  for (int i = 0; i < 4; ++i) {
+                                u ? B * T : 0, u ? B * T * sizeof(float) : 0};
+  std::size_t off[5], total = 0;
+  for (int i = 0; i < 5; ++i) {
     off[i] = total;
     total += round_up_256(sizes[i]);
   }
@@ -66,6 +69,7 @@ inline std::size_t carve_round_workspace(void* base, const RoundShape& s, Prunin
     out->stats = reinterpret_cast<RowStats*>(p + off[1]);
     out->reduced = reinterpret_cast<float*>(p + off[2]);
     out->flags = sizes[3] ? reinterpret_cast<std::uint8_t*>(p + off[3]) : nullptr;
+    out->vmax = sizes[4] ? reinterpret_cast<float*>(p + off[4]) : nullptr;
   }
   return total;
 }
@@ -99,22 +103,35 @@ struct compression_round {
                                         const DeviceSelectParams& params, const RoundBatch& batch,
                                         const DeviceKeepPlanView& plan, void* workspace, std::size_t workspace_bytes,
                                         cudaStream_t stream = nullptr) noexcept {
-    const RoundShape shape{model.num_layers, model.num_q_heads, model.num_kv_heads};
-    if (!shape.valid() || batch.batch < 0 || batch.max_len < 0 || batch.batch > 65535) return cudaErrorInvalidValue;
-    if (batch.batch == 0) return cudaSuccess;
-    if (batch.seq_ids == nullptr || batch.t0 == nullptr || batch.prompt_lens == nullptr || workspace == nullptr ||
-        !is_aligned(workspace, 256))
-      return cudaErrorInvalidValue;
-    RoundWorkspace ws;
-    if (detail::carve_round_workspace(workspace, shape, params.mode, batch.batch, batch.max_len, &ws) > workspace_bytes)
-      return cudaErrorInvalidValue;
-    const RoundSeqs<Id> seqs{batch.seq_ids, view.seq_lens, batch.prompt_lens, batch.batch, batch.max_len};
+    Front<Id> f;
+    TRIATTN_CUDA_RETURN_IF_ERROR(front(view, model, params, batch, workspace, workspace_bytes, stream, &f));
+    if (f.empty) return cudaSuccess;
+    return select_keep(f.ws.scores, f.ws.reduced, f.ws.flags, plan, f.seqs, params, f.shape, stream);
+  }
 
+  /// plan(...) on one tensor-parallel rank: `view` holds this rank's KV heads and `model` the
+  /// statistics of its query heads (slice_for_rank). per_head and per_layer_per_head are
+  /// rank-local and ignore `agreement`. union runs in two phases with
+  /// agreement(flags [batch, max_len], vmax [batch, max_len], batch, max_len, stream) between them
+  /// (see select_union_candidates): with an agreement that leaves the element-wise max over all
+  /// ranks (NcclUnionAgreement), every rank writes the tp = 1 keep set for its KV heads. Every
+  /// rank must run the same batch (sequence lengths, prompt lengths, params, max_len).
+  /// Same contract as plan(); an agreement's error is returned as is.
+  template <class T, class Id, UnionAgreement Agreement>
+  [[nodiscard]] static cudaError_t plan(const KvCacheView<T, Id>& view, const ScoreModelView& model,
+                                        const DeviceSelectParams& params, const RoundBatch& batch,
+                                        const DeviceKeepPlanView& plan, void* workspace, std::size_t workspace_bytes,
+                                        Agreement&& agreement, cudaStream_t stream) noexcept {
+    Front<Id> f;
+    TRIATTN_CUDA_RETURN_IF_ERROR(front(view, model, params, batch, workspace, workspace_bytes, stream, &f));
+    if (f.empty) return cudaSuccess;
+    if (params.mode != PruningMode::kUnion)
+      return select_keep(f.ws.scores, f.ws.reduced, f.ws.flags, plan, f.seqs, params, f.shape, stream);
+    if (plan.kept == nullptr || plan.keep == nullptr || plan.max_keep < 0) return cudaErrorInvalidValue;
     TRIATTN_CUDA_RETURN_IF_ERROR(
-        score(view, model, ScoreBatch{batch.seq_ids, batch.t0, batch.batch, batch.max_len}, ws.scores, stream));
-    if (params.normalize) TRIATTN_CUDA_RETURN_IF_ERROR(row_stats(ws.scores, ws.stats, seqs, params, shape, stream));
-    TRIATTN_CUDA_RETURN_IF_ERROR(gqa_reduce(ws.scores, ws.stats, ws.reduced, ws.flags, seqs, params, shape, stream));
-    return select_keep(ws.scores, ws.reduced, ws.flags, plan, seqs, params, shape, stream);
+        select_union_candidates(f.ws.scores, f.ws.reduced, f.ws.flags, f.ws.vmax, f.seqs, params, f.shape, stream));
+    TRIATTN_CUDA_RETURN_IF_ERROR(agreement(f.ws.flags, f.ws.vmax, batch.batch, batch.max_len, stream));
+    return select_union_finish(f.ws.flags, f.ws.vmax, plan, f.seqs, params, f.shape, stream);
   }
 
   /// The whole round: plan(...) then cuda::compact::run on the same plan. Same contract as plan().
@@ -127,6 +144,55 @@ struct compression_round {
     if (batch.batch == 0) return cudaSuccess;
     return compact::run(view, CompactParams{plan_out.kept, plan_out.keep, batch.seq_ids, plan_out.max_keep},
                         batch.batch, stream);
+  }
+
+  /// The whole round on one tensor-parallel rank: plan(..., agreement, stream) then compaction of
+  /// this rank's KV heads. Same contract as the plan() overload with an agreement.
+  template <class T, class Id, UnionAgreement Agreement>
+  [[nodiscard]] static cudaError_t run(const KvCacheView<T, Id>& view, const ScoreModelView& model,
+                                       const DeviceSelectParams& params, const RoundBatch& batch,
+                                       const DeviceKeepPlanView& plan_out, void* workspace,
+                                       std::size_t workspace_bytes, Agreement&& agreement,
+                                       cudaStream_t stream) noexcept {
+    TRIATTN_CUDA_RETURN_IF_ERROR(plan(view, model, params, batch, plan_out, workspace, workspace_bytes,
+                                      std::forward<Agreement>(agreement), stream));
+    if (batch.batch == 0) return cudaSuccess;
+    return compact::run(view, CompactParams{plan_out.kept, plan_out.keep, batch.seq_ids, plan_out.max_keep},
+                        batch.batch, stream);
+  }
+
+ private:
+  /// What score → row statistics → normalise-and-reduce leave for the select.
+  template <class Id>
+  struct Front {
+    RoundShape shape;
+    RoundWorkspace ws;
+    RoundSeqs<Id> seqs;
+    bool empty = false;  ///< batch 0: nothing was launched
+  };
+
+  template <class T, class Id>
+  [[nodiscard]] static cudaError_t front(const KvCacheView<T, Id>& view, const ScoreModelView& model,
+                                         const DeviceSelectParams& params, const RoundBatch& batch, void* workspace,
+                                         std::size_t workspace_bytes, cudaStream_t stream, Front<Id>* f) noexcept {
+    f->shape = RoundShape{model.num_layers, model.num_q_heads, model.num_kv_heads};
+    if (!f->shape.valid() || batch.batch < 0 || batch.max_len < 0 || batch.batch > 65535) return cudaErrorInvalidValue;
+    if (batch.batch == 0) {
+      f->empty = true;
+      return cudaSuccess;
+    }
+    if (batch.seq_ids == nullptr || batch.t0 == nullptr || batch.prompt_lens == nullptr || workspace == nullptr ||
+        !is_aligned(workspace, 256))
+      return cudaErrorInvalidValue;
+    if (detail::carve_round_workspace(workspace, f->shape, params.mode, batch.batch, batch.max_len, &f->ws) >
+        workspace_bytes)
+      return cudaErrorInvalidValue;
+    f->seqs = RoundSeqs<Id>{batch.seq_ids, view.seq_lens, batch.prompt_lens, batch.batch, batch.max_len};
+    TRIATTN_CUDA_RETURN_IF_ERROR(
+        score(view, model, ScoreBatch{batch.seq_ids, batch.t0, batch.batch, batch.max_len}, f->ws.scores, stream));
+    if (params.normalize)
+      TRIATTN_CUDA_RETURN_IF_ERROR(row_stats(f->ws.scores, f->ws.stats, f->seqs, params, f->shape, stream));
+    return gqa_reduce(f->ws.scores, f->ws.stats, f->ws.reduced, f->ws.flags, f->seqs, params, f->shape, stream);
   }
 };
 

@@ -74,14 +74,8 @@ template <class Id>
                   static_cast<unsigned>(reduced_rows(shape, params.mode)), static_cast<unsigned>(seqs.batch));
   if (grid.y > 65535u) return cudaErrorInvalidValue;
   const std::size_t smem = gqa_reduce_smem_bytes(params.mode, shape.num_layers);
-  if (smem > 48 * 1024) {  // > 192 layers: raise the limit once
-    static std::atomic<std::size_t> granted{0};
-    if (smem > granted.load(std::memory_order_relaxed)) {
-      TRIATTN_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-          gqa_reduce_kernel<Id>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-      granted.store(smem, std::memory_order_relaxed);
-    }
-  }
+  static DynamicSmemGrant granted;  // > 48 KiB only beyond 192 layers
+  TRIATTN_CUDA_RETURN_IF_ERROR(granted.ensure(gqa_reduce_kernel<Id>, smem));
   gqa_reduce_kernel<Id><<<grid, kReduceThreads, smem, stream>>>(
       scores, stats, out, flags, seqs, params, shape.num_layers, shape.num_q_heads, shape.num_kv_heads);
   return check_launch(stream);

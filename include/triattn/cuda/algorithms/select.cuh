@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include <triattn/core/scoring_params.hpp>
 #include <triattn/cuda/algorithms/normalize.cuh>
@@ -12,6 +13,7 @@
 #include <triattn/cuda/error.cuh>
 #include <triattn/cuda/launch.cuh>
 #include <triattn/cuda/kernels/select_kernel.cuh>
+#include <triattn/cuda/kernels/union_agreement_kernel.cuh>
 
 namespace triattn::cuda {
 
@@ -84,6 +86,83 @@ template <class Id>
     }
   }
   return cudaErrorInvalidValue;
+}
+
+// ---- union selection in two phases (tensor parallelism) ----------------------------------------
+//
+// select_keep's union mode ranks two things: per (layer, query head) row the top-quota (flags),
+// then the flagged slots by max over every row of Ŝ. Under tensor parallelism each rank holds only
+// its query heads' rows, so the round splits between the two:
+//   select_union_candidates  this rank's flags [batch, max_len] (kFlags select over its rows) and
+//                            vmax [batch, max_len] = max over its layers of `reduced`, where
+//                            gqa_reduce left reduced[b, l, t] = max over its query heads of Ŝ
+//   agreement                element-wise max of flags and of vmax over the ranks (NCCL)
+//   select_union_finish      the kAll select over vmax among the flagged slots, every (l, g) row
+// Ŝ is z-normalised per (layer, query head) row (row_stats), so every value is rank-local; max is
+// exact and order-free, so max over ranks of (max over a rank's layers and heads) is bitwise the
+// max over all layers and heads, and the flags' max is their union: every rank finishes on the
+// tp = 1 values and writes the tp = 1 keep set. With one rank (and an identity agreement) the
+// result is bitwise that of select_keep.
+
+/// A union agreement: called on `stream` between the two union phases with this rank's
+/// flags [batch, max_len] (uint8, 0/1) and vmax [batch, max_len] (float); it must enqueue on
+/// `stream` whatever leaves in both the element-wise max over all ranks, and return the first
+/// error. It runs inside noexcept launchers, so it must not throw.
+template <class A>
+concept UnionAgreement =
+    std::is_nothrow_invocable_r_v<cudaError_t, A&, std::uint8_t*, float*, int, int, cudaStream_t>;
+
+/// tp = 1: nothing to agree on.
+struct IdentityAgreement {
+  cudaError_t operator()(std::uint8_t*, float*, int, int, cudaStream_t) const noexcept { return cudaSuccess; }
+};
+static_assert(UnionAgreement<IdentityAgreement>);
+
+/// Union phase 1 on this rank: candidate flags and the per-slot max over this rank's rows.
+/// @param scores  [batch, L, Hq, max_len] Ŝ as left by gqa_reduce() (this rank's query heads)
+/// @param reduced [batch, L, max_len] union output of gqa_reduce()
+/// @param flags   [batch, max_len] as cleared by gqa_reduce(); output (0 off the selectable range)
+/// @param vmax    [batch, max_len] output (0 off the selectable range)
+/// @note asynchronous on `stream`; capturable.
+template <class Id>
+[[nodiscard]] cudaError_t select_union_candidates(const float* scores, const float* reduced, std::uint8_t* flags,
+                                                  float* vmax, const RoundSeqs<Id>& seqs,
+                                                  const DeviceSelectParams& params, const RoundShape& shape,
+                                                  cudaStream_t stream = nullptr) noexcept {
+  if (!shape.valid() || seqs.batch < 0 || seqs.max_len < 0 || seqs.batch > 65535 ||
+      params.mode != PruningMode::kUnion)
+    return cudaErrorInvalidValue;
+  if (seqs.batch == 0 || seqs.max_len == 0) return cudaSuccess;
+  if (scores == nullptr || reduced == nullptr || flags == nullptr || vmax == nullptr) return cudaErrorInvalidValue;
+  // kFlags writes no plan row: an empty plan view (max_keep 0) is never dereferenced.
+  TRIATTN_CUDA_RETURN_IF_ERROR(detail::launch_select(
+      SelectInput{scores, shape.num_layers * shape.num_q_heads, 1, nullptr}, DeviceKeepPlanView{nullptr, nullptr, 0},
+      flags, seqs, params, shape, SelectTarget::kFlags, stream));
+  const dim3 grid(static_cast<unsigned>((seqs.max_len + kUnionLayerMaxThreads - 1) / kUnionLayerMaxThreads),
+                  static_cast<unsigned>(seqs.batch));
+  union_layer_max_kernel<Id><<<grid, kUnionLayerMaxThreads, 0, stream>>>(reduced, flags, vmax, seqs, params,
+                                                                          shape.num_layers);
+  return check_launch(stream);
+}
+
+/// Union phase 2: the keep plan from the agreed flags and vmax (identical on every rank).
+/// @param flags [batch, max_len] candidate flags over all ranks
+/// @param vmax  [batch, max_len] max over all ranks' rows of Ŝ
+/// @param plan  kept [batch, L, Hkv, plan.max_keep], keep [batch] (device outputs), as select_keep
+/// @note asynchronous on `stream`; capturable.
+template <class Id>
+[[nodiscard]] cudaError_t select_union_finish(const std::uint8_t* flags, const float* vmax,
+                                              const DeviceKeepPlanView& plan, const RoundSeqs<Id>& seqs,
+                                              const DeviceSelectParams& params, const RoundShape& shape,
+                                              cudaStream_t stream = nullptr) noexcept {
+  if (!shape.valid() || seqs.batch < 0 || seqs.max_len < 0 || plan.max_keep < 0 ||
+      params.mode != PruningMode::kUnion)
+    return cudaErrorInvalidValue;
+  if (plan.kept == nullptr || plan.keep == nullptr) return cudaErrorInvalidValue;
+  if (seqs.batch == 0) return cudaSuccess;
+  if (flags == nullptr || vmax == nullptr) return cudaErrorInvalidValue;
+  return detail::launch_select(SelectInput{vmax, 1, 1, flags}, plan, nullptr, seqs, params, shape,
+                               SelectTarget::kAll, stream);
 }
 
 }  // namespace triattn::cuda

@@ -1,0 +1,357 @@
+// SPDX-License-Identifier: Apache-2.0
+// The tensor-parallel reference transformer on GPUs (examples/reference_transformer/tp_cuda.cuh):
+// rank r in its own thread on device r, NCCL all-reduces after the attention output and MLP down
+// projections, TriAttention rounds on the device (union agreement over NCCL).
+//   gpu_multi (2 GPUs; fails with fewer, or without NCCL):
+//   * same model, prompts and seed: tp 2 samples the same greedy tokens as tp 1 on GPU 0, and
+//     every rank's keep plan row of local KV head g equals tp 1's row of global KV head
+//     rank * Hkv / 2 + g, for every pruning mode and for f32 and bf16 KV caches
+//   * DeviceDecoder (the benchmark's driver) on device-generated weight shards gives bitwise the
+//     logits of Model<CudaBackend> on the host-sharded weights, both at tp 2
+//   gpu (1 GPU):
+//   * CudaBackend::generate_synthetic of a rank's shard equals shard_weights of the host model
+// Rank threads use no doctest assertions (they collect, the test thread checks).
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <triattn/core/policy/topk_selector.hpp>
+#include <triattn/core/stats/calibrator.hpp>
+#include <triattn/core/stats/slice.hpp>
+#include <triattn/cuda/tp/nccl_communicator.cuh>
+
+#include "cuda_test_utils.cuh"
+
+#include "../../examples/reference_transformer/cuda_backend.cuh"
+#include "../../examples/reference_transformer/cuda_device_model.cuh"
+#include "../../examples/reference_transformer/generate.hpp"
+#include "../../examples/reference_transformer/model.hpp"
+#include "../../examples/reference_transformer/sampler.hpp"
+#include "../../examples/reference_transformer/synthetic.hpp"
+#include "../../examples/reference_transformer/tensor_parallel.hpp"
+#include "../../examples/reference_transformer/tp_cuda.cuh"
+
+namespace ex = triattn_example;
+using triattn::DType;
+using triattn::PruningMode;
+using triattn::SeqId;
+
+namespace {
+
+constexpr int kTp = 2;
+
+/// Two GPUs and NCCL, or the test fails (never skips).
+void require_two_devices() {
+  triattn::test::require_device();
+  int n = 0;
+  TRIATTN_TEST_CUDA(cudaGetDeviceCount(&n));
+  REQUIRE_MESSAGE(n >= kTp, "this test needs " << kTp << " GPUs, found " << n);
+  REQUIRE_MESSAGE(triattn::cuda::NcclCommunicator::available(),
+                  "NCCL is unavailable: " << triattn::cuda::NcclCommunicator::unavailable_reason());
+}
+
+/// 8 query / 4 KV heads of d = 64 (the GPU scoring kernels' head_dim), q/k/v biases.
+ex::ModelConfig tp_config() {
+  ex::ModelConfig c = ex::synthetic_config("tiny");
+  c.name = "synthetic-gpu-tp";
+  c.dim = 256;
+  c.hidden_dim = 512;
+  c.n_layers = 2;
+  c.n_heads = 8;
+  c.n_kv_heads = 4;
+  c.head_dim = 64;
+  c.vocab_size = 512;
+  c.rope_theta = 1e6;
+  return c;
+}
+
+triattn::CacheConfig cache_config(const ex::ModelConfig& mc, int tokens_per_seq, int seqs, DType dtype) {
+  triattn::CacheConfig c;
+  c.model = mc.geometry();
+  c.block_size = 16;
+  c.max_seqs = seqs;
+  c.num_blocks = seqs * ((tokens_per_seq + 15) / 16 + 1);
+  c.dtype = dtype;
+  return c;
+}
+
+std::vector<int> prompt_tokens(int len, int salt, int vocab) {
+  std::vector<int> t = {1};
+  for (int i = 1; i < len; ++i) t.push_back((i * 37 + salt * 101 + 11) % vocab);
+  return t;
+}
+
+std::string mode_name(PruningMode m) {
+  return m == PruningMode::kPerHead ? "per_head" : m == PruningMode::kPerLayerPerHead ? "per_layer_per_head" : "union";
+}
+
+struct Round {
+  SeqId seq = -1;
+  triattn::KeepPlan plan;
+};
+
+/// What one rank (or tp 1) saw.
+struct RankOut {
+  std::vector<std::vector<int>> tokens;    // [prompt][generated]
+  std::vector<std::vector<float>> logits;  // every sampled row, in sampling order
+  std::vector<Round> rounds;               // in the order they ran
+  std::size_t bytes_live = 0;
+};
+
+struct Setup {
+  const ex::ModelWeights* weights = nullptr;
+  triattn::SelectionParams sel;
+  DType kv = DType::kF32;
+  std::vector<std::vector<int>> prompts;
+  int steps = 0;
+};
+
+/// Greedy generation with device rounds (DeviceCompressor: device scores and selection, the plan
+/// recorded, then applied), for tp 1 or one rank.
+template <class ModelT>
+RankOut run_compressed(const Setup& su, ModelT& model, ex::CudaBackend& be, const triattn::QueryStats& stats,
+                       ex::DeviceCompressor& compressor) {
+  const ex::ModelConfig& mc = model.config();
+  triattn::RopeConfig rope;
+  rope.style = mc.rope_style;
+  rope.theta = mc.rope_theta;
+  ex::GpuTriCache cache(cache_config(mc, 64 + su.sel.budget + su.sel.divide_length, static_cast<int>(su.prompts.size()), su.kv),
+                        triattn::cuda::DeviceCompactor(be.stream()),
+                        triattn::cuda::TriAttentionDeviceScorer(stats, rope, triattn::ScoringParams{}, mc.n_kv_heads, be.stream()),
+                        triattn::TopKSelector(su.sel));
+  std::vector<ex::Sampler> samplers(su.prompts.size());  // greedy
+  ex::GenerationOptions opt;
+  opt.max_new_tokens = su.steps;
+  opt.stop_at_bos = false;
+  RankOut out;
+  ex::GenerationCallbacks cb;
+  cb.on_token = [&](int, int, std::int64_t, std::span<const float> l) { out.logits.emplace_back(l.begin(), l.end()); };
+  cb.after_step = [&](std::span<const SeqId> live) {
+    std::vector<SeqId> due;
+    for (SeqId s : live)
+      if (cache.needs_compression(s)) due.push_back(s);
+    std::vector<triattn::CompressionReport> done;
+    if (due.empty()) return done;
+    std::vector<triattn::KeepPlan> plans = compressor.plan(cache, due);  // union: agrees over NCCL
+    for (std::size_t b = 0; b < due.size(); ++b) {
+      const int before = cache.physical_length(due[b]);
+      cache.apply_keep_plan(due[b], plans[b]);
+      done.push_back(triattn::CompressionReport{due[b], before, cache.physical_length(due[b]), 0});
+      out.rounds.push_back(Round{due[b], std::move(plans[b])});
+    }
+    return done;
+  };
+  const auto res = ex::generate(model, cache, std::span<const std::vector<int>>(su.prompts),
+                                std::span<ex::Sampler>(samplers), opt, cb);
+  for (const auto& r : res) out.tokens.push_back(r.generated);
+  out.bytes_live = cache.memory().bytes_live;
+  be.synchronize();
+  return out;
+}
+
+float min_top2_margin(const std::vector<std::vector<float>>& rows) {
+  float m = INFINITY;
+  for (const auto& r : rows) {
+    float a = -INFINITY, b = -INFINITY;
+    for (float v : r) {
+      if (v > a) {
+        b = a;
+        a = v;
+      } else if (v > b) {
+        b = v;
+      }
+    }
+    m = std::min(m, a - b);
+  }
+  return m;
+}
+
+}  // namespace
+
+TEST_SUITE("gpu_multi") {
+
+TEST_CASE("GPU tensor parallel: tp 2 samples tp 1's greedy tokens and keeps its sets in every pruning mode") {
+  require_two_devices();
+  const ex::ModelConfig c = tp_config();
+  const ex::ModelWeights w = ex::make_synthetic_weights(c, 2024);
+  // Statistics of the whole model from a CPU prefill; each rank scores with its slice.
+  triattn::Calibrator cal(c.n_layers, c.n_heads, c.head_dim, c.rope_style, c.name);
+  {
+    ex::Model<> model(w);
+    model.set_query_observer([&](int layer, const float* q, int n) { cal.add(layer, q, n); });
+    triattn::KvCache<> cache(cache_config(c, 256, 1, DType::kF32));
+    const std::vector<int> toks = prompt_tokens(256, 9, c.vocab_size);
+    const ex::Chunk chunk{cache.add_sequence(), toks, triattn::Phase::kPrefill};
+    (void)model.step(cache, std::span<const ex::Chunk>(&chunk, 1), ex::LogitsFor::kNone);
+  }
+  const triattn::QueryStats stats = cal.finish();
+
+  for (const DType kv : {DType::kF32, DType::kBF16}) {
+    for (const PruningMode mode : {PruningMode::kPerHead, PruningMode::kPerLayerPerHead, PruningMode::kUnion}) {
+      INFO("KV " << std::string(triattn::dtype_name(kv)) << ", " << mode_name(mode));
+      Setup su;
+      su.weights = &w;
+      su.kv = kv;
+      su.sel.budget = 64;
+      su.sel.divide_length = 16;
+      su.sel.mode = mode;
+      su.prompts = {prompt_tokens(5, 1, c.vocab_size), prompt_tokens(21, 2, c.vocab_size), prompt_tokens(12, 3, c.vocab_size)};
+      su.steps = 160;  // rounds from cached length 80 on, every 16 steps: 6+ per sequence
+
+      TRIATTN_TEST_CUDA(cudaSetDevice(0));
+      RankOut ref;
+      {
+        ex::CudaBackend be;
+        ex::Model<ex::CudaBackend> model(w, be);
+        ex::DeviceCompressor compressor(be.stream());
+        ref = run_compressed(su, model, be, stats, compressor);
+      }
+      std::vector<RankOut> ranks(kTp);
+      ex::run_gpu_ranks(kTp, [&](int r, triattn::cuda::NcclCommunicator& comm) {
+        ex::CudaBackend be;
+        ex::attach_nccl(be, comm);
+        ex::Model<ex::CudaBackend> model(w, ex::TpRank{r, kTp}, be);
+        ex::DeviceCompressor compressor(be.stream());
+        ex::attach_nccl(compressor, comm);
+        ranks[static_cast<std::size_t>(r)] =
+            run_compressed(su, model, be, triattn::slice_for_rank(stats, r, kTp, c.n_kv_heads), compressor);
+      });
+      TRIATTN_TEST_CUDA(cudaSetDevice(0));
+
+      REQUIRE(ref.rounds.size() >= 3 * 5);
+      const int hkv = c.n_kv_heads / kTp;
+      int token_mismatch = 0, plan_mismatch = 0, rows = 0;
+      float worst = 0.0f;
+      for (int r = 0; r < kTp; ++r) {
+        INFO("rank " << r);
+        const RankOut& o = ranks[static_cast<std::size_t>(r)];
+        REQUIRE(o.tokens.size() == ref.tokens.size());
+        for (std::size_t p = 0; p < ref.tokens.size(); ++p) {
+          REQUIRE(o.tokens[p].size() == ref.tokens[p].size());
+          for (std::size_t t = 0; t < ref.tokens[p].size(); ++t) token_mismatch += o.tokens[p][t] != ref.tokens[p][t];
+        }
+        CHECK(o.logits == ranks[0].logits);  // one all-reduced residual, one classifier: bitwise
+        REQUIRE(o.logits.size() == ref.logits.size());
+        for (std::size_t i = 0; i < o.logits.size(); ++i)
+          for (std::size_t v = 0; v < o.logits[i].size(); ++v)
+            worst = std::max(worst, std::fabs(o.logits[i][v] - ref.logits[i][v]));
+        REQUIRE(o.rounds.size() == ref.rounds.size());
+        for (std::size_t k = 0; k < ref.rounds.size(); ++k) {
+          const triattn::KeepPlan& mine = o.rounds[k].plan;
+          const triattn::KeepPlan& full = ref.rounds[k].plan;
+          REQUIRE(o.rounds[k].seq == ref.rounds[k].seq);
+          REQUIRE(mine.num_kv_heads == hkv);
+          REQUIRE(mine.keep == full.keep);
+          for (int l = 0; l < c.n_layers; ++l)
+            for (int g = 0; g < hkv; ++g) {
+              ++rows;
+              plan_mismatch += !std::equal(mine.row(l, g), mine.row(l, g) + mine.keep, full.row(l, r * hkv + g));
+            }
+        }
+        CHECK(o.bytes_live * kTp == ref.bytes_live);  // each rank caches half the KV heads
+      }
+      const float margin = min_top2_margin(ref.logits);
+      CHECK_MESSAGE(token_mismatch == 0, token_mismatch << " greedy tokens differ from tp 1 (smallest top-2 logit margin "
+                                                        << margin << ", max |logit - tp 1| " << worst << ")");
+      CHECK_MESSAGE(plan_mismatch == 0, plan_mismatch << " of " << rows << " (round, layer, KV head) keep rows differ from tp 1");
+      MESSAGE("tp 2 vs tp 1 (KV " << triattn::dtype_name(kv) << ", " << mode_name(mode) << "): " << ref.rounds.size()
+                                  << " rounds, " << rows << " keep rows compared, " << plan_mismatch << " differ; "
+                                  << token_mismatch << " tokens differ; max |logit - tp 1| " << worst
+                                  << ", smallest top-2 margin " << margin);
+    }
+  }
+}
+
+TEST_CASE("GPU tensor parallel: DeviceDecoder on device-generated shards gives Model's tp 2 logits bitwise") {
+  require_two_devices();
+  const ex::ModelConfig c = tp_config();
+  const ex::ModelWeights w = ex::make_synthetic_weights(c, 77);
+  const std::vector<std::vector<int>> prompts = {prompt_tokens(19, 1, c.vocab_size), prompt_tokens(3, 2, c.vocab_size)};
+  constexpr int kSteps = 12;
+  std::vector<int> equal_steps(kTp, 0), argmax_equal(kTp, 0);
+  ex::run_gpu_ranks(kTp, [&](int r, triattn::cuda::NcclCommunicator& comm) {
+    ex::CudaBackend be;  // fp32 weights: the host shard uploaded and the device-generated one are the same bits
+    ex::attach_nccl(be, comm);
+    ex::Model<ex::CudaBackend> model(w, ex::TpRank{r, kTp}, be);
+    ex::DeviceDecoder dec(ex::shard_config(c, ex::TpRank{r, kTp}), be, be.generate_synthetic(c, 77, ex::TpRank{r, kTp}));
+    const triattn::CacheConfig cfg = cache_config(model.config(), 64 + kSteps, 2, DType::kBF16);
+    ex::GpuPlainCache ca(cfg, triattn::cuda::DeviceCompactor(be.stream()));
+    ex::GpuPlainCache cb(cfg, triattn::cuda::DeviceCompactor(be.stream()));
+    std::vector<SeqId> ia, ib;
+    for (const auto& p : prompts) {
+      ia.push_back(ca.add_sequence());
+      ib.push_back(cb.add_sequence());
+      const ex::Chunk x{ia.back(), p, triattn::Phase::kPrefill}, y{ib.back(), p, triattn::Phase::kPrefill};
+      (void)model.step(ca, std::span<const ex::Chunk>(&x, 1));
+      (void)model.step(cb, std::span<const ex::Chunk>(&y, 1));
+    }
+    std::vector<int> tok(prompts.size());
+    for (int s = 0; s < kSteps; ++s) {
+      std::vector<ex::Chunk> chunks;
+      for (std::size_t i = 0; i < prompts.size(); ++i) {
+        tok[i] = (s * 29 + static_cast<int>(i) * 3 + 1) % c.vocab_size;
+        chunks.push_back(ex::Chunk{ia[i], std::span<const int>(&tok[i], 1), triattn::Phase::kDecode});
+      }
+      const ex::StepOutput out = model.step(ca, chunks);
+      dec.step(cb, ib, tok);
+      equal_steps[static_cast<std::size_t>(r)] += dec.logits_host() == out.logits;
+      const std::vector<int> am = dec.argmax();
+      bool same = true;
+      for (std::size_t i = 0; i < prompts.size(); ++i) same = same && am[i] == ex::Sampler::argmax(out.row(static_cast<int>(i)));
+      argmax_equal[static_cast<std::size_t>(r)] += same;
+    }
+    be.synchronize();
+  });
+  TRIATTN_TEST_CUDA(cudaSetDevice(0));
+  for (int r = 0; r < kTp; ++r) {
+    INFO("rank " << r);
+    CHECK(equal_steps[static_cast<std::size_t>(r)] == kSteps);
+    CHECK(argmax_equal[static_cast<std::size_t>(r)] == kSteps);
+  }
+}
+
+}  // TEST_SUITE
+
+TEST_SUITE("gpu") {
+
+TEST_CASE("CudaBackend::generate_synthetic of a rank's shard equals shard_weights of the host model") {
+  triattn::test::require_device();
+  const ex::ModelConfig c = tp_config();
+  const ex::ModelWeights full = ex::make_synthetic_weights(c, 5);
+  for (int tp : {1, 2, 4}) {
+    for (int r = 0; r < tp; ++r) {
+      INFO("tp " << tp << ", rank " << r);
+      const ex::ModelWeights host = ex::shard_weights(full, ex::TpRank{r, tp});
+      ex::CudaBackend be;  // fp32: the device pointers are the tensors
+      const ex::CudaBackend::WeightStore ws = be.generate_synthetic(c, 5, ex::TpRank{r, tp});
+      const ex::WeightPtrs& p = ws.ptrs();
+      auto same = [&](const float* dev, const std::vector<float>& want) {
+        std::vector<float> got(want.size());
+        TRIATTN_TEST_CUDA(cudaMemcpy(got.data(), dev, got.size() * sizeof(float), cudaMemcpyDeviceToHost));
+        return got == want;
+      };
+      CHECK(same(p.tok_emb, host.tok_emb));
+      CHECK(same(p.rms_att, host.rms_att));
+      CHECK(same(p.wq, host.wq));
+      CHECK(same(p.wk, host.wk));
+      CHECK(same(p.wv, host.wv));
+      CHECK(same(p.wo, host.wo));
+      CHECK(same(p.rms_ffn, host.rms_ffn));
+      CHECK(same(p.w1, host.w1));
+      CHECK(same(p.w2, host.w2));
+      CHECK(same(p.w3, host.w3));
+      CHECK(same(p.rms_final, host.rms_final));
+      CHECK(same(p.wcls, host.wcls));
+      CHECK(same(p.bq, host.bq));
+      CHECK(same(p.bk, host.bk));
+      CHECK(same(p.bv, host.bv));
+    }
+  }
+}
+
+}  // TEST_SUITE
