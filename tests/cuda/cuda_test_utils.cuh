@@ -36,7 +36,7 @@ inline void require_device() {
   int n = 0;
   const cudaError_t e = cudaGetDeviceCount(&n);
   if (e != cudaSuccess) (void)cudaGetLastError();
-  REQUIRE_MESSAGE((e == cudaSuccess && n > 0), "no usable CUDA device: " + std::string(cudaGetErrorName(e)));
+  REQUIRE_MESSAGE((e == cudaSuccess && n > 0), (std::string("no usable CUDA device: ") + cudaGetErrorName(e)));
 }
 
 /// Seed of this run: TRIATTN_TEST_SEED if set, else fresh; printed with every failure.
