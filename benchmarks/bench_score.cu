@@ -4,7 +4,10 @@
 // mean (exact fold) and max (|D| = 17; tensor-core and CUDA-core kernels) aggregation, page sizes
 // 16 and 64, NHD and HND.
 // Four such sequences are scored in rotation (256 MiB of K) so the 50 MB L2 never holds the
-// input. Bytes = K read once + block-table entries + scores written (G floats per key);
+// input. Argument `queued` (BM_score, BM_read_k): 1 launches a 30 µs GPU spin kernel before the
+// start event, so the host enqueues the event and the measured launch while the GPU is busy and
+// the time is GPU time only; 0 times from an idle GPU (the host's launch cost, a few µs, inside).
+// Bytes = K read once + block-table entries + scores written (G floats per key);
 // pct_read_roofline compares with the 4.49 TB/s read ceiling. BM_read_k streams the same K
 // bytes with 16-byte loads and nothing else (the achievable read rate on this device).
 // BM_score_round_shape: the scoring part of a Qwen3-8B round (36 layers, 2,560 tokens).
@@ -49,6 +52,16 @@ __global__ void fill_keys(std::uint16_t* p, std::size_t n, std::uint32_t seed) {
     p[i] = static_cast<std::uint16_t>(__float_as_uint(g) >> 16);
   }
 }
+
+/// Keeps one thread busy for `ns` nanoseconds of GPU time (see `queued` above).
+__global__ void gpu_delay(unsigned long long ns) {
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < ns);
+}
+constexpr unsigned long long kDelayNs = 30000;
 
 template <class U>
 U* device_alloc(std::size_t n) {
@@ -143,12 +156,14 @@ void report(benchmark::State& state, double bytes) {
 }
 
 /// args: aggregation (0 mean, 1 max on the tensor cores, 2 max on the CUDA cores), page size,
-/// layout (0 NHD, 1 HND), mean kernel variant (ScoreOptions::mean_variant; agg:0 only)
+/// layout (0 NHD, 1 HND), kernel variant (agg:0 ScoreOptions::mean_variant, agg:1 max_variant),
+/// queued
 void BM_score(benchmark::State& state) {
   const Aggregation agg = state.range(0) ? Aggregation::kMax : Aggregation::kMean;
   cuda::ScoreOptions opt;
   opt.tensor_core_max = state.range(0) != 2;
-  opt.mean_variant = static_cast<int>(state.range(3));
+  opt.mean_variant = state.range(0) == 0 ? static_cast<int>(state.range(3)) : 0;
+  opt.max_variant = state.range(0) == 1 ? static_cast<int>(state.range(3)) : 0;
   const int bs = static_cast<int>(state.range(1));
   const KvLayout layout = state.range(2) ? KvLayout::kHND : KvLayout::kNHD;
   constexpr int kSeqs = 4;  // 4 x 64 MiB of K in rotation: more than 5x the L2
@@ -159,9 +174,11 @@ void BM_score(benchmark::State& state) {
   int i = 0;
   for (int w = 0; w < 3; ++w)  // warm-up: module load, occupancy queries
     TRIATTN_BENCH_CUDA(s.scorer->score_async(view, cuda::ScoreBatch{s.seq_ids, s.t0, 1, s.len}, s.scores, stream, opt));
+  const bool queued = state.range(4) != 0;
   for (auto _ : state) {
     const cuda::ScoreBatch batch{s.seq_ids + i, s.t0 + i, 1, s.len};
     i = (i + 1) % kSeqs;
+    if (queued) gpu_delay<<<1, 1, 0, stream>>>(kDelayNs);
     CudaEventTimer timer(state, stream);
     TRIATTN_BENCH_CUDA(s.scorer->score_async(view, batch, s.scores, stream, opt));
   }
@@ -190,9 +207,11 @@ void BM_read_k(benchmark::State& state) {
   cudaStream_t stream;
   TRIATTN_BENCH_CUDA(cudaStreamCreate(&stream));
   int i = 0;
+  const bool queued = state.range(0) != 0;
   for (auto _ : state) {
     const int4* p = reinterpret_cast<const int4*>(buf + kBytes * static_cast<std::size_t>(i));
     i = (i + 1) % kCopies;
+    if (queued) gpu_delay<<<1, 1, 0, stream>>>(kDelayNs);
     CudaEventTimer timer(state, stream);
     read_kernel<<<sms * 8, 256, 0, stream>>>(p, kBytes / sizeof(int4), sink);
   }
@@ -203,20 +222,24 @@ void BM_read_k(benchmark::State& state) {
 }
 
 /// Scoring part of a compression round at Qwen3-8B shape: 36 layers, 32/8 heads, 2,560 tokens.
-/// args: batch, aggregation. L2 flushed before each iteration.
+/// args: batch, aggregation, kernel variant (mean_variant or max_variant). L2 flushed before each
+/// iteration (the flush also keeps the GPU busy while the host enqueues the launch).
 void BM_score_round_shape(benchmark::State& state) {
   const int batch = static_cast<int>(state.range(0));
   const Aggregation agg = state.range(1) ? Aggregation::kMax : Aggregation::kMean;
+  cuda::ScoreOptions opt;
+  opt.mean_variant = state.range(1) == 0 ? static_cast<int>(state.range(2)) : 0;
+  opt.max_variant = state.range(1) == 1 ? static_cast<int>(state.range(2)) : 0;
   Setup s(36, 32, 8, 2560, batch, 16, KvLayout::kNHD, agg, batch);
   cudaStream_t stream;
   TRIATTN_BENCH_CUDA(cudaStreamCreate(&stream));
   const auto view = s.view();
   const cuda::ScoreBatch sb{s.seq_ids, s.t0, batch, s.len};
-  TRIATTN_BENCH_CUDA(s.scorer->score_async(view, sb, s.scores, stream));
+  TRIATTN_BENCH_CUDA(s.scorer->score_async(view, sb, s.scores, stream, opt));
   L2Flusher flush;
   for (auto _ : state) {
     CudaEventTimer timer(state, stream, &flush);
-    TRIATTN_BENCH_CUDA(s.scorer->score_async(view, sb, s.scores, stream));
+    TRIATTN_BENCH_CUDA(s.scorer->score_async(view, sb, s.scores, stream, opt));
   }
   report(state, s.bytes(batch));
   cudaStreamDestroy(stream);
@@ -225,20 +248,27 @@ void BM_score_round_shape(benchmark::State& state) {
 }  // namespace
 
 BENCHMARK(BM_score)
-    ->ArgNames({"agg", "page", "hnd", "variant"})
+    ->ArgNames({"agg", "page", "hnd", "variant", "queued"})
     ->Apply([](benchmark::internal::Benchmark* b) {
-      for (int agg : {0, 1, 2})
-        for (int page : {16, 64})
-          for (int hnd : {0, 1})
-            for (int variant : {0, 1})
-              if (agg == 0 || variant == 0) b->Args({agg, page, hnd, variant});
+      for (int queued : {0, 1})
+        for (int agg : {0, 1, 2})
+          for (int page : {16, 64})
+            for (int hnd : {0, 1})
+              for (int variant : {0, 1, 2, 3})
+                if (agg == 0 || variant == 0 || (agg == 1 && variant == 1))
+                  b->Args({agg, page, hnd, variant, queued});
     })
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_read_k)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_read_k)->ArgNames({"queued"})->Arg(0)->Arg(1)->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_score_round_shape)
-    ->ArgNames({"batch", "max"})
-    ->ArgsProduct({{1, 8, 32}, {0, 1}})
+    ->ArgNames({"batch", "max", "variant"})
+    ->Apply([](benchmark::internal::Benchmark* b) {
+      for (int batch : {1, 8, 32})
+        for (int max : {0, 1})
+          for (int variant : {0, 1, 2, 3})
+            if ((max == 0 && variant != 1) || (max == 1 && variant <= 1)) b->Args({batch, max, variant});
+    })
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
 

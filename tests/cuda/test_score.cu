@@ -2,8 +2,10 @@
 // GPU scorer (cuda::score) against the CPU reference (ref::score_sequence): fresh seeded random
 // caches with randomised page tables, every dtype, both layouts, page sizes {1, 7, 16, 64}, head
 // dims {64, 128}, both RoPE pairings, mean and max aggregation, disable_mlr / disable_trig, GQA
-// group sizes 1..16. Scores must match within ‖gpu − ref‖/‖ref‖ <= 1e-5, every slot < length
-// must be written (outputs are poisoned with NaN before each launch) and nothing past it.
+// group sizes 1..16, every kernel variant (ScoreOptions: tensor_core_max, mean_variant,
+// max_variant; the ring kernels also with a 3-CTA grid). Scores must match within
+// ‖gpu − ref‖/‖ref‖ <= 1e-5, every slot < length must be written (outputs are poisoned with NaN
+// before each launch) and nothing past it.
 #include <doctest/doctest.h>
 
 #include "cuda_test_utils.cuh"
@@ -218,27 +220,40 @@ void check_case(const Case& c, std::uint32_t seed) {
   for (int b = 0; b < batch; ++b) wants.push_back(ref_scores(p, scorer.model(), b, t0[b]));
   // Max aggregation on 16-bit caches has two kernels (tensor cores, CUDA cores): check both.
   const bool two_paths = c.agg == Aggregation::kMax && !c.no_trig && sizeof(T) == 2;
-  // Mean aggregation has two kernels (mean_variant 0, 1) with bitwise the same scores: check both.
+  // Mean aggregation has four kernels: mean_variant 0 and 1 (bitwise the same scores), 2 and 3
+  // (tensor cores; 16-bit caches, else variant 0). The tensor-core max path has two
+  // (max_variant 0, 1). The ring kernels (mean_variant 2, 3, max_variant 1) run twice: with the
+  // default grid and with at most 3 CTAs, so that each CTA streams many items across rows and
+  // sequences.
   const bool mean_paths = c.agg == Aggregation::kMean || c.no_trig;
   std::vector<float> variant0;
   for (const bool tensor_cores : {true, false}) {
     if (!tensor_cores && !two_paths) break;
-    for (const int variant : {0, 1}) {
-      if (variant == 1 && !mean_paths) break;
-      INFO("tensor_core_max = ", tensor_cores, ", mean_variant = ", variant);
-      scores.poison();
-      const cuda::ScoreBatch sb{p.d_seq_ids.p, d_t0.p, batch, max_len};
-      cuda::ScoreOptions opt;
-      opt.tensor_core_max = tensor_cores;
-      opt.mean_variant = variant;
-      TRIATTN_TEST_CUDA(cuda::score(p.device_view(), scorer.device_model(), sb, scores.p, nullptr, opt));
-      TRIATTN_TEST_CUDA(cudaDeviceSynchronize());
-      std::vector<float> got = scores.download();
-      compare(c, got, wants, max_len);
-      if (mean_paths && variant == 0) variant0 = got;
-      if (mean_paths && variant == 1)
-        CHECK_MESSAGE(std::memcmp(got.data(), variant0.data(), got.size() * sizeof(float)) == 0,
-                      "mean_variant 1 differs bitwise from mean_variant 0");
+    for (const int variant : {0, 1, 2, 3}) {
+      if (variant >= 1 && !mean_paths) break;
+      for (const int max_variant : {0, 1}) {
+        if (max_variant == 1 && !(two_paths && tensor_cores)) break;
+        for (const int max_ctas : {0, 3}) {
+          if (max_ctas > 0 && variant < 2 && max_variant == 0) break;
+          INFO("tensor_core_max = ", tensor_cores, ", mean_variant = ", variant, ", max_variant = ", max_variant,
+               ", max_ctas = ", max_ctas);
+          scores.poison();
+          const cuda::ScoreBatch sb{p.d_seq_ids.p, d_t0.p, batch, max_len};
+          cuda::ScoreOptions opt;
+          opt.tensor_core_max = tensor_cores;
+          opt.mean_variant = variant;
+          opt.max_variant = max_variant;
+          opt.max_ctas = max_ctas;
+          TRIATTN_TEST_CUDA(cuda::score(p.device_view(), scorer.device_model(), sb, scores.p, nullptr, opt));
+          TRIATTN_TEST_CUDA(cudaDeviceSynchronize());
+          std::vector<float> got = scores.download();
+          compare(c, got, wants, max_len);
+          if (mean_paths && variant == 0) variant0 = got;
+          if (mean_paths && variant == 1)
+            CHECK_MESSAGE(std::memcmp(got.data(), variant0.data(), got.size() * sizeof(float)) == 0,
+                          "mean_variant 1 differs bitwise from mean_variant 0");
+        }
+      }
     }
   }
 }

@@ -60,7 +60,8 @@ struct decode_attention {
     const std::int64_t useful = (len + Tune::kMinTokensPerSplit - 1) / Tune::kMinTokensPerSplit;
     splits = triattn::detail::max_<std::int64_t>(1, triattn::detail::min_<std::int64_t>(splits, triattn::detail::min_<std::int64_t>(useful, Tune::kMaxSplits)));
     std::int64_t tps = (len + splits - 1) / splits;
-    tps = (tps + Tune::kSplitGranule - 1) / Tune::kSplitGranule * Tune::kSplitGranule;
+    const std::int64_t granule = variant == 6 || variant == 8 ? Tune::kTileTokens : Tune::kSplitGranule;
+    tps = (tps + granule - 1) / granule * granule;
     plan.tokens_per_split = static_cast<int>(tps);
     plan.num_splits = static_cast<int>((len + tps - 1) / tps);
     return plan;
@@ -68,7 +69,7 @@ struct decode_attention {
 
   /// True when `variant` merges the splits inside the split kernel (16-bit caches only).
   [[nodiscard]] static constexpr bool fused_merge(int variant, DType dtype) noexcept {
-    return variant >= 3 && dtype != DType::kF32;
+    return (variant == 3 || variant == 4) && dtype != DType::kF32;
   }
 
   /// CTAs of the split kernel for T (and `variant`) that the current device keeps resident at
@@ -175,8 +176,10 @@ struct decode_attention {
         decode_attention_f32_kernel<kD, Id, OutT><<<grid, Tune::kThreads, 0, stream>>>(view, p);
       } else {
         if (plan.variant >= 2) {
-          const cudaError_t e = fused ? launch_pipe<kD, true>(grid, view, p, plan.variant == 3, stream)
-                                      : launch_pipe<kD, false>(grid, view, p, false, stream);
+          const bool evict_first = plan.variant == 7 || plan.variant == 8;
+          const cudaError_t e = fused         ? launch_pipe<kD, true>(grid, view, p, plan.variant == 3, stream)
+                                : evict_first ? launch_pipe<kD, false, true>(grid, view, p, false, stream)
+                                              : launch_pipe<kD, false>(grid, view, p, false, stream);
           if (e != cudaSuccess) return e;
         } else {
           decode_attention_mma_kernel<kD, T, Id, OutT><<<grid, Tune::kThreads, 0, stream>>>(view, p);
@@ -202,6 +205,9 @@ struct decode_attention {
         if (plan.variant == 0)
           return cudaLaunchKernelEx(&cfg, decode_attention_combine_kernel<kD, Id, OutT>, lens, seq_ids, po, pml, out,
                                     num_q_heads, plan.num_splits, plan.tokens_per_split);
+        if (plan.variant >= 5)
+          return cudaLaunchKernelEx(&cfg, decode_attention_combine_wide_kernel<kD, Id, OutT>, lens, seq_ids, po, pml,
+                                    out, num_q_heads, plan.num_splits, plan.tokens_per_split);
         return cudaLaunchKernelEx(&cfg, decode_attention_combine_fast_kernel<kD, Id, OutT>, lens, seq_ids, po, pml,
                                   out, num_q_heads, plan.num_splits, plan.tokens_per_split);
       };
@@ -228,7 +234,7 @@ struct decode_attention {
 
   /// Arrival counters at the front of the workspace (fused variants, more than one split).
   static constexpr std::size_t counter_bytes(const DecodeAttentionPlan& plan, int batch, int num_q_heads) noexcept {
-    if (plan.num_splits <= 1 || plan.variant < 3) return 0;
+    if (plan.num_splits <= 1 || (plan.variant != 3 && plan.variant != 4)) return 0;
     return align(static_cast<std::size_t>(batch) * num_q_heads * sizeof(std::uint32_t));
   }
 
@@ -243,10 +249,10 @@ struct decode_attention {
 
   /// Launches the cp.async kernel; zero_counters (variant 3): first a one-CTA kernel zeroes the
   /// arrival counters and the split kernel follows it through programmatic dependent launch.
-  template <int D, bool kFused, class T, class Id, class OutT>
+  template <int D, bool kFused, bool kEvictFirst = false, class T, class Id, class OutT>
   static cudaError_t launch_pipe(dim3 grid, const KvCacheView<T, Id>& view, const DecodeAttentionParams<T, OutT>& p,
                                  bool zero_counters, cudaStream_t stream) noexcept {
-    auto kernel = decode_attention_mma_pipe_kernel<D, T, Id, OutT, kFused>;
+    auto kernel = decode_attention_mma_pipe_kernel<D, T, Id, OutT, kFused, kEvictFirst>;
     TRIATTN_CUDA_RETURN_IF_ERROR(prepare_pipe_kernel<D>(kernel));
     const int smem = decode_attention_pipe_smem_bytes<D>();
     if (!zero_counters) {

@@ -18,6 +18,7 @@
 #include <triattn/cuda/error.cuh>
 #include <triattn/cuda/kernels/score_kernel.cuh>
 #include <triattn/cuda/launch.cuh>
+#include <triattn/cuda/tuning/sm90.cuh>
 
 namespace triattn::cuda {
 
@@ -28,8 +29,21 @@ struct ScoreOptions {
   bool tensor_core_max = true;
   /// Mean-aggregation (and disable_trig) kernel: 0 score_mean_kernel (8 keys per lane, one tile
   /// in flight per CTA), 1 score_mean_pipe_kernel (4 keys per lane, next tile prefetched into a
-  /// register double buffer). Both give bitwise the same scores.
-  int mean_variant = 0;
+  /// register double buffer; bitwise the same scores as 0), 2 and 3 score_mean_mma_kernel (dot
+  /// products on the tensor cores, per-warp cp.async rings; tuning::sm90::ScoreMeanMma::Variant2
+  /// and Variant3; 16-bit caches, else variant 0; within fp32 rounding of 0, not bitwise).
+  /// Default 2: fastest on the H200 (2026-11-30: 36.2–37.0 µs vs 37.4–37.8 for 0 on one Qwen3-8B
+  /// layer at 32K; 75 vs 80 µs for a whole 36-layer round's scores).
+  int mean_variant = 2;
+  /// Tensor-core max kernel (16-bit caches, tensor_core_max): 0 score_max_mma_kernel (load a
+  /// tile, then compute it), 1 score_max_mma_pipe_kernel (per-warp cp.async rings, cos/sin once
+  /// per CTA and sequence; falls back to 0 when its shared memory exceeds the device's limit,
+  /// i.e. for very many offsets). Within fp32 rounding of each other. Default 1: 70–74 µs vs
+  /// 76–79 for 0 on the H200 (2026-11-30).
+  int max_variant = 1;
+  /// Upper bound of the grid (0: one wave of resident CTAs). Tests lower it so that every CTA
+  /// walks many items across rows and sequences.
+  int max_ctas = 0;
 };
 
 namespace detail {
@@ -45,23 +59,19 @@ inline int resident_ctas(Kernel kernel, int threads, std::size_t smem) noexcept 
   return n;
 }
 
-/// Raises `kernel`'s dynamic shared-memory limit to `smem` once per process (tracked in
+/// Raises `kernel`'s dynamic shared-memory limit to `smem` once per device (tracked in
 /// `granted`), so steady-state launches (e.g. inside a graph capture) make no attribute call.
-/// NOTE: the attribute is per device; a process that scores on several devices of different
-/// kinds should warm each one up eagerly first.
 template <class Kernel>
 [[nodiscard]] inline cudaError_t ensure_dynamic_smem(Kernel kernel, std::size_t smem,
-                                                     std::atomic<std::size_t>& granted) noexcept {
-  if (smem <= 48 * 1024 || smem <= granted.load(std::memory_order_relaxed)) return cudaSuccess;
-  const cudaError_t e =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  if (e == cudaSuccess) granted.store(smem, std::memory_order_relaxed);  // a race only repeats the call
-  return e;
+                                                     DynamicSmemGrant& granted) noexcept {
+  return granted.ensure(kernel, smem);
 }
 
-/// Grid of a persistent-style scoring launch: one wave of resident CTAs, capped by the items.
-inline unsigned score_grid(long long items, int sms, int per_sm) noexcept {
-  const long long cap = static_cast<long long>(sms) * per_sm;
+/// Grid of a persistent-style scoring launch: one wave of resident CTAs, capped by the items
+/// (and by max_ctas when > 0).
+inline unsigned score_grid(long long items, int sms, int per_sm, int max_ctas = 0) noexcept {
+  long long cap = static_cast<long long>(sms) * per_sm;
+  if (max_ctas > 0 && max_ctas < cap) cap = max_ctas;
   const long long g = items < cap ? items : cap;
   return static_cast<unsigned>(g > 0 ? g : 1);
 }
@@ -92,10 +102,52 @@ template <class T>
   else return false;
 }
 
+/// Tensor-core mean path (mean_variant 2, 3): 16-bit caches; fp16 weights far from fp16's range limit.
+template <class T>
+[[nodiscard]] inline bool use_mma_mean(const ScoreModelView& m, const ScoreOptions& opt) noexcept {
+  if (opt.mean_variant != 2 && opt.mean_variant != 3) return false;
+  if (m.aggregation != Aggregation::kMean && !m.disable_trig) return false;
+  if constexpr (std::is_same_v<T, bf16_storage>) return true;
+  else if constexpr (std::is_same_v<T, f16_storage>) return m.max_abs_weight < 16384.0;  // |W_f| <= s²|q̄_f|
+  else return false;
+}
+
+template <class T, class Id, int HD, RopeStyle S, class Cfg>
+[[nodiscard]] inline cudaError_t launch_score_mean_mma(const KvCacheView<T, Id>& view, const ScoreModelView& m,
+                                                       const ScoreBatch& a, float* scores, cudaStream_t stream,
+                                                       const ScoreOptions& opt) noexcept {
+  if constexpr (sizeof(T) == 2) {
+    using Shape = MmaMeanShape<T, HD, Cfg::kWarps, Cfg::kStages>;
+    const FastDiv fd(view.block.block_size);
+    const int G = m.num_q_heads / m.num_kv_heads;
+    const long long rows =
+        static_cast<long long>(a.batch) * m.num_layers * m.num_kv_heads * ((G + Shape::kHeads - 1) / Shape::kHeads);
+    int sms = 0;
+    TRIATTN_CUDA_RETURN_IF_ERROR(current_device_sm_count(&sms));
+    auto kernel = score_mean_mma_kernel<T, Id, HD, S, Cfg::kWarps, Cfg::kStages, Cfg::kMinCtas>;
+    constexpr std::size_t smem = Shape::kSmemBytes;
+    static DynamicSmemGrant granted;
+    TRIATTN_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem(kernel, smem, granted));
+    // Once per instantiation (no attribute call or occupancy query inside a graph capture later):
+    // the carveout that fits kMinCtas rings per SM, then the occupancy it gives.
+    static const int per_sm = [&] {
+      (void)cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                 cudaSharedmemCarveoutMaxShared);
+      (void)cudaGetLastError();
+      return resident_ctas(kernel, Shape::kThreads, smem);
+    }();
+    const long long items = rows * ((a.max_len + Shape::kTile - 1) / Shape::kTile);
+    kernel<<<score_grid(items, sms, per_sm, opt.max_ctas), Shape::kThreads, smem, stream>>>(view, m, a, scores, fd);
+    return check_launch(stream);
+  } else {
+    return cudaErrorNotSupported;
+  }
+}
+
 template <class T, class Id, int HD, RopeStyle S>
 [[nodiscard]] inline cudaError_t launch_score_max_mma(const KvCacheView<T, Id>& view, const ScoreModelView& m,
-                                                      const ScoreBatch& a, float* scores,
-                                                      cudaStream_t stream) noexcept {
+                                                      const ScoreBatch& a, float* scores, cudaStream_t stream,
+                                                      const ScoreOptions& opt) noexcept {
   if constexpr (sizeof(T) == 2) {
     using Shape = MmaMaxShape<T, HD>;
     const FastDiv fd(view.block.block_size);
@@ -106,7 +158,7 @@ template <class T, class Id, int HD, RopeStyle S>
     TRIATTN_CUDA_RETURN_IF_ERROR(current_device_sm_count(&sms));
     auto kernel = score_max_mma_kernel<T, Id, HD, S>;
     const std::size_t smem = score_max_mma_smem_bytes<T, HD>(m.num_offsets);
-    static std::atomic<std::size_t> granted{0};
+    static DynamicSmemGrant granted;
     TRIATTN_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem(kernel, smem, granted));
     static std::atomic<unsigned long long> cached{0};  // (smem << 16 | CTAs per SM), see below
     unsigned long long c = cached.load(std::memory_order_relaxed);
@@ -117,7 +169,56 @@ template <class T, class Id, int HD, RopeStyle S>
     }
     const int per_sm = static_cast<int>(c & 0xffff) > 0 ? static_cast<int>(c & 0xffff) : 1;
     const long long items = rows * ((a.max_len + Shape::kTile - 1) / Shape::kTile);
-    kernel<<<score_grid(items, sms, per_sm), Shape::kThreads, smem, stream>>>(view, m, a, scores, fd);
+    kernel<<<score_grid(items, sms, per_sm, opt.max_ctas), Shape::kThreads, smem, stream>>>(view, m, a, scores, fd);
+    return check_launch(stream);
+  } else {
+    return cudaErrorNotSupported;
+  }
+}
+
+/// Pipelined tensor-core max scorer (max_variant 1); score_max_mma_kernel when its shared
+/// memory does not fit.
+template <class T, class Id, int HD, RopeStyle S>
+[[nodiscard]] inline cudaError_t launch_score_max_mma_pipe(const KvCacheView<T, Id>& view, const ScoreModelView& m,
+                                                           const ScoreBatch& a, float* scores, cudaStream_t stream,
+                                                           const ScoreOptions& opt) noexcept {
+  if constexpr (sizeof(T) == 2) {
+    using Cfg = tuning::sm90::ScoreMaxMma;
+    using Shape = MmaMeanShape<T, HD, Cfg::kWarps, Cfg::kStages>;
+    const std::size_t smem = score_max_mma_pipe_smem_bytes<T, HD, Cfg::kWarps, Cfg::kStages>(m.num_offsets);
+    static const int optin = [] {  // the device's opt-in limit of shared memory per CTA
+      int dev = 0, v = 0;
+      if (cudaGetDevice(&dev) != cudaSuccess ||
+          cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+      }
+      return v;
+    }();
+    if (smem > static_cast<std::size_t>(optin))
+      return launch_score_max_mma<T, Id, HD, S>(view, m, a, scores, stream, opt);
+    const FastDiv fd(view.block.block_size);
+    const int G = m.num_q_heads / m.num_kv_heads;
+    const long long rows =
+        static_cast<long long>(a.batch) * m.num_layers * m.num_kv_heads * ((G + Shape::kHeads - 1) / Shape::kHeads);
+    int sms = 0;
+    TRIATTN_CUDA_RETURN_IF_ERROR(current_device_sm_count(&sms));
+    auto kernel = score_max_mma_pipe_kernel<T, Id, HD, S, Cfg::kWarps, Cfg::kStages, Cfg::kMinCtas>;
+    static DynamicSmemGrant granted;
+    TRIATTN_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem(kernel, smem, granted));
+    static std::atomic<unsigned long long> cached{0};  // (smem << 16 | CTAs per SM), as launch_score_max_mma
+    unsigned long long c = cached.load(std::memory_order_relaxed);
+    if ((c >> 16) != smem || c == 0) {
+      (void)cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                 cudaSharedmemCarveoutMaxShared);
+      (void)cudaGetLastError();
+      c = (static_cast<unsigned long long>(smem) << 16) |
+          static_cast<unsigned long long>(resident_ctas(kernel, Shape::kThreads, smem) & 0xffff);
+      cached.store(c, std::memory_order_relaxed);
+    }
+    const int per_sm = static_cast<int>(c & 0xffff) > 0 ? static_cast<int>(c & 0xffff) : 1;
+    const long long items = rows * ((a.max_len + Shape::kTile - 1) / Shape::kTile);
+    kernel<<<score_grid(items, sms, per_sm, opt.max_ctas), Shape::kThreads, smem, stream>>>(view, m, a, scores, fd);
     return check_launch(stream);
   } else {
     return cudaErrorNotSupported;
@@ -127,7 +228,8 @@ template <class T, class Id, int HD, RopeStyle S>
 template <class T, class Id, int HD, RopeStyle S, int GMAX>
 [[nodiscard]] inline cudaError_t launch_score_kernel(const KvCacheView<T, Id>& view, const ScoreModelView& m,
                                                      const ScoreBatch& a, float* scores, cudaStream_t stream,
-                                                     int mean_variant) noexcept {
+                                                     const ScoreOptions& opt) noexcept {
+  const int mean_variant = opt.mean_variant;
   const FastDiv fd(view.block.block_size);
   const int G = m.num_q_heads / m.num_kv_heads;
   const long long rows = static_cast<long long>(a.batch) * m.num_layers * m.num_kv_heads * ((G + GMAX - 1) / GMAX);
@@ -138,7 +240,7 @@ template <class T, class Id, int HD, RopeStyle S, int GMAX>
     auto kernel = score_mean_pipe_kernel<T, Id, HD, S, GMAX>;
     static const int per_sm = resident_ctas(kernel, Shape::kThreads, 0);
     const long long items = rows * ((a.max_len + Shape::kTile - 1) / Shape::kTile);
-    kernel<<<score_grid(items, sms, per_sm), Shape::kThreads, 0, stream>>>(view, m, a, scores, fd);
+    kernel<<<score_grid(items, sms, per_sm, opt.max_ctas), Shape::kThreads, 0, stream>>>(view, m, a, scores, fd);
     return check_launch(stream);
   }
   if (m.aggregation == Aggregation::kMean || m.disable_trig) {
@@ -146,13 +248,13 @@ template <class T, class Id, int HD, RopeStyle S, int GMAX>
     auto kernel = score_mean_kernel<T, Id, HD, S, GMAX>;
     static const int per_sm = resident_ctas(kernel, Shape::kThreads, 0);
     const long long items = rows * ((a.max_len + Shape::kTile - 1) / Shape::kTile);
-    kernel<<<score_grid(items, sms, per_sm), Shape::kThreads, 0, stream>>>(view, m, a, scores, fd);
+    kernel<<<score_grid(items, sms, per_sm, opt.max_ctas), Shape::kThreads, 0, stream>>>(view, m, a, scores, fd);
     return check_launch(stream);
   }
   using Shape = ScoreShape<T, HD, GMAX, 4>;
   auto kernel = score_max_kernel<T, Id, HD, S, GMAX>;
   const std::size_t smem = score_max_smem_bytes<HD, GMAX>(m.num_offsets);
-  static std::atomic<std::size_t> granted{0};
+  static DynamicSmemGrant granted;
   TRIATTN_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem(kernel, smem, granted));
   // Occupancy depends on |D| (shared memory): cached per instantiation as (smem << 16 | CTAs),
   // so a round captured in a graph makes no occupancy query.
@@ -165,7 +267,7 @@ template <class T, class Id, int HD, RopeStyle S, int GMAX>
   }
   const int per_sm = static_cast<int>(c & 0xffff) > 0 ? static_cast<int>(c & 0xffff) : 1;
   const long long items = rows * ((a.max_len + Shape::kTile - 1) / Shape::kTile);
-  kernel<<<score_grid(items, sms, per_sm), Shape::kThreads, smem, stream>>>(view, m, a, scores, fd);
+  kernel<<<score_grid(items, sms, per_sm, opt.max_ctas), Shape::kThreads, smem, stream>>>(view, m, a, scores, fd);
   return check_launch(stream);
 }
 
@@ -193,14 +295,21 @@ template <class T, class Id>
   if (batch.batch == 0 || batch.max_len == 0) return cudaSuccess;
   const int G = model.num_q_heads / model.num_kv_heads;
   const bool mma = detail::use_mma_max<T>(model, options);
+  const bool mma_mean = detail::use_mma_mean<T>(model, options);
   return dispatch_head_dim_status(view.block.head_dim, [&](auto hd) -> cudaError_t {
     constexpr int HD = decltype(hd)::value;
     const auto by_group = [&](auto style) -> cudaError_t {
       constexpr RopeStyle S = decltype(style)::value;
-      if (mma) return detail::launch_score_max_mma<T, Id, HD, S>(view, model, batch, scores, stream);
-      const int mv = options.mean_variant;
-      if (G <= 4) return detail::launch_score_kernel<T, Id, HD, S, 4>(view, model, batch, scores, stream, mv);
-      return detail::launch_score_kernel<T, Id, HD, S, 8>(view, model, batch, scores, stream, mv);  // G > 8: chunks of 8
+      using Tune = tuning::sm90::ScoreMeanMma;
+      if (mma && options.max_variant == 1)
+        return detail::launch_score_max_mma_pipe<T, Id, HD, S>(view, model, batch, scores, stream, options);
+      if (mma) return detail::launch_score_max_mma<T, Id, HD, S>(view, model, batch, scores, stream, options);
+      if (mma_mean && options.mean_variant == 2)
+        return detail::launch_score_mean_mma<T, Id, HD, S, Tune::Variant2>(view, model, batch, scores, stream, options);
+      if (mma_mean)
+        return detail::launch_score_mean_mma<T, Id, HD, S, Tune::Variant3>(view, model, batch, scores, stream, options);
+      if (G <= 4) return detail::launch_score_kernel<T, Id, HD, S, 4>(view, model, batch, scores, stream, options);
+      return detail::launch_score_kernel<T, Id, HD, S, 8>(view, model, batch, scores, stream, options);  // G > 8: chunks of 8
     };
     if (model.style == RopeStyle::kHalf) return by_group(std::integral_constant<RopeStyle, RopeStyle::kHalf>{});
     return by_group(std::integral_constant<RopeStyle, RopeStyle::kInterleaved>{});

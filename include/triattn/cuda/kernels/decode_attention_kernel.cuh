@@ -126,6 +126,17 @@ __device__ __forceinline__ std::uint32_t smem_addr(const void* p) {
 __device__ __forceinline__ void cp_async_16(std::uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
+/// cp_async_16 with an L2 cache policy (createpolicy).
+__device__ __forceinline__ void cp_async_16_hint(std::uint32_t dst, const void* src, std::uint64_t policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "l"(policy)
+               : "memory");
+}
+/// L2 policy that makes the lines it loads the first to be evicted (streamed K/V is read once).
+__device__ __forceinline__ std::uint64_t l2_evict_first_policy() {
+  std::uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 /// Waits until at most N of this thread's committed groups are pending.
 template <int N>
@@ -521,9 +532,11 @@ template <int HeadDim>
 }
 
 /// 16-bit caches, cp.async pipeline (variants 2-4). Same grid and math as the register kernel;
-/// each warp streams its tiles through Tune::kStages shared-memory buffers. kFused: with more
+/// each warp streams its tiles through Tune::kStages shared-memory buffers. kEvictFirst: K/V
+/// lines enter L2 as evict-first (variants 7, 8), so the stream replaces its own lines instead of
+/// evicting (and writing back) what L2 held before. kFused: with more
 /// than one split the last CTA of each (entry, head group) merges the splits (no combine kernel).
-template <int HeadDim, class T, class Id, class OutT, bool kFused>
+template <int HeadDim, class T, class Id, class OutT, bool kFused, bool kEvictFirst = false>
 __global__ void __launch_bounds__(tuning::sm90::DecodeAttention::kThreads, tuning::sm90::DecodeAttention::kMinCtasPerSmPipe)
     decode_attention_mma_pipe_kernel(KvCacheView<T, Id> view, DecodeAttentionParams<T, OutT> p) {
   using Tune = tuning::sm90::DecodeAttention;
@@ -607,6 +620,8 @@ __global__ void __launch_bounds__(tuning::sm90::DecodeAttention::kThreads, tunin
   // Lane l resolves token (l & 15) of a tile; tokens past the end read the last valid token.
   auto slot_of = [&](int k) { return min(wstart + k * kStride + (lane & 15), end - 1); };
   auto block_of = [&](int k) -> Id { return table[slot_of(k) / bs]; };
+  std::uint64_t policy = 0;
+  if constexpr (kEvictFirst) policy = detail::l2_evict_first_policy();
   // Copies tile k (its lanes' block ids in `blk`) into buffer `buf`. Lane (r = lane / 8, c8 =
   // lane % 8) copies chunks c8 + 8hh of tokens 4j + r: a quarter warp moves one 128-byte line.
   auto issue = [&](int k, Id blk, int buf) {
@@ -625,8 +640,13 @@ __global__ void __launch_bounds__(tuning::sm90::DecodeAttention::kThreads, tunin
       for (int hh = 0; hh < kCPR / 8; ++hh) {
         const int c = 8 * hh + c8;
         const std::uint32_t so = static_cast<std::uint32_t>(t * kCPR + (c ^ sw)) * 16u;
-        detail::cp_async_16(sk + so, kbase + off + c * 8);
-        detail::cp_async_16(sv + so, vbase + off + c * 8);
+        if constexpr (kEvictFirst) {
+          detail::cp_async_16_hint(sk + so, kbase + off + c * 8, policy);
+          detail::cp_async_16_hint(sv + so, vbase + off + c * 8, policy);
+        } else {
+          detail::cp_async_16(sk + so, kbase + off + c * 8);
+          detail::cp_async_16(sv + so, vbase + off + c * 8);
+        }
       }
     }
   };
@@ -930,6 +950,58 @@ __global__ void __launch_bounds__(HeadDim) decode_attention_combine_fast_kernel(
 #pragma unroll
     for (int u = 0; u < kBatch; ++u)
       if (s0 + u < n) o += x[u] * s_w[s0 + u];
+  }
+  detail::store_f32(out + row * HeadDim + e, n > 0 ? o / l : 0.f);
+}
+
+/// Twin of decode_attention_combine_kernel (same grid and arguments) that spends one L2 round
+/// trip instead of ~5: each thread issues the (m, l) pairs and its dimension's partials of up to
+/// kCombineWide splits at once (L2 loads: the partials were written by the split kernel), then
+/// folds them into a running (max, sum, output) per chunk of splits.
+template <int HeadDim, class Id, class OutT>
+__global__ void __launch_bounds__(HeadDim) decode_attention_combine_wide_kernel(const Id* seq_lens,
+                                                                               const std::int32_t* seq_ids,
+                                                                               const float* partial_o,
+                                                                               const float2* partial_ml, OutT* out,
+                                                                               int num_q_heads, int num_splits,
+                                                                               int tokens_per_split) {
+  constexpr int kWide = tuning::sm90::DecodeAttention::kCombineWide;
+  detail::griddep_wait();
+  const int hq = static_cast<int>(blockIdx.x);
+  const int b = static_cast<int>(blockIdx.y);
+  const int e = static_cast<int>(threadIdx.x);
+  const int seq = seq_ids != nullptr ? seq_ids[b] : b;
+  const int len = static_cast<int>(seq_lens[seq]);
+  const int n = min(num_splits, (len + tokens_per_split - 1) / tokens_per_split);
+  const std::int64_t row = static_cast<std::int64_t>(b) * num_q_heads + hq;
+  const float2* ml = partial_ml + row * num_splits;
+  const float* po = partial_o + row * num_splits * HeadDim + e;
+  float mx = -INFINITY, l = 0.f, o = 0.f;
+  for (int s0 = 0; s0 < n; s0 += kWide) {
+    // Unpredicated loads (index clamped to a valid split) so that all of them are in flight.
+    float2 x[kWide];
+    float v[kWide];
+#pragma unroll
+    for (int u = 0; u < kWide; ++u) {
+      const int s = min(s0 + u, n - 1);
+      x[u] = __ldcg(ml + s);
+      v[u] = __ldcg(po + static_cast<std::int64_t>(s) * HeadDim);
+    }
+    float cm = mx;
+#pragma unroll
+    for (int u = 0; u < kWide; ++u) cm = fmaxf(cm, x[u].x);  // clamped duplicates: harmless for a max
+    const float sc = exp2f(mx - cm);                         // first chunk: exp2(-inf) = 0
+    l *= sc;
+    o *= sc;
+#pragma unroll
+    for (int u = 0; u < kWide; ++u) {
+      if (s0 + u < n) {
+        const float w = exp2f(x[u].x - cm);
+        l += x[u].y * w;
+        o += v[u] * w;
+      }
+    }
+    mx = cm;
   }
   detail::store_f32(out + row * HeadDim + e, n > 0 ? o / l : 0.f);
 }

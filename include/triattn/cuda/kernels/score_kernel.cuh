@@ -10,6 +10,9 @@
 //                                        [T×d]·[d×|D|·G] product, on the tensor cores for 16-bit
 //                                        caches (score_max_mma_kernel), else CUDA cores
 //                                        (score_max_kernel, ~4.5x the K read time in FMAs)
+//   16-bit caches, ring variants:        score_mean_mma_kernel (mean dot products on the tensor
+//                                        cores) and score_max_mma_pipe_kernel; keys stream
+//                                        through per-warp cp.async rings (KeySliceFeed)
 //
 // All kernels accumulate in fp32 in a fixed order: the same inputs give bitwise the same scores
 // (what CUDA-graph replays and the round's determinism rely on).
@@ -1082,6 +1085,649 @@ __global__ void __launch_bounds__(detail::MmaMaxShape<T, HD>::kThreads, 2)
     }
     ++it;
   }
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Mean aggregation on the tensor cores (16-bit caches; ScoreOptions::mean_variant 2 and 3).
+// Why: the CUDA-core mean kernels issue ~1,200 instructions per key (4 heads x 3 FMAs per pair,
+// unpacking, weights), about as long as reading the key, and they load a tile, then compute it,
+// so HBM idles while they compute (measured: 37 µs against ~16 µs for the K read). Here
+//  - the dot products Σ_e W_e·k_e run as mma.sync m16n8k16 with the keys as A (exact) and the
+//    folded weights as B, split into 16-bit parts as in score_max_mma_kernel (bf16 hi + mid + lo,
+//    fp16 hi + lo). Column n of MMA x is (head n/2, split 2x + n%2) (the column past the last
+//    split is zero), so lane c4 of a quad ends with head c4's dot product in accumulators 0 + 1
+//    (row g4) and 2 + 3 (row g4 + 8);
+//  - only the norm term Σ_f c_f·|K_f| stays on the CUDA cores (~10 instructions per pair);
+//  - each warp streams its 32-key slices of the CTA's items through its own kStages-deep
+//    cp.async ring (kStages - 1 slices in flight while it computes one; no CTA barrier per tile);
+//    the block-table entry of the next slice is fetched one slice ahead;
+//  - the float64 fold runs once per (CTA, row) and the float64 cos/sin once per (CTA, sequence),
+//    while the ring's first loads are in flight.
+// Key rows in shared memory are 16-byte-chunk swizzled (chunk ^ 4 on odd rows) so that a quarter
+// warp's fragment reads (rows g4, g4 + 1 x chunks 4j .. 4j + 3) hit distinct banks.
+// ---------------------------------------------------------------------------------------------
+
+namespace detail {
+
+/// Shape of score_mean_mma_kernel: kWarps warps, each with a kStages-deep ring of 32-key slices.
+template <class T, int HD, int kWarps_, int kStages_>
+struct MmaMeanShape {
+  static_assert(HD % 32 == 0, "head_dim must be a multiple of 32");
+  static_assert(kStages_ >= 2, "two ring stages at least");
+  static constexpr int kF = HD / 2;
+  static constexpr int kSteps = HD / 16;   // MMA k-steps
+  static constexpr int kChunks = HD / 32;  // 16-byte chunks a lane holds per key row
+  static constexpr int kCPR = HD / 8;      // 16-byte chunks per key
+  static constexpr int kSplits = MmaMaxTraits<T>::kSplits;
+  static constexpr int kMmas = (kSplits + 1) / 2;  // two weight splits per MMA (columns 2h, 2h + 1)
+  static constexpr int kWarps = kWarps_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kKeysPerWarp = 32;  // one ring slice: two m16 tiles
+  static constexpr int kTile = kWarps * kKeysPerWarp;
+  static constexpr int kHeads = 4;
+  static constexpr int kSliceVecs = kKeysPerWarp * kCPR;  // 16-byte chunks per slice
+  static constexpr int kCSlots = kF + kF / 8;              // c as float4 per pair, one pad slot every 8 pairs
+  static constexpr std::size_t kRingBytes = static_cast<std::size_t>(kWarps) * kStages * kSliceVecs * 16;
+  static constexpr std::size_t kBfragBytes = static_cast<std::size_t>(kSteps) * kMmas * 32 * 8;
+  static constexpr std::size_t kCBytes = static_cast<std::size_t>(kCSlots) * 16;
+  static constexpr std::size_t kPhaseBytes = static_cast<std::size_t>(kF) * 2 * sizeof(double);
+  /// Dynamic shared memory: rings, B fragments [k-step][mma][lane] uint2, c [slot] float4, cos/sin [F] double.
+  static constexpr std::size_t kSmemBytes = kRingBytes + kBfragBytes + kCBytes + kPhaseBytes;
+};
+
+__device__ __forceinline__ std::uint32_t score_smem_addr(const void* p) {
+  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
+}
+/// 16-byte global -> shared copy through L2 only; src_bytes = 0 zero-fills (src is not read).
+__device__ __forceinline__ void score_cp_async_16(std::uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void score_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+/// Waits until at most N of this thread's committed groups are pending.
+template <int N>
+__device__ __forceinline__ void score_cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+/// Producer side of a per-warp key ring (score_mean_mma_kernel, score_max_mma_pipe_kernel). The
+/// CTA walks its items (row, tile) in order; the warp's slice of an item is the 32 keys from
+/// tile·kTile + 32·warp. prepare() takes the item at the cursor and advances it: lane l looks up
+/// the block of key l (that table load flies until issue() uses it, one slice later; it does not
+/// wait for the length). issue() copies the slice into one ring stage with 16-byte cp.async:
+/// copy x = i·32 + lane is chunk x % CPR of key x / CPR, so one warp instruction moves 32/CPR
+/// whole keys; keys past the length are zero-filled. Chunk c of key k lands at c ^ 4·(k & 1).
+template <class T, class Id, int HD, int kTile>
+struct KeySliceFeed {
+  static constexpr int kCPR = HD / 8;  // 16-byte chunks per key
+  long long rid;                       // cursor: row and tile of the next item to prepare
+  int tile;
+  long long kr_row = -1;               // row whose addresses kr holds
+  KeyRowAddr<T, Id> kr{};
+  Id blk = 0;                          // prepared item: block and slot of this lane's key
+  int r = 0;
+  bool ok = false;                     // ... and whether that key exists
+
+  __device__ KeySliceFeed(long long row0, int tile0) : rid(row0), tile(tile0) {}
+
+  __device__ __forceinline__ void prepare(const KvCacheView<T, Id>& view, const ScoreBatch& a, const FastDiv& fd,
+                                          int tiles_per_row, int L, int Hkv, int HC, int warp, int lane) {
+    const long long row = rid;
+    const int tl = tile;
+    if (++tile == tiles_per_row) {
+      tile = 0;
+      ++rid;
+    }
+    if (row != kr_row) {
+      const ScoreRow sr = decode_score_row(row, L, Hkv, HC);
+      kr = key_row(view, a, sr.b, sr.l, sr.g);
+      kr_row = row;
+    }
+    const int t = tl * kTile + warp * 32 + lane;
+    const int page = static_cast<int>(fd.div(static_cast<std::uint32_t>(t)));
+    r = t - page * view.block.block_size;
+    if (page < view.max_blocks_per_seq) blk = kr.table[page];  // inside the table row; unused past the length
+    ok = t < kr.len;
+  }
+
+  /// stage_addr: shared-memory address of the stage ([32 keys][kCPR] 16-byte chunks); dummy: any
+  /// valid global address (source of the zero-filling copies, not read).
+  __device__ __forceinline__ void issue(std::uint32_t stage_addr, const void* dummy, int lane) const {
+    const T* src = ok ? kr.range + static_cast<std::int64_t>(blk) * kr.block_elems +
+                            static_cast<std::int64_t>(r) * kr.token_stride + kr.head_off
+                      : nullptr;
+    const unsigned long long mine = reinterpret_cast<unsigned long long>(src);
+    const int c = lane % kCPR;
+#pragma unroll
+    for (int i = 0; i < kCPR; ++i) {
+      const int kk = (i * 32 + lane) / kCPR;
+      const unsigned long long p = __shfl_sync(0xffffffffu, mine, kk);
+      const std::uint32_t dst = stage_addr + static_cast<std::uint32_t>((kk * kCPR + (c ^ ((kk & 1) << 2))) * 16);
+      const void* from = p != 0ull ? static_cast<const void*>(reinterpret_cast<const char*>(p) + c * 16) : dummy;
+      score_cp_async_16(dst, from, p != 0ull ? 16 : 0);
+    }
+  }
+};
+
+}  // namespace detail
+
+/// Tensor-core mean-aggregation (and disable_trig) scorer for 16-bit caches: same contract as
+/// score_mean_kernel (scores within fp32 rounding of it, not bitwise); dynamic shared memory
+/// MmaMeanShape<T, HD, kWarps, kStages>::kSmemBytes.
+template <class T, class Id, int HD, RopeStyle S, int kWarps, int kStages, int kMinCtas>
+__global__ void __launch_bounds__(32 * kWarps, kMinCtas)
+    score_mean_mma_kernel(KvCacheView<T, Id> view, ScoreModelView m, ScoreBatch a, float* __restrict__ scores,
+                          detail::FastDiv fd) {
+  using Shape = detail::MmaMeanShape<T, HD, kWarps, kStages>;
+  using Tr = detail::MmaMaxTraits<T>;
+  constexpr int F = Shape::kF, KS = Shape::kSteps, NC = Shape::kChunks, CPR = Shape::kCPR;
+  constexpr int SP = Shape::kSplits, NM = Shape::kMmas, GH = Shape::kHeads;
+  extern __shared__ __align__(16) unsigned char mean_mma_smem[];
+  uint4* const ring = reinterpret_cast<uint4*>(mean_mma_smem);
+  uint2* const bfrag_s = reinterpret_cast<uint2*>(mean_mma_smem + Shape::kRingBytes);
+  float4* const c_s = reinterpret_cast<float4*>(mean_mma_smem + Shape::kRingBytes + Shape::kBfragBytes);
+  double* const cs_s =
+      reinterpret_cast<double*>(mean_mma_smem + Shape::kRingBytes + Shape::kBfragBytes + Shape::kCBytes);
+  double* const sn_s = cs_s + F;
+
+  const int L = m.num_layers, Hq = m.num_q_heads, Hkv = m.num_kv_heads;
+  const int G = Hq / Hkv;
+  const int HC = (G + GH - 1) / GH;
+  const int tiles_per_row = (a.max_len + Shape::kTile - 1) / Shape::kTile;
+  const long long total = static_cast<long long>(a.batch) * L * Hkv * HC * tiles_per_row;
+  long long it0, it_end;
+  detail::cta_item_range(total, it0, it_end);
+  const int n_items = static_cast<int>(it_end - it0);
+  if (n_items <= 0) return;  // uniform across the CTA
+
+  const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
+  const int g4 = lane >> 2, c4 = lane & 3;
+  const uint4* const my_ring = ring + static_cast<std::size_t>(warp) * kStages * Shape::kSliceVecs;
+  const std::uint32_t ring_addr = detail::score_smem_addr(my_ring);
+
+  // ---- producer: see KeySliceFeed; the consumer keeps its own (row, tile) cursor ----
+  const long long row0 = it0 / tiles_per_row;
+  const int tile0 = static_cast<int>(it0 - row0 * tiles_per_row);
+  detail::KeySliceFeed<T, Id, HD, Shape::kTile> feed(row0, tile0);
+  const auto prepare = [&]() { feed.prepare(view, a, fd, tiles_per_row, L, Hkv, HC, warp, lane); };
+  const auto issue = [&](int stage) {
+    feed.issue(ring_addr + static_cast<std::uint32_t>(stage * Shape::kSliceVecs * 16), view.data, lane);
+  };
+
+  // ---- consumer state ----
+  long long seen_row = -1, w_row = -1, c_rid = row0;
+  int c_tile = tile0, w_b = -1, len = 0;
+  detail::ScoreRow row{};
+  std::uint32_t bq[KS][NM][2];  // this lane's B fragments of row w_row
+#pragma unroll
+  for (int s = 0; s < KS; ++s)
+#pragma unroll
+    for (int x = 0; x < NM; ++x) bq[s][x][0] = bq[s][x][1] = 0u;
+
+  const auto compute = [&](int stage) {  // the item at the compute cursor, then advance it
+    const long long rid = c_rid;
+    const int tile = c_tile;
+    if (++c_tile == tiles_per_row) {
+      c_tile = 0;
+      ++c_rid;
+    }
+    if (rid != seen_row) {
+      row = detail::decode_score_row(rid, L, Hkv, HC);
+      const int l0 = static_cast<int>(view.seq_lens[a.seq_ids[row.b]]);
+      len = l0 < a.max_len ? (l0 > 0 ? l0 : 0) : a.max_len;
+      seen_row = rid;
+    }
+    if (tile * Shape::kTile >= len) return;  // no key in this item (uniform across the CTA)
+    if (rid != w_row) {                      // first item of a row with keys (uniform): its weights
+      __syncthreads();                       // every warp is done with the previous row's weights
+      if (row.b != w_b) {
+        const long long t0 = a.t0[row.b];
+        for (int f = static_cast<int>(threadIdx.x); f < F; f += Shape::kThreads) {
+          double cs = 1.0, sn = 0.0;
+          if (!m.disable_trig) {  // the calls fold_weight() makes
+            const double phi = rope_phase(t0, m.omega[f]);
+            cs = ::cos(phi);
+            sn = ::sin(phi);
+          }
+          cs_s[f] = cs;
+          sn_s[f] = sn;
+        }
+        w_b = row.b;
+        __syncthreads();
+      }
+      auto* b16 = reinterpret_cast<std::uint16_t*>(bfrag_s);
+      float* cf = reinterpret_cast<float*>(c_s);
+      for (int item = static_cast<int>(threadIdx.x); item < GH * F; item += Shape::kThreads) {
+        const int h = item / F, f = item % F;  // consecutive threads: consecutive f (coalesced q̄ loads)
+        const int hg = row.hc * GH + h;
+        float wr = 0.0f, wi = 0.0f, c = 0.0f;
+        if (hg < G) {
+          const std::int64_t idx = (static_cast<std::int64_t>(row.l) * Hq + row.g * G + hg) * F + f;
+          if (!m.disable_trig)
+            fold_weight_from_phase(m.q_re[idx], m.q_im[idx], m.cmean_re[f], m.cmean_im[f], cs_s[f], sn_s[f], m.s2,
+                                   &wr, &wi);
+          c = m.c[idx];
+        }
+        cf[(f + f / 8) * 4 + h] = c;
+#pragma unroll
+        for (int part = 0; part < 2; ++part) {
+          const int e = part == 0 ? rope_pair_re(S, f, HD) : rope_pair_im(S, f, HD);
+          std::uint16_t sp[SP];
+          Tr::split(part == 0 ? wr : wi, sp);
+          // element e -> k-step 2(e/32) + (e%8)/4, lane n·4 + (e%32)/8, word (e%4)/2, half e%2
+          const int s = 2 * (e >> 5) + ((e & 7) >> 2);
+          const int q4 = (e & 31) >> 3;
+          const int at = (e & 3) >> 1;
+#pragma unroll
+          for (int x = 0; x < 2 * NM; ++x) {
+            const int n = 2 * h + (x & 1);
+            b16[((((s * NM + (x >> 1)) * 32 + n * 4 + q4) * 2 + at) * 2) + (e & 1)] = x < SP ? sp[x < SP ? x : 0] : 0;
+          }
+        }
+      }
+      __syncthreads();
+#pragma unroll
+      for (int s = 0; s < KS; ++s)
+#pragma unroll
+        for (int x = 0; x < NM; ++x) {
+          const uint2 v = bfrag_s[(s * NM + x) * 32 + lane];
+          bq[s][x][0] = v.x;
+          bq[s][x][1] = v.y;
+        }
+      w_row = rid;
+    }
+    const int key0 = tile * Shape::kTile + warp * Shape::kKeysPerWarp;
+    if (key0 >= len) return;  // uniform across the warp
+
+    const uint4* st = my_ring + stage * Shape::kSliceVecs;
+    const int swz = (g4 & 1) << 2;  // rows g4 + 8q all have the parity of g4
+    const int hg = row.hc * GH + c4;
+    float* const out = scores + ((static_cast<std::int64_t>(row.b) * L + row.l) * Hq + row.g * G + (hg < G ? hg : 0)) *
+                                    static_cast<std::int64_t>(a.max_len);
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      // rows 16mt + g4 (q = 0) and 16mt + g4 + 8 (q = 1): chunks 4j + c4
+      std::uint32_t raw[2][NC][4];
+#pragma unroll
+      for (int q = 0; q < 2; ++q)
+#pragma unroll
+        for (int j = 0; j < NC; ++j) {
+          const uint4 v = st[(16 * mt + 8 * q + g4) * CPR + ((4 * j + c4) ^ swz)];
+          raw[q][j][0] = v.x;
+          raw[q][j][1] = v.y;
+          raw[q][j][2] = v.z;
+          raw[q][j][3] = v.w;
+        }
+      // dot products: k-step 2j + h2 takes words 2h2, 2h2 + 1 of chunk j (as score_max_mma_kernel)
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int s = 0; s < KS; ++s) {
+        const int j = s >> 1, h2 = (s & 1) * 2;
+        const std::uint32_t af[4] = {raw[0][j][h2], raw[1][j][h2], raw[0][j][h2 + 1], raw[1][j][h2 + 1]};
+#pragma unroll
+        for (int x = 0; x < NM; ++x) Tr::mma(acc, af, bq[s][x][0], bq[s][x][1]);
+      }
+      // norm term on the CUDA cores: the lane holds whole pairs of its two rows
+      float nrm[2][GH];
+#pragma unroll
+      for (int q = 0; q < 2; ++q)
+#pragma unroll
+        for (int h = 0; h < GH; ++h) nrm[q][h] = 0.0f;
+#pragma unroll
+      for (int j = 0; j < NC; ++j) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          const int el = 32 * j + 8 * c4 + e;
+          bool is_re;
+          int f;
+          if constexpr (S == RopeStyle::kHalf) {
+            is_re = j < NC / 2;
+            f = el;  // < F when is_re
+          } else {
+            is_re = (e & 1) == 0;
+            f = el >> 1;
+          }
+          if (!is_re) continue;  // each pair once, from its real element
+          const float4 cw = c_s[f + f / 8];
+#pragma unroll
+          for (int q = 0; q < 2; ++q) {
+            float re, im;
+            if constexpr (S == RopeStyle::kHalf) {
+              re = detail::element<T>(raw[q][j], e);
+              im = detail::element<T>(raw[q][j + NC / 2], e);
+            } else {
+              re = detail::element<T>(raw[q][j], e);
+              im = detail::element<T>(raw[q][j], e + 1);
+            }
+            const float sq = fmaf(re, re, fmaf(im, im, 1e-8f));
+            const float n = sq * rsqrtf(sq);
+            nrm[q][0] = fmaf(cw.x, n, nrm[q][0]);
+            nrm[q][1] = fmaf(cw.y, n, nrm[q][1]);
+            nrm[q][2] = fmaf(cw.z, n, nrm[q][2]);
+            nrm[q][3] = fmaf(cw.w, n, nrm[q][3]);
+          }
+        }
+      }
+      // Reduce-scatter over the quad: lane c4 ends with head c4's sum (xor 2 splits the head
+      // pairs, xor 1 the heads of a pair).
+      const bool up2 = (c4 & 2) != 0, up1 = (c4 & 1) != 0;
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const float v0 = (up2 ? nrm[q][2] : nrm[q][0]) + __shfl_xor_sync(0xffffffffu, up2 ? nrm[q][0] : nrm[q][2], 2);
+        const float v1 = (up2 ? nrm[q][3] : nrm[q][1]) + __shfl_xor_sync(0xffffffffu, up2 ? nrm[q][1] : nrm[q][3], 2);
+        const float v = (up1 ? v1 : v0) + __shfl_xor_sync(0xffffffffu, up1 ? v0 : v1, 1);
+        const int t = key0 + 16 * mt + 8 * q + g4;
+        const float dot = q == 0 ? acc[0] + acc[1] : acc[2] + acc[3];
+        if (hg < G && t < len) out[t] = dot + v;
+      }
+    }
+  };
+
+  // ---- the ring: item k of the CTA's range sits in stage k % kStages ----
+  prepare();
+#pragma unroll
+  for (int k = 0; k < kStages - 1; ++k) {
+    if (k < n_items) {
+      issue(k);
+      if (k + 1 < n_items) prepare();
+    }
+    detail::score_cp_async_commit();
+  }
+  for (int k = 0; k < n_items; ++k) {
+    const int kn = k + kStages - 1;
+    if (kn < n_items) {
+      issue(kn % kStages);
+      if (kn + 1 < n_items) prepare();
+    }
+    detail::score_cp_async_commit();
+    detail::score_cp_async_wait<kStages - 1>();  // this lane's copies of item k have landed
+    __syncwarp();                                  // ... and every lane's
+    compute(k % kStages);
+    __syncwarp();  // every lane has read stage k % kStages before it is refilled
+  }
+  detail::score_cp_async_wait<0>();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Max aggregation on the tensor cores, pipelined (16-bit caches; ScoreOptions::max_variant 1).
+// Same fragments, MMAs and max as score_max_mma_kernel (B fragments [n-tile][k-step][split][lane]
+// in shared memory, two m16 tiles per warp, column n of an n-tile = (δ = 2·nt + n/4, head n%4)).
+// What changes is around them: keys arrive through per-warp cp.async rings (KeySliceFeed), so a
+// warp's next slices are in flight while it runs its ~400 MMAs per 32 keys, instead of loading,
+// waiting, then computing; and the |D|·F float64 cos/sin of (t0 + δ)·ω are computed once per
+// (CTA, sequence) into shared memory, so a row change only re-folds q̄ (|D| products per (head, f)).
+// ---------------------------------------------------------------------------------------------
+
+/// Dynamic shared memory of score_max_mma_pipe_kernel: rings, c [slot] float4, cos/sin [|D|][F]
+/// double, B fragments [ceil(|D|/2)][k-step][split][lane] uint2.
+template <class T, int HD, int kWarps, int kStages>
+constexpr std::size_t score_max_mma_pipe_smem_bytes(int num_offsets) {
+  using Shape = detail::MmaMeanShape<T, HD, kWarps, kStages>;
+  return Shape::kRingBytes + Shape::kCBytes + static_cast<std::size_t>(num_offsets) * Shape::kF * 2 * sizeof(double) +
+         static_cast<std::size_t>((num_offsets + 1) / 2) * Shape::kSteps * Shape::kSplits * 32 * 8;
+}
+
+/// Pipelined tensor-core max-aggregation scorer for 16-bit caches (same contract as
+/// score_max_mma_kernel; dynamic shared memory score_max_mma_pipe_smem_bytes).
+template <class T, class Id, int HD, RopeStyle S, int kWarps, int kStages, int kMinCtas>
+__global__ void __launch_bounds__(32 * kWarps, kMinCtas)
+    score_max_mma_pipe_kernel(KvCacheView<T, Id> view, ScoreModelView m, ScoreBatch a, float* __restrict__ scores,
+                              detail::FastDiv fd) {
+  using Shape = detail::MmaMeanShape<T, HD, kWarps, kStages>;
+  using Tr = detail::MmaMaxTraits<T>;
+  constexpr int F = Shape::kF, KS = Shape::kSteps, NC = Shape::kChunks, SP = Shape::kSplits, GH = Shape::kHeads;
+  const int D = m.num_offsets;
+  const int NT = (D + 1) / 2;
+  extern __shared__ __align__(16) unsigned char max_pipe_smem[];
+  uint4* const ring = reinterpret_cast<uint4*>(max_pipe_smem);
+  float4* const c_s = reinterpret_cast<float4*>(max_pipe_smem + Shape::kRingBytes);
+  double* const cs_s = reinterpret_cast<double*>(max_pipe_smem + Shape::kRingBytes + Shape::kCBytes);  // [D][F]
+  double* const sn_s = cs_s + static_cast<std::size_t>(D) * F;
+  uint2* const bfrag_s = reinterpret_cast<uint2*>(sn_s + static_cast<std::size_t>(D) * F);
+
+  const int L = m.num_layers, Hq = m.num_q_heads, Hkv = m.num_kv_heads;
+  const int G = Hq / Hkv;
+  const int HC = (G + GH - 1) / GH;
+  const int tiles_per_row = (a.max_len + Shape::kTile - 1) / Shape::kTile;
+  const long long total = static_cast<long long>(a.batch) * L * Hkv * HC * tiles_per_row;
+  long long it0, it_end;
+  detail::cta_item_range(total, it0, it_end);
+  const int n_items = static_cast<int>(it_end - it0);
+  if (n_items <= 0 || D <= 0) return;  // uniform across the CTA
+
+  const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
+  const int g4 = lane >> 2, c4 = lane & 3;
+  const uint4* const my_ring = ring + static_cast<std::size_t>(warp) * kStages * Shape::kSliceVecs;
+  const std::uint32_t ring_addr = detail::score_smem_addr(my_ring);
+
+  const long long row0 = it0 / tiles_per_row;
+  const int tile0 = static_cast<int>(it0 - row0 * tiles_per_row);
+  detail::KeySliceFeed<T, Id, HD, Shape::kTile> feed(row0, tile0);
+  const auto prepare = [&]() { feed.prepare(view, a, fd, tiles_per_row, L, Hkv, HC, warp, lane); };
+  const auto issue = [&](int stage) {
+    feed.issue(ring_addr + static_cast<std::uint32_t>(stage * Shape::kSliceVecs * 16), view.data, lane);
+  };
+
+  long long seen_row = -1, w_row = -1, c_rid = row0;
+  int c_tile = tile0, w_b = -1, len = 0;
+  detail::ScoreRow row{};
+
+  const auto compute = [&](int stage) {  // the item at the compute cursor, then advance it
+    const long long rid = c_rid;
+    const int tile = c_tile;
+    if (++c_tile == tiles_per_row) {
+      c_tile = 0;
+      ++c_rid;
+    }
+    if (rid != seen_row) {
+      row = detail::decode_score_row(rid, L, Hkv, HC);
+      const int l0 = static_cast<int>(view.seq_lens[a.seq_ids[row.b]]);
+      len = l0 < a.max_len ? (l0 > 0 ? l0 : 0) : a.max_len;
+      seen_row = rid;
+    }
+    if (tile * Shape::kTile >= len) return;  // no key in this item (uniform across the CTA)
+    if (rid != w_row) {                      // first item of a row with keys (uniform): its weights
+      __syncthreads();                       // every warp is done with the previous row's fragments
+      if (row.b != w_b) {
+        const long long t0 = a.t0[row.b];
+        for (int item = static_cast<int>(threadIdx.x); item < D * F; item += Shape::kThreads) {
+          const int o = item / F, f = item % F;
+          const double phi = rope_phase(t0 + static_cast<long long>(m.offsets[o]), m.omega[f]);
+          cs_s[item] = ::cos(phi);  // as fold_weight() computes them
+          sn_s[item] = ::sin(phi);
+        }
+        w_b = row.b;
+        __syncthreads();
+      }
+      auto* b16 = reinterpret_cast<std::uint16_t*>(bfrag_s);
+      float* cf = reinterpret_cast<float*>(c_s);
+      for (int item = static_cast<int>(threadIdx.x); item < GH * F; item += Shape::kThreads) {
+        const int h = item / F, f = item % F;
+        const int hg = row.hc * GH + h;
+        double qr = 0.0, qi = 0.0;
+        float c = 0.0f;
+        if (hg < G) {
+          const std::int64_t idx = (static_cast<std::int64_t>(row.l) * Hq + row.g * G + hg) * F + f;
+          qr = m.q_re[idx];
+          qi = m.q_im[idx];
+          c = m.c[idx];
+        }
+        cf[(f + f / 8) * 4 + h] = c;
+        const int e_re = rope_pair_re(S, f, HD), e_im = rope_pair_im(S, f, HD);
+        for (int o = 0; o < 2 * NT; ++o) {
+          float wr = 0.0f, wi = 0.0f;
+          if (o < D && hg < G)
+            fold_weight_from_phase(qr, qi, 1.0, 0.0, cs_s[o * F + f], sn_s[o * F + f], m.s2, &wr, &wi);
+          const int n = (o & 1) * 4 + h;  // column within n-tile o/2
+#pragma unroll
+          for (int part = 0; part < 2; ++part) {
+            const int e = part == 0 ? e_re : e_im;
+            std::uint16_t sp[SP];
+            Tr::split(part == 0 ? wr : wi, sp);
+            // element e -> k-step 2(e/32) + (e%8)/4, lane n·4 + (e%32)/8, word (e%4)/2, half e%2
+            const int s = 2 * (e >> 5) + ((e & 7) >> 2);
+            const int ln = n * 4 + ((e & 31) >> 3);
+            const int w = (e & 3) >> 1;
+#pragma unroll
+            for (int x = 0; x < SP; ++x)
+              b16[((((static_cast<std::size_t>(o >> 1) * KS + s) * SP + x) * 32 + ln) * 2 + w) * 2 + (e & 1)] = sp[x];
+          }
+        }
+      }
+      __syncthreads();
+      w_row = rid;
+    }
+    const int key0 = tile * Shape::kTile + warp * Shape::kKeysPerWarp;
+    if (key0 >= len) return;  // uniform across the warp
+
+    // Rows q = 0..3 of this lane: slice rows 8q + g4 (m-tile q / 2); chunks 4j + c4.
+    const uint4* st = my_ring + stage * Shape::kSliceVecs;
+    const int swz = (g4 & 1) << 2;
+    std::uint32_t raw[4][NC][4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+#pragma unroll
+      for (int j = 0; j < NC; ++j) {
+        const uint4 v = st[(8 * q + g4) * Shape::kCPR + ((4 * j + c4) ^ swz)];
+        raw[q][j][0] = v.x;
+        raw[q][j][1] = v.y;
+        raw[q][j][2] = v.z;
+        raw[q][j][3] = v.w;
+      }
+
+    // ---- norm term on the CUDA cores ----
+    float nrm[4][GH];
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+#pragma unroll
+      for (int h = 0; h < GH; ++h) nrm[q][h] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NC; ++j) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const int el = 32 * j + 8 * c4 + e;
+        bool is_re;
+        int f;
+        if constexpr (S == RopeStyle::kHalf) {
+          is_re = j < NC / 2;
+          f = el;
+        } else {
+          is_re = (e & 1) == 0;
+          f = el >> 1;
+        }
+        if (!is_re) continue;
+        const float4 cw = c_s[f + f / 8];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          float re, im;
+          if constexpr (S == RopeStyle::kHalf) {
+            re = detail::element<T>(raw[q][j], e);
+            im = detail::element<T>(raw[q][j + NC / 2], e);
+          } else {
+            re = detail::element<T>(raw[q][j], e);
+            im = detail::element<T>(raw[q][j], e + 1);
+          }
+          const float sq = fmaf(re, re, fmaf(im, im, 1e-8f));
+          const float n = sq * rsqrtf(sq);
+          nrm[q][0] = fmaf(cw.x, n, nrm[q][0]);
+          nrm[q][1] = fmaf(cw.y, n, nrm[q][1]);
+          nrm[q][2] = fmaf(cw.z, n, nrm[q][2]);
+          nrm[q][3] = fmaf(cw.w, n, nrm[q][3]);
+        }
+      }
+    }
+    // Reduce over the quad: lanes c4 and c4 ^ 2 keep heads 2(c4&1), 2(c4&1)+1 (the MMA columns).
+    const bool hi_pair = (c4 & 1) != 0;
+    float nr[4][2];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const float send = hi_pair ? nrm[q][i] : nrm[q][i + 2];
+        const float keep = hi_pair ? nrm[q][i + 2] : nrm[q][i];
+        nr[q][i] = keep + __shfl_xor_sync(0xffffffffu, send, 1);
+        nr[q][i] += __shfl_xor_sync(0xffffffffu, nr[q][i], 2);
+      }
+    }
+
+    // ---- dot products on the tensor cores, running max over δ ----
+    float best[4][2];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) best[q][0] = best[q][1] = -INFINITY;
+    const int my_delta_odd = c4 >> 1;
+    for (int nt = 0; nt < NT; ++nt) {
+      float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+      const uint2* bt = bfrag_s + static_cast<std::size_t>(nt) * KS * SP * 32 + lane;
+#pragma unroll
+      for (int s = 0; s < KS; ++s) {
+        const int j = s >> 1, h2 = (s & 1) * 2;
+        const std::uint32_t a0[4] = {raw[0][j][h2], raw[1][j][h2], raw[0][j][h2 + 1], raw[1][j][h2 + 1]};
+        const std::uint32_t a1[4] = {raw[2][j][h2], raw[3][j][h2], raw[2][j][h2 + 1], raw[3][j][h2 + 1]};
+#pragma unroll
+        for (int x = 0; x < SP; ++x) {
+          const uint2 b = bt[(s * SP + x) * 32];
+          Tr::mma(acc[0], a0, b.x, b.y);
+          Tr::mma(acc[1], a1, b.x, b.y);
+        }
+      }
+      if (2 * nt + my_delta_odd < D) {
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            // acc[mt][i] -> row 16mt + g4, acc[mt][2 + i] -> row 16mt + g4 + 8; head 2(c4&1)+i
+            best[2 * mt][i] = best[2 * mt][i] < acc[mt][i] ? acc[mt][i] : best[2 * mt][i];
+            best[2 * mt + 1][i] = best[2 * mt + 1][i] < acc[mt][2 + i] ? acc[mt][2 + i] : best[2 * mt + 1][i];
+          }
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const float other = __shfl_xor_sync(0xffffffffu, best[q][i], 2);  // the other δ parity
+        best[q][i] = best[q][i] < other ? other : best[q][i];
+      }
+    if (c4 < 2) {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int t = key0 + 8 * q + g4;
+        if (t >= len) continue;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int hg = row.hc * GH + 2 * c4 + i;
+          if (hg >= G) continue;
+          const std::int64_t o =
+              ((static_cast<std::int64_t>(row.b) * L + row.l) * Hq + row.g * G + hg) * a.max_len + t;
+          scores[o] = best[q][i] + nr[q][i];
+        }
+      }
+    }
+  };
+
+  prepare();
+#pragma unroll
+  for (int k = 0; k < kStages - 1; ++k) {
+    if (k < n_items) {
+      issue(k);
+      if (k + 1 < n_items) prepare();
+    }
+    detail::score_cp_async_commit();
+  }
+  for (int k = 0; k < n_items; ++k) {
+    const int kn = k + kStages - 1;
+    if (kn < n_items) {
+      issue(kn % kStages);
+      if (kn + 1 < n_items) prepare();
+    }
+    detail::score_cp_async_commit();
+    detail::score_cp_async_wait<kStages - 1>();
+    __syncwarp();
+    compute(k % kStages);
+    __syncwarp();
+  }
+  detail::score_cp_async_wait<0>();
 }
 
 }  // namespace triattn::cuda

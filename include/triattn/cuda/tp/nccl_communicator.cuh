@@ -14,8 +14,9 @@
 //
 // NVLink multicast (NVLS) stays off: before NCCL is loaded, NCCL_NVLS_ENABLE=0 is put into the
 // environment unless the caller already set it. A program using NVLS can put a shared host's GPUs
-// out of service. Load NCCL (available(), create_unique_id(), init_all()) before starting other
-// threads that read the environment, since setenv is not thread-safe.
+// out of service. NCCL_RUNTIME_CONNECT=0 is set the same way, so that a communicator's first
+// collective can be captured in a CUDA graph. Load NCCL (available(), create_unique_id(),
+// init_all()) before starting other threads that read the environment: setenv is not thread-safe.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -100,6 +101,10 @@ inline const NcclLibrary& nccl_library() {
     NcclLibrary l;
     // Before NCCL can read its environment: multicast off unless the caller decided otherwise.
     (void)::setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);
+    // Connect peers at init, not at the first collective: that one may be inside a CUDA graph
+    // capture, where NCCL's peer setup fails ("operation not permitted when stream is
+    // capturing", seen on two H200s with lazy connection).
+    (void)::setenv("NCCL_RUNTIME_CONNECT", "0", /*overwrite=*/0);
     const char* env = std::getenv("TRIATTN_NCCL_LIBRARY");
     l.path = env != nullptr && env[0] != '\0' ? env : "libnccl.so.2";
     void* h = ::dlopen(l.path.c_str(), RTLD_NOW | RTLD_LOCAL);

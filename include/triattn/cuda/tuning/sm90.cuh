@@ -25,6 +25,26 @@ struct Compact {
   static constexpr int kVecsPerThread = 4;
 };
 
+/// Tensor-core mean scorer (score_mean_mma_kernel; ScoreOptions::mean_variant 2 and 3): warps per
+/// CTA, cp.async ring stages per warp (a stage is a 32-key slice: 8 KB at d = 128) and the CTAs
+/// per SM each is built for. Per SM both keep ~128-190 KB of K in flight (HBM needs ~50-70 KB at
+/// ~1.5 µs loaded latency), with 8 or 12 warps to issue the per-pair norm math.
+struct ScoreMeanMma {
+  struct Variant2 {  // 2 CTAs x 4 warps, 3 stages: 102 KB shared memory per CTA at d = 128
+    static constexpr int kWarps = 4, kStages = 3, kMinCtas = 2;
+  };
+  struct Variant3 {  // 3 CTAs x 4 warps, 2 stages: 70 KB per CTA, <= 168 registers
+    static constexpr int kWarps = 4, kStages = 2, kMinCtas = 3;
+  };
+};
+
+/// Pipelined tensor-core max scorer (score_max_mma_pipe_kernel; ScoreOptions::max_variant 1):
+/// one CTA of 8 warps per SM, 2 ring stages of 32 keys per warp (128 KB of rings; with |D| = 17
+/// the B fragments take 54 KB and the cos/sin 17 KB: 200 KB per CTA at d = 128).
+struct ScoreMaxMma {
+  static constexpr int kWarps = 8, kStages = 2, kMinCtas = 1;
+};
+
 /// Paged decode attention (split-K / flash decoding).
 /// 16-bit caches use mma.sync m16n8k16: a warp takes 16-token tiles, 8 query heads per pass
 /// (the MMA's N); fp32 caches use CUDA cores, 4 query heads per pass. kWarps warps per CTA share
@@ -59,8 +79,17 @@ struct DecodeAttention {
   ///   4 as 3 without the zeroing kernel (measures its cost): the workspace must be zero-filled
   ///     before the first call and then serve only variant-4 calls of one batch / num_q_heads;
   ///     every completed call leaves the counters zero again
-  /// fp32 caches run their one kernel; variants >= 1 use the parallel combine.
-  static constexpr int kNumVariants = 5;
+  ///   5 cp.async kernel; wide combine (every split's partial of a thread in flight at once: one
+  ///     L2 round trip after the split kernel instead of ~5 for the parallel combine)
+  ///   6 as 5 with splits that are multiples of one 16-token tile instead of kSplitGranule, so
+  ///     the splits fill the resident CTAs (batch 1 x 32K on an H200: 49 x 8 = 392 CTAs of 396
+  ///     instead of 47 x 8 = 376); warps of a split may then differ by one tile
+  ///   7 as 5, K/V copied into L2 as evict-first: the stream recycles its own L2 lines instead
+  ///     of evicting what L2 held (the benchmark's memset flush leaves up to a full L2 of dirty
+  ///     lines whose write-back otherwise competes with the batch-1 read)
+  ///   8 as 6 with evict-first K/V
+  /// fp32 caches run their one kernel; variants 1-4 use the parallel combine, 5-8 the wide one.
+  static constexpr int kNumVariants = 9;
   static constexpr int kDefaultVariant = 2;
   /// Stages of the cp.async kernel: per warp kStages x (K + V) 16-token tiles, 8 KB each at
   /// d = 128, i.e. 64 KB per CTA with 2 stages (3 CTAs/SM as the register kernel).
@@ -69,6 +98,9 @@ struct DecodeAttention {
   static constexpr int kMinCtasPerSmPipe = 1;
   /// Partial loads a thread keeps in flight when merging splits.
   static constexpr int kMergeBatch = 16;
+  /// Splits whose (m, l) and partial a thread of the wide combine loads at once (variants 5-8;
+  /// 3 registers each); covers the 47-49 splits of batch 1 x 32K in one round trip.
+  static constexpr int kCombineWide = 52;
 };
 
 }  // namespace triattn::cuda::tuning::sm90
