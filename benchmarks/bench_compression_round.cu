@@ -19,6 +19,7 @@
 #include "common/device_memory.cuh"
 
 #include <triattn/core/dtype.hpp>
+#include <triattn/core/stats/random.hpp>
 #include <triattn/cuda/algorithms/compression_round.cuh>
 #include <triattn/cuda/policy/triattention_device_scorer.cuh>
 
@@ -35,36 +36,9 @@ using triattn::bench::kCopyRoofline;
 using triattn::bench::kReadRoofline;
 constexpr int kL = 36, kHq = 32, kHkv = 8, kD = 128, kLen = 2560, kBudget = 2048, kPage = 16;
 
-__global__ void fill_keys(std::uint16_t* p, std::size_t n, std::uint32_t seed) {
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    const std::uint32_t x = bench::hash_index(i, seed);
-    const float u = (static_cast<float>(x & 0xffffu) + 0.5f) / 65536.0f;
-    const float v = (static_cast<float>(x >> 16) + 0.5f) / 65536.0f;
-    const float g = sqrtf(-2.0f * logf(u)) * cospif(2.0f * v) * 1.5f;
-    p[i] = static_cast<std::uint16_t>(__float_as_uint(g) >> 16);
-  }
-}
-
 QueryStats random_stats() {
   std::mt19937 rng(5);
-  std::uniform_real_distribution<float> ua(0.05f, 3.0f), uu(0.0f, 1.0f), ang(-3.14159f, 3.14159f);
-  QueryStats s;
-  s.model_name = "bench";
-  s.num_layers = kL;
-  s.num_q_heads = kHq;
-  s.head_dim = kD;
-  const std::size_t n = static_cast<std::size_t>(kL) * kHq * (kD / 2);
-  s.q_mean_real.resize(n);
-  s.q_mean_imag.resize(n);
-  s.q_abs_mean.resize(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    const float a = ua(rng), r = a * uu(rng), t = ang(rng);
-    s.q_abs_mean[i] = a;
-    s.q_mean_real[i] = r * std::cos(t);
-    s.q_mean_imag[i] = r * std::sin(t);
-  }
-  return s;
+  return random_query_stats(rng, kL, kHq, kD, RopeStyle::kHalf, "bench");
 }
 
 /// args: batch, variant (0 full round, 1 plan only, 2 full round replayed from a CUDA graph)
@@ -75,7 +49,7 @@ void BM_compression_round(benchmark::State& state) {
   const int per_seq = kLen / kPage, blocks = batch * per_seq;
   const std::size_t elems = 2ull * kL * static_cast<std::size_t>(blocks) * static_cast<std::size_t>(bl.block_elems());
   T* data = device_alloc<T>(elems);
-  fill_keys<<<2048, 256>>>(reinterpret_cast<std::uint16_t*>(data), elems, 13);
+  bench::fill_gaussian_bf16<<<2048, 256>>>(reinterpret_cast<std::uint16_t*>(data), elems, 13);
   std::vector<std::int32_t> ids(static_cast<std::size_t>(blocks));
   for (int i = 0; i < blocks; ++i) ids[static_cast<std::size_t>(i)] = i;
   std::shuffle(ids.begin(), ids.end(), std::mt19937(3));

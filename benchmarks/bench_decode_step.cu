@@ -85,6 +85,7 @@
 #include <vector>
 
 #include <triattn/core/keep_plan.hpp>
+#include <triattn/core/stats/random.hpp>
 #include <triattn/core/policy/topk_selector.hpp>
 #include <triattn/core/stats/query_stats.hpp>
 #include <triattn/cuda/algorithms/compression_round.cuh>
@@ -175,24 +176,7 @@ ModelHolder& model() {
 /// Random query statistics in the model's shape (the rounds' cost does not depend on their values).
 triattn::QueryStats random_stats(const ex::ModelConfig& c) {
   std::mt19937 rng(1234);
-  triattn::QueryStats s;
-  s.model_name = c.name;
-  s.rope_style = c.rope_style;
-  s.num_layers = c.n_layers;
-  s.num_q_heads = c.n_heads;
-  s.head_dim = c.head_dim;
-  const std::size_t n = static_cast<std::size_t>(c.n_layers) * c.n_heads * (c.head_dim / 2);
-  std::uniform_real_distribution<float> ua(0.05f, 3.0f), uu(0.0f, 1.0f), ang(-3.14159f, 3.14159f);
-  s.q_mean_real.resize(n);
-  s.q_mean_imag.resize(n);
-  s.q_abs_mean.resize(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    const float a = ua(rng), r = a * uu(rng), t = ang(rng);
-    s.q_abs_mean[i] = a;
-    s.q_mean_real[i] = r * std::cos(t);
-    s.q_mean_imag[i] = r * std::sin(t);
-  }
-  return s;
+  return triattn::random_query_stats(rng, c.n_layers, c.n_heads, c.head_dim, c.rope_style, c.name);
 }
 
 /// K/V of kChunk tokens for all layers ([L, kChunk, Hkv, d] bf16 each), random, on the device.

@@ -21,8 +21,10 @@
 #include <vector>
 
 #include "common/cuda_event_timer.hpp"
+#include "common/device_memory.cuh"
 
 #include <triattn/core/dtype.hpp>
+#include <triattn/core/stats/random.hpp>
 #include <triattn/cuda/algorithms/score.cuh>
 #include <triattn/cuda/policy/triattention_device_scorer.cuh>
 
@@ -32,26 +34,11 @@ using namespace triattn;
 using T = bf16_storage;
 using triattn::bench::CudaEventTimer;
 using triattn::bench::L2Flusher;
+using triattn::bench::device_alloc;
+using triattn::bench::upload;
 
-constexpr double kReadRoofline = 4.49e12;  // bytes/s
+using triattn::bench::kReadRoofline;
 constexpr int kHeadDim = 128;
-
-/// bf16 values roughly N(0, 1.5), from a hash of the index (no host traffic).
-__global__ void fill_keys(std::uint16_t* p, std::size_t n, std::uint32_t seed) {
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    std::uint32_t x = static_cast<std::uint32_t>(i) * 2654435761u ^ seed;
-    x ^= x >> 15;
-    x *= 2246822519u;
-    x ^= x >> 13;
-    x *= 3266489917u;
-    x ^= x >> 16;
-    const float u = (static_cast<float>(x & 0xffffu) + 0.5f) / 65536.0f;
-    const float v = (static_cast<float>(x >> 16) + 0.5f) / 65536.0f;
-    const float g = sqrtf(-2.0f * logf(u)) * cospif(2.0f * v) * 1.5f;
-    p[i] = static_cast<std::uint16_t>(__float_as_uint(g) >> 16);
-  }
-}
 
 /// Keeps one thread busy for `ns` nanoseconds of GPU time (see `queued` above).
 __global__ void gpu_delay(unsigned long long ns) {
@@ -63,38 +50,10 @@ __global__ void gpu_delay(unsigned long long ns) {
 }
 constexpr unsigned long long kDelayNs = 30000;
 
-template <class U>
-U* device_alloc(std::size_t n) {
-  U* p = nullptr;
-  TRIATTN_BENCH_CUDA(cudaMalloc(&p, n * sizeof(U)));
-  return p;
-}
-template <class U>
-U* upload(const std::vector<U>& h) {
-  U* d = device_alloc<U>(h.size());
-  TRIATTN_BENCH_CUDA(cudaMemcpy(d, h.data(), h.size() * sizeof(U), cudaMemcpyHostToDevice));
-  return d;
-}
 
 QueryStats random_stats(int L, int Hq, int d) {
   std::mt19937 rng(5);
-  std::uniform_real_distribution<float> ua(0.05f, 3.0f), uu(0.0f, 1.0f), ang(-3.14159f, 3.14159f);
-  QueryStats s;
-  s.model_name = "bench";
-  s.num_layers = L;
-  s.num_q_heads = Hq;
-  s.head_dim = d;
-  const std::size_t n = static_cast<std::size_t>(L) * Hq * (d / 2);
-  s.q_mean_real.resize(n);
-  s.q_mean_imag.resize(n);
-  s.q_abs_mean.resize(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    const float a = ua(rng), r = a * uu(rng), t = ang(rng);
-    s.q_abs_mean[i] = a;
-    s.q_mean_real[i] = r * std::cos(t);
-    s.q_mean_imag[i] = r * std::sin(t);
-  }
-  return s;
+  return random_query_stats(rng, L, Hq, d, RopeStyle::kHalf, "bench");
 }
 
 /// A device cache of `seqs` sequences x `len` tokens with shuffled blocks, plus a scorer.
@@ -114,7 +73,7 @@ struct Setup {
     blocks = seqs * per_seq;
     const std::size_t elems = 2ull * L * static_cast<std::size_t>(blocks) * static_cast<std::size_t>(bl.block_elems());
     data = device_alloc<T>(elems);
-    fill_keys<<<2048, 256>>>(reinterpret_cast<std::uint16_t*>(data), elems, 7);
+    bench::fill_gaussian_bf16<<<2048, 256>>>(reinterpret_cast<std::uint16_t*>(data), elems, 7);
     std::vector<std::int32_t> ids(static_cast<std::size_t>(blocks));
     for (int i = 0; i < blocks; ++i) ids[static_cast<std::size_t>(i)] = i;
     std::shuffle(ids.begin(), ids.end(), std::mt19937(3));  // row s = blocks [s*per_seq, (s+1)*per_seq)

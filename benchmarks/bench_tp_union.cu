@@ -34,6 +34,7 @@
 #include "common/device_memory.cuh"
 
 #include <triattn/core/dtype.hpp>
+#include <triattn/core/stats/random.hpp>
 #include <triattn/core/stats/slice.hpp>
 #include <triattn/cuda/algorithms/compression_round.cuh>
 #include <triattn/cuda/policy/triattention_device_scorer.cuh>
@@ -53,23 +54,7 @@ constexpr int kL = 36, kHq = 32, kHkv = 8, kD = 128, kLen = 2560, kBudget = 2048
 
 QueryStats random_stats() {
   std::mt19937 rng(5);
-  std::uniform_real_distribution<float> ua(0.05f, 3.0f), uu(0.0f, 1.0f), ang(-3.14159f, 3.14159f);
-  QueryStats s;
-  s.model_name = "bench";
-  s.num_layers = kL;
-  s.num_q_heads = kHq;
-  s.head_dim = kD;
-  const std::size_t n = static_cast<std::size_t>(kL) * kHq * (kD / 2);
-  s.q_mean_real.resize(n);
-  s.q_mean_imag.resize(n);
-  s.q_abs_mean.resize(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    const float a = ua(rng), r = a * uu(rng), t = ang(rng);
-    s.q_abs_mean[i] = a;
-    s.q_mean_real[i] = r * std::cos(t);
-    s.q_mean_imag[i] = r * std::sin(t);
-  }
-  return s;
+  return random_query_stats(rng, kL, kHq, kD, RopeStyle::kHalf, "bench");
 }
 
 /// Spins until the host-mapped flag reaches `epoch`: holds a stream's work until both ranks have

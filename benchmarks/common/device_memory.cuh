@@ -54,6 +54,19 @@ __global__ void fill_random_bf16(std::uint16_t* p, std::size_t n, std::uint32_t 
   }
 }
 
+/// bf16 values roughly N(0, 1.5) (Box-Muller on a hash of (index, seed)): key-like data.
+/// @param p [n] bf16 bit patterns
+__global__ void fill_gaussian_bf16(std::uint16_t* p, std::size_t n, std::uint32_t seed) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    const std::uint32_t x = hash_index(i, seed);
+    const float u = (static_cast<float>(x & 0xffffu) + 0.5f) / 65536.0f;
+    const float v = (static_cast<float>(x >> 16) + 0.5f) / 65536.0f;
+    const float g = sqrtf(-2.0f * logf(u)) * cospif(2.0f * v) * 1.5f;
+    p[i] = static_cast<std::uint16_t>(__float_as_uint(g) >> 16);
+  }
+}
+
 /// Bytes/s counters for `bytes` moved per iteration: GB/s and percent of `roofline`.
 inline void report_bandwidth(benchmark::State& state, double bytes, double roofline) {
   state.SetBytesProcessed(static_cast<std::int64_t>(bytes) * state.iterations());

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include <triattn/core/kv_cache.hpp>
+#include <triattn/core/stats/random.hpp>
 #include <triattn/core/policy/tensor_parallel_selector.hpp>
 #include <triattn/core/policy/topk_selector.hpp>
 #include <triattn/core/policy/triattention_scorer.hpp>
@@ -134,26 +135,7 @@ void check_plan_case(const PlanCase& c, int tp, std::uint32_t seed) {
   for (int r = 0; r < tp; ++r) check_rank_plan(want, plans[static_cast<std::size_t>(r)], tp, r);
 }
 
-QueryStats random_stats(std::mt19937& rng, int L, int Hq, int d) {
-  QueryStats s;
-  s.model_name = "random";
-  s.rope_style = RopeStyle::kHalf;
-  s.num_layers = L;
-  s.num_q_heads = Hq;
-  s.head_dim = d;
-  const std::size_t n = static_cast<std::size_t>(L) * Hq * (d / 2);
-  std::uniform_real_distribution<float> ua(0.05f, 3.0f), uu(0.0f, 1.0f), ang(-3.14159f, 3.14159f);
-  s.q_mean_real.resize(n);
-  s.q_mean_imag.resize(n);
-  s.q_abs_mean.resize(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    const float a = ua(rng), rad = a * uu(rng), t = ang(rng);
-    s.q_abs_mean[i] = a;
-    s.q_mean_real[i] = rad * std::cos(t);
-    s.q_mean_imag[i] = rad * std::sin(t);
-  }
-  return s;
-}
+QueryStats random_stats(std::mt19937& rng, int L, int Hq, int d) { return random_query_stats(rng, L, Hq, d); }
 
 SelectionParams sel(int budget, PruningMode mode, PromptMode prompt, int sink, int window, bool normalize = true) {
   SelectionParams p;

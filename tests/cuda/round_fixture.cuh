@@ -21,6 +21,7 @@
 #include <vector>
 
 #include <triattn/core/ref/compact.hpp>
+#include <triattn/core/stats/random.hpp>
 #include <triattn/core/ref/score.hpp>
 #include <triattn/core/ref/select.hpp>
 #include <triattn/cuda/algorithms/compression_round.cuh>
@@ -63,24 +64,7 @@ struct DevBuf {
 };
 
 QueryStats random_stats(std::mt19937& rng, int L, int Hq, int d, RopeStyle style) {
-  QueryStats s;
-  s.model_name = "random";
-  s.rope_style = style;
-  s.num_layers = L;
-  s.num_q_heads = Hq;
-  s.head_dim = d;
-  const std::size_t n = static_cast<std::size_t>(L) * Hq * (d / 2);
-  std::uniform_real_distribution<float> ua(0.05f, 3.0f), uu(0.0f, 1.0f), ang(-3.14159f, 3.14159f);
-  s.q_mean_real.resize(n);
-  s.q_mean_imag.resize(n);
-  s.q_abs_mean.resize(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    const float a = ua(rng), r = a * uu(rng), t = ang(rng);
-    s.q_abs_mean[i] = a;
-    s.q_mean_real[i] = r * std::cos(t);
-    s.q_mean_imag[i] = r * std::sin(t);
-  }
-  return s;
+  return random_query_stats(rng, L, Hq, d, style);
 }
 
 struct RoundCase {

@@ -16,3 +16,4 @@
 #include <triattn/core/stats/slice.hpp>
 #include <triattn/core/stats/calibrator.hpp>
 #include <triattn/core/stats/summary.hpp>
+#include <triattn/core/stats/random.hpp>
