@@ -2,7 +2,8 @@
 // cuda::decode_attention on Qwen3-8B shapes: GQA 32 query / 8 KV heads, head_dim 128, bf16, one
 // layer, batch 1 and 16 sequences of 32768 tokens, pages of 16 and 64 (shuffled block tables),
 // bf16 output. Bytes = K + V read; roofline = 4.49 TB/s (H200 pure read). L2 is flushed before
-// every iteration. For context: BM_read_kernel streams the same bytes through a plain read
+// every iteration, two ways (argument `flush`): 0 memset (L2 left dirty: the timed kernels also pay
+// up to 50 MB of write-back), 1 read (L2 left clean, as after a decode step's GEMVs). For context: BM_read_kernel streams the same bytes through a plain read
 // kernel, BM_memcpy_d2d copies them with cudaMemcpyAsync (counted read + write, vs 4.25 TB/s).
 // Every launcher variant (tuning::sm90::DecodeAttention, argument `variant`) runs at batch 1 and
 // 16. Counters: us_med (median iteration), TB/s (bytes / median). A table in GB/s closes the
@@ -28,6 +29,7 @@ namespace {
 
 using namespace triattn;
 using T = bf16_storage;
+using triattn::bench::L2Flush;
 using triattn::bench::L2Flusher;
 
 constexpr int kQHeads = 32, kKvHeads = 8, kHeadDim = 128;
@@ -123,7 +125,12 @@ void report(benchmark::State& state, const std::string& label, double bytes, dou
     rows().push_back({label, med, *std::min_element(us.begin(), us.end()), bps * 1e-9});
 }
 
-/// args: batch, seq_len, block_size, layout (0 NHD, 1 HND), launcher variant
+/// Argument `flush`: 0 memsets 2x L2 before each iteration (L2 left full of dirty lines whose
+/// write-back the timed kernels pay), 1 reads 2x L2 (clean L2; see L2Flush).
+L2Flush flush_mode(std::int64_t arg) { return arg ? L2Flush::kClean : L2Flush::kDirty; }
+const char* flush_name(std::int64_t arg) { return arg ? " clean-L2" : " dirty-L2"; }
+
+/// args: batch, seq_len, block_size, layout (0 NHD, 1 HND), launcher variant, flush
 void BM_decode_attention(benchmark::State& state) {
   const int batch = static_cast<int>(state.range(0));
   const int len = static_cast<int>(state.range(1));
@@ -163,7 +170,7 @@ void BM_decode_attention(benchmark::State& state) {
   cudaStream_t stream;
   TRIATTN_BENCH_CUDA(cudaStreamCreate(&stream));
   TRIATTN_BENCH_CUDA(cudaDeviceSynchronize());
-  L2Flusher flush;
+  L2Flusher flush(flush_mode(state.range(5)));
   for (int w = 0; w < 3; ++w)  // warm-up: module load, attribute setting
     TRIATTN_BENCH_CUDA(cuda::decode_attention::run(plan, view, 0, q, out, batch, kQHeads, nullptr, scale, ws, ws_bytes,
                                                    stream));
@@ -178,7 +185,8 @@ void BM_decode_attention(benchmark::State& state) {
   TRIATTN_BENCH_CUDA(cudaGetLastError());
   report(state,
          "decode_attention batch " + std::to_string(batch) + " page " + std::to_string(bs) +
-             (layout == KvLayout::kHND ? " HND" : " NHD") + " variant " + std::to_string(variant),
+             (layout == KvLayout::kHND ? " HND" : " NHD") + " variant " + std::to_string(variant) +
+             flush_name(state.range(5)),
          static_cast<double>(
              cuda::decode_attention::bytes_read(static_cast<std::int64_t>(batch) * len, kKvHeads, kHeadDim, sizeof(T))),
          kReadRoofline, us);
@@ -240,14 +248,14 @@ void BM_read_kernel(benchmark::State& state) {
   TRIATTN_BENCH_CUDA(cuda::current_device_sm_count(&sms));
   cudaStream_t stream;
   TRIATTN_BENCH_CUDA(cudaStreamCreate(&stream));
-  L2Flusher flush;
+  L2Flusher flush(flush_mode(state.range(2)));
   std::vector<double> us;
   for (auto _ : state) {
     SampledTimer timer(state, stream, &flush, us);
     read_kernel<<<sms * 8, 256, 0, stream>>>(src, bytes / 16, sink);
     TRIATTN_BENCH_CUDA(cudaGetLastError());
   }
-  report(state, "read_kernel batch " + std::to_string(state.range(0)), static_cast<double>(bytes), kReadRoofline, us);
+  report(state, "read_kernel batch " + std::to_string(state.range(0)) + flush_name(state.range(2)), static_cast<double>(bytes), kReadRoofline, us);
   cudaStreamDestroy(stream);
   cudaFree(src);
   cudaFree(sink);
@@ -262,13 +270,13 @@ void BM_memcpy_d2d(benchmark::State& state) {
   TRIATTN_BENCH_CUDA(cudaMemset(src, 1, bytes));
   cudaStream_t stream;
   TRIATTN_BENCH_CUDA(cudaStreamCreate(&stream));
-  L2Flusher flush;
+  L2Flusher flush(flush_mode(state.range(2)));
   std::vector<double> us;
   for (auto _ : state) {
     SampledTimer timer(state, stream, &flush, us);
     TRIATTN_BENCH_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream));
   }
-  report(state, "memcpy_d2d (read + write) batch " + std::to_string(state.range(0)), 2.0 * bytes, kCopyRoofline, us);
+  report(state, "memcpy_d2d (read + write) batch " + std::to_string(state.range(0)) + flush_name(state.range(2)), 2.0 * bytes, kCopyRoofline, us);
   cudaStreamDestroy(stream);
   cudaFree(src);
   cudaFree(dst);
@@ -283,20 +291,20 @@ std::vector<std::int64_t> all_variants() {
 }
 
 BENCHMARK(BM_decode_attention)
-    ->ArgNames({"batch", "len", "page", "hnd", "variant"})
-    ->ArgsProduct({{1, 16}, {32768}, {16, 64}, {0, 1}, all_variants()})
+    ->ArgNames({"batch", "len", "page", "hnd", "variant", "flush"})
+    ->ArgsProduct({{1, 16}, {32768}, {16, 64}, {0, 1}, all_variants(), {0, 1}})
     ->UseManualTime()
     ->Iterations(200)
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_read_kernel)
-    ->ArgNames({"batch", "len"})
-    ->ArgsProduct({{1, 16}, {32768}})
+    ->ArgNames({"batch", "len", "flush"})
+    ->ArgsProduct({{1, 16}, {32768}, {0, 1}})
     ->UseManualTime()
     ->Iterations(200)
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_memcpy_d2d)
-    ->ArgNames({"batch", "len"})
-    ->ArgsProduct({{1, 16}, {32768}})
+    ->ArgNames({"batch", "len", "flush"})
+    ->ArgsProduct({{1, 16}, {32768}, {0, 1}})
     ->UseManualTime()
     ->Iterations(200)
     ->Unit(benchmark::kMicrosecond);

@@ -155,6 +155,24 @@ __global__ void read_kernel(const int4* __restrict__ p, std::size_t n, int* out)
   }
   if (acc == 0x7fffffff) *out = acc;
 }
+/// The same with U independent loads in flight per thread (one wave: gridDim.x * blockDim.x * U
+/// vectors per sweep), the tail handled by the bounds test.
+template <int U>
+__global__ void read_kernel_unrolled(const int4* __restrict__ p, std::size_t n, int* out) {
+  int acc = 0;
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t base = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; base < n;
+       base += stride * U) {
+    int4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) v[u] = base + u * stride < n ? __ldcs(p + base + u * stride) : make_int4(0, 0, 0, 0);
+#pragma unroll
+    for (int u = 0; u < U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  }
+  if (acc == 0x7fffffff) *out = acc;
+}
+/// args: queued, kernel (0: one load per thread in flight, sms x 8 CTAs of 256; 1: four loads
+/// in flight, sms x 4 CTAs of 512; 2: eight loads in flight, sms x 2 CTAs of 1024)
 void BM_read_k(benchmark::State& state) {
   constexpr std::size_t kBytes = 32768ull * 8 * kHeadDim * sizeof(T);
   constexpr int kCopies = 4;
@@ -172,7 +190,12 @@ void BM_read_k(benchmark::State& state) {
     i = (i + 1) % kCopies;
     if (queued) gpu_delay<<<1, 1, 0, stream>>>(kDelayNs);
     CudaEventTimer timer(state, stream);
-    read_kernel<<<sms * 8, 256, 0, stream>>>(p, kBytes / sizeof(int4), sink);
+    if (state.range(1) == 0)
+      read_kernel<<<sms * 8, 256, 0, stream>>>(p, kBytes / sizeof(int4), sink);
+    else if (state.range(1) == 1)
+      read_kernel_unrolled<4><<<sms * 4, 512, 0, stream>>>(p, kBytes / sizeof(int4), sink);
+    else
+      read_kernel_unrolled<8><<<sms * 2, 1024, 0, stream>>>(p, kBytes / sizeof(int4), sink);
   }
   report(state, static_cast<double>(kBytes));
   cudaStreamDestroy(stream);
@@ -219,7 +242,7 @@ BENCHMARK(BM_score)
     })
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_read_k)->ArgNames({"queued"})->Arg(0)->Arg(1)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_read_k)->ArgNames({"queued", "kernel"})->ArgsProduct({{0, 1}, {0, 1, 2}})->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_score_round_shape)
     ->ArgNames({"batch", "max", "variant"})
     ->Apply([](benchmark::internal::Benchmark* b) {

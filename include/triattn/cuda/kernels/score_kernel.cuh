@@ -158,6 +158,15 @@ __device__ __forceinline__ float element(const std::uint32_t* words, int e) {
   }
 }
 
+/// |K_f| = sqrt(sq) for sq = re² + im² + 1e-8 >= 1e-8 (a normal float): sq · MUFU.RSQ(sq). The
+/// .ftz form skips rsqrtf's denormal fix-up (a compare, a scale and two selects per pair), which
+/// cannot trigger here; the result is the same MUFU value (~2 ulp, far inside the 1e-5 budget).
+__device__ __forceinline__ float pair_norm(float sq) {
+  float r;
+  asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(sq));
+  return sq * r;
+}
+
 /// Compile-time shape of one scoring kernel instance.
 template <class T, int HD, int GMAX, int kUnrollCap>
 struct ScoreShape {
@@ -413,7 +422,7 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 8>::kThreads, 
         float re, im;
         detail::pair_of<T, S, P>(raw[u], j, re, im);
         const float sq = fmaf(re, re, fmaf(im, im, 1e-8f));
-        const float nrm = sq * rsqrtf(sq);  // sqrt via MUFU.RSQ: ~2 ulp, far inside the 1e-5 budget
+        const float nrm = detail::pair_norm(sq);
 #pragma unroll
         for (int k = 0; k < GMAX; ++k) {
           acc[u][k] = fmaf(fre[k], re, acc[u][k]);
@@ -554,7 +563,7 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 4>::kThreads, 
         float re, im;
         detail::pair_of<T, S, P>(raw[u], j, re, im);
         const float sq = fmaf(re, re, fmaf(im, im, 1e-8f));
-        const float nrm = sq * rsqrtf(sq);
+        const float nrm = detail::pair_norm(sq);
 #pragma unroll
         for (int k = 0; k < GMAX; ++k) {
           acc[u][k] = fmaf(fre[k], re, acc[u][k]);
@@ -717,7 +726,7 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 4>::kThreads, 
       for (int u = 0; u < U; ++u) {
         const float re = kf[u][2 * j], im = kf[u][2 * j + 1];
         const float sq = fmaf(re, re, fmaf(im, im, 1e-8f));
-        const float nrm = sq * rsqrtf(sq);
+        const float nrm = detail::pair_norm(sq);
 #pragma unroll
         for (int k = 0; k < GMAX; ++k) mlr[u][k] = fmaf(fc[k], nrm, mlr[u][k]);
       }
@@ -1005,7 +1014,7 @@ __global__ void __launch_bounds__(detail::MmaMaxShape<T, HD>::kThreads, 2)
             im = detail::element<T>(raw[q][j], e + 1);
           }
           const float sq = fmaf(re, re, fmaf(im, im, 1e-8f));
-          const float n = sq * rsqrtf(sq);
+          const float n = detail::pair_norm(sq);
           nrm[q][0] = fmaf(cw.x, n, nrm[q][0]);
           nrm[q][1] = fmaf(cw.y, n, nrm[q][1]);
           nrm[q][2] = fmaf(cw.z, n, nrm[q][2]);
@@ -1401,7 +1410,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
               im = detail::element<T>(raw[q][j], e + 1);
             }
             const float sq = fmaf(re, re, fmaf(im, im, 1e-8f));
-            const float n = sq * rsqrtf(sq);
+            const float n = detail::pair_norm(sq);
             nrm[q][0] = fmaf(cw.x, n, nrm[q][0]);
             nrm[q][1] = fmaf(cw.y, n, nrm[q][1]);
             nrm[q][2] = fmaf(cw.z, n, nrm[q][2]);
@@ -1629,7 +1638,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
             im = detail::element<T>(raw[q][j], e + 1);
           }
           const float sq = fmaf(re, re, fmaf(im, im, 1e-8f));
-          const float n = sq * rsqrtf(sq);
+          const float n = detail::pair_norm(sq);
           nrm[q][0] = fmaf(cw.x, n, nrm[q][0]);
           nrm[q][1] = fmaf(cw.y, n, nrm[q][1]);
           nrm[q][2] = fmaf(cw.z, n, nrm[q][2]);
