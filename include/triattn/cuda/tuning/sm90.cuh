@@ -31,10 +31,16 @@ struct Compact {
 /// ~1.5 µs loaded latency), with 8 or 12 warps to issue the per-pair norm math.
 struct ScoreMeanMma {
   struct Variant2 {  // 2 CTAs x 4 warps, 3 stages: 102 KB shared memory per CTA at d = 128
-    static constexpr int kWarps = 4, kStages = 3, kMinCtas = 2;
+    static constexpr int kWarps = 4, kStages = 3, kMinCtas = 2, kKeys = 32;
   };
   struct Variant3 {  // 3 CTAs x 4 warps, 2 stages: 70 KB per CTA, <= 168 registers
-    static constexpr int kWarps = 4, kStages = 2, kMinCtas = 3;
+    static constexpr int kWarps = 4, kStages = 2, kMinCtas = 3, kKeys = 32;
+  };
+  /// 2 CTAs x 8 warps of 16-key slices (one m16 tile), 3 stages: the same 96 KB of rings per CTA
+  /// but twice the warps per scheduler (ncu on variant 2: 2 warps per scheduler, an instruction
+  /// issued only every ~1.9 cycles; <= 128 registers).
+  struct Variant4 {
+    static constexpr int kWarps = 8, kStages = 3, kMinCtas = 2, kKeys = 16;
   };
 };
 
