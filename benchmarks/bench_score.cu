@@ -67,7 +67,8 @@ struct Setup {
   float* scores = nullptr;
   std::unique_ptr<cuda::TriAttentionDeviceScorer> scorer;
 
-  Setup(int L_, int Hq_, int Hkv_, int len_, int seqs_, int bs_, KvLayout layout, Aggregation agg, int batch)
+  Setup(int L_, int Hq_, int Hkv_, int len_, int seqs_, int bs_, KvLayout layout, Aggregation agg, int batch,
+        bool disable_trig = false)
       : L(L_), Hq(Hq_), Hkv(Hkv_), len(len_), seqs(seqs_), bs(bs_), bl{layout, bs_, Hkv_, kHeadDim} {
     per_seq = (len + bs - 1) / bs;
     blocks = seqs * per_seq;
@@ -88,6 +89,7 @@ struct Setup {
     rope.theta = 1e6;
     ScoringParams sp;
     sp.aggregation = agg;
+    sp.disable_trig = disable_trig;
     scorer = std::make_unique<cuda::TriAttentionDeviceScorer>(random_stats(L, Hq, kHeadDim), rope, sp, Hkv);
     TRIATTN_BENCH_CUDA(cudaDeviceSynchronize());
   }
@@ -138,6 +140,31 @@ void BM_score(benchmark::State& state) {
     const cuda::ScoreBatch batch{s.seq_ids + i, s.t0 + i, 1, s.len};
     i = (i + 1) % kSeqs;
     if (queued) gpu_delay<<<1, 1, 0, stream>>>(kDelayNs);
+    CudaEventTimer timer(state, stream);
+    TRIATTN_BENCH_CUDA(s.scorer->score_async(view, batch, s.scores, stream, opt));
+  }
+  report(state, s.bytes(1));
+  cudaStreamDestroy(stream);
+}
+
+/// Where the mean scorer's time goes: BM_score's queued mean row (page 16, NHD) with the trig
+/// term on (0) or off (1: disable_trig, the per-CTA float64 cos/sin and fold are skipped, the
+/// keys are still read and the norm term and the MMAs still run), per mean variant.
+void BM_score_trig(benchmark::State& state) {
+  cuda::ScoreOptions opt;
+  opt.mean_variant = static_cast<int>(state.range(1));
+  constexpr int kSeqs = 4;
+  Setup s(1, 32, 8, 32768, kSeqs, 16, KvLayout::kNHD, Aggregation::kMean, 1, state.range(0) != 0);
+  cudaStream_t stream;
+  TRIATTN_BENCH_CUDA(cudaStreamCreate(&stream));
+  const auto view = s.view();
+  for (int w = 0; w < 3; ++w)
+    TRIATTN_BENCH_CUDA(s.scorer->score_async(view, cuda::ScoreBatch{s.seq_ids, s.t0, 1, s.len}, s.scores, stream, opt));
+  int i = 0;
+  for (auto _ : state) {
+    const cuda::ScoreBatch batch{s.seq_ids + i, s.t0 + i, 1, s.len};
+    i = (i + 1) % kSeqs;
+    gpu_delay<<<1, 1, 0, stream>>>(kDelayNs);
     CudaEventTimer timer(state, stream);
     TRIATTN_BENCH_CUDA(s.scorer->score_async(view, batch, s.scores, stream, opt));
   }
@@ -240,6 +267,11 @@ BENCHMARK(BM_score)
                 if (agg == 0 || variant == 0 || (agg == 1 && variant == 1))
                   b->Args({agg, page, hnd, variant, queued});
     })
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_score_trig)
+    ->ArgNames({"disable_trig", "variant"})
+    ->ArgsProduct({{0, 1}, {0, 2}})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_read_k)->ArgNames({"queued", "kernel"})->ArgsProduct({{0, 1}, {0, 1, 2}})->UseManualTime()->Unit(benchmark::kMicrosecond);
