@@ -68,7 +68,7 @@ struct Setup {
   std::unique_ptr<cuda::TriAttentionDeviceScorer> scorer;
 
   Setup(int L_, int Hq_, int Hkv_, int len_, int seqs_, int bs_, KvLayout layout, Aggregation agg, int batch,
-        bool disable_trig = false)
+        bool disable_trig = false, bool shuffle_blocks = true)
       : L(L_), Hq(Hq_), Hkv(Hkv_), len(len_), seqs(seqs_), bs(bs_), bl{layout, bs_, Hkv_, kHeadDim} {
     per_seq = (len + bs - 1) / bs;
     blocks = seqs * per_seq;
@@ -77,7 +77,8 @@ struct Setup {
     bench::fill_gaussian_bf16<<<2048, 256>>>(reinterpret_cast<std::uint16_t*>(data), elems, 7);
     std::vector<std::int32_t> ids(static_cast<std::size_t>(blocks));
     for (int i = 0; i < blocks; ++i) ids[static_cast<std::size_t>(i)] = i;
-    std::shuffle(ids.begin(), ids.end(), std::mt19937(3));  // row s = blocks [s*per_seq, (s+1)*per_seq)
+    if (shuffle_blocks)  // else each sequence's blocks lie in order, one contiguous range
+      std::shuffle(ids.begin(), ids.end(), std::mt19937(3));  // row s = blocks [s*per_seq, (s+1)*per_seq)
     tables = upload(ids);
     lens = upload(std::vector<std::int32_t>(static_cast<std::size_t>(seqs), len));
     std::vector<std::int32_t> sid(static_cast<std::size_t>(seqs) + batch);
@@ -150,11 +151,14 @@ void BM_score(benchmark::State& state) {
 /// Where the mean scorer's time goes: BM_score's queued mean row (page 16, NHD) with the trig
 /// term on (0) or off (1: disable_trig, the per-CTA float64 cos/sin and fold are skipped, the
 /// keys are still read and the norm term and the MMAs still run), per mean variant.
+/// Argument `shuffled` 0 lays each sequence's blocks out in order (the cache is then one
+/// contiguous range per sequence, as BM_read_k reads it), 1 shuffles them as BM_score does.
 void BM_score_trig(benchmark::State& state) {
   cuda::ScoreOptions opt;
   opt.mean_variant = static_cast<int>(state.range(1));
   constexpr int kSeqs = 4;
-  Setup s(1, 32, 8, 32768, kSeqs, 16, KvLayout::kNHD, Aggregation::kMean, 1, state.range(0) != 0);
+  Setup s(1, 32, 8, 32768, kSeqs, 16, KvLayout::kNHD, Aggregation::kMean, 1, state.range(0) != 0,
+          state.range(2) != 0);
   cudaStream_t stream;
   TRIATTN_BENCH_CUDA(cudaStreamCreate(&stream));
   const auto view = s.view();
@@ -270,8 +274,8 @@ BENCHMARK(BM_score)
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_score_trig)
-    ->ArgNames({"disable_trig", "variant"})
-    ->ArgsProduct({{0, 1}, {0, 2}})
+    ->ArgNames({"disable_trig", "variant", "shuffled"})
+    ->ArgsProduct({{0, 1}, {0, 2}, {1, 0}})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_read_k)->ArgNames({"queued", "kernel"})->ArgsProduct({{0, 1}, {0, 1, 2}})->UseManualTime()->Unit(benchmark::kMicrosecond);
