@@ -24,6 +24,8 @@
 #include <triattn/core/ref/attention.hpp>
 #include <triattn/core/stats/calibrator.hpp>
 
+#include "common/reference_transformer_checks.hpp"
+
 // Relative paths, so this test also builds when the examples are not configured
 // (TRIATTN_BUILD_EXAMPLES=OFF); with examples on, triattn_example_model adds the folder too.
 #include "../../examples/reference_transformer/generate.hpp"
@@ -40,14 +42,10 @@ using triattn::KvLayout;
 
 namespace {
 
-const std::string kModels = std::string(TRIATTN_SHARED_DATA_DIR) + "/models";
-
-std::string data_file(const std::string& name) {
-  const std::string p = kModels + "/" + name;
-  INFO("data file " << p);
-  REQUIRE_MESSAGE(std::filesystem::exists(p), "missing test data file " << p);
-  return p;
-}
+using triattn::test::cache_config;
+using triattn::test::data_file;
+using triattn::test::max_abs_diff;
+using triattn::test::Stories;
 
 std::vector<std::byte> file_bytes(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
@@ -58,45 +56,12 @@ std::vector<std::byte> file_bytes(const std::string& path) {
   return b;
 }
 
-/// Shared, loaded once.
-struct Stories {
-  ex::ModelWeights weights;
-  ex::Tokenizer tok;
-  ex::json::Value ref;
-  std::vector<int> greedy;
-  static const Stories& get() {
-    static const Stories s = [] {
-      Stories t;
-      t.weights = ex::load_llama2c_checkpoint(data_file("stories260K.bin"));
-      t.tok = ex::Tokenizer::load(data_file("tok512.bin"), t.weights.config.vocab_size);
-      t.ref = ex::json::parse_file(data_file("stories260K_greedy_ref.json"));
-      t.greedy = t.ref.at("greedy_ids").ints();
-      return t;
-    }();
-    return s;
-  }
-};
-
-triattn::CacheConfig cache_config(const ex::ModelConfig& mc, int tokens_per_seq, int seqs, int block_size = 16,
-                                  DType dtype = DType::kF32, KvLayout layout = KvLayout::kNHD) {
-  triattn::CacheConfig c;
-  c.model = mc.geometry();
-  c.block_size = block_size;
-  c.max_seqs = seqs;
-  c.num_blocks = seqs * ((tokens_per_seq + block_size - 1) / block_size + 1);
-  c.dtype = dtype;
-  c.layout = layout;
-  return c;
+/// stories260K's tokenizer, loaded once.
+const ex::Tokenizer& stories_tokenizer() {
+  static const ex::Tokenizer tok =
+      ex::Tokenizer::load(data_file("tok512.bin"), Stories::get().weights.config.vocab_size);
+  return tok;
 }
-
-float max_abs_diff(std::span<const float> a, const std::vector<float>& b) {
-  REQUIRE(a.size() == b.size());
-  float m = 0.0f;
-  for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(a[i] - b[i]));
-  return m;
-}
-
-const std::vector<int> kLogitPositions = {0, 1, 2, 10, 100, 255};
 
 /// Greedy decode of stories260K from BOS for 256 tokens in `cache`; checks tokens, logits and
 /// the cached K/V of positions 0..3 against the reference. Returns the max logit difference.
@@ -104,53 +69,16 @@ template <class Cache>
 float check_greedy_reference(Cache& cache) {
   const Stories& s = Stories::get();
   ex::Model<> model(s.weights);
-  std::vector<std::vector<int>> prompts = {{1}};
-  std::vector<ex::Sampler> samplers(1);
-  ex::GenerationOptions opt;
-  opt.max_new_tokens = 256;
-  std::vector<std::vector<float>> logits_at(256);
-  ex::GenerationCallbacks cb;
-  cb.on_token = [&](int, int, std::int64_t pos, std::span<const float> logits) {
-    REQUIRE(pos >= 0);
-    REQUIRE(pos < 256);
-    logits_at[static_cast<std::size_t>(pos)].assign(logits.begin(), logits.end());
-  };
-  const auto res = ex::generate(model, cache, std::span<const std::vector<int>>(prompts), std::span<ex::Sampler>(samplers),
-                                opt, cb);
-  REQUIRE(res.size() == 1);
-  const std::vector<int>& got = res[0].generated;
+  const triattn::test::GreedyRun run = triattn::test::run_stories_greedy(model, cache);
+  const auto& res = run.res;
   CHECK(res[0].stop_token == -1);
-  REQUIRE(got.size() == s.greedy.size());
-  int matched = 0;
-  while (matched < static_cast<int>(got.size()) && got[static_cast<std::size_t>(matched)] == s.greedy[static_cast<std::size_t>(matched)])
-    ++matched;
-  CHECK_MESSAGE(matched == 256, "greedy tokens match the reference up to position " << matched);
-
-  float worst = 0.0f;
-  for (int p : kLogitPositions) {
-    const std::vector<float> ref = s.ref.at("logits").at(std::to_string(p)).floats();
-    const float d = max_abs_diff(logits_at[static_cast<std::size_t>(p)], ref);
-    INFO("logits at position " << p << ": max abs diff " << d);
-    CHECK(d < 1e-4f);
-    worst = std::max(worst, d);
-  }
+  const int matched = triattn::test::check_greedy_tokens(s, res[0].generated);
+  const float worst = triattn::test::check_reference_logits(
+      s, [&](int p) -> std::span<const float> { return run.logits_at[static_cast<std::size_t>(p)]; });
   // Post-RoPE K and V of positions 0..3, read back from the cache through its view.
   const auto view = cache.template view<float>();
   const ex::ModelConfig& mc = s.weights.config;
-  float kv_worst = 0.0f;
-  for (int l = 0; l < mc.n_layers; ++l)
-    for (int p = 0; p < 4; ++p) {
-      const std::vector<float> kref = s.ref.at("k_cache_pos0to3").at(static_cast<std::size_t>(l)).at(static_cast<std::size_t>(p)).floats();
-      const std::vector<float> vref = s.ref.at("v_cache_pos0to3").at(static_cast<std::size_t>(l)).at(static_cast<std::size_t>(p)).floats();
-      REQUIRE(kref.size() == static_cast<std::size_t>(mc.kv_dim()));
-      for (int h = 0; h < mc.n_kv_heads; ++h)
-        for (int i = 0; i < mc.head_dim; ++i) {
-          const std::size_t j = static_cast<std::size_t>(h * mc.head_dim + i);
-          const float k = view.token(l, KvKind::kKey, res[0].seq, p, h)[i];
-          const float v = view.token(l, KvKind::kValue, res[0].seq, p, h)[i];
-          kv_worst = std::max({kv_worst, std::fabs(k - kref[j]), std::fabs(v - vref[j])});
-        }
-    }
+  const float kv_worst = triattn::test::reference_kv_diff(s, view, res[0].seq);
   CHECK_MESSAGE(kv_worst < 1e-5f, "K/V of positions 0..3: max abs diff " << kv_worst);
 
   // The model's attention agrees with triattn::ref::attention (the oracle of the CUDA decode
@@ -266,12 +194,7 @@ TEST_CASE("stories260K: one prefill step over the whole sequence equals token-by
     CHECK(out.rows[static_cast<std::size_t>(p)].pos == p);
     CHECK(ex::Sampler::argmax(out.row(p)) == s.greedy[static_cast<std::size_t>(p)]);
   }
-  float worst = 0.0f;
-  for (int p : kLogitPositions) {
-    const float d = max_abs_diff(out.row(p), s.ref.at("logits").at(std::to_string(p)).floats());
-    CHECK(d < 1e-4f);
-    worst = std::max(worst, d);
-  }
+  const float worst = triattn::test::check_reference_logits(s, [&](int p) { return out.row(p); });
   MESSAGE("stories260K prefill of 256 tokens: logits max abs diff " << worst);
   CHECK(cache.prompt_length(id) == 256);
 }
@@ -363,7 +286,7 @@ TEST_CASE("llama2.c checkpoint: malformed files are rejected with the file and f
 
 TEST_CASE("tokenizer: decode of the reference tokens and encode/decode round trip and malformed files") {
   const Stories& s = Stories::get();
-  const ex::Tokenizer& tok = s.tok;
+  const ex::Tokenizer& tok = stories_tokenizer();
   CHECK(tok.vocab_size() == 512);
   CHECK(tok.max_token_length() == 7);
   CHECK(tok.piece(259) == " t");
@@ -583,7 +506,7 @@ TEST_CASE("stories260K with TriAttention compression: saw-tooth cache and RoPE a
   MESSAGE("compressed run (budget " << kBudget << ", divide " << kDivide << "): " << res[0].compression_rounds
                                     << " rounds, " << res[0].tokens_evicted << " tokens evicted, " << agree
                                     << "/256 tokens equal to the full-cache run; text: "
-                                    << s.tok.decode(std::span<const int>(res[0].generated).first(120)));
+                                    << stories_tokenizer().decode(std::span<const int>(res[0].generated).first(120)));
   const triattn::MemoryStats m = cache.memory();
   CHECK(m.cached_tokens == cache.physical_length(res[0].seq));
   CHECK(m.logical_tokens == kSteps);

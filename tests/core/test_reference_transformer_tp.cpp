@@ -27,6 +27,8 @@
 #include <triattn/core/stats/slice.hpp>
 #include <triattn/core/tp/collective.hpp>
 
+#include "common/reference_transformer_checks.hpp"
+
 #include "../../examples/reference_transformer/generate.hpp"
 #include "../../examples/reference_transformer/llama2c.hpp"
 #include "../../examples/reference_transformer/mini_json.hpp"
@@ -41,26 +43,11 @@ using triattn::SeqId;
 
 namespace {
 
-std::string data_file(const std::string& name) {
-  const std::string p = std::string(TRIATTN_SHARED_DATA_DIR) + "/models/" + name;
-  INFO("data file " << p);
-  REQUIRE_MESSAGE(std::filesystem::exists(p), "missing test data file " << p);
-  return p;
-}
-
-struct Stories {
-  ex::ModelWeights weights;
-  std::vector<int> greedy;  // llama2.c's greedy story (256 tokens after BOS)
-  static const Stories& get() {
-    static const Stories s = [] {
-      Stories t;
-      t.weights = ex::load_llama2c_checkpoint(data_file("stories260K.bin"));
-      t.greedy = ex::json::parse_file(data_file("stories260K_greedy_ref.json")).at("greedy_ids").ints();
-      return t;
-    }();
-    return s;
-  }
-};
+using triattn::test::cache_config;
+using triattn::test::min_top2_margin;
+using triattn::test::mode_name;
+using triattn::test::prompt_tokens;
+using triattn::test::Stories;
 
 /// A synthetic shape with 8 query / 4 KV heads (tp 1, 2, 4) and q/k/v biases.
 ex::ModelWeights synthetic_weights() {
@@ -76,21 +63,8 @@ ex::ModelWeights synthetic_weights() {
   return ex::make_synthetic_weights(c, 77);
 }
 
-triattn::CacheConfig cache_config(const ex::ModelConfig& mc, int tokens_per_seq, int seqs) {
-  triattn::CacheConfig c;
-  c.model = mc.geometry();
-  c.block_size = 8;
-  c.max_seqs = seqs;
-  c.num_blocks = seqs * ((tokens_per_seq + 7) / 8 + 1);
-  c.dtype = triattn::DType::kF32;
-  return c;
-}
-
-std::vector<int> prompt_tokens(int len, int salt, int vocab) {
-  std::vector<int> t = {1};
-  for (int i = 1; i < len; ++i) t.push_back((i * 37 + salt * 101 + 11) % vocab);
-  return t;
-}
+/// Caches of 8-token blocks.
+constexpr int kBlock = 8;
 
 /// Pre-RoPE query statistics of the whole model from a full-cache prefill of `tokens`.
 triattn::QueryStats calibrate(const ex::ModelWeights& w, const std::vector<int>& tokens) {
@@ -98,7 +72,7 @@ triattn::QueryStats calibrate(const ex::ModelWeights& w, const std::vector<int>&
   triattn::Calibrator cal(mc.n_layers, mc.n_heads, mc.head_dim, mc.rope_style, mc.name);
   ex::Model<> model(w);
   model.set_query_observer([&](int layer, const float* q, int n) { cal.add(layer, q, n); });
-  triattn::KvCache<> cache(cache_config(mc, static_cast<int>(tokens.size()), 1));
+  triattn::KvCache<> cache(cache_config(mc, static_cast<int>(tokens.size()), 1, kBlock));
   const ex::Chunk chunk{cache.add_sequence(), tokens, triattn::Phase::kPrefill};
   (void)model.step(cache, std::span<const ex::Chunk>(&chunk, 1), ex::LogitsFor::kNone);
   return cal.finish();
@@ -138,7 +112,7 @@ RankOut run_rank(const RunSpec& spec, ex::Model<>& model, const triattn::QuerySt
   const int peak = 64 + spec.sel.budget + spec.sel.divide_length;
   triattn::KvCache<triattn::StaticAllocator<triattn::HostBackend>, triattn::HostCompactor, triattn::TriAttentionScorer,
                    Selector>
-      cache(cache_config(mc, peak, static_cast<int>(spec.prompts.size())),
+      cache(cache_config(mc, peak, static_cast<int>(spec.prompts.size()), kBlock),
             triattn::TriAttentionScorer(stats, rope, triattn::ScoringParams{}, mc.n_kv_heads), std::move(selector));
   std::vector<ex::Sampler> samplers(spec.prompts.size());  // greedy
   ex::GenerationOptions opt;
@@ -198,68 +172,27 @@ std::vector<RankOut> run_tp(const RunSpec& spec, int tp) {
   return out;
 }
 
-std::string mode_name(PruningMode m) {
-  return m == PruningMode::kPerHead ? "per_head" : m == PruningMode::kPerLayerPerHead ? "per_layer_per_head" : "union";
-}
-
-/// Smallest gap between the top two logits over all sampled rows: how much a last-bit
-/// difference would have to move a logit to change a greedy token.
-float min_top2_margin(const std::vector<std::vector<float>>& rows) {
-  float m = INFINITY;
-  for (const auto& r : rows) {
-    float a = -INFINITY, b = -INFINITY;
-    for (float v : r) {
-      if (v > a) {
-        b = a;
-        a = v;
-      } else if (v > b) {
-        b = v;
-      }
-    }
-    m = std::min(m, a - b);
-  }
-  return m;
-}
-
 /// tp ranks against tp 1: tokens, logits (close), keep plans per KV head (equal), KV bytes.
 void check_against_single(const RunSpec& spec, const RankOut& ref, const std::vector<RankOut>& ranks, int tp) {
   const int L = spec.weights->config.n_layers, Hkv = spec.weights->config.n_kv_heads, hkv = Hkv / tp;
   REQUIRE(static_cast<int>(ranks.size()) == tp);
   CHECK(ref.rounds.size() >= 6);  // several rounds per sequence
-  float worst = 0.0f;
-  int token_mismatch = 0, plan_mismatch = 0, rows_compared = 0;
+  triattn::test::TpTally tally;
   for (int r = 0; r < tp; ++r) {
     const RankOut& o = ranks[static_cast<std::size_t>(r)];
     INFO("rank " << r << " of tp " << tp);
     for (std::size_t p = 0; p < ref.tokens.size(); ++p) {
-      REQUIRE(o.tokens[p].size() == ref.tokens[p].size());
-      for (std::size_t t = 0; t < ref.tokens[p].size(); ++t) token_mismatch += o.tokens[p][t] != ref.tokens[p][t];
       CHECK(o.logical[p] == ref.logical[p]);
       CHECK(o.physical[p] == ref.physical[p]);
     }
-    // Every rank computes the classifier on the same all-reduced residual: bitwise equal logits.
-    CHECK(o.logits == ranks[0].logits);
-    REQUIRE(o.logits.size() == ref.logits.size());
-    for (std::size_t i = 0; i < o.logits.size(); ++i)
-      for (std::size_t v = 0; v < o.logits[i].size(); ++v) worst = std::max(worst, std::fabs(o.logits[i][v] - ref.logits[i][v]));
-    REQUIRE(o.rounds.size() == ref.rounds.size());
-    for (std::size_t k = 0; k < ref.rounds.size(); ++k) {
-      const triattn::KeepPlan& mine = o.rounds[k].plan;
-      const triattn::KeepPlan& full = ref.rounds[k].plan;
-      REQUIRE(o.rounds[k].seq == ref.rounds[k].seq);
-      REQUIRE(mine.num_layers == L);
-      REQUIRE(mine.num_kv_heads == hkv);
-      REQUIRE(mine.keep == full.keep);
-      for (int l = 0; l < L; ++l)
-        for (int g = 0; g < hkv; ++g) {
-          ++rows_compared;
-          plan_mismatch += !std::equal(mine.row(l, g), mine.row(l, g) + mine.keep, full.row(l, r * hkv + g));
-        }
-    }
+    triattn::test::compare_rank_with_single(o, ref, ranks[0], r, L, hkv, tally);
     // Each rank caches its Hkv / tp heads of every token.
     CHECK(o.memory.bytes_live * static_cast<std::size_t>(tp) == ref.memory.bytes_live);
     CHECK(o.memory.cached_tokens == ref.memory.cached_tokens);
   }
+  const int token_mismatch = tally.token_mismatch, plan_mismatch = tally.plan_mismatch;
+  const int rows_compared = tally.rows_compared;
+  const float worst = tally.worst;
   const float margin = min_top2_margin(ref.logits);
   CHECK_MESSAGE(token_mismatch == 0, token_mismatch << " greedy tokens differ from tp 1 (smallest top-2 logit margin "
                                                     << margin << ", max logit difference " << worst << ")");
@@ -370,7 +303,7 @@ TEST_CASE("tensor parallel: stories260K prefill logits and each rank's K/V equal
     logits = model.step(cache, std::span<const ex::Chunk>(&chunk, 1), ex::LogitsFor::kAllRows).logits;
   };
   ex::Model<> single(w);
-  triattn::KvCache<> ref_cache(cache_config(w.config, static_cast<int>(story.size()), 1));
+  triattn::KvCache<> ref_cache(cache_config(w.config, static_cast<int>(story.size()), 1, kBlock));
   std::vector<float> ref_logits;
   prefill(single, ref_cache, ref_logits);
   const auto ref_view = ref_cache.view<float>();
@@ -382,7 +315,7 @@ TEST_CASE("tensor parallel: stories260K prefill logits and each rank's K/V equal
     ex::run_ranks(tp, [&](int r) {
       triattn::tp::ThreadTeamCollective comm(team, r);
       ex::Model<> model(w, ex::TpRank{r, tp}, ex::cpu_backend_for(comm));
-      triattn::KvCache<> cache(cache_config(model.config(), static_cast<int>(story.size()), 1));
+      triattn::KvCache<> cache(cache_config(model.config(), static_cast<int>(story.size()), 1, kBlock));
       prefill(model, cache, logits[static_cast<std::size_t>(r)]);
       const auto view = cache.view<float>();
       const int hkv = model.config().n_kv_heads, d = model.config().head_dim;

@@ -48,6 +48,13 @@ inline std::uint64_t test_seed() {
   return seed;
 }
 
+/// Seed of one case for a 32-bit std::mt19937: TRIATTN_TEST_SEED if set, else a fresh one on
+/// every call.
+inline std::uint32_t fresh_seed32() {
+  if (const char* s = std::getenv("TRIATTN_TEST_SEED")) return static_cast<std::uint32_t>(std::strtoul(s, nullptr, 10));
+  return std::random_device{}();
+}
+
 /// Owning device buffer of n elements of T (trivially copyable).
 template <class T>
 class DeviceBuffer {
@@ -66,6 +73,8 @@ class DeviceBuffer {
   ~DeviceBuffer() {
     if (p_) cudaFree(p_);
   }
+  /// Frees the current allocation and allocates n elements.
+  void reset(std::size_t n) { *this = DeviceBuffer(n); }
   void upload(const std::vector<T>& host) {
     REQUIRE(host.size() == n_);
     TRIATTN_TEST_CUDA(cudaMemcpy(p_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice));

@@ -31,38 +31,6 @@ using namespace triattn;
 
 namespace {
 
-std::uint32_t test_seed() {
-  if (const char* s = std::getenv("TRIATTN_TEST_SEED")) return static_cast<std::uint32_t>(std::strtoul(s, nullptr, 10));
-  return std::random_device{}();
-}
-
-template <class T>
-struct DevBuf {
-  T* p = nullptr;
-  std::size_t n = 0;
-  DevBuf() = default;
-  explicit DevBuf(std::size_t count) { reset(count); }
-  DevBuf(const DevBuf&) = delete;
-  DevBuf& operator=(const DevBuf&) = delete;
-  ~DevBuf() { cudaFree(p); }
-  void reset(std::size_t count) {
-    cudaFree(p);
-    p = nullptr;
-    n = count;
-    TRIATTN_TEST_CUDA(cudaMalloc(&p, (count ? count : 1) * sizeof(T)));
-  }
-  void upload(const std::vector<T>& h) {
-    REQUIRE(h.size() <= n);
-    TRIATTN_TEST_CUDA(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  std::vector<T> download() const {
-    std::vector<T> h(n);
-    TRIATTN_TEST_CUDA(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return h;
-  }
-  void poison() { TRIATTN_TEST_CUDA(cudaMemset(p, 0xff, n * sizeof(T))); }
-};
-
 QueryStats random_stats(std::mt19937& rng, int L, int Hq, int d, RopeStyle style) {
   return random_query_stats(rng, L, Hq, d, style);
 }
@@ -94,11 +62,11 @@ struct RoundFixture {
   std::vector<int> seq_ids, tables, seq_lens;
   std::vector<std::int64_t> t0;
   std::vector<T> data;  // [2L, num_blocks, block elems] original contents
-  DevBuf<T> d_data;
-  DevBuf<int> d_tables, d_lens, d_seq_ids, d_prompts;
-  DevBuf<std::int64_t> d_t0;
-  DevBuf<std::int32_t> d_kept, d_keep;
-  DevBuf<char> d_ws;
+  test::DeviceBuffer<T> d_data;
+  test::DeviceBuffer<int> d_tables, d_lens, d_seq_ids, d_prompts;
+  test::DeviceBuffer<std::int64_t> d_t0;
+  test::DeviceBuffer<std::int32_t> d_kept, d_keep;
+  test::DeviceBuffer<char> d_ws;
   std::size_t ws_bytes = 0;
   std::unique_ptr<cuda::TriAttentionDeviceScorer> scorer;
 
@@ -170,14 +138,14 @@ struct RoundFixture {
     return {d, range_stride(), block(), c.L, num_blocks, max_seqs, max_blocks, tables.data(), seq_lens.data()};
   }
   KvCacheView<T, int> device_view() const {
-    return {d_data.p, range_stride(), block(), c.L, num_blocks, max_seqs, max_blocks, d_tables.p, d_lens.p};
+    return {d_data.get(), range_stride(), block(), c.L, num_blocks, max_seqs, max_blocks, d_tables.get(), d_lens.get()};
   }
-  cuda::RoundBatch round_batch() const { return {d_seq_ids.p, d_t0.p, d_prompts.p, batch, max_len}; }
-  cuda::DeviceKeepPlanView plan() const { return {d_kept.p, d_keep.p, max_keep}; }
+  cuda::RoundBatch round_batch() const { return {d_seq_ids.get(), d_t0.get(), d_prompts.get(), batch, max_len}; }
+  cuda::DeviceKeepPlanView plan() const { return {d_kept.get(), d_keep.get(), max_keep}; }
   /// Raw scores of the last round ([batch, L, Hq, max_len]; union mode overwrote the selectable slots).
   std::vector<float> round_scores() const {
     cuda::RoundWorkspace ws;
-    cuda::detail::carve_round_workspace(d_ws.p, shape(), c.sp.mode, batch, max_len, &ws);
+    cuda::detail::carve_round_workspace(d_ws.get(), shape(), c.sp.mode, batch, max_len, &ws);
     std::vector<float> h(static_cast<std::size_t>(batch) * c.L * c.Hq * max_len);
     TRIATTN_TEST_CUDA(cudaMemcpy(h.data(), ws.scores, h.size() * sizeof(float), cudaMemcpyDeviceToHost));
     return h;

@@ -16,17 +16,17 @@ void check_round(const RoundCase& rc, std::uint32_t seed) {
   const RoundCase& c = f.c;
   // The round's raw scores, computed separately first (the scorer is deterministic, so these are
   // bitwise the values inside the round; union mode normalises its copy in place).
-  DevBuf<float> pre_scores(static_cast<std::size_t>(f.batch) * c.L * c.Hq * f.max_len);
+  test::DeviceBuffer<float> pre_scores(static_cast<std::size_t>(f.batch) * c.L * c.Hq * f.max_len);
   pre_scores.poison();
   TRIATTN_TEST_CUDA(cuda::score(f.device_view(), f.scorer->device_model(),
-                        cuda::ScoreBatch{f.d_seq_ids.p, f.d_t0.p, f.batch, f.max_len}, pre_scores.p));
+                        cuda::ScoreBatch{f.d_seq_ids.get(), f.d_t0.get(), f.batch, f.max_len}, pre_scores.get()));
   TRIATTN_TEST_CUDA(cudaDeviceSynchronize());
   const std::vector<float> gpu_scores = pre_scores.download();
   f.d_ws.poison();
   f.d_kept.poison();
   f.d_keep.poison();
   TRIATTN_TEST_CUDA(cuda::compression_round::run(f.device_view(), f.scorer->device_model(), cuda::DeviceSelectParams(c.sp),
-                                         f.round_batch(), f.plan(), f.d_ws.p, f.ws_bytes));
+                                         f.round_batch(), f.plan(), f.d_ws.get(), f.ws_bytes));
   TRIATTN_TEST_CUDA(cudaDeviceSynchronize());
   const std::vector<float> scores = f.round_scores();
   const std::vector<std::int32_t> kept = f.d_kept.download(), keep = f.d_keep.download();
@@ -105,7 +105,7 @@ TEST_SUITE("gpu") {
   TEST_CASE_TEMPLATE("compression round: plan and compacted cache match the CPU in every mode", T, float, f16_storage,
                      bf16_storage) {
     triattn::test::require_device();
-    const std::uint32_t seed = test_seed();
+    const std::uint32_t seed = test::fresh_seed32();
     int combo = 0;
     for (PruningMode mode : {PruningMode::kPerHead, PruningMode::kPerLayerPerHead, PruningMode::kUnion})
       for (PromptMode prompt : {PromptMode::kPinnedInBudget, PromptMode::kPinnedOnTop, PromptMode::kCompete}) {
@@ -120,7 +120,7 @@ TEST_SUITE("gpu") {
 
   TEST_CASE("compression round: Qwen3-8B-like heads with max aggregation and head_dim 64 and page size 1") {
     triattn::test::require_device();
-    const std::uint32_t seed = test_seed();
+    const std::uint32_t seed = test::fresh_seed32();
     RoundCase c;
     c.L = 2;
     c.Hq = 32;

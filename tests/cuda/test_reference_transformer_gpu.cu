@@ -31,6 +31,7 @@
 #include <triattn/core/stats/calibrator.hpp>
 
 #include "cuda_test_utils.cuh"
+#include "common/reference_transformer_checks.hpp"
 
 #include "../../examples/reference_transformer/cuda_backend.cuh"
 #include "../../examples/reference_transformer/cuda_device_model.cuh"
@@ -49,49 +50,9 @@ using triattn::SeqId;
 
 namespace {
 
-const std::string kModels = std::string(TRIATTN_SHARED_DATA_DIR) + "/models";
-
-std::string data_file(const std::string& name) {
-  const std::string p = kModels + "/" + name;
-  INFO("data file " << p);
-  REQUIRE_MESSAGE(std::filesystem::exists(p), "missing test data file " << p);
-  return p;
-}
-
-struct Stories {
-  ex::ModelWeights weights;
-  ex::json::Value ref;
-  std::vector<int> greedy;
-  static const Stories& get() {
-    static const Stories s = [] {
-      Stories t;
-      t.weights = ex::load_llama2c_checkpoint(data_file("stories260K.bin"));
-      t.ref = ex::json::parse_file(data_file("stories260K_greedy_ref.json"));
-      t.greedy = t.ref.at("greedy_ids").ints();
-      return t;
-    }();
-    return s;
-  }
-};
-
-triattn::CacheConfig cache_config(const ex::ModelConfig& mc, int tokens_per_seq, int seqs, int block_size = 16,
-                                  DType dtype = DType::kF32, KvLayout layout = KvLayout::kNHD) {
-  triattn::CacheConfig c;
-  c.model = mc.geometry();
-  c.block_size = block_size;
-  c.max_seqs = seqs;
-  c.num_blocks = seqs * ((tokens_per_seq + block_size - 1) / block_size + 1);
-  c.dtype = dtype;
-  c.layout = layout;
-  return c;
-}
-
-float max_abs_diff(std::span<const float> a, std::span<const float> b) {
-  REQUIRE(a.size() == b.size());
-  float m = 0.0f;
-  for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(a[i] - b[i]));
-  return m;
-}
+using triattn::test::cache_config;
+using triattn::test::max_abs_diff;
+using triattn::test::Stories;
 
 /// Host copy of a device cache: the pool plus a view over the cache's host tables.
 template <class T>
@@ -117,58 +78,18 @@ ex::GpuPlainCache plain_cache(const triattn::CacheConfig& cfg, ex::CudaBackend& 
   return ex::GpuPlainCache(cfg, triattn::cuda::DeviceCompactor(be.stream()));
 }
 
-const std::vector<int> kLogitPositions = {0, 1, 2, 10, 100, 255};
-
 /// Greedy stories260K from BOS for 256 tokens; checks tokens, logits and K/V of positions 0..3.
 template <class Cache>
 void check_stories_greedy(Cache& cache, ex::CudaBackend be) {
   const Stories& s = Stories::get();
   ex::Model<ex::CudaBackend> model(s.weights, be);
-  std::vector<std::vector<int>> prompts = {{1}};
-  std::vector<ex::Sampler> samplers(1);
-  ex::GenerationOptions opt;
-  opt.max_new_tokens = 256;
-  std::vector<std::vector<float>> logits_at(256);
-  ex::GenerationCallbacks cb;
-  cb.on_token = [&](int, int, std::int64_t pos, std::span<const float> logits) {
-    REQUIRE(pos >= 0);
-    REQUIRE(pos < 256);
-    logits_at[static_cast<std::size_t>(pos)].assign(logits.begin(), logits.end());
-  };
-  const auto res = ex::generate(model, cache, std::span<const std::vector<int>>(prompts),
-                                std::span<ex::Sampler>(samplers), opt, cb);
-  REQUIRE(res.size() == 1);
-  const std::vector<int>& got = res[0].generated;
-  REQUIRE(got.size() == s.greedy.size());
-  int matched = 0;
-  while (matched < static_cast<int>(got.size()) &&
-         got[static_cast<std::size_t>(matched)] == s.greedy[static_cast<std::size_t>(matched)])
-    ++matched;
-  CHECK_MESSAGE(matched == 256, "greedy tokens match the reference up to position " << matched);
-  float worst = 0.0f;
-  for (int p : kLogitPositions) {
-    const std::vector<float> ref = s.ref.at("logits").at(std::to_string(p)).floats();
-    const float d = max_abs_diff(logits_at[static_cast<std::size_t>(p)], ref);
-    INFO("logits at position " << p << ": max abs diff " << d);
-    CHECK(d < 1e-4f);
-    worst = std::max(worst, d);
-  }
-  const ex::ModelConfig& mc = s.weights.config;
+  const triattn::test::GreedyRun run = triattn::test::run_stories_greedy(model, cache);
+  const auto& res = run.res;
+  const int matched = triattn::test::check_greedy_tokens(s, res[0].generated);
+  const float worst = triattn::test::check_reference_logits(
+      s, [&](int p) -> std::span<const float> { return run.logits_at[static_cast<std::size_t>(p)]; });
   const Snapshot<float> snap = snapshot<float>(cache, be);
-  float kv_worst = 0.0f;
-  for (int l = 0; l < mc.n_layers; ++l)
-    for (int p = 0; p < 4; ++p) {
-      const auto kref = s.ref.at("k_cache_pos0to3").at(static_cast<std::size_t>(l)).at(static_cast<std::size_t>(p)).floats();
-      const auto vref = s.ref.at("v_cache_pos0to3").at(static_cast<std::size_t>(l)).at(static_cast<std::size_t>(p)).floats();
-      REQUIRE(kref.size() == static_cast<std::size_t>(mc.kv_dim()));
-      for (int h = 0; h < mc.n_kv_heads; ++h)
-        for (int i = 0; i < mc.head_dim; ++i) {
-          const std::size_t j = static_cast<std::size_t>(h * mc.head_dim + i);
-          const float k = snap.view.token(l, KvKind::kKey, res[0].seq, p, h)[i];
-          const float v = snap.view.token(l, KvKind::kValue, res[0].seq, p, h)[i];
-          kv_worst = std::max({kv_worst, std::fabs(k - kref[j]), std::fabs(v - vref[j])});
-        }
-    }
+  const float kv_worst = triattn::test::reference_kv_diff(s, snap.view, res[0].seq);
   CHECK_MESSAGE(kv_worst < 1e-5f, "K/V of positions 0..3: max abs diff " << kv_worst);
   CHECK(cache.physical_length(res[0].seq) == 256);
   CHECK(cache.logical_position(res[0].seq) == 256);
@@ -279,13 +200,7 @@ TEST_CASE("stories260K on the GPU: one prefill step of 256 tokens equals the gre
   int argmax_ok = 0;
   for (int p = 0; p < 256; ++p) argmax_ok += ex::Sampler::argmax(out.row(p)) == s.greedy[static_cast<std::size_t>(p)];
   CHECK(argmax_ok == 256);
-  float worst = 0.0f;
-  for (int p : kLogitPositions) {
-    const std::vector<float> ref = s.ref.at("logits").at(std::to_string(p)).floats();
-    const float d = max_abs_diff(out.row(p), ref);
-    CHECK(d < 1e-4f);
-    worst = std::max(worst, d);
-  }
+  const float worst = triattn::test::check_reference_logits(s, [&](int p) { return out.row(p); });
   MESSAGE("stories260K GPU prefill of 256 tokens: " << argmax_ok << "/256 argmax, logits max abs diff " << worst);
 }
 

@@ -26,6 +26,7 @@
 #include <triattn/cuda/tp/nccl_communicator.cuh>
 
 #include "cuda_test_utils.cuh"
+#include "common/reference_transformer_checks.hpp"
 
 #include "../../examples/reference_transformer/cuda_backend.cuh"
 #include "../../examples/reference_transformer/cuda_device_model.cuh"
@@ -70,25 +71,10 @@ ex::ModelConfig tp_config() {
   return c;
 }
 
-triattn::CacheConfig cache_config(const ex::ModelConfig& mc, int tokens_per_seq, int seqs, DType dtype) {
-  triattn::CacheConfig c;
-  c.model = mc.geometry();
-  c.block_size = 16;
-  c.max_seqs = seqs;
-  c.num_blocks = seqs * ((tokens_per_seq + 15) / 16 + 1);
-  c.dtype = dtype;
-  return c;
-}
-
-std::vector<int> prompt_tokens(int len, int salt, int vocab) {
-  std::vector<int> t = {1};
-  for (int i = 1; i < len; ++i) t.push_back((i * 37 + salt * 101 + 11) % vocab);
-  return t;
-}
-
-std::string mode_name(PruningMode m) {
-  return m == PruningMode::kPerHead ? "per_head" : m == PruningMode::kPerLayerPerHead ? "per_layer_per_head" : "union";
-}
+using triattn::test::cache_config;
+using triattn::test::min_top2_margin;
+using triattn::test::mode_name;
+using triattn::test::prompt_tokens;
 
 struct Round {
   SeqId seq = -1;
@@ -120,7 +106,7 @@ RankOut run_compressed(const Setup& su, ModelT& model, ex::CudaBackend& be, cons
   triattn::RopeConfig rope;
   rope.style = mc.rope_style;
   rope.theta = mc.rope_theta;
-  ex::GpuTriCache cache(cache_config(mc, 64 + su.sel.budget + su.sel.divide_length, static_cast<int>(su.prompts.size()), su.kv),
+  ex::GpuTriCache cache(cache_config(mc, 64 + su.sel.budget + su.sel.divide_length, static_cast<int>(su.prompts.size()), 16, su.kv),
                         triattn::cuda::DeviceCompactor(be.stream()),
                         triattn::cuda::TriAttentionDeviceScorer(stats, rope, triattn::ScoringParams{}, mc.n_kv_heads, be.stream()),
                         triattn::TopKSelector(su.sel));
@@ -154,23 +140,6 @@ RankOut run_compressed(const Setup& su, ModelT& model, ex::CudaBackend& be, cons
   return out;
 }
 
-float min_top2_margin(const std::vector<std::vector<float>>& rows) {
-  float m = INFINITY;
-  for (const auto& r : rows) {
-    float a = -INFINITY, b = -INFINITY;
-    for (float v : r) {
-      if (v > a) {
-        b = a;
-        a = v;
-      } else if (v > b) {
-        b = v;
-      }
-    }
-    m = std::min(m, a - b);
-  }
-  return m;
-}
-
 }  // namespace
 
 TEST_SUITE("gpu_multi") {
@@ -184,7 +153,7 @@ TEST_CASE("GPU tensor parallel: tp 2 samples tp 1's greedy tokens and keeps its 
   {
     ex::Model<> model(w);
     model.set_query_observer([&](int layer, const float* q, int n) { cal.add(layer, q, n); });
-    triattn::KvCache<> cache(cache_config(c, 256, 1, DType::kF32));
+    triattn::KvCache<> cache(cache_config(c, 256, 1, 16, DType::kF32));
     const std::vector<int> toks = prompt_tokens(256, 9, c.vocab_size);
     const ex::Chunk chunk{cache.add_sequence(), toks, triattn::Phase::kPrefill};
     (void)model.step(cache, std::span<const ex::Chunk>(&chunk, 1), ex::LogitsFor::kNone);
@@ -225,36 +194,15 @@ TEST_CASE("GPU tensor parallel: tp 2 samples tp 1's greedy tokens and keeps its 
 
       REQUIRE(ref.rounds.size() >= 3 * 5);
       const int hkv = c.n_kv_heads / kTp;
-      int token_mismatch = 0, plan_mismatch = 0, rows = 0;
-      float worst = 0.0f;
+      triattn::test::TpTally tally;
       for (int r = 0; r < kTp; ++r) {
         INFO("rank " << r);
         const RankOut& o = ranks[static_cast<std::size_t>(r)];
-        REQUIRE(o.tokens.size() == ref.tokens.size());
-        for (std::size_t p = 0; p < ref.tokens.size(); ++p) {
-          REQUIRE(o.tokens[p].size() == ref.tokens[p].size());
-          for (std::size_t t = 0; t < ref.tokens[p].size(); ++t) token_mismatch += o.tokens[p][t] != ref.tokens[p][t];
-        }
-        CHECK(o.logits == ranks[0].logits);  // one all-reduced residual, one classifier: bitwise
-        REQUIRE(o.logits.size() == ref.logits.size());
-        for (std::size_t i = 0; i < o.logits.size(); ++i)
-          for (std::size_t v = 0; v < o.logits[i].size(); ++v)
-            worst = std::max(worst, std::fabs(o.logits[i][v] - ref.logits[i][v]));
-        REQUIRE(o.rounds.size() == ref.rounds.size());
-        for (std::size_t k = 0; k < ref.rounds.size(); ++k) {
-          const triattn::KeepPlan& mine = o.rounds[k].plan;
-          const triattn::KeepPlan& full = ref.rounds[k].plan;
-          REQUIRE(o.rounds[k].seq == ref.rounds[k].seq);
-          REQUIRE(mine.num_kv_heads == hkv);
-          REQUIRE(mine.keep == full.keep);
-          for (int l = 0; l < c.n_layers; ++l)
-            for (int g = 0; g < hkv; ++g) {
-              ++rows;
-              plan_mismatch += !std::equal(mine.row(l, g), mine.row(l, g) + mine.keep, full.row(l, r * hkv + g));
-            }
-        }
+        triattn::test::compare_rank_with_single(o, ref, ranks[0], r, c.n_layers, hkv, tally);
         CHECK(o.bytes_live * kTp == ref.bytes_live);  // each rank caches half the KV heads
       }
+      const int token_mismatch = tally.token_mismatch, plan_mismatch = tally.plan_mismatch, rows = tally.rows_compared;
+      const float worst = tally.worst;
       const float margin = min_top2_margin(ref.logits);
       CHECK_MESSAGE(token_mismatch == 0, token_mismatch << " greedy tokens differ from tp 1 (smallest top-2 logit margin "
                                                         << margin << ", max |logit - tp 1| " << worst << ")");
@@ -279,7 +227,7 @@ TEST_CASE("GPU tensor parallel: DeviceDecoder on device-generated shards gives M
     ex::attach_nccl(be, comm);
     ex::Model<ex::CudaBackend> model(w, ex::TpRank{r, kTp}, be);
     ex::DeviceDecoder dec(ex::shard_config(c, ex::TpRank{r, kTp}), be, be.generate_synthetic(c, 77, ex::TpRank{r, kTp}));
-    const triattn::CacheConfig cfg = cache_config(model.config(), 64 + kSteps, 2, DType::kBF16);
+    const triattn::CacheConfig cfg = cache_config(model.config(), 64 + kSteps, 2, 16, DType::kBF16);
     ex::GpuPlainCache ca(cfg, triattn::cuda::DeviceCompactor(be.stream()));
     ex::GpuPlainCache cb(cfg, triattn::cuda::DeviceCompactor(be.stream()));
     std::vector<SeqId> ia, ib;

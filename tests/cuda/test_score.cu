@@ -31,39 +31,6 @@ using namespace triattn;
 
 namespace {
 
-std::uint32_t test_seed() {
-  if (const char* s = std::getenv("TRIATTN_TEST_SEED")) return static_cast<std::uint32_t>(std::strtoul(s, nullptr, 10));
-  return std::random_device{}();
-}
-
-/// Owning device array (movable).
-template <class T>
-struct DevBuf {
-  T* p = nullptr;
-  std::size_t n = 0;
-  DevBuf() = default;
-  explicit DevBuf(std::size_t count) { reset(count); }
-  DevBuf(const DevBuf&) = delete;
-  DevBuf& operator=(const DevBuf&) = delete;
-  ~DevBuf() { cudaFree(p); }
-  void reset(std::size_t count) {
-    cudaFree(p);
-    p = nullptr;
-    n = count;
-    TRIATTN_TEST_CUDA(cudaMalloc(&p, (count ? count : 1) * sizeof(T)));
-  }
-  void upload(const std::vector<T>& h) {
-    REQUIRE(h.size() <= n);
-    TRIATTN_TEST_CUDA(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  std::vector<T> download() const {
-    std::vector<T> h(n);
-    TRIATTN_TEST_CUDA(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return h;
-  }
-  void poison() { TRIATTN_TEST_CUDA(cudaMemset(p, 0xff, n * sizeof(T))); }
-};
-
 /// A paged cache holding `lens.size()` sequences in random slots with randomly permuted blocks.
 template <class T>
 struct Paged {
@@ -72,8 +39,8 @@ struct Paged {
   std::vector<int> lens, seq_ids;          // [batch]
   std::vector<T> data;                     // [2L, num_blocks, block elems]
   std::vector<int> tables, seq_lens;       // [max_seqs, max_blocks], [max_seqs]
-  DevBuf<T> d_data;
-  DevBuf<int> d_tables, d_lens, d_seq_ids;
+  test::DeviceBuffer<T> d_data;
+  test::DeviceBuffer<int> d_tables, d_lens, d_seq_ids;
 
   BlockLayout block() const { return BlockLayout{layout, bs, Hkv, d}; }
   std::int64_t range_stride() const { return static_cast<std::int64_t>(num_blocks) * block().block_elems(); }
@@ -81,7 +48,7 @@ struct Paged {
     return {data.data(), range_stride(), block(), L, num_blocks, max_seqs, max_blocks, tables.data(), seq_lens.data()};
   }
   KvCacheView<T, int> device_view() const {
-    return {d_data.p, range_stride(), block(), L, num_blocks, max_seqs, max_blocks, d_tables.p, d_lens.p};
+    return {d_data.get(), range_stride(), block(), L, num_blocks, max_seqs, max_blocks, d_tables.get(), d_lens.get()};
   }
 };
 
@@ -196,24 +163,24 @@ void check_case(const Case& c, std::uint32_t seed) {
 
   std::vector<std::int64_t> t0(batch);
   for (int b = 0; b < batch; ++b) t0[b] = c.lens[b] + std::uniform_int_distribution<int>(0, 300000)(rng);
-  DevBuf<std::int64_t> d_t0(t0.size());
+  test::DeviceBuffer<std::int64_t> d_t0(t0.size());
   d_t0.upload(t0);
   const int max_len = p.max_len + 5;  // rows longer than every sequence: the tail must stay untouched
-  DevBuf<float> scores(static_cast<std::size_t>(batch) * c.L * c.Hq * max_len);
+  test::DeviceBuffer<float> scores(static_cast<std::size_t>(batch) * c.L * c.Hq * max_len);
   std::vector<std::vector<float>> wants;
   for (int b = 0; b < batch; ++b) wants.push_back(ref_scores(p, scorer.model(), b, t0[b]));
   // Max aggregation on 16-bit caches has two kernels (tensor cores, CUDA cores): check both.
   const bool two_paths = c.agg == Aggregation::kMax && !c.no_trig && sizeof(T) == 2;
-  // Mean aggregation has four kernels: mean_variant 0 and 1 (bitwise the same scores), 2 and 3
+  // Mean aggregation has five kernels: mean_variant 0 and 1 (bitwise the same scores), 2, 3, 4
   // (tensor cores; 16-bit caches, else variant 0). The tensor-core max path has two
-  // (max_variant 0, 1). The ring kernels (mean_variant 2, 3, max_variant 1) run twice: with the
+  // (max_variant 0, 1). The ring kernels (mean_variant 2-4, max_variant 1) run twice: with the
   // default grid and with at most 3 CTAs, so that each CTA streams many items across rows and
   // sequences.
   const bool mean_paths = c.agg == Aggregation::kMean || c.no_trig;
   std::vector<float> variant0;
   for (const bool tensor_cores : {true, false}) {
     if (!tensor_cores && !two_paths) break;
-    for (const int variant : {0, 1, 2, 3}) {
+    for (const int variant : {0, 1, 2, 3, 4}) {
       if (variant >= 1 && !mean_paths) break;
       for (const int max_variant : {0, 1}) {
         if (max_variant == 1 && !(two_paths && tensor_cores)) break;
@@ -222,13 +189,13 @@ void check_case(const Case& c, std::uint32_t seed) {
           INFO("tensor_core_max = ", tensor_cores, ", mean_variant = ", variant, ", max_variant = ", max_variant,
                ", max_ctas = ", max_ctas);
           scores.poison();
-          const cuda::ScoreBatch sb{p.d_seq_ids.p, d_t0.p, batch, max_len};
+          const cuda::ScoreBatch sb{p.d_seq_ids.get(), d_t0.get(), batch, max_len};
           cuda::ScoreOptions opt;
           opt.tensor_core_max = tensor_cores;
           opt.mean_variant = variant;
           opt.max_variant = max_variant;
           opt.max_ctas = max_ctas;
-          TRIATTN_TEST_CUDA(cuda::score(p.device_view(), scorer.device_model(), sb, scores.p, nullptr, opt));
+          TRIATTN_TEST_CUDA(cuda::score(p.device_view(), scorer.device_model(), sb, scores.get(), nullptr, opt));
           TRIATTN_TEST_CUDA(cudaDeviceSynchronize());
           std::vector<float> got = scores.download();
           compare(c, got, wants, max_len);
@@ -295,7 +262,7 @@ TEST_SUITE("gpu") {
   TEST_CASE_TEMPLATE("score matches the CPU reference over page sizes x layouts x head dims x pairings x aggregations",
                      T, float, f16_storage, bf16_storage) {
     triattn::test::require_device();
-    const std::uint32_t seed = test_seed();
+    const std::uint32_t seed = test::fresh_seed32();
     int combo = 0;
     for (int bs : {1, 7, 16, 64})
       for (KvLayout layout : {KvLayout::kNHD, KvLayout::kHND})
@@ -317,7 +284,7 @@ TEST_SUITE("gpu") {
 
   TEST_CASE("score: GQA group sizes 1..16 (head chunks of 4 and 8)") {
     triattn::test::require_device();
-    const std::uint32_t seed = test_seed();
+    const std::uint32_t seed = test::fresh_seed32();
     int combo = 0;
     for (int G : {1, 2, 3, 4, 5, 7, 8, 12, 16})
       for (Aggregation agg : {Aggregation::kMean, Aggregation::kMax}) {
@@ -333,7 +300,7 @@ TEST_SUITE("gpu") {
 
   TEST_CASE("score: long sequences over many tiles and short offset sets") {
     triattn::test::require_device();
-    const std::uint32_t seed = test_seed();
+    const std::uint32_t seed = test::fresh_seed32();
     Case c;
     c.L = 3;
     c.Hq = 16;
@@ -353,7 +320,7 @@ TEST_SUITE("gpu") {
 
   TEST_CASE("TriAttentionDeviceScorer::score (the KvCache::compress interface) matches the CPU scorer") {
     triattn::test::require_device();
-    const std::uint32_t seed = test_seed();
+    const std::uint32_t seed = test::fresh_seed32();
     INFO("seed ", seed);
     std::mt19937 rng(seed);
     Paged<bf16_storage> p;

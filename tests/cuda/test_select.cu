@@ -29,38 +29,6 @@ using namespace triattn;
 
 namespace {
 
-std::uint32_t test_seed() {
-  if (const char* s = std::getenv("TRIATTN_TEST_SEED")) return static_cast<std::uint32_t>(std::strtoul(s, nullptr, 10));
-  return std::random_device{}();
-}
-
-template <class T>
-struct DevBuf {
-  T* p = nullptr;
-  std::size_t n = 0;
-  DevBuf() = default;
-  explicit DevBuf(std::size_t count) { reset(count); }
-  DevBuf(const DevBuf&) = delete;
-  DevBuf& operator=(const DevBuf&) = delete;
-  ~DevBuf() { cudaFree(p); }
-  void reset(std::size_t count) {
-    cudaFree(p);
-    p = nullptr;
-    n = count;
-    TRIATTN_TEST_CUDA(cudaMalloc(&p, (count ? count : 1) * sizeof(T)));
-  }
-  void upload(const std::vector<T>& h) {
-    REQUIRE(h.size() <= n);
-    TRIATTN_TEST_CUDA(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  std::vector<T> download() const {
-    std::vector<T> h(n);
-    TRIATTN_TEST_CUDA(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost));
-    return h;
-  }
-  void poison() { TRIATTN_TEST_CUDA(cudaMemset(p, 0xff, n * sizeof(T))); }
-};
-
 enum class Fill { kRandom, kQuantised, kDuplicates, kConstantRows };
 
 struct SelCase {
@@ -157,12 +125,12 @@ void check_select(const SelCase& c, std::uint32_t seed) {
   const std::vector<float> raw = make_scores(c, max_len, rng);
   const cuda::RoundShape shape{c.L, c.Hq, c.Hkv};
   const int rr = cuda::reduced_rows(shape, c.sp.mode);
-  DevBuf<float> d_scores(raw.size()), d_reduced(static_cast<std::size_t>(batch) * rr * max_len);
-  DevBuf<cuda::RowStats> d_stats(static_cast<std::size_t>(batch) * c.L * c.Hq);
-  DevBuf<std::uint8_t> d_flags(static_cast<std::size_t>(batch) * max_len);
-  DevBuf<int> d_seq_ids(batch), d_lens(max_seqs), d_prompts(batch);
+  test::DeviceBuffer<float> d_scores(raw.size()), d_reduced(static_cast<std::size_t>(batch) * rr * max_len);
+  test::DeviceBuffer<cuda::RowStats> d_stats(static_cast<std::size_t>(batch) * c.L * c.Hq);
+  test::DeviceBuffer<std::uint8_t> d_flags(static_cast<std::size_t>(batch) * max_len);
+  test::DeviceBuffer<int> d_seq_ids(batch), d_lens(max_seqs), d_prompts(batch);
   const int max_keep = max_len;
-  DevBuf<std::int32_t> d_kept(static_cast<std::size_t>(batch) * c.L * c.Hkv * max_keep), d_keep(batch);
+  test::DeviceBuffer<std::int32_t> d_kept(static_cast<std::size_t>(batch) * c.L * c.Hkv * max_keep), d_keep(batch);
   d_scores.upload(raw);
   d_seq_ids.upload(seq_ids);
   d_lens.upload(seq_lens);
@@ -174,11 +142,11 @@ void check_select(const SelCase& c, std::uint32_t seed) {
   d_keep.poison();
 
   const cuda::DeviceSelectParams dp(c.sp);
-  const cuda::RoundSeqs<int> seqs{d_seq_ids.p, d_lens.p, d_prompts.p, batch, max_len};
-  const cuda::DeviceKeepPlanView plan{d_kept.p, d_keep.p, max_keep};
-  if (c.sp.normalize) TRIATTN_TEST_CUDA(cuda::row_stats(d_scores.p, d_stats.p, seqs, dp, shape));
-  TRIATTN_TEST_CUDA(cuda::gqa_reduce(d_scores.p, d_stats.p, d_reduced.p, d_flags.p, seqs, dp, shape));
-  TRIATTN_TEST_CUDA(cuda::select_keep(d_scores.p, d_reduced.p, d_flags.p, plan, seqs, dp, shape));
+  const cuda::RoundSeqs<int> seqs{d_seq_ids.get(), d_lens.get(), d_prompts.get(), batch, max_len};
+  const cuda::DeviceKeepPlanView plan{d_kept.get(), d_keep.get(), max_keep};
+  if (c.sp.normalize) TRIATTN_TEST_CUDA(cuda::row_stats(d_scores.get(), d_stats.get(), seqs, dp, shape));
+  TRIATTN_TEST_CUDA(cuda::gqa_reduce(d_scores.get(), d_stats.get(), d_reduced.get(), d_flags.get(), seqs, dp, shape));
+  TRIATTN_TEST_CUDA(cuda::select_keep(d_scores.get(), d_reduced.get(), d_flags.get(), plan, seqs, dp, shape));
   TRIATTN_TEST_CUDA(cudaDeviceSynchronize());
   const std::vector<float> reduced = d_reduced.download();
   const std::vector<std::int32_t> kept = d_kept.download(), keep = d_keep.download();
@@ -264,7 +232,7 @@ TEST_CASE("device_keep_counts equals ref::keep_counts (host twin)") {
 TEST_SUITE("gpu") {
   TEST_CASE("select matches ref::select_keep: modes x prompt modes x sinks/window x normalisation x ties") {
     triattn::test::require_device();
-    const std::uint32_t seed = test_seed();
+    const std::uint32_t seed = test::fresh_seed32();
     int combo = 0;
     for (PruningMode mode : {PruningMode::kPerHead, PruningMode::kPerLayerPerHead, PruningMode::kUnion})
       for (PromptMode prompt : {PromptMode::kPinnedInBudget, PromptMode::kPinnedOnTop, PromptMode::kCompete})
@@ -282,7 +250,7 @@ TEST_SUITE("gpu") {
 
   TEST_CASE("select: group sizes and layer counts") {
     triattn::test::require_device();
-    const std::uint32_t seed = test_seed();
+    const std::uint32_t seed = test::fresh_seed32();
     int combo = 0;
     for (auto [L, Hq, Hkv] : {std::tuple{1, 1, 1}, std::tuple{1, 4, 4}, std::tuple{36, 32, 8}, std::tuple{5, 12, 2}})
       for (PruningMode mode : {PruningMode::kPerHead, PruningMode::kPerLayerPerHead, PruningMode::kUnion}) {
@@ -300,7 +268,7 @@ TEST_SUITE("gpu") {
 
   TEST_CASE("select: rows longer than the shared-memory cache (global-memory passes)") {
     triattn::test::require_device();
-    const std::uint32_t seed = test_seed();
+    const std::uint32_t seed = test::fresh_seed32();
     int combo = 0;
     for (PruningMode mode : {PruningMode::kPerHead, PruningMode::kUnion})
       for (Fill fill : {Fill::kRandom, Fill::kQuantised}) {
@@ -318,10 +286,10 @@ TEST_SUITE("gpu") {
 
   TEST_CASE("select: a max_keep smaller than the keep count is reported as keep = -1") {
     triattn::test::require_device();
-    DevBuf<float> scores(2 * 100), reduced(2 * 100);
-    DevBuf<cuda::RowStats> stats(2);
-    DevBuf<int> ids(1), lens(1), prompts(1);
-    DevBuf<std::int32_t> kept(2 * 10), keep(1);
+    test::DeviceBuffer<float> scores(2 * 100), reduced(2 * 100);
+    test::DeviceBuffer<cuda::RowStats> stats(2);
+    test::DeviceBuffer<int> ids(1), lens(1), prompts(1);
+    test::DeviceBuffer<std::int32_t> kept(2 * 10), keep(1);
     std::vector<float> h(200);
     std::iota(h.begin(), h.end(), 0.0f);
     scores.upload(h);
@@ -332,11 +300,11 @@ TEST_SUITE("gpu") {
     sp.budget = 50;  // keep 50 > max_keep 10
     const cuda::DeviceSelectParams dp(sp);
     const cuda::RoundShape shape{1, 2, 2};
-    const cuda::RoundSeqs<int> seqs{ids.p, lens.p, prompts.p, 1, 100};
-    TRIATTN_TEST_CUDA(cuda::row_stats(scores.p, stats.p, seqs, dp, shape));
-    TRIATTN_TEST_CUDA(cuda::gqa_reduce(scores.p, stats.p, reduced.p, nullptr, seqs, dp, shape));
-    TRIATTN_TEST_CUDA(
-        cuda::select_keep(scores.p, reduced.p, nullptr, cuda::DeviceKeepPlanView{kept.p, keep.p, 10}, seqs, dp, shape));
+    const cuda::RoundSeqs<int> seqs{ids.get(), lens.get(), prompts.get(), 1, 100};
+    TRIATTN_TEST_CUDA(cuda::row_stats(scores.get(), stats.get(), seqs, dp, shape));
+    TRIATTN_TEST_CUDA(cuda::gqa_reduce(scores.get(), stats.get(), reduced.get(), nullptr, seqs, dp, shape));
+    TRIATTN_TEST_CUDA(cuda::select_keep(scores.get(), reduced.get(), nullptr,
+                                        cuda::DeviceKeepPlanView{kept.get(), keep.get(), 10}, seqs, dp, shape));
     TRIATTN_TEST_CUDA(cudaDeviceSynchronize());
     CHECK_EQ(keep.download()[0], -1);
   }
