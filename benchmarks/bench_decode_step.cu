@@ -75,7 +75,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <exception>
 #include <map>
 #include <memory>
 #include <random>
@@ -94,6 +93,7 @@
 #include <triattn/cuda/policy/triattention_device_scorer.cuh>
 
 #include "common/cuda_event_timer.hpp"
+#include "common/decode_step_setup.cuh"
 
 #include "../examples/reference_transformer/cuda_backend.cuh"
 #include "../examples/reference_transformer/cuda_device_model.cuh"
@@ -103,14 +103,9 @@ using triattn::SeqId;
 
 namespace {
 
-constexpr int kLogical = 32768;
-constexpr int kBudget = 2048;
-constexpr int kDivide = 128;
-constexpr int kChunk = 2048;
-constexpr int kBlock = 16;
+using namespace triattn::bench::decode_scenario;  // kLogical, kBudget, kDivide, kChunk, kBlock, kSeed
 constexpr int kShortLen = 64;
 constexpr double kFloorMs = 3.65;
-constexpr std::uint64_t kSeed = 42;
 constexpr int kLazyKeepSlabs = 2;  // vmm lazy: empty slabs trim keeps mapped (bench_vmm's workload does the same)
 
 enum class Kv : int { kCompressed = 0, kFull = 1, kShort = 2 };
@@ -151,12 +146,7 @@ struct ModelHolder {
   ex::ModelConfig config;
   std::unique_ptr<ex::DeviceDecoder> decoder;
 
-  static ex::CudaBackendOptions options() {
-    ex::CudaBackendOptions o;
-    o.weights = ex::WeightType::kBF16;
-    return o;
-  }
-  ModelHolder() : backend(options()), config(ex::synthetic_config("qwen3-8b-like")) {
+  ModelHolder() : backend(triattn::bench::bf16_backend_options()), config(ex::synthetic_config("qwen3-8b-like")) {
     decoder = std::make_unique<ex::DeviceDecoder>(config, backend, backend.generate_synthetic(config, kSeed));
     std::fprintf(stderr, "bench_decode_step: %s, %.2f GB of bf16 weights on the device (%.2f GB read per step)\n",
                  config.name.c_str(), static_cast<double>(decoder->weights().bytes()) * 1e-9,
@@ -179,22 +169,8 @@ triattn::QueryStats random_stats(const ex::ModelConfig& c) {
   return triattn::random_query_stats(rng, c.n_layers, c.n_heads, c.head_dim, c.rope_style, c.name);
 }
 
-/// K/V of kChunk tokens for all layers ([L, kChunk, Hkv, d] bf16 each), random, on the device.
-struct RandomChunk {
-  ex::cuda_detail::DeviceMem k, v;
-  explicit RandomChunk(const ex::ModelConfig& c, cudaStream_t s) {
-    const std::size_t n = static_cast<std::size_t>(c.n_layers) * kChunk * c.kv_dim();
-    k = ex::cuda_detail::device_alloc(n * 2);
-    v = ex::cuda_detail::device_alloc(n * 2);
-    triattn_example::gpu::synth_fill_kernel<__nv_bfloat16><<<4096, 256, 0, s>>>(static_cast<__nv_bfloat16*>(k.get()), n,
-                                                                                 7, 100, 1.7320508f, 0.0f);
-    triattn_example::gpu::synth_fill_kernel<__nv_bfloat16><<<4096, 256, 0, s>>>(static_cast<__nv_bfloat16*>(v.get()), n,
-                                                                                 7, 101, 1.7320508f, 0.0f);
-    TRIATTN_BENCH_CUDA(cudaGetLastError());
-  }
-  [[nodiscard]] const triattn::bf16_storage* kp() const { return static_cast<const triattn::bf16_storage*>(k.get()); }
-  [[nodiscard]] const triattn::bf16_storage* vp() const { return static_cast<const triattn::bf16_storage*>(v.get()); }
-};
+/// A full KV pool while a scenario is filled: an exception, which guarded() turns into a skipped row.
+[[noreturn]] void pool_full() { throw std::runtime_error("bench_decode_step: the KV pool is too small"); }
 
 /// A filled cache for (kv, batch, stagger) with the allocator of Cache, reused by consecutive
 /// benchmarks of the same scenario.
@@ -212,12 +188,7 @@ struct Scenario {
     ModelHolder& m = model();
     const ex::ModelConfig& c = m.config;
     const cudaStream_t stream = m.backend.stream();
-    triattn::CacheConfig cfg;
-    cfg.model = c.geometry();
-    cfg.block_size = kBlock;
-    cfg.dtype = triattn::DType::kBF16;
-    cfg.layout = triattn::KvLayout::kNHD;
-    cfg.max_seqs = b;
+    triattn::CacheConfig cfg = triattn::bench::bf16_cache_config(c, kBlock, b);
     const int per_seq = kv == Kv::kFull ? kLogical + 512 : kv == Kv::kShort ? kShortLen + 512 : kBudget + kDivide;
     const int blocks = (per_seq + kBlock - 1) / kBlock + 1;
     // compressed: one sequence at a time holds an extra chunk while it is being filled
@@ -234,11 +205,8 @@ struct Scenario {
         cfg, triattn::cuda::DeviceCompactor(stream),
         triattn::cuda::TriAttentionDeviceScorer(random_stats(c), rope, triattn::ScoringParams{}, c.n_kv_heads, stream),
         triattn::TopKSelector(sp));
-    const RandomChunk chunk(c, stream);
-    prefix = triattn::KeepPlan(c.n_layers, c.n_kv_heads, kBudget);
-    for (int l = 0; l < c.n_layers; ++l)
-      for (int g = 0; g < c.n_kv_heads; ++g)
-        for (int i = 0; i < kBudget; ++i) prefix.row(l, g)[i] = i;
+    const triattn::bench::RandomKvChunk chunk(c, kChunk, stream);
+    prefix = triattn::bench::prefix_plan(c.n_layers, c.n_kv_heads, kBudget);
     for (int i = 0; i < b; ++i) {
       const SeqId s = cache->add_sequence();
       seqs.push_back(s);
@@ -248,12 +216,7 @@ struct Scenario {
       } else if (kv == Kv::kFull) {
         for (int t = 0; t < kLogical; t += kChunk) append(s, chunk, kChunk, triattn::Phase::kPrefill, stream);
       } else {
-        append(s, chunk, kChunk, triattn::Phase::kDecode, stream);
-        for (int t = kChunk; t < kLogical; t += kChunk) {
-          if (!cache->extend(s, kChunk, triattn::Phase::kDecode).ok())
-            throw std::runtime_error("bench_decode_step: the KV pool is too small for the fill");
-          cache->apply_keep_plan(s, prefix);  // cached 2,048, logical + 2,048
-        }
+        triattn::bench::fill_compressed(*cache, s, chunk, kLogical, prefix, stream, pool_full);  // cached 2,048 of 32,768
         // staggered: round triggers spread over the cycle (2,048 + extra reaches 2,176 first)
         const int extra = stagger ? i * kDivide / b : 0;
         if (extra > 0) append(s, chunk, extra, triattn::Phase::kDecode, stream);
@@ -266,21 +229,14 @@ struct Scenario {
     }
     TRIATTN_BENCH_CUDA(cudaStreamSynchronize(stream));
   }
-  void append(SeqId s, const RandomChunk& chunk, int n, triattn::Phase phase, cudaStream_t stream) {
-    if (!triattn::cuda::append_tokens(*cache, s, chunk.kp(), chunk.vp(), n, stream, phase).ok())
-      throw std::runtime_error("bench_decode_step: the KV pool is too small");
+  void append(SeqId s, const triattn::bench::RandomKvChunk& chunk, int n, triattn::Phase phase, cudaStream_t stream) {
+    triattn::bench::append_chunk(*cache, s, chunk, n, phase, stream, pool_full);
   }
   /// Compressed: back to 2,048 cached tokens (the logical position keeps growing).
   void rewind() {
-    if (kv != Kv::kCompressed) return;
-    for (SeqId s : seqs)
-      if (cache->physical_length(s) > kBudget) cache->apply_keep_plan(s, prefix);
+    if (kv == Kv::kCompressed) triattn::bench::rewind_to_prefix(*cache, seqs, prefix);
   }
-  [[nodiscard]] double mean_len() const {
-    double t = 0;
-    for (SeqId s : seqs) t += cache->physical_length(s);
-    return t / static_cast<double>(seqs.size());
-  }
+  [[nodiscard]] double mean_len() const { return triattn::bench::mean_cached_len(*cache, seqs); }
 };
 struct ScenarioSlots {
   std::unique_ptr<Scenario<StaticCache>> fixed;
@@ -307,16 +263,6 @@ Scenario<Cache>& scenario(Kv kv, int batch, bool stagger = false, bool fresh = f
     *s = std::make_unique<Scenario<Cache>>(kv, batch, stagger);
   }
   return **s;
-}
-
-/// Runs a benchmark body, turning exceptions (no GPU, out of memory) into a skipped benchmark.
-template <class F>
-void guarded(benchmark::State& state, F&& body) {
-  try {
-    body();
-  } catch (const std::exception& e) {
-    state.SkipWithError(e.what());
-  }
 }
 
 template <class Cache>
@@ -357,11 +303,7 @@ void decode_step(benchmark::State& state) {
       for (int& t : fixed) t = (t * 31 + 17) % m.config.vocab_size;
     }
     TRIATTN_BENCH_CUDA(cudaEventRecord(t1, stream));
-    TRIATTN_BENCH_CUDA(cudaEventSynchronize(t1));
-    float ms = 0.f;
-    TRIATTN_BENCH_CUDA(cudaEventElapsedTime(&ms, t0, t1));
-    state.SetIterationTime(static_cast<double>(ms) * 1e-3);
-    total_s += static_cast<double>(ms) * 1e-3;
+    total_s += triattn::bench::time_iteration(state, t0, t1);
     steps += steps_per_iter;
   }
   cudaEventDestroy(t0);
@@ -392,7 +334,7 @@ void decode_step(benchmark::State& state) {
 }
 
 void BM_DecodeStep(benchmark::State& state) {
-  guarded(state, [&] {
+  triattn::bench::guarded(state, [&] {
     if (static_cast<Alloc>(state.range(4)) == Alloc::kStatic) decode_step<StaticCache>(state);
     else decode_step<VmmCache>(state);
   });
@@ -516,7 +458,7 @@ void decode_cycle(benchmark::State& state) {
 }
 
 void BM_DecodeCycle(benchmark::State& state) {
-  guarded(state, [&] {
+  triattn::bench::guarded(state, [&] {
     if (static_cast<Alloc>(state.range(0)) == Alloc::kStatic) decode_cycle<StaticCache>(state);
     else decode_cycle<VmmCache>(state);
   });
@@ -529,7 +471,7 @@ void compression_round(benchmark::State& state) {
   const cudaStream_t stream = m.backend.stream();
   Scenario<StaticCache>& sc = scenario<StaticCache>(Kv::kCompressed, batch);
   sc.rewind();
-  const RandomChunk chunk(c, stream);
+  const triattn::bench::RandomKvChunk chunk(c, kChunk, stream);
   for (SeqId s : sc.seqs)  // 2,048 -> 2,176 cached: a round is due
     if (!triattn::cuda::append_tokens(*sc.cache, s, chunk.kp(), chunk.vp(), kDivide, stream, triattn::Phase::kDecode).ok())
       std::abort();
@@ -575,11 +517,7 @@ void compression_round(benchmark::State& state) {
     TRIATTN_BENCH_CUDA(cudaEventRecord(e0, stream));
     round();  // compacts in place; the host bookkeeping stays at 2,176, so every repetition does the same work
     TRIATTN_BENCH_CUDA(cudaEventRecord(e1, stream));
-    TRIATTN_BENCH_CUDA(cudaEventSynchronize(e1));
-    float ms = 0.f;
-    TRIATTN_BENCH_CUDA(cudaEventElapsedTime(&ms, e0, e1));
-    state.SetIterationTime(static_cast<double>(ms) * 1e-3);
-    total_s += static_cast<double>(ms) * 1e-3;
+    total_s += triattn::bench::time_iteration(state, e0, e1);
     ++n;
   }
   cudaEventDestroy(e0);
@@ -594,7 +532,7 @@ void compression_round(benchmark::State& state) {
 }
 
 void BM_CompressionRound(benchmark::State& state) {
-  guarded(state, [&] { compression_round(state); });
+  triattn::bench::guarded(state, [&] { compression_round(state); });
 }
 
 }  // namespace

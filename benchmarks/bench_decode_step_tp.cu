@@ -26,9 +26,7 @@
 #include <benchmark/benchmark.h>
 
 #include <barrier>
-#include <cstdint>
 #include <cstdio>
-#include <exception>
 #include <map>
 #include <memory>
 #include <numeric>
@@ -53,12 +51,7 @@ using triattn::SeqId;
 
 namespace {
 
-constexpr int kLogical = 32768;
-constexpr int kBudget = 2048;
-constexpr int kDivide = 128;
-constexpr int kChunk = 2048;
-constexpr int kBlock = 16;
-constexpr std::uint64_t kSeed = 42;
+using namespace triattn::bench::decode_scenario;  // kLogical, kBudget, kDivide, kChunk, kBlock, kSeed
 constexpr int kMaxTp = 2;
 
 /// One rank: its GPU, backend, weight shard and decoder, and the cache of the current scenario.
@@ -72,23 +65,11 @@ struct Rank {
   std::vector<int> tokens;
   triattn::KeepPlan prefix;  // keeps slots [0, kBudget)
 
-  static ex::CudaBackendOptions options() {
-    ex::CudaBackendOptions o;
-    o.weights = ex::WeightType::kBF16;
-    return o;
-  }
-  explicit Rank(int r) : rank(r), backend(options()) {}
+  explicit Rank(int r) : rank(r), backend(triattn::bench::bf16_backend_options()) {}
 
   /// Back to kBudget cached tokens (the logical position keeps growing).
-  void rewind() {
-    for (SeqId s : seqs)
-      if (cache->physical_length(s) > kBudget) cache->apply_keep_plan(s, prefix);
-  }
-  [[nodiscard]] double mean_len() const {
-    double t = 0;
-    for (SeqId s : seqs) t += cache->physical_length(s);
-    return t / static_cast<double>(seqs.size());
-  }
+  void rewind() { triattn::bench::rewind_to_prefix(*cache, seqs, prefix); }
+  [[nodiscard]] double mean_len() const { return triattn::bench::mean_cached_len(*cache, seqs); }
 };
 
 /// tp ranks on GPUs 0..tp-1, each driven from its own thread per call of run().
@@ -149,12 +130,7 @@ struct Group {
       rk->tokens.clear();
       const ex::ModelConfig& c = rk->decoder->config();
       const cudaStream_t stream = rk->backend.stream();
-      triattn::CacheConfig cfg;
-      cfg.model = c.geometry();
-      cfg.block_size = kBlock;
-      cfg.dtype = triattn::DType::kBF16;
-      cfg.layout = triattn::KvLayout::kNHD;
-      cfg.max_seqs = batch;
+      triattn::CacheConfig cfg = triattn::bench::bf16_cache_config(c, kBlock, batch);
       const int blocks = (kBudget + kDivide + kBlock - 1) / kBlock + 1;
       cfg.num_blocks = batch * blocks + kChunk / kBlock;  // one sequence at a time holds an extra chunk
       cfg.max_blocks_per_seq = blocks + kChunk / kBlock;
@@ -184,16 +160,6 @@ Group& group(int tp) {
     g = std::make_unique<Group>(tp);
   }
   return *g;
-}
-
-/// Runs a benchmark body, turning exceptions (out of memory, NCCL) into a benchmark error.
-template <class F>
-void guarded(benchmark::State& state, F&& body) {
-  try {
-    body();
-  } catch (const std::exception& e) {
-    state.SkipWithError(e.what());
-  }
 }
 
 /// tp 1's ms_step by (batch, pipelined), for vs_tp1 of the tp 2 rows (registered later).
@@ -239,11 +205,7 @@ void decode_step(benchmark::State& state) {
       }
       if (r == 0) TRIATTN_CUDA_TRY(cudaEventRecord(t1, s0));
     });
-    TRIATTN_BENCH_CUDA(cudaEventSynchronize(t1));
-    float ms = 0.f;
-    TRIATTN_BENCH_CUDA(cudaEventElapsedTime(&ms, t0, t1));
-    state.SetIterationTime(static_cast<double>(ms) * 1e-3);
-    total_s += static_cast<double>(ms) * 1e-3;
+    total_s += triattn::bench::time_iteration(state, t0, t1);
     steps += steps_per_iter;
   }
   g.run([&](Rank*& rk, int) { TRIATTN_CUDA_TRY(cudaStreamSynchronize(rk->backend.stream())); });
@@ -267,7 +229,7 @@ void decode_step(benchmark::State& state) {
 }
 
 void BM_DecodeStepTp(benchmark::State& state) {
-  guarded(state, [&] { decode_step(state); });
+  triattn::bench::guarded(state, [&] { decode_step(state); });
 }
 
 }  // namespace

@@ -1,10 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // Set-up shared by the decode-step benchmarks of the reference transformer: random K/V chunks
 // written with triattn's append kernel, and a compressed cache filled to a logical length without
-// a decode step per token (bench_decode_step.cu's scenario, for any model shape or rank shard).
-// Benchmark code: failures print and exit.
+// a decode step per token (bench_decode_step.cu's scenario, for any model shape or rank shard),
+// and the pieces both benchmarks' bodies share. Benchmark code: failures print and exit, except
+// where a caller passes its own handler for a full KV pool.
 #pragma once
 
+#include <benchmark/benchmark.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -12,6 +14,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
+#include <span>
 
 #include <triattn/core/keep_plan.hpp>
 #include <triattn/core/kv_cache.hpp>
@@ -22,6 +26,35 @@
 #include "../examples/reference_transformer/cuda_backend.cuh"
 
 namespace triattn::bench {
+
+/// The compressed scenario of the decode-step benchmarks (bench_decode_step.cu's header comment).
+namespace decode_scenario {
+inline constexpr int kLogical = 32768;      // logical length: RoPE positions and round starts
+inline constexpr int kBudget = 2048;        // TriAttention budget
+inline constexpr int kDivide = 128;         // divide_length
+inline constexpr int kChunk = 2048;         // tokens per fill chunk
+inline constexpr int kBlock = 16;           // tokens per KV block
+inline constexpr std::uint64_t kSeed = 42;  // synthetic weights
+}  // namespace decode_scenario
+
+/// CudaBackend options of the benchmarks: bf16 weight matrices, everything else the default.
+inline triattn_example::CudaBackendOptions bf16_backend_options() {
+  triattn_example::CudaBackendOptions o;
+  o.weights = triattn_example::WeightType::kBF16;
+  return o;
+}
+
+/// A bf16 NHD cache of `c`'s geometry for `max_seqs` sequences; the caller sets num_blocks and
+/// max_blocks_per_seq.
+inline triattn::CacheConfig bf16_cache_config(const triattn_example::ModelConfig& c, int block_size, int max_seqs) {
+  triattn::CacheConfig cfg;
+  cfg.model = c.geometry();
+  cfg.block_size = block_size;
+  cfg.dtype = triattn::DType::kBF16;
+  cfg.layout = triattn::KvLayout::kNHD;
+  cfg.max_seqs = max_seqs;
+  return cfg;
+}
 
 /// K/V of `tokens` tokens for every layer of `c` ([L, tokens, Hkv, d] bf16 each), random, on the
 /// current device. (Values do not matter for timing; only the shape does.)
@@ -52,30 +85,71 @@ inline triattn::KeepPlan prefix_plan(int layers, int kv_heads, int keep) {
   return p;
 }
 
-/// Appends n tokens of `chunk` to `seq` (a bf16 device cache); exits when the pool is full.
-template <class Cache>
-void append_chunk(Cache& cache, triattn::SeqId seq, const RandomKvChunk& chunk, int n, triattn::Phase phase,
-                  cudaStream_t stream) {
-  if (!triattn::cuda::append_tokens(cache, seq, chunk.kp(), chunk.vp(), n, stream, phase).ok()) {
+/// What the fill functions do by default when the KV pool has no room: print and exit. A caller
+/// may pass another handler (one that throws, say); it must not return.
+struct ExitWhenPoolFull {
+  [[noreturn]] void operator()() const {
     std::fprintf(stderr, "decode-step benchmark: the KV pool is too small\n");
     std::exit(1);
   }
+};
+
+/// Appends n tokens of `chunk` to `seq` (a bf16 device cache); on_full() when the pool is full.
+template <class Cache, class OnFull = ExitWhenPoolFull>
+void append_chunk(Cache& cache, triattn::SeqId seq, const RandomKvChunk& chunk, int n, triattn::Phase phase,
+                  cudaStream_t stream, OnFull on_full = {}) {
+  if (!triattn::cuda::append_tokens(cache, seq, chunk.kp(), chunk.vp(), n, stream, phase).ok()) on_full();
 }
 
 /// A compressed sequence at logical length `logical` that caches prefix.keep slots: one chunk is
 /// appended, then the sequence is extended by chunk.tokens and cut back to the prefix (no data
-/// moves) until the logical position is `logical`. The cache needs room for prefix.keep + one chunk.
-template <class Cache>
+/// moves) until the logical position is `logical`. The cache needs room for prefix.keep + one chunk;
+/// on_full() when it has none.
+template <class Cache, class OnFull = ExitWhenPoolFull>
 void fill_compressed(Cache& cache, triattn::SeqId seq, const RandomKvChunk& chunk, int logical,
-                     const triattn::KeepPlan& prefix, cudaStream_t stream) {
-  append_chunk(cache, seq, chunk, chunk.tokens, triattn::Phase::kDecode, stream);
+                     const triattn::KeepPlan& prefix, cudaStream_t stream, OnFull on_full = {}) {
+  append_chunk(cache, seq, chunk, chunk.tokens, triattn::Phase::kDecode, stream, on_full);
   for (int t = chunk.tokens; t < logical; t += chunk.tokens) {
-    if (!cache.extend(seq, chunk.tokens, triattn::Phase::kDecode).ok()) {
-      std::fprintf(stderr, "decode-step benchmark: the KV pool is too small\n");
-      std::exit(1);
-    }
+    if (!cache.extend(seq, chunk.tokens, triattn::Phase::kDecode).ok()) on_full();
     cache.apply_keep_plan(seq, prefix);  // cached prefix.keep, logical + chunk.tokens
   }
+}
+
+/// Cuts every sequence of `seqs` holding more than prefix.keep tokens back to its prefix (the
+/// logical position keeps growing; no data moves).
+template <class Cache>
+void rewind_to_prefix(Cache& cache, std::span<const triattn::SeqId> seqs, const triattn::KeepPlan& prefix) {
+  for (triattn::SeqId s : seqs)
+    if (cache.physical_length(s) > prefix.keep) cache.apply_keep_plan(s, prefix);
+}
+
+/// Mean cached (physical) length of `seqs`.
+template <class Cache>
+double mean_cached_len(const Cache& cache, std::span<const triattn::SeqId> seqs) {
+  double t = 0;
+  for (triattn::SeqId s : seqs) t += cache.physical_length(s);
+  return t / static_cast<double>(seqs.size());
+}
+
+/// Runs a benchmark body, turning exceptions (no GPU, out of memory, NCCL) into a skipped
+/// benchmark with the error.
+template <class F>
+void guarded(benchmark::State& state, F&& body) {
+  try {
+    body();
+  } catch (const std::exception& e) {
+    state.SkipWithError(e.what());
+  }
+}
+
+/// Waits for `stop`, reports the time from `start` to it as the iteration's (manual) time and
+/// returns it in seconds.
+inline double time_iteration(benchmark::State& state, cudaEvent_t start, cudaEvent_t stop) {
+  TRIATTN_BENCH_CUDA(cudaEventSynchronize(stop));
+  float ms = 0.f;
+  TRIATTN_BENCH_CUDA(cudaEventElapsedTime(&ms, start, stop));
+  state.SetIterationTime(static_cast<double>(ms) * 1e-3);
+  return static_cast<double>(ms) * 1e-3;
 }
 
 }  // namespace triattn::bench

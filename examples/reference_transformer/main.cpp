@@ -467,6 +467,23 @@ triattn::QueryStats load_stats(const std::string& path, const ex::ModelConfig& m
   return triattn::load_safetensors_stats(path, expect);
 }
 
+/// The model's RoPE, as the TriAttention scorers take it.
+triattn::RopeConfig rope_config(const ex::ModelConfig& mc) {
+  triattn::RopeConfig rope;
+  rope.style = mc.rope_style;
+  rope.theta = mc.rope_theta;
+  return rope;
+}
+
+/// The compression rounds' selection: --budget, --divide-length, --pruning.
+triattn::SelectionParams selection_params(const Options& o) {
+  triattn::SelectionParams sel;
+  sel.budget = o.budget;
+  sel.divide_length = o.divide_length;
+  sel.mode = o.mode;
+  return sel;
+}
+
 #if defined(TRIATTN_EXAMPLE_CUDA)
 /// The GPU path: Model<CudaBackend>, the cache in device memory, TriAttention rounds on the device.
 int run_gpu(const Options& o, const ex::ModelWeights& weights, const TextCodec& codec,
@@ -493,13 +510,8 @@ int run_gpu(const Options& o, const ex::ModelWeights& weights, const TextCodec& 
                              mc.name + " has head_dim " + std::to_string(mc.head_dim) +
                              " (compress on the CPU with --device cpu, or run without --stats)");
   const triattn::QueryStats stats = load_stats(o.stats_path, mc);
-  triattn::RopeConfig rope;
-  rope.style = mc.rope_style;
-  rope.theta = mc.rope_theta;
-  triattn::SelectionParams sel;
-  sel.budget = o.budget;
-  sel.divide_length = o.divide_length;
-  sel.mode = o.mode;
+  const triattn::RopeConfig rope = rope_config(mc);
+  const triattn::SelectionParams sel = selection_params(o);
   ex::GpuTriCache cache(cfg, triattn::cuda::DeviceCompactor(backend.stream()),
                         triattn::cuda::TriAttentionDeviceScorer(stats, rope, triattn::ScoringParams{}, mc.n_kv_heads,
                                                                 backend.stream()),
@@ -548,13 +560,8 @@ int run_cpu_tp(const Options& o, const ex::ModelWeights& weights, const TextCode
       (void)run(model, cache, codec, prompts, o, nullptr, {}, RankSlot{r, &kv});
       return;
     }
-    triattn::RopeConfig rope;
-    rope.style = mc.rope_style;
-    rope.theta = mc.rope_theta;
-    triattn::SelectionParams sel;
-    sel.budget = o.budget;
-    sel.divide_length = o.divide_length;
-    sel.mode = o.mode;
+    const triattn::RopeConfig rope = rope_config(mc);
+    const triattn::SelectionParams sel = selection_params(o);
     TpTriCache cache(cfg, triattn::TriAttentionScorer(rank_stats(stats, mc, r, o.tp), rope, triattn::ScoringParams{},
                                                       local.n_kv_heads),
                      triattn::TensorParallelTopKSelector<triattn::tp::ThreadTeamCollective>(
@@ -591,13 +598,8 @@ int run_gpu_tp(const Options& o, const ex::ModelWeights& weights, const TextCode
       (void)run(model, cache, codec, prompts, o, nullptr, {}, RankSlot{r, &kv});
       return;
     }
-    triattn::RopeConfig rope;
-    rope.style = mc.rope_style;
-    rope.theta = mc.rope_theta;
-    triattn::SelectionParams sel;
-    sel.budget = o.budget;
-    sel.divide_length = o.divide_length;
-    sel.mode = o.mode;
+    const triattn::RopeConfig rope = rope_config(mc);
+    const triattn::SelectionParams sel = selection_params(o);
     ex::GpuTriCache cache(cfg, triattn::cuda::DeviceCompactor(backend.stream()),
                           triattn::cuda::TriAttentionDeviceScorer(rank_stats(stats, mc, r, o.tp), rope,
                                                                   triattn::ScoringParams{}, local.n_kv_heads,
@@ -685,13 +687,8 @@ int real_main(int argc, char** argv) {
     return run(model, cache, codec, prompts, o, calibrator.get());
   }
   const triattn::QueryStats stats = load_stats(o.stats_path, mc);
-  triattn::RopeConfig rope;
-  rope.style = mc.rope_style;
-  rope.theta = mc.rope_theta;
-  triattn::SelectionParams sel;
-  sel.budget = o.budget;
-  sel.divide_length = o.divide_length;
-  sel.mode = o.mode;
+  const triattn::RopeConfig rope = rope_config(mc);
+  const triattn::SelectionParams sel = selection_params(o);
   TriCache cache(cfg, triattn::TriAttentionScorer(stats, rope, triattn::ScoringParams{}, mc.n_kv_heads),
                  triattn::TopKSelector(sel));
   return run(model, cache, codec, prompts, o, nullptr);
