@@ -25,7 +25,7 @@ struct Compact {
   static constexpr int kVecsPerThread = 4;
 };
 
-/// Tensor-core mean scorer (score_mean_mma_kernel; ScoreOptions::mean_variant 2 and 3): warps per
+/// Tensor-core mean scorer (score_mean_mma_kernel; ScoreOptions::mean_variant 2, 3, 4): warps per
 /// CTA, cp.async ring stages per warp (a stage is a 32-key slice: 8 KB at d = 128) and the CTAs
 /// per SM each is built for. Per SM both keep ~128-190 KB of K in flight (HBM needs ~50-70 KB at
 /// ~1.5 µs loaded latency), with 8 or 12 warps to issue the per-pair norm math.
