@@ -1108,8 +1108,9 @@ __global__ void __launch_bounds__(detail::MmaMaxShape<T, HD>::kThreads, 2)
 //    split is zero), so lane c4 of a quad ends with head c4's dot product in accumulators 0 + 1
 //    (row g4) and 2 + 3 (row g4 + 8);
 //  - only the norm term Σ_f c_f·|K_f| stays on the CUDA cores (~10 instructions per pair);
-//  - each warp streams its 32-key (variant 4: 16-key) slices of the CTA's items through its own kStages-deep
-//    cp.async ring (kStages - 1 slices in flight while it computes one; no CTA barrier per tile);
+//  - each warp streams its 32-key (variant 4: 16-key) slices of the CTA's items through its own
+//    kStages-deep cp.async ring (kStages - 1 slices in flight while it computes one; no CTA
+//    barrier per tile);
 //    block-table entries are fetched into shared memory a ring depth ahead (KeySliceFeed);
 //  - the float64 fold runs once per (CTA, row) and the float64 cos/sin once per (CTA, sequence),
 //    while the ring's first loads are in flight.
