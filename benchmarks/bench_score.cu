@@ -176,6 +176,71 @@ void BM_score_trig(benchmark::State& state) {
   cudaStreamDestroy(stream);
 }
 
+/// Probe: the tensor-core mean scorer's memory path without its math. The same per-warp cp.async
+/// rings (detail::KeySliceFeed, detail::run_key_ring) over the same (row, tile) items and grid
+/// as mean_variant 2 (4 warps x 3 stages, 2 CTAs per SM), but compute() only folds one word of
+/// the slice into a checksum. Compared with BM_score/variant:2 it splits the scorer's time into
+/// the stream and the math.
+template <int kWarps, int kStages>
+__global__ void __launch_bounds__(32 * kWarps, 2)
+    ring_read_probe(KvCacheView<T, std::int32_t> view, cuda::ScoreBatch a, int Hkv, cuda::detail::FastDiv fd,
+                    unsigned* sink) {
+  using Shape = cuda::detail::MmaMeanShape<T, kHeadDim, kWarps, kStages>;
+  extern __shared__ __align__(16) unsigned char probe_smem[];
+  const int tiles_per_row = (a.max_len + Shape::kTile - 1) / Shape::kTile;
+  const long long total = static_cast<long long>(a.batch) * Hkv * tiles_per_row;
+  long long it0, it_end;
+  cuda::detail::cta_item_range(total, it0, it_end);
+  const int n_items = static_cast<int>(it_end - it0);
+  if (n_items <= 0) return;
+  const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
+  const uint4* const my_ring = reinterpret_cast<const uint4*>(probe_smem) + static_cast<std::size_t>(warp) * kStages * Shape::kSliceVecs;
+  const std::uint32_t ring_addr = cuda::detail::score_smem_addr(my_ring);
+  std::int32_t* const slots = reinterpret_cast<std::int32_t*>(probe_smem + Shape::kRingBytes) +
+                              static_cast<std::size_t>(warp) * (kStages + 1) * 32;
+  const long long row0 = it0 / tiles_per_row;
+  cuda::detail::KeySliceFeed<T, std::int32_t, kHeadDim, Shape::kTile, 32, kStages> feed(
+      row0, static_cast<int>(it0 - row0 * tiles_per_row), slots);
+  const auto fetch = [&]() { feed.fetch(view, a, fd, tiles_per_row, 1, Hkv, 1, warp, lane); };
+  const auto issue = [&](int stage) {
+    feed.issue(view, a, fd, tiles_per_row, 1, Hkv, 1, warp, lane,
+               ring_addr + static_cast<std::uint32_t>(stage * Shape::kSliceVecs * 16), view.data);
+  };
+  unsigned acc = 0;
+  const auto compute = [&](int stage) { acc ^= my_ring[stage * Shape::kSliceVecs + lane].x; };
+  cuda::detail::run_key_ring<kStages>(n_items, fetch, issue, compute);
+  if (acc == 0x9e3779b9u) *sink = acc;
+}
+void BM_ring_read_probe(benchmark::State& state) {
+  constexpr int kWarps = 4, kStages = 3, kSeqs = 4;
+  using Shape = cuda::detail::MmaMeanShape<T, kHeadDim, kWarps, kStages>;
+  Setup s(1, 32, 8, 32768, kSeqs, 16, KvLayout::kNHD, Aggregation::kMean, 1);
+  const auto view = s.view();
+  const std::size_t smem = Shape::kRingBytes + Shape::kTableBytes;
+  auto kernel = ring_read_probe<kWarps, kStages>;
+  TRIATTN_BENCH_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  int sms = 0, per_sm = 0;
+  TRIATTN_BENCH_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  TRIATTN_BENCH_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Shape::kThreads, smem));
+  unsigned* sink = device_alloc<unsigned>(1);
+  cudaStream_t stream;
+  TRIATTN_BENCH_CUDA(cudaStreamCreate(&stream));
+  const cuda::detail::FastDiv fd(s.bs);
+  int i = 0;
+  for (auto _ : state) {
+    const cuda::ScoreBatch batch{s.seq_ids + i, s.t0 + i, 1, s.len};
+    i = (i + 1) % kSeqs;
+    gpu_delay<<<1, 1, 0, stream>>>(kDelayNs);
+    CudaEventTimer timer(state, stream);
+    kernel<<<sms * per_sm, Shape::kThreads, smem, stream>>>(view, batch, s.Hkv, fd, sink);
+  }
+  TRIATTN_BENCH_CUDA(cudaGetLastError());
+  state.counters["ctas"] = sms * per_sm;
+  report(state, static_cast<double>(s.len) * s.Hkv * kHeadDim * sizeof(T));
+  cudaStreamDestroy(stream);
+  cudaFree(sink);
+}
+
 /// Context: the K bytes of one BM_score iteration streamed with 16-byte loads (rotating too).
 __global__ void read_kernel(const int4* __restrict__ p, std::size_t n, int* out) {
   int acc = 0;
@@ -278,6 +343,7 @@ BENCHMARK(BM_score_trig)
     ->ArgsProduct({{0, 1}, {0, 2}, {1, 0}})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_ring_read_probe)->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_read_k)->ArgNames({"queued", "kernel"})->ArgsProduct({{0, 1}, {0, 1, 2}})->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_score_round_shape)
     ->ArgNames({"batch", "max", "variant"})
