@@ -47,17 +47,6 @@ __global__ void fill_random(std::uint16_t* p, std::size_t n, std::uint32_t seed)
   }
 }
 
-/// Streams n 16-byte vectors; the xor keeps the loads alive.
-__global__ void read_kernel(const uint4* p, std::size_t n, unsigned* sink) {
-  unsigned acc = 0;
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    const uint4 x = __ldcs(p + i);
-    acc ^= x.x ^ x.y ^ x.z ^ x.w;
-  }
-  if (acc == 0x9e3779b9u) *sink = acc;
-}
-
 template <class U>
 U* device_alloc(std::size_t n) {
   U* p = nullptr;
@@ -252,7 +241,7 @@ void BM_read_kernel(benchmark::State& state) {
   std::vector<double> us;
   for (auto _ : state) {
     SampledTimer timer(state, stream, &flush, us);
-    read_kernel<<<sms * 8, 256, 0, stream>>>(src, bytes / 16, sink);
+    bench::stream_read_kernel<1, true><<<sms * 8, 256, 0, stream>>>(src, bytes / 16, sink);
     TRIATTN_BENCH_CUDA(cudaGetLastError());
   }
   report(state, "read_kernel batch " + std::to_string(state.range(0)) + flush_name(state.range(2)), static_cast<double>(bytes), kReadRoofline, us);

@@ -102,6 +102,19 @@ struct Setup {
   KvCacheView<T, std::int32_t> view() const {
     return {data, static_cast<std::int64_t>(blocks) * bl.block_elems(), bl, L, blocks, seqs, per_seq, tables, lens};
   }
+  /// The timed loop of the rotating benchmarks: iteration k launches launch(batch) on sequence
+  /// k % seqs (so L2 never holds its K), after a GPU spin kernel when `queued`.
+  template <class Launch>
+  void time_rotating(benchmark::State& state, cudaStream_t stream, bool queued, Launch&& launch) const {
+    int i = 0;
+    for (auto _ : state) {
+      const cuda::ScoreBatch batch{seq_ids + i, t0 + i, 1, len};
+      i = (i + 1) % seqs;
+      if (queued) gpu_delay<<<1, 1, 0, stream>>>(kDelayNs);
+      CudaEventTimer timer(state, stream);
+      launch(batch);
+    }
+  }
   /// Bytes one scoring of `batch` sequences moves at least.
   double bytes(int batch) const {
     const double tokens = static_cast<double>(batch) * L * len;
@@ -133,17 +146,11 @@ void BM_score(benchmark::State& state) {
   cudaStream_t stream;
   TRIATTN_BENCH_CUDA(cudaStreamCreate(&stream));
   const auto view = s.view();
-  int i = 0;
   for (int w = 0; w < 3; ++w)  // warm-up: module load, occupancy queries
     TRIATTN_BENCH_CUDA(s.scorer->score_async(view, cuda::ScoreBatch{s.seq_ids, s.t0, 1, s.len}, s.scores, stream, opt));
-  const bool queued = state.range(4) != 0;
-  for (auto _ : state) {
-    const cuda::ScoreBatch batch{s.seq_ids + i, s.t0 + i, 1, s.len};
-    i = (i + 1) % kSeqs;
-    if (queued) gpu_delay<<<1, 1, 0, stream>>>(kDelayNs);
-    CudaEventTimer timer(state, stream);
+  s.time_rotating(state, stream, state.range(4) != 0, [&](const cuda::ScoreBatch& batch) {
     TRIATTN_BENCH_CUDA(s.scorer->score_async(view, batch, s.scores, stream, opt));
-  }
+  });
   report(state, s.bytes(1));
   cudaStreamDestroy(stream);
 }
@@ -164,14 +171,9 @@ void BM_score_trig(benchmark::State& state) {
   const auto view = s.view();
   for (int w = 0; w < 3; ++w)
     TRIATTN_BENCH_CUDA(s.scorer->score_async(view, cuda::ScoreBatch{s.seq_ids, s.t0, 1, s.len}, s.scores, stream, opt));
-  int i = 0;
-  for (auto _ : state) {
-    const cuda::ScoreBatch batch{s.seq_ids + i, s.t0 + i, 1, s.len};
-    i = (i + 1) % kSeqs;
-    gpu_delay<<<1, 1, 0, stream>>>(kDelayNs);
-    CudaEventTimer timer(state, stream);
+  s.time_rotating(state, stream, true, [&](const cuda::ScoreBatch& batch) {
     TRIATTN_BENCH_CUDA(s.scorer->score_async(view, batch, s.scores, stream, opt));
-  }
+  });
   report(state, s.bytes(1));
   cudaStreamDestroy(stream);
 }
@@ -226,14 +228,9 @@ void BM_ring_read_probe(benchmark::State& state) {
   cudaStream_t stream;
   TRIATTN_BENCH_CUDA(cudaStreamCreate(&stream));
   const cuda::detail::FastDiv fd(s.bs);
-  int i = 0;
-  for (auto _ : state) {
-    const cuda::ScoreBatch batch{s.seq_ids + i, s.t0 + i, 1, s.len};
-    i = (i + 1) % kSeqs;
-    gpu_delay<<<1, 1, 0, stream>>>(kDelayNs);
-    CudaEventTimer timer(state, stream);
+  s.time_rotating(state, stream, true, [&](const cuda::ScoreBatch& batch) {
     kernel<<<sms * per_sm, Shape::kThreads, smem, stream>>>(view, batch, s.Hkv, fd, sink);
-  }
+  });
   TRIATTN_BENCH_CUDA(cudaGetLastError());
   state.counters["ctas"] = sms * per_sm;
   report(state, static_cast<double>(s.len) * s.Hkv * kHeadDim * sizeof(T));
@@ -241,40 +238,15 @@ void BM_ring_read_probe(benchmark::State& state) {
   cudaFree(sink);
 }
 
-/// Context: the K bytes of one BM_score iteration streamed with 16-byte loads (rotating too).
-__global__ void read_kernel(const int4* __restrict__ p, std::size_t n, int* out) {
-  int acc = 0;
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    const int4 v = __ldcs(p + i);
-    acc ^= v.x ^ v.y ^ v.z ^ v.w;
-  }
-  if (acc == 0x7fffffff) *out = acc;
-}
-/// The same with U independent loads in flight per thread (one wave: gridDim.x * blockDim.x * U
-/// vectors per sweep), the tail handled by the bounds test.
-template <int U>
-__global__ void read_kernel_unrolled(const int4* __restrict__ p, std::size_t n, int* out) {
-  int acc = 0;
-  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  for (std::size_t base = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; base < n;
-       base += stride * U) {
-    int4 v[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) v[u] = base + u * stride < n ? __ldcs(p + base + u * stride) : make_int4(0, 0, 0, 0);
-#pragma unroll
-    for (int u = 0; u < U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
-  }
-  if (acc == 0x7fffffff) *out = acc;
-}
-/// args: queued, kernel (0: one load per thread in flight, sms x 8 CTAs of 256; 1: four loads
+/// Context: the K bytes of one BM_score iteration streamed with 16-byte loads and nothing else
+/// (rotating too). args: queued, kernel (0: one load per thread in flight, sms x 8 CTAs of 256; 1: four loads
 /// in flight, sms x 4 CTAs of 512; 2: eight loads in flight, sms x 2 CTAs of 1024)
 void BM_read_k(benchmark::State& state) {
   constexpr std::size_t kBytes = 32768ull * 8 * kHeadDim * sizeof(T);
   constexpr int kCopies = 4;
   char* buf = device_alloc<char>(kBytes * kCopies);
   TRIATTN_BENCH_CUDA(cudaMemset(buf, 1, kBytes * kCopies));
-  int* sink = device_alloc<int>(1);
+  unsigned* sink = device_alloc<unsigned>(1);
   int sms = 0;
   TRIATTN_BENCH_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   cudaStream_t stream;
@@ -282,16 +254,16 @@ void BM_read_k(benchmark::State& state) {
   int i = 0;
   const bool queued = state.range(0) != 0;
   for (auto _ : state) {
-    const int4* p = reinterpret_cast<const int4*>(buf + kBytes * static_cast<std::size_t>(i));
+    const uint4* p = reinterpret_cast<const uint4*>(buf + kBytes * static_cast<std::size_t>(i));
     i = (i + 1) % kCopies;
     if (queued) gpu_delay<<<1, 1, 0, stream>>>(kDelayNs);
     CudaEventTimer timer(state, stream);
     if (state.range(1) == 0)
-      read_kernel<<<sms * 8, 256, 0, stream>>>(p, kBytes / sizeof(int4), sink);
+      bench::stream_read_kernel<1, true><<<sms * 8, 256, 0, stream>>>(p, kBytes / sizeof(uint4), sink);
     else if (state.range(1) == 1)
-      read_kernel_unrolled<4><<<sms * 4, 512, 0, stream>>>(p, kBytes / sizeof(int4), sink);
+      bench::stream_read_kernel<4, true><<<sms * 4, 512, 0, stream>>>(p, kBytes / sizeof(uint4), sink);
     else
-      read_kernel_unrolled<8><<<sms * 2, 1024, 0, stream>>>(p, kBytes / sizeof(int4), sink);
+      bench::stream_read_kernel<8, true><<<sms * 2, 1024, 0, stream>>>(p, kBytes / sizeof(uint4), sink);
   }
   report(state, static_cast<double>(kBytes));
   cudaStreamDestroy(stream);

@@ -32,13 +32,24 @@ namespace triattn::bench {
 ///           after the weight-streaming GEMVs that precede attention in a decode step.
 enum class L2Flush { kDirty, kClean };
 
-/// Streams n 16-byte vectors into L2 (through L2, not L1); the xor keeps the loads alive.
-static __global__ void l2_flush_read_kernel(const uint4* __restrict__ p, std::size_t n, unsigned* sink) {
+/// Streams n 16-byte vectors [n] with U independent loads in flight per thread (grid-stride
+/// sweeps of gridDim.x * blockDim.x * U vectors); the xor into *sink keeps the loads alive.
+/// kReadOnce: __ldcs (evict-first, for read-rate baselines); else __ldcg (allocates in L2, what
+/// the clean flush needs).
+template <int U, bool kReadOnce>
+__global__ void stream_read_kernel(const uint4* __restrict__ p, std::size_t n, unsigned* sink) {
   unsigned acc = 0;
-  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    const uint4 v = __ldcg(p + i);
-    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t base = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; base < n;
+       base += stride * U) {
+    uint4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const std::size_t i = base + u * stride;
+      v[u] = i < n ? (kReadOnce ? __ldcs(p + i) : __ldcg(p + i)) : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
   }
   if (acc == 0x9e3779b9u) *sink = acc;
 }
@@ -65,12 +76,11 @@ class L2Flusher {
       TRIATTN_BENCH_CUDA(cudaMemsetAsync(buf_, 0, static_cast<size_t>(bytes_), s));
     } else {
       auto* p = static_cast<const uint4*>(buf_);
-      l2_flush_read_kernel<<<sms_ * 4, 512, 0, s>>>(p, static_cast<std::size_t>(bytes_) / 16,
+      stream_read_kernel<1, false><<<sms_ * 4, 512, 0, s>>>(p, static_cast<std::size_t>(bytes_) / 16,
                                                     reinterpret_cast<unsigned*>(static_cast<char*>(buf_) + bytes_));
       TRIATTN_BENCH_CUDA(cudaGetLastError());
     }
   }
-  L2Flush mode() const { return mode_; }
 
  private:
   L2Flush mode_;
