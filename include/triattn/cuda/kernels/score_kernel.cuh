@@ -158,13 +158,14 @@ __device__ __forceinline__ float element(const std::uint32_t* words, int e) {
   }
 }
 
-/// |K_f| = sqrt(sq) for sq = re² + im² + 1e-8 >= 1e-8 (a normal float): sq · MUFU.RSQ(sq). The
-/// .ftz form skips rsqrtf's denormal fix-up (a compare, a scale and two selects per pair), which
-/// cannot trigger here; the result is the same MUFU value (~2 ulp, far inside the 1e-5 budget).
+/// |K_f| = sqrt(sq) for sq = re² + im² + 1e-8 >= 1e-8 (a normal float): one MUFU.SQRT. sqrtf
+/// adds a denormal fix-up (a compare, a scale and two selects per pair) that cannot trigger here,
+/// and sq · rsqrt(sq) one more multiply; the MUFU result is within ~2 ulp, far inside the 1e-5
+/// budget.
 __device__ __forceinline__ float pair_norm(float sq) {
   float r;
-  asm("rsqrt.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(sq));
-  return sq * r;
+  asm("sqrt.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(sq));
+  return r;
 }
 
 /// Compile-time shape of one scoring kernel instance.
@@ -1176,6 +1177,60 @@ struct KeyTableSlots {
   static constexpr std::size_t kBytesPerWarp = static_cast<std::size_t>(kSlots) * 32 * 8;
 };
 
+/// score_mean_mma_kernel reads each m16 tile of keys with ldmatrix.x4, one per k-step s of 16
+/// elements, so the lane (g = lane/4, c = lane%4) holds the MMA A fragment in natural element
+/// order: fr[s] = {row g, row g+8} x elements {16s + 2c, +1} (words 0, 1) and {16s + 8 + 2c, +1}
+/// (words 2, 3). The B fragments of the trig weights follow the same order.
+/// Its norm term Σ_f c_f·|K_f| is a [16 keys x F] by [F x 8] product per tile, run as m16n8k8
+/// TF32 MMAs into the same accumulators. The lane holds F/4 whole pairs of each of its two rows
+/// (both halves of a pair sit in the same lane); lane-local pair p feeds k8-step p/2 at k = c
+/// (p even) or c + 4 (p odd), and the norm B fragments list c_f in that order. Column 2h of B
+/// holds the TF32 head of c for head h, column 2h + 1 the rest (c - head), so acc[0] + acc[1]
+/// sums both (as the trig MMA's weight splits); A is |K_f| split the same way into two MMAs. The
+/// tensor cores read the top 19 bits of a TF32 operand, so each product keeps ~21 bits (the
+/// dropped rest·rest part is ~2^-21 relative).
+/// Global pair index of lane-local pair p for quad index c.
+template <RopeStyle S>
+__device__ __forceinline__ int mma_lane_pair(int c, int p) {
+  if constexpr (S == RopeStyle::kHalf)  // real part at element f < F: k-step p/4, word 2·(p%4/2), half p%2
+    return 16 * (p / 4) + 8 * ((p % 4) / 2) + 2 * c + p % 2;
+  else  // elements 2f, 2f + 1 = one word: k-step p/2, word 2·(p%2)
+    return 8 * (p / 2) + 4 * (p % 2) + c;
+}
+/// |K_f| of lane-local pair p of row g + 8q; fr: the tile's A fragments [k-step][word].
+template <class T, RopeStyle S, int KS>
+__device__ __forceinline__ float mma_lane_pair_norm(const std::uint32_t (&fr)[KS][4], int q, int p) {
+  float re, im;
+  if constexpr (S == RopeStyle::kHalf) {  // imaginary part F = 8·KS elements later: k-step + KS/2
+    const int s = p / 4, w = q + 2 * ((p % 4) / 2);
+    re = element<T>(&fr[s][w], p % 2);
+    im = element<T>(&fr[s + KS / 2][w], p % 2);
+  } else {
+    const std::uint32_t* w = &fr[p / 2][q + 2 * (p % 2)];
+    re = element<T>(w, 0);
+    im = element<T>(w, 1);
+  }
+  return pair_norm(fmaf(re, re, fmaf(im, im, 1e-8f)));
+}
+/// ldmatrix.x4: lane l gives the shared address of row l%8 of matrix l/8; word i of the result is
+/// matrix i's row lane/4, elements 2·(lane%4), +1.
+__device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&r)[4], std::uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+/// The TF32 head of x (low 13 mantissa bits cleared); x - head is exact in fp32.
+__device__ __forceinline__ std::uint32_t tf32_head(float x) { return __float_as_uint(x) & 0xffffe000u; }
+/// d += A·B, m16n8k8 TF32 with fp32 accumulation; a: (row g, k c), (g+8, c), (g, c+4), (g+8, c+4).
+__device__ __forceinline__ void mma_tf32(float (&d)[4], std::uint32_t a0, std::uint32_t a1, std::uint32_t a2,
+                                         std::uint32_t a3, std::uint32_t b0, std::uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 /// 4- or 8-byte global -> shared copy (a block-table entry); src_bytes = 0 zero-fills.
 template <int kBytes>
 __device__ __forceinline__ void score_cp_async_small(std::uint32_t dst, const void* src, int src_bytes) {
@@ -1195,14 +1250,19 @@ __device__ __forceinline__ void score_cp_async_small(std::uint32_t dst, const vo
 ///    and every variant ran at ~31 µs against 18.3 µs for a plain read of K);
 ///  - issue() reads the entry back and copies the slice into one ring stage with 16-byte cp.async:
 ///    copy x = i·32 + lane is chunk x % CPR of key x / CPR, so one warp instruction moves 32/CPR
-///    whole keys; keys past the length are zero-filled. Chunk c of key k lands at c ^ 4·(k & 1).
+///    whole keys; keys past the length are zero-filled. Chunk c of key k lands at
+///    c ^ chunk_swizzle(k): 4·(k & 1) for readers that take 16-byte chunks of rows g and g + 8
+///    (LDS.128), k & 7 (kRowSwizzle8) for ldmatrix readers, whose 8 rows of a matrix then hit 8
+///    distinct 16-byte bank groups.
 /// run_key_ring() orders the two with the consumer so that every read finds its copy complete.
-template <class T, class Id, int HD, int kTile, int kKeys, int kStages>
+template <class T, class Id, int HD, int kTile, int kKeys, int kStages, bool kRowSwizzle8 = false>
 struct KeySliceFeed {
   static_assert(kKeys == 16 || kKeys == 32, "16 or 32 keys per slice");
   static_assert(sizeof(Id) == 4 || sizeof(Id) == 8, "4- or 8-byte block ids");
   static constexpr int kCPR = HD / 8;  // 16-byte chunks per key
   using Slots = KeyTableSlots<kStages>;
+  static_assert(!kRowSwizzle8 || kCPR >= 8, "the 8-row swizzle needs 8 chunks per key");
+  static __device__ __forceinline__ int chunk_swizzle(int key) { return kRowSwizzle8 ? (key & 7) : ((key & 1) << 2); }
 
   long long f_rid;       // fetch cursor: row and tile of the next item to fetch
   int f_tile;
@@ -1274,7 +1334,7 @@ struct KeySliceFeed {
     for (int i = 0; i < kCPR * kKeys / 32; ++i) {
       const int kk = (i * 32 + lane) / kCPR;
       const unsigned long long p = __shfl_sync(0xffffffffu, mine, kk);
-      const std::uint32_t dst = stage_addr + static_cast<std::uint32_t>((kk * kCPR + (c ^ ((kk & 1) << 2))) * 16);
+      const std::uint32_t dst = stage_addr + static_cast<std::uint32_t>((kk * kCPR + (c ^ chunk_swizzle(kk))) * 16);
       const void* from = p != 0ull ? static_cast<const void*>(reinterpret_cast<const char*>(p) + c * 16) : dummy;
       score_cp_async_16(dst, from, p != 0ull ? 16 : 0);
     }
@@ -1355,7 +1415,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
   const int tile0 = static_cast<int>(it0 - row0 * tiles_per_row);
   Id* const warp_slots = reinterpret_cast<Id*>(mean_mma_smem + Shape::kSmemBytes - Shape::kTableBytes) +
                          static_cast<std::size_t>(warp) * (kStages + 1) * 32;
-  detail::KeySliceFeed<T, Id, HD, Shape::kTile, kKeys, kStages> feed(row0, tile0, warp_slots);
+  detail::KeySliceFeed<T, Id, HD, Shape::kTile, kKeys, kStages, true> feed(row0, tile0, warp_slots);
   const auto fetch = [&]() { feed.fetch(view, a, fd, tiles_per_row, L, Hkv, HC, warp, lane); };
   const auto issue = [&](int stage) {
     feed.issue(view, a, fd, tiles_per_row, L, Hkv, HC, warp, lane,
@@ -1367,10 +1427,13 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
   int c_tile = tile0, w_b = -1, len = 0;
   detail::ScoreRow row{};
   std::uint32_t bq[KS][NM][2];  // this lane's B fragments of row w_row
+  std::uint32_t bn[F / 8][2];   // ... and of its norm weights (TF32, see mma_lane_pair)
 #pragma unroll
   for (int s = 0; s < KS; ++s)
 #pragma unroll
     for (int x = 0; x < NM; ++x) bq[s][x][0] = bq[s][x][1] = 0u;
+#pragma unroll
+  for (int s = 0; s < F / 8; ++s) bn[s][0] = bn[s][1] = 0u;
 
   const auto compute = [&](int stage) {  // the item at the compute cursor, then advance it
     const long long rid = c_rid;
@@ -1422,10 +1485,10 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
           const int e = part == 0 ? rope_pair_re(S, f, HD) : rope_pair_im(S, f, HD);
           std::uint16_t sp[SP];
           Tr::split(part == 0 ? wr : wi, sp);
-          // element e -> k-step 2(e/32) + (e%8)/4, lane n·4 + (e%32)/8, word (e%4)/2, half e%2
-          const int s = 2 * (e >> 5) + ((e & 7) >> 2);
-          const int q4 = (e & 31) >> 3;
-          const int at = (e & 3) >> 1;
+          // element e -> k-step e/16, lane n·4 + (e%8)/2, word (e%16)/8, half e%2 (ldmatrix order)
+          const int s = e >> 4;
+          const int q4 = (e & 7) >> 1;
+          const int at = (e & 15) >> 3;
 #pragma unroll
           for (int x = 0; x < 2 * NM; ++x) {
             const int n = 2 * h + (x & 1);
@@ -1442,91 +1505,62 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
           bq[s][x][0] = v.x;
           bq[s][x][1] = v.y;
         }
+#pragma unroll
+      for (int s = 0; s < F / 8; ++s)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {  // column g4: head g4/2, TF32 head (g4 even) or rest (odd)
+          const int f = detail::mma_lane_pair<S>(c4, 2 * s + i);
+          const float c = cf[(f + f / 8) * 4 + (g4 >> 1)];
+          const std::uint32_t head = detail::tf32_head(c);
+          bn[s][i] = (g4 & 1) ? __float_as_uint(c - __uint_as_float(head)) : head;
+        }
       w_row = rid;
     }
     const int key0 = tile * Shape::kTile + warp * Shape::kKeysPerWarp;
     if (key0 >= len) return;  // uniform across the warp
 
-    const uint4* st = my_ring + stage * Shape::kSliceVecs;
-    const int swz = (g4 & 1) << 2;  // rows g4 + 8q all have the parity of g4
+    // ldmatrix rows: lane l reads row (l & 7) + 8·((l >> 3) & 1) of the tile at chunk 2s + l/16
+    const std::uint32_t lm_addr = ring_addr + static_cast<std::uint32_t>(stage * Shape::kSliceVecs * 16) +
+                                  static_cast<std::uint32_t>(((lane & 7) + 8 * ((lane >> 3) & 1)) * CPR * 16);
+    const int lm_half = lane >> 4, lm_swz = lane & 7;  // the row's chunk swizzle (row & 7 = lane & 7)
     const int hg = row.hc * GH + c4;
     float* const out = scores + ((static_cast<std::int64_t>(row.b) * L + row.l) * Hq + row.g * G + (hg < G ? hg : 0)) *
                                     static_cast<std::int64_t>(a.max_len);
 #pragma unroll
     for (int mt = 0; mt < kKeys / 16; ++mt) {
-      // rows 16mt + g4 (q = 0) and 16mt + g4 + 8 (q = 1): chunks 4j + c4
-      std::uint32_t raw[2][NC][4];
+      std::uint32_t fr[KS][4];  // A fragments of rows 16mt + g4, + 8: [k-step][word]
 #pragma unroll
-      for (int q = 0; q < 2; ++q)
-#pragma unroll
-        for (int j = 0; j < NC; ++j) {
-          const uint4 v = st[(16 * mt + 8 * q + g4) * CPR + ((4 * j + c4) ^ swz)];
-          raw[q][j][0] = v.x;
-          raw[q][j][1] = v.y;
-          raw[q][j][2] = v.z;
-          raw[q][j][3] = v.w;
-        }
-      // dot products: k-step 2j + h2 takes words 2h2, 2h2 + 1 of chunk j (as score_max_mma_kernel)
+      for (int s = 0; s < KS; ++s)
+        detail::ldmatrix_x4(fr[s], lm_addr + static_cast<std::uint32_t>((16 * mt * CPR + ((2 * s + lm_half) ^ lm_swz)) * 16));
       float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-      for (int s = 0; s < KS; ++s) {
-        const int j = s >> 1, h2 = (s & 1) * 2;
-        const std::uint32_t af[4] = {raw[0][j][h2], raw[1][j][h2], raw[0][j][h2 + 1], raw[1][j][h2 + 1]};
+      for (int s = 0; s < KS; ++s)
 #pragma unroll
-        for (int x = 0; x < NM; ++x) Tr::mma(acc, af, bq[s][x][0], bq[s][x][1]);
-      }
-      // norm term on the CUDA cores: the lane holds whole pairs of its two rows
-      float nrm[2][GH];
+        for (int x = 0; x < NM; ++x) Tr::mma(acc, fr[s], bq[s][x][0], bq[s][x][1]);
+      // norm term: two TF32 MMAs per 8 pairs (|K_f| split into head and rest), same accumulators
 #pragma unroll
-      for (int q = 0; q < 2; ++q)
+      for (int s = 0; s < F / 8; ++s) {
+        float n[2][2];  // [pair 2s + i][row q]
 #pragma unroll
-        for (int h = 0; h < GH; ++h) nrm[q][h] = 0.0f;
+        for (int i = 0; i < 2; ++i)
 #pragma unroll
-      for (int j = 0; j < NC; ++j) {
+          for (int q = 0; q < 2; ++q) n[i][q] = detail::mma_lane_pair_norm<T, S, KS>(fr, q, 2 * s + i);
+        std::uint32_t hd[2][2], rs[2][2];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const int el = 32 * j + 8 * c4 + e;
-          bool is_re;
-          int f;
-          if constexpr (S == RopeStyle::kHalf) {
-            is_re = j < NC / 2;
-            f = el;  // < F when is_re
-          } else {
-            is_re = (e & 1) == 0;
-            f = el >> 1;
-          }
-          if (!is_re) continue;  // each pair once, from its real element
-          const float4 cw = c_s[f + f / 8];
+        for (int i = 0; i < 2; ++i)
 #pragma unroll
           for (int q = 0; q < 2; ++q) {
-            float re, im;
-            if constexpr (S == RopeStyle::kHalf) {
-              re = detail::element<T>(raw[q][j], e);
-              im = detail::element<T>(raw[q][j + NC / 2], e);
-            } else {
-              re = detail::element<T>(raw[q][j], e);
-              im = detail::element<T>(raw[q][j], e + 1);
-            }
-            const float sq = fmaf(re, re, fmaf(im, im, 1e-8f));
-            const float n = detail::pair_norm(sq);
-            nrm[q][0] = fmaf(cw.x, n, nrm[q][0]);
-            nrm[q][1] = fmaf(cw.y, n, nrm[q][1]);
-            nrm[q][2] = fmaf(cw.z, n, nrm[q][2]);
-            nrm[q][3] = fmaf(cw.w, n, nrm[q][3]);
+            hd[i][q] = detail::tf32_head(n[i][q]);
+            rs[i][q] = __float_as_uint(n[i][q] - __uint_as_float(hd[i][q]));
           }
-        }
+        detail::mma_tf32(acc, hd[0][0], hd[0][1], hd[1][0], hd[1][1], bn[s][0], bn[s][1]);
+        detail::mma_tf32(acc, rs[0][0], rs[0][1], rs[1][0], rs[1][1], bn[s][0], bn[s][1]);
       }
-      // Reduce-scatter over the quad: lane c4 ends with head c4's sum (xor 2 splits the head
-      // pairs, xor 1 the heads of a pair).
-      const bool up2 = (c4 & 2) != 0, up1 = (c4 & 1) != 0;
+      // lane c4 holds head c4 (columns 2·c4, 2·c4 + 1) of rows g4 (q = 0) and g4 + 8 (q = 1)
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
-        const float v0 = (up2 ? nrm[q][2] : nrm[q][0]) + __shfl_xor_sync(0xffffffffu, up2 ? nrm[q][0] : nrm[q][2], 2);
-        const float v1 = (up2 ? nrm[q][3] : nrm[q][1]) + __shfl_xor_sync(0xffffffffu, up2 ? nrm[q][1] : nrm[q][3], 2);
-        const float v = (up1 ? v1 : v0) + __shfl_xor_sync(0xffffffffu, up1 ? v0 : v1, 1);
         const int t = key0 + 16 * mt + 8 * q + g4;
-        const float dot = q == 0 ? acc[0] + acc[1] : acc[2] + acc[3];
-        if (hg < G && t < len) out[t] = dot + v;
+        if (hg < G && t < len) out[t] = acc[2 * q] + acc[2 * q + 1];
       }
     }
   };
