@@ -855,6 +855,39 @@ struct MmaMaxShape {
   static constexpr int kHeads = 4;
 };
 
+
+/// One n-tile of the max scorers' dot products for the warp's two m16 tiles: acc[mt] = rows
+/// 16mt + g4 (words 0, 1) and + 8 (words 2, 3) against the tile's B fragments bt[(s·SP + x)·32]
+/// (this lane's, [k-step][split] uint2). raw: the lane's rows 8q + g4, chunks 4j + c4.
+/// k-step s feeds accumulator chain s % kChains, summed at the end: an MMA waits for the one
+/// before it on the same accumulators, and one chain of KS·SP MMAs per m-tile left the warps
+/// stalled on that latency.
+template <class Tr, int KS, int SP, int NC>
+__device__ __forceinline__ void max_tile_dot(float (&acc)[2][4], const std::uint32_t (&raw)[4][NC][4],
+                                             const uint2* bt) {
+  constexpr int kChains = KS < 4 ? KS : 4;
+  float part[2][kChains][4] = {};
+#pragma unroll
+  for (int s = 0; s < KS; ++s) {
+    const int j = s >> 1, h2 = (s & 1) * 2;
+    const std::uint32_t a0[4] = {raw[0][j][h2], raw[1][j][h2], raw[0][j][h2 + 1], raw[1][j][h2 + 1]};
+    const std::uint32_t a1[4] = {raw[2][j][h2], raw[3][j][h2], raw[2][j][h2 + 1], raw[3][j][h2 + 1]};
+#pragma unroll
+    for (int x = 0; x < SP; ++x) {
+      const uint2 b = bt[(s * SP + x) * 32];
+      Tr::mma(part[0][s % kChains], a0, b.x, b.y);
+      Tr::mma(part[1][s % kChains], a1, b.x, b.y);
+    }
+  }
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      acc[mt][i] = part[mt][0][i];
+#pragma unroll
+      for (int c = 1; c < kChains; ++c) acc[mt][i] += part[mt][c][i];
+    }
+}
 }  // namespace detail
 
 /// Dynamic shared memory of score_max_mma_kernel: B fragments for ceil(|D|/2) n-tiles, plus c_f.
@@ -1043,20 +1076,8 @@ __global__ void __launch_bounds__(detail::MmaMaxShape<T, HD>::kThreads, 2)
     for (int q = 0; q < 4; ++q) best[q][0] = best[q][1] = -INFINITY;
     const int my_delta_odd = c4 >> 1;
     for (int nt = 0; nt < NT; ++nt) {
-      float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-      const uint2* bt = bfrag_s + static_cast<std::size_t>(nt) * KS * SP * 32 + lane;
-#pragma unroll
-      for (int s = 0; s < KS; ++s) {
-        const int j = s >> 1, h2 = (s & 1) * 2;
-        const std::uint32_t a0[4] = {raw[0][j][h2], raw[1][j][h2], raw[0][j][h2 + 1], raw[1][j][h2 + 1]};
-        const std::uint32_t a1[4] = {raw[2][j][h2], raw[3][j][h2], raw[2][j][h2 + 1], raw[3][j][h2 + 1]};
-#pragma unroll
-        for (int x = 0; x < SP; ++x) {
-          const uint2 b = bt[(s * SP + x) * 32];
-          Tr::mma(acc[0], a0, b.x, b.y);
-          Tr::mma(acc[1], a1, b.x, b.y);
-        }
-      }
+      float acc[2][4];
+      detail::max_tile_dot<Tr, KS, SP>(acc, raw, bfrag_s + static_cast<std::size_t>(nt) * KS * SP * 32 + lane);
       if (2 * nt + my_delta_odd < D) {
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
@@ -1532,11 +1553,14 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
 #pragma unroll
       for (int s = 0; s < KS; ++s)
         detail::ldmatrix_x4(fr[s], lm_addr + static_cast<std::uint32_t>((16 * mt * CPR + ((2 * s + lm_half) ^ lm_swz)) * 16));
-      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      // Four independent accumulator chains (an MMA waits for the one before it on the same
+      // accumulators; one chain of 2·KS + F/4 MMAs left the warps stalled on that latency):
+      // trig even / odd k-steps, norm head / rest.
+      float acc[4][4] = {};
 #pragma unroll
       for (int s = 0; s < KS; ++s)
 #pragma unroll
-        for (int x = 0; x < NM; ++x) Tr::mma(acc, fr[s], bq[s][x][0], bq[s][x][1]);
+        for (int x = 0; x < NM; ++x) Tr::mma(acc[s & 1], fr[s], bq[s][x][0], bq[s][x][1]);
       // norm term: two TF32 MMAs per 8 pairs (|K_f| split into head and rest), same accumulators
 #pragma unroll
       for (int s = 0; s < F / 8; ++s) {
@@ -1553,14 +1577,16 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
             hd[i][q] = detail::tf32_head(n[i][q]);
             rs[i][q] = __float_as_uint(n[i][q] - __uint_as_float(hd[i][q]));
           }
-        detail::mma_tf32(acc, hd[0][0], hd[0][1], hd[1][0], hd[1][1], bn[s][0], bn[s][1]);
-        detail::mma_tf32(acc, rs[0][0], rs[0][1], rs[1][0], rs[1][1], bn[s][0], bn[s][1]);
+        detail::mma_tf32(acc[2], hd[0][0], hd[0][1], hd[1][0], hd[1][1], bn[s][0], bn[s][1]);
+        detail::mma_tf32(acc[3], rs[0][0], rs[0][1], rs[1][0], rs[1][1], bn[s][0], bn[s][1]);
       }
       // lane c4 holds head c4 (columns 2·c4, 2·c4 + 1) of rows g4 (q = 0) and g4 + 8 (q = 1)
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
         const int t = key0 + 16 * mt + 8 * q + g4;
-        if (hg < G && t < len) out[t] = acc[2 * q] + acc[2 * q + 1];
+        const float trig = (acc[0][2 * q] + acc[0][2 * q + 1]) + (acc[1][2 * q] + acc[1][2 * q + 1]);
+        const float norm = (acc[2][2 * q] + acc[2][2 * q + 1]) + (acc[3][2 * q] + acc[3][2 * q + 1]);
+        if (hg < G && t < len) out[t] = trig + norm;
       }
     }
   };
@@ -1779,20 +1805,8 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
     for (int q = 0; q < 4; ++q) best[q][0] = best[q][1] = -INFINITY;
     const int my_delta_odd = c4 >> 1;
     for (int nt = 0; nt < NT; ++nt) {
-      float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-      const uint2* bt = bfrag_s + static_cast<std::size_t>(nt) * KS * SP * 32 + lane;
-#pragma unroll
-      for (int s = 0; s < KS; ++s) {
-        const int j = s >> 1, h2 = (s & 1) * 2;
-        const std::uint32_t a0[4] = {raw[0][j][h2], raw[1][j][h2], raw[0][j][h2 + 1], raw[1][j][h2 + 1]};
-        const std::uint32_t a1[4] = {raw[2][j][h2], raw[3][j][h2], raw[2][j][h2 + 1], raw[3][j][h2 + 1]};
-#pragma unroll
-        for (int x = 0; x < SP; ++x) {
-          const uint2 b = bt[(s * SP + x) * 32];
-          Tr::mma(acc[0], a0, b.x, b.y);
-          Tr::mma(acc[1], a1, b.x, b.y);
-        }
-      }
+      float acc[2][4];
+      detail::max_tile_dot<Tr, KS, SP>(acc, raw, bfrag_s + static_cast<std::size_t>(nt) * KS * SP * 32 + lane);
       if (2 * nt + my_delta_odd < D) {
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
