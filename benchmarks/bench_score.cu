@@ -206,7 +206,7 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
   const auto fetch = [&]() { feed.fetch(view, a, fd, tiles_per_row, 1, Hkv, 1, warp, lane); };
   const auto issue = [&](int stage) {
     feed.issue(view, a, fd, tiles_per_row, 1, Hkv, 1, warp, lane,
-               ring_addr + static_cast<std::uint32_t>(stage * Shape::kSliceVecs * 16), view.data);
+               ring_addr + static_cast<std::uint32_t>(stage * Shape::kSliceVecs * 16));
   };
   unsigned acc = 0;
   const auto compute = [&](int stage) { acc ^= my_ring[stage * Shape::kSliceVecs + lane].x; };

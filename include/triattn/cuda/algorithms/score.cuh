@@ -102,6 +102,13 @@ template <class T>
   else return false;
 }
 
+/// The ring kernels (score_mean_mma_kernel, score_max_mma_pipe_kernel) address keys as 31-bit
+/// offsets in 16-byte chunks from their layer's K range (KeySliceFeed::issue).
+template <class T, class Id>
+[[nodiscard]] inline bool ring_offsets_fit(const KvCacheView<T, Id>& view) noexcept {
+  return static_cast<unsigned long long>(view.range_stride) * sizeof(T) < (1ull << 35);
+}
+
 /// Tensor-core mean path (mean_variant 2, 3, 4): 16-bit caches; fp16 weights far from fp16's range limit.
 template <class T>
 [[nodiscard]] inline bool use_mma_mean(const ScoreModelView& m, const ScoreOptions& opt) noexcept {
@@ -295,13 +302,14 @@ template <class T, class Id>
   if (batch.batch == 0 || batch.max_len == 0) return cudaSuccess;
   const int G = model.num_q_heads / model.num_kv_heads;
   const bool mma = detail::use_mma_max<T>(model, options);
-  const bool mma_mean = detail::use_mma_mean<T>(model, options);
+  const bool ring_ok = detail::ring_offsets_fit(view);  // else the non-ring kernels
+  const bool mma_mean = ring_ok && detail::use_mma_mean<T>(model, options);
   return dispatch_head_dim_status(view.block.head_dim, [&](auto hd) -> cudaError_t {
     constexpr int HD = decltype(hd)::value;
     const auto by_group = [&](auto style) -> cudaError_t {
       constexpr RopeStyle S = decltype(style)::value;
       using Tune = tuning::sm90::ScoreMeanMma;
-      if (mma && options.max_variant == 1)
+      if (mma && options.max_variant == 1 && ring_ok)
         return detail::launch_score_max_mma_pipe<T, Id, HD, S>(view, model, batch, scores, stream, options);
       if (mma) return detail::launch_score_max_mma<T, Id, HD, S>(view, model, batch, scores, stream, options);
       if (mma_mean && options.mean_variant == 2)

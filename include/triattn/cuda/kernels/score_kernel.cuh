@@ -859,14 +859,15 @@ struct MmaMaxShape {
 /// One n-tile of the max scorers' dot products for the warp's two m16 tiles: acc[mt] = rows
 /// 16mt + g4 (words 0, 1) and + 8 (words 2, 3) against the tile's B fragments bt[(s·SP + x)·32]
 /// (this lane's, [k-step][split] uint2). raw: the lane's rows 8q + g4, chunks 4j + c4.
-/// k-step s feeds accumulator chain s % kChains, summed at the end: an MMA waits for the one
-/// before it on the same accumulators, and one chain of KS·SP MMAs per m-tile left the warps
-/// stalled on that latency.
+/// One accumulator chain per m-tile: splitting each into 4 chains (summed at the end) measured
+/// slower on the H200 (pipelined kernel 66 -> 75 µs, 2026-12-01), so MMA latency is not its limit.
 template <class Tr, int KS, int SP, int NC>
 __device__ __forceinline__ void max_tile_dot(float (&acc)[2][4], const std::uint32_t (&raw)[4][NC][4],
                                              const uint2* bt) {
-  constexpr int kChains = KS < 4 ? KS : 4;
-  float part[2][kChains][4] = {};
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[mt][i] = 0.0f;
 #pragma unroll
   for (int s = 0; s < KS; ++s) {
     const int j = s >> 1, h2 = (s & 1) * 2;
@@ -875,18 +876,10 @@ __device__ __forceinline__ void max_tile_dot(float (&acc)[2][4], const std::uint
 #pragma unroll
     for (int x = 0; x < SP; ++x) {
       const uint2 b = bt[(s * SP + x) * 32];
-      Tr::mma(part[0][s % kChains], a0, b.x, b.y);
-      Tr::mma(part[1][s % kChains], a1, b.x, b.y);
+      Tr::mma(acc[0], a0, b.x, b.y);
+      Tr::mma(acc[1], a1, b.x, b.y);
     }
   }
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      acc[mt][i] = part[mt][0][i];
-#pragma unroll
-      for (int c = 1; c < kChains; ++c) acc[mt][i] += part[mt][c][i];
-    }
 }
 }  // namespace detail
 
@@ -1251,6 +1244,60 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], std::uint32_t a0, std::u
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+/// The A fragments of one m16 tile of a ring stage whose rows hold chunk c at c ^ (row & 7)
+/// (KeySliceFeed with kRowSwizzle8): fr[s] for every k-step s. tile_addr: shared address of the
+/// tile's first row; CPR: 16-byte chunks per row.
+template <int KS, int CPR>
+__device__ __forceinline__ void load_tile_fragments(std::uint32_t (&fr)[KS][4], std::uint32_t tile_addr, int lane) {
+  // lane l gives row (l & 7) + 8·((l >> 3) & 1) (so row & 7 = l & 7) at chunk 2s + l/16
+  const std::uint32_t row_addr = tile_addr + static_cast<std::uint32_t>(((lane & 7) + 8 * ((lane >> 3) & 1)) * CPR * 16);
+  const int half = lane >> 4, swz = lane & 7;
+#pragma unroll
+  for (int s = 0; s < KS; ++s) ldmatrix_x4(fr[s], row_addr + static_cast<std::uint32_t>(((2 * s + half) ^ swz) * 16));
+}
+/// Word i of this lane's norm B fragment for k8-step s: c of lane-local pair 2s + i for head h, as
+/// its TF32 head or (rest) c - head. cf: c as [slot f + f/8][4 heads] floats.
+template <RopeStyle S>
+__device__ __forceinline__ std::uint32_t norm_b_word(const float* cf, int c4, int s, int i, int h, bool rest) {
+  const int f = mma_lane_pair<S>(c4, 2 * s + i);
+  const float c = cf[(f + f / 8) * 4 + h];
+  const std::uint32_t head = tf32_head(c);
+  return rest ? __float_as_uint(c - __uint_as_float(head)) : head;
+}
+/// The norm term of one m16 tile: acc_head += |K|_head·B and acc_rest += |K|_rest·B over the F/8
+/// TF32 k8-steps (|K_f| split into TF32 head and rest; the two may be the same accumulators).
+template <class T, RopeStyle S, int KS, int KN>
+__device__ __forceinline__ void norm_tile_mma(float (&acc_head)[4], float (&acc_rest)[4],
+                                              const std::uint32_t (&fr)[KS][4], const std::uint32_t (&bn)[KN][2]) {
+#pragma unroll
+  for (int s = 0; s < KN; ++s) {
+    std::uint32_t hd[2][2], rs[2][2];  // [pair 2s + i][row g + 8q]
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const float n = mma_lane_pair_norm<T, S, KS>(fr, q, 2 * s + i);
+        hd[i][q] = tf32_head(n);
+        rs[i][q] = __float_as_uint(n - __uint_as_float(hd[i][q]));
+      }
+    mma_tf32(acc_head, hd[0][0], hd[0][1], hd[1][0], hd[1][1], bn[s][0], bn[s][1]);
+    mma_tf32(acc_rest, rs[0][0], rs[0][1], rs[1][0], rs[1][1], bn[s][0], bn[s][1]);
+  }
+}
+
+/// 16-byte global -> shared copy through L2 only, or 16 zero bytes when `zero` (src not read).
+__device__ __forceinline__ void score_cp_async_16_or_zero(std::uint32_t dst, unsigned long long src, bool zero) {
+  asm volatile(
+      "{\n .reg .pred z;\n setp.ne.b32 z, %2, 0;\n cp.async.cg.shared.global [%0], [%1], 16, z;\n}" ::"r"(dst),
+      "l"(src), "r"(static_cast<int>(zero))
+      : "memory");
+}
+/// base + 16·chunk as one IMAD.WIDE.U32 (the compiler otherwise widens the product with shifts).
+__device__ __forceinline__ unsigned long long chunk_address(unsigned long long base, std::uint32_t chunk) {
+  unsigned long long r;
+  asm("mad.wide.u32 %0, %1, 16, %2;" : "=l"(r) : "r"(chunk), "l"(base));
+  return r;
+}
 
 /// 4- or 8-byte global -> shared copy (a block-table entry); src_bytes = 0 zero-fills.
 template <int kBytes>
@@ -1324,11 +1371,15 @@ struct KeySliceFeed {
     if (++f_slot == Slots::kSlots) f_slot = 0;
   }
 
-  /// stage_addr: shared-memory address of the stage ([kKeys keys][kCPR] 16-byte chunks); dummy:
-  /// any valid global address (source of the zero-filling copies, not read).
+  /// stage_addr: shared-memory address of the stage ([kKeys keys][kCPR] 16-byte chunks).
+  /// Each lane turns its key into a 32-bit offset from the layer's K range in 16-byte chunks, so
+  /// a copy costs one 32-bit shuffle, one wide multiply-add and the cp.async; keys past the length
+  /// (a suffix of the slice) are zero-filled from the range start, which is not read. (Two
+  /// shuffles, selects and 64-bit arithmetic per copy before: ~8 instructions per key of 36.) The
+  /// launcher routes caches with K ranges of 32 GiB or more elsewhere (ring_offsets_fit).
   __device__ __forceinline__ void issue(const KvCacheView<T, Id>& view, const ScoreBatch& a, const FastDiv& fd,
                                         int tiles_per_row, int L, int Hkv, int HC, int warp, int lane,
-                                        std::uint32_t stage_addr, const void* dummy) {
+                                        std::uint32_t stage_addr) {
     const long long row = i_rid;
     const int tl = i_tile;
     if (++i_tile == tiles_per_row) {
@@ -1340,24 +1391,33 @@ struct KeySliceFeed {
       kr = key_row(view, a, sr.b, sr.l, sr.g);
       kr_row = row;
     }
-    const int t = tl * kTile + warp * kKeys + lane;
+    const int t_first = tl * kTile + warp * kKeys;  // the slice's first key
+    const int t = t_first + lane;
     const int page = static_cast<int>(fd.div(static_cast<std::uint32_t>(t)));
     const int r = t - page * view.block.block_size;
-    const bool ok = lane < kKeys && t < kr.len;
+    const int n_valid = kr.len - t_first;  // keys kk >= n_valid are zero-filled
     const Id blk = slots[i_slot * 32 + lane];
     if (++i_slot == Slots::kSlots) i_slot = 0;
-    const T* src = ok ? kr.range + static_cast<std::int64_t>(blk) * kr.block_elems +
-                            static_cast<std::int64_t>(r) * kr.token_stride + kr.head_off
-                      : nullptr;
-    const unsigned long long mine = reinterpret_cast<unsigned long long>(src);
-    const int c = lane % kCPR;
+    constexpr int kElemsPerChunk = 16 / static_cast<int>(sizeof(T));
+    const std::uint32_t mine =
+        lane < n_valid && lane < kKeys
+            ? static_cast<std::uint32_t>(static_cast<std::uint64_t>(static_cast<std::int64_t>(blk) * kr.block_elems +
+                                                                    static_cast<std::int64_t>(r) * kr.token_stride +
+                                                                    kr.head_off) /
+                                         kElemsPerChunk)
+            : 0u;
+    constexpr int kKeysPerCopy = 32 / kCPR;  // whole keys one warp instruction moves
+    const int c = lane % kCPR, sub = lane / kCPR;
+    // chunk_swizzle(i·kKeysPerCopy + sub) = chunk_swizzle(i·kKeysPerCopy) ^ chunk_swizzle(sub): disjoint bits
+    const int c_sw = c ^ chunk_swizzle(sub);
+    const unsigned long long base = reinterpret_cast<unsigned long long>(kr.range) + static_cast<unsigned>(c) * 16u;
 #pragma unroll
     for (int i = 0; i < kCPR * kKeys / 32; ++i) {
-      const int kk = (i * 32 + lane) / kCPR;
-      const unsigned long long p = __shfl_sync(0xffffffffu, mine, kk);
-      const std::uint32_t dst = stage_addr + static_cast<std::uint32_t>((kk * kCPR + (c ^ chunk_swizzle(kk))) * 16);
-      const void* from = p != 0ull ? static_cast<const void*>(reinterpret_cast<const char*>(p) + c * 16) : dummy;
-      score_cp_async_16(dst, from, p != 0ull ? 16 : 0);
+      const int kk = i * kKeysPerCopy + sub;
+      const std::uint32_t o = __shfl_sync(0xffffffffu, mine, kk);
+      const std::uint32_t dst =
+          stage_addr + static_cast<std::uint32_t>((kk * kCPR + (c_sw ^ chunk_swizzle(i * kKeysPerCopy))) * 16);
+      score_cp_async_16_or_zero(dst, chunk_address(base, o), kk >= n_valid);
     }
   }
 };
@@ -1406,7 +1466,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
                           detail::FastDiv fd) {
   using Shape = detail::MmaMeanShape<T, HD, kWarps, kStages, kKeys>;
   using Tr = detail::MmaMaxTraits<T>;
-  constexpr int F = Shape::kF, KS = Shape::kSteps, NC = Shape::kChunks, CPR = Shape::kCPR;
+  constexpr int F = Shape::kF, KS = Shape::kSteps, CPR = Shape::kCPR;
   constexpr int SP = Shape::kSplits, NM = Shape::kMmas, GH = Shape::kHeads;
   extern __shared__ __align__(16) unsigned char mean_mma_smem[];
   uint4* const ring = reinterpret_cast<uint4*>(mean_mma_smem);
@@ -1440,7 +1500,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
   const auto fetch = [&]() { feed.fetch(view, a, fd, tiles_per_row, L, Hkv, HC, warp, lane); };
   const auto issue = [&](int stage) {
     feed.issue(view, a, fd, tiles_per_row, L, Hkv, HC, warp, lane,
-               ring_addr + static_cast<std::uint32_t>(stage * Shape::kSliceVecs * 16), view.data);
+               ring_addr + static_cast<std::uint32_t>(stage * Shape::kSliceVecs * 16));
   };
 
   // ---- consumer state ----
@@ -1529,30 +1589,21 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
 #pragma unroll
       for (int s = 0; s < F / 8; ++s)
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {  // column g4: head g4/2, TF32 head (g4 even) or rest (odd)
-          const int f = detail::mma_lane_pair<S>(c4, 2 * s + i);
-          const float c = cf[(f + f / 8) * 4 + (g4 >> 1)];
-          const std::uint32_t head = detail::tf32_head(c);
-          bn[s][i] = (g4 & 1) ? __float_as_uint(c - __uint_as_float(head)) : head;
-        }
+        for (int i = 0; i < 2; ++i)  // column g4: head g4/2, TF32 head (g4 even) or rest (odd)
+          bn[s][i] = detail::norm_b_word<S>(cf, c4, s, i, g4 >> 1, (g4 & 1) != 0);
       w_row = rid;
     }
     const int key0 = tile * Shape::kTile + warp * Shape::kKeysPerWarp;
     if (key0 >= len) return;  // uniform across the warp
 
-    // ldmatrix rows: lane l reads row (l & 7) + 8·((l >> 3) & 1) of the tile at chunk 2s + l/16
-    const std::uint32_t lm_addr = ring_addr + static_cast<std::uint32_t>(stage * Shape::kSliceVecs * 16) +
-                                  static_cast<std::uint32_t>(((lane & 7) + 8 * ((lane >> 3) & 1)) * CPR * 16);
-    const int lm_half = lane >> 4, lm_swz = lane & 7;  // the row's chunk swizzle (row & 7 = lane & 7)
+    const std::uint32_t st_addr = ring_addr + static_cast<std::uint32_t>(stage * Shape::kSliceVecs * 16);
     const int hg = row.hc * GH + c4;
     float* const out = scores + ((static_cast<std::int64_t>(row.b) * L + row.l) * Hq + row.g * G + (hg < G ? hg : 0)) *
                                     static_cast<std::int64_t>(a.max_len);
 #pragma unroll
     for (int mt = 0; mt < kKeys / 16; ++mt) {
       std::uint32_t fr[KS][4];  // A fragments of rows 16mt + g4, + 8: [k-step][word]
-#pragma unroll
-      for (int s = 0; s < KS; ++s)
-        detail::ldmatrix_x4(fr[s], lm_addr + static_cast<std::uint32_t>((16 * mt * CPR + ((2 * s + lm_half) ^ lm_swz)) * 16));
+      detail::load_tile_fragments<KS, CPR>(fr, st_addr + static_cast<std::uint32_t>(16 * mt * CPR * 16), lane);
       // Four independent accumulator chains (an MMA waits for the one before it on the same
       // accumulators; one chain of 2·KS + F/4 MMAs left the warps stalled on that latency):
       // trig even / odd k-steps, norm head / rest.
@@ -1561,25 +1612,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
       for (int s = 0; s < KS; ++s)
 #pragma unroll
         for (int x = 0; x < NM; ++x) Tr::mma(acc[s & 1], fr[s], bq[s][x][0], bq[s][x][1]);
-      // norm term: two TF32 MMAs per 8 pairs (|K_f| split into head and rest), same accumulators
-#pragma unroll
-      for (int s = 0; s < F / 8; ++s) {
-        float n[2][2];  // [pair 2s + i][row q]
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-#pragma unroll
-          for (int q = 0; q < 2; ++q) n[i][q] = detail::mma_lane_pair_norm<T, S, KS>(fr, q, 2 * s + i);
-        std::uint32_t hd[2][2], rs[2][2];
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-#pragma unroll
-          for (int q = 0; q < 2; ++q) {
-            hd[i][q] = detail::tf32_head(n[i][q]);
-            rs[i][q] = __float_as_uint(n[i][q] - __uint_as_float(hd[i][q]));
-          }
-        detail::mma_tf32(acc[2], hd[0][0], hd[0][1], hd[1][0], hd[1][1], bn[s][0], bn[s][1]);
-        detail::mma_tf32(acc[3], rs[0][0], rs[0][1], rs[1][0], rs[1][1], bn[s][0], bn[s][1]);
-      }
+      detail::norm_tile_mma<T, S>(acc[2], acc[3], fr, bn);  // norm term, two more chains
       // lane c4 holds head c4 (columns 2·c4, 2·c4 + 1) of rows g4 (q = 0) and g4 + 8 (q = 1)
 #pragma unroll
       for (int q = 0; q < 2; ++q) {
@@ -1621,7 +1654,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
                               detail::FastDiv fd) {
   using Shape = detail::MmaMeanShape<T, HD, kWarps, kStages>;
   using Tr = detail::MmaMaxTraits<T>;
-  constexpr int F = Shape::kF, KS = Shape::kSteps, NC = Shape::kChunks, SP = Shape::kSplits, GH = Shape::kHeads;
+  constexpr int F = Shape::kF, KS = Shape::kSteps, SP = Shape::kSplits, GH = Shape::kHeads;
   const int D = m.num_offsets;
   const int NT = (D + 1) / 2;
   extern __shared__ __align__(16) unsigned char max_pipe_smem[];
@@ -1650,16 +1683,19 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
   const int tile0 = static_cast<int>(it0 - row0 * tiles_per_row);
   Id* const warp_slots = reinterpret_cast<Id*>(bfrag_s + static_cast<std::size_t>(NT) * KS * SP * 32) +
                          static_cast<std::size_t>(warp) * (kStages + 1) * 32;
-  detail::KeySliceFeed<T, Id, HD, Shape::kTile, 32, kStages> feed(row0, tile0, warp_slots);
+  detail::KeySliceFeed<T, Id, HD, Shape::kTile, 32, kStages, true> feed(row0, tile0, warp_slots);
   const auto fetch = [&]() { feed.fetch(view, a, fd, tiles_per_row, L, Hkv, HC, warp, lane); };
   const auto issue = [&](int stage) {
     feed.issue(view, a, fd, tiles_per_row, L, Hkv, HC, warp, lane,
-               ring_addr + static_cast<std::uint32_t>(stage * Shape::kSliceVecs * 16), view.data);
+               ring_addr + static_cast<std::uint32_t>(stage * Shape::kSliceVecs * 16));
   };
 
   long long seen_row = -1, w_row = -1, c_rid = row0;
   int c_tile = tile0, w_b = -1, len = 0;
   detail::ScoreRow row{};
+  std::uint32_t bn[F / 8][2];  // this lane's norm B fragments (TF32) of row w_row
+#pragma unroll
+  for (int s = 0; s < F / 8; ++s) bn[s][0] = bn[s][1] = 0u;
 
   const auto compute = [&](int stage) {  // the item at the compute cursor, then advance it
     const long long rid = c_rid;
@@ -1713,10 +1749,10 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
             const int e = part == 0 ? e_re : e_im;
             std::uint16_t sp[SP];
             Tr::split(part == 0 ? wr : wi, sp);
-            // element e -> k-step 2(e/32) + (e%8)/4, lane n·4 + (e%32)/8, word (e%4)/2, half e%2
-            const int s = 2 * (e >> 5) + ((e & 7) >> 2);
-            const int ln = n * 4 + ((e & 31) >> 3);
-            const int w = (e & 3) >> 1;
+            // element e -> k-step e/16, lane n·4 + (e%8)/2, word (e%16)/8, half e%2 (ldmatrix order)
+            const int s = e >> 4;
+            const int ln = n * 4 + ((e & 7) >> 1);
+            const int w = (e & 15) >> 3;
 #pragma unroll
             for (int x = 0; x < SP; ++x)
               b16[((((static_cast<std::size_t>(o >> 1) * KS + s) * SP + x) * 32 + ln) * 2 + w) * 2 + (e & 1)] = sp[x];
@@ -1724,121 +1760,95 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
         }
       }
       __syncthreads();
+#pragma unroll
+      for (int s = 0; s < F / 8; ++s)
+#pragma unroll
+        for (int i = 0; i < 2; ++i)  // column g4: head g4 % 4 (as the trig columns), TF32 head (g4 < 4) or rest
+          bn[s][i] = detail::norm_b_word<S>(cf, c4, s, i, g4 & 3, g4 >= 4);
       w_row = rid;
     }
     const int key0 = tile * Shape::kTile + warp * Shape::kKeysPerWarp;
     if (key0 >= len) return;  // uniform across the warp
 
-    // Rows q = 0..3 of this lane: slice rows 8q + g4 (m-tile q / 2); chunks 4j + c4.
-    const uint4* st = my_ring + stage * Shape::kSliceVecs;
-    const int swz = (g4 & 1) << 2;
-    std::uint32_t raw[4][NC][4];
+    // A fragments of the two m16 tiles (rows 16mt + g4 and + 8), natural element order
+    const std::uint32_t st_addr = ring_addr + static_cast<std::uint32_t>(stage * Shape::kSliceVecs * 16);
+    std::uint32_t fr[2][KS][4];
 #pragma unroll
-    for (int q = 0; q < 4; ++q)
-#pragma unroll
-      for (int j = 0; j < NC; ++j) {
-        const uint4 v = st[(8 * q + g4) * Shape::kCPR + ((4 * j + c4) ^ swz)];
-        raw[q][j][0] = v.x;
-        raw[q][j][1] = v.y;
-        raw[q][j][2] = v.z;
-        raw[q][j][3] = v.w;
-      }
+    for (int mt = 0; mt < 2; ++mt)
+      detail::load_tile_fragments<KS, Shape::kCPR>(fr[mt], st_addr + static_cast<std::uint32_t>(16 * mt * Shape::kCPR * 16),
+                                                   lane);
 
-    // ---- norm term on the CUDA cores ----
-    float nrm[4][GH];
+    // ---- norm term (TF32 MMAs): lane c4 gets the head (c4 < 2) or the rest (c4 >= 2) of heads
+    // 2(c4 & 1) + i, the rest from lane c4 ^ 2 ----
+    float nr[2][4];  // [m-tile][2·(row g4 + 8q) + i]
 #pragma unroll
-    for (int q = 0; q < 4; ++q)
+    for (int mt = 0; mt < 2; ++mt) {
+      float nacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      detail::norm_tile_mma<T, S>(nacc, nacc, fr[mt], bn);
 #pragma unroll
-      for (int h = 0; h < GH; ++h) nrm[q][h] = 0.0f;
-#pragma unroll
-    for (int j = 0; j < NC; ++j) {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        const int el = 32 * j + 8 * c4 + e;
-        bool is_re;
-        int f;
-        if constexpr (S == RopeStyle::kHalf) {
-          is_re = j < NC / 2;
-          f = el;
-        } else {
-          is_re = (e & 1) == 0;
-          f = el >> 1;
-        }
-        if (!is_re) continue;
-        const float4 cw = c_s[f + f / 8];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          float re, im;
-          if constexpr (S == RopeStyle::kHalf) {
-            re = detail::element<T>(raw[q][j], e);
-            im = detail::element<T>(raw[q][j + NC / 2], e);
-          } else {
-            re = detail::element<T>(raw[q][j], e);
-            im = detail::element<T>(raw[q][j], e + 1);
-          }
-          const float sq = fmaf(re, re, fmaf(im, im, 1e-8f));
-          const float n = detail::pair_norm(sq);
-          nrm[q][0] = fmaf(cw.x, n, nrm[q][0]);
-          nrm[q][1] = fmaf(cw.y, n, nrm[q][1]);
-          nrm[q][2] = fmaf(cw.z, n, nrm[q][2]);
-          nrm[q][3] = fmaf(cw.w, n, nrm[q][3]);
-        }
-      }
-    }
-    // Reduce over the quad: lanes c4 and c4 ^ 2 keep heads 2(c4&1), 2(c4&1)+1 (the MMA columns).
-    const bool hi_pair = (c4 & 1) != 0;
-    float nr[4][2];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const float send = hi_pair ? nrm[q][i] : nrm[q][i + 2];
-        const float keep = hi_pair ? nrm[q][i + 2] : nrm[q][i];
-        nr[q][i] = keep + __shfl_xor_sync(0xffffffffu, send, 1);
-        nr[q][i] += __shfl_xor_sync(0xffffffffu, nr[q][i], 2);
-      }
+      for (int v = 0; v < 4; ++v) nr[mt][v] = nacc[v] + __shfl_xor_sync(0xffffffffu, nacc[v], 2);
     }
 
     // ---- dot products on the tensor cores, running max over δ ----
-    float best[4][2];
+    float best[2][4];  // [m-tile][2·(row g4 + 8q) + i]: head 2(c4 & 1) + i
 #pragma unroll
-    for (int q = 0; q < 4; ++q) best[q][0] = best[q][1] = -INFINITY;
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int v = 0; v < 4; ++v) best[mt][v] = -INFINITY;
     const int my_delta_odd = c4 >> 1;
     for (int nt = 0; nt < NT; ++nt) {
+      // All of the n-tile's B fragments first (left to itself the compiler loads each one just
+      // before its MMA, two registers in rotation, and the warp waits on every load), then the
+      // MMAs in two chains per m-tile (even / odd k-steps) so that fewer wait on their predecessor.
+      const uint2* bt = bfrag_s + static_cast<std::size_t>(nt) * KS * SP * 32 + lane;
+      uint2 b[KS][SP];
+#pragma unroll
+      for (int s = 0; s < KS; ++s)
+#pragma unroll
+        for (int x = 0; x < SP; ++x) b[s][x] = bt[(s * SP + x) * 32];
+      float part[2][2][4] = {};  // [m-tile][k-step parity]
+#pragma unroll
+      for (int s = 0; s < KS; ++s)
+#pragma unroll
+        for (int x = 0; x < SP; ++x) {
+          Tr::mma(part[0][s & 1], fr[0][s], b[s][x].x, b[s][x].y);
+          Tr::mma(part[1][s & 1], fr[1][s], b[s][x].x, b[s][x].y);
+        }
       float acc[2][4];
-      detail::max_tile_dot<Tr, KS, SP>(acc, raw, bfrag_s + static_cast<std::size_t>(nt) * KS * SP * 32 + lane);
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) acc[mt][v] = part[mt][0][v] + part[mt][1][v];
       if (2 * nt + my_delta_odd < D) {
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            // acc[mt][i] -> row 16mt + g4, acc[mt][2 + i] -> row 16mt + g4 + 8; head 2(c4&1)+i
-            best[2 * mt][i] = best[2 * mt][i] < acc[mt][i] ? acc[mt][i] : best[2 * mt][i];
-            best[2 * mt + 1][i] = best[2 * mt + 1][i] < acc[mt][2 + i] ? acc[mt][2 + i] : best[2 * mt + 1][i];
-          }
+          for (int v = 0; v < 4; ++v) best[mt][v] = best[mt][v] < acc[mt][v] ? acc[mt][v] : best[mt][v];
       }
     }
 #pragma unroll
-    for (int q = 0; q < 4; ++q)
+    for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const float other = __shfl_xor_sync(0xffffffffu, best[q][i], 2);  // the other δ parity
-        best[q][i] = best[q][i] < other ? other : best[q][i];
+      for (int v = 0; v < 4; ++v) {
+        const float other = __shfl_xor_sync(0xffffffffu, best[mt][v], 2);  // the other δ parity
+        best[mt][v] = best[mt][v] < other ? other : best[mt][v];
       }
     if (c4 < 2) {
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int t = key0 + 8 * q + g4;
-        if (t >= len) continue;
+      for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const int hg = row.hc * GH + 2 * c4 + i;
-          if (hg >= G) continue;
-          const std::int64_t o =
-              ((static_cast<std::int64_t>(row.b) * L + row.l) * Hq + row.g * G + hg) * a.max_len + t;
-          scores[o] = best[q][i] + nr[q][i];
+        for (int q = 0; q < 2; ++q) {
+          const int t = key0 + 16 * mt + 8 * q + g4;
+          if (t >= len) continue;
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const int hg = row.hc * GH + 2 * c4 + i;
+            if (hg >= G) continue;
+            const std::int64_t o =
+                ((static_cast<std::int64_t>(row.b) * L + row.l) * Hq + row.g * G + hg) * a.max_len + t;
+            scores[o] = best[mt][2 * q + i] + nr[mt][2 * q + i];
+          }
         }
-      }
     }
   };
 
