@@ -29,9 +29,9 @@ struct ScoreOptions {
   bool tensor_core_max = true;
   /// Mean-aggregation (and disable_trig) kernel: 0 score_mean_kernel (8 keys per lane, one tile
   /// in flight per CTA), 1 score_mean_pipe_kernel (4 keys per lane, next tile prefetched into a
-  /// register double buffer; bitwise the same scores as 0), 2 to 5 score_mean_mma_kernel (dot
-  /// products on the tensor cores, per-warp cp.async rings; tuning::sm90::ScoreMeanMma::Variant2
-  /// to Variant5; 16-bit caches, else variant 0; within fp32 rounding of 0, not bitwise).
+  /// register double buffer; bitwise the same scores as 0), 2, 3 and 4 score_mean_mma_kernel (dot
+  /// products on the tensor cores, per-warp cp.async rings; tuning::sm90::ScoreMeanMma::Variant2,
+  /// 3 and 4; 16-bit caches, else variant 0; within fp32 rounding of 0, not bitwise).
   /// Default 2: fastest on the H200 (2026-11-30: 36.2–37.0 µs vs 37.4–37.8 for 0 on one Qwen3-8B
   /// layer at 32K; 75 vs 80 µs for a whole 36-layer round's scores).
   int mean_variant = 2;
@@ -109,10 +109,10 @@ template <class T, class Id>
   return static_cast<unsigned long long>(view.range_stride) * sizeof(T) < (1ull << 35);
 }
 
-/// Tensor-core mean path (mean_variant 2 to 5): 16-bit caches; fp16 weights far from fp16's range limit.
+/// Tensor-core mean path (mean_variant 2, 3, 4): 16-bit caches; fp16 weights far from fp16's range limit.
 template <class T>
 [[nodiscard]] inline bool use_mma_mean(const ScoreModelView& m, const ScoreOptions& opt) noexcept {
-  if (opt.mean_variant < 2 || opt.mean_variant > 5) return false;
+  if (opt.mean_variant < 2 || opt.mean_variant > 4) return false;
   if (m.aggregation != Aggregation::kMean && !m.disable_trig) return false;
   if constexpr (std::is_same_v<T, bf16_storage>) return true;
   else if constexpr (std::is_same_v<T, f16_storage>) return m.max_abs_weight < 16384.0;  // |W_f| <= s²|q̄_f|
@@ -316,10 +316,8 @@ template <class T, class Id>
         return detail::launch_score_mean_mma<T, Id, HD, S, Tune::Variant2>(view, model, batch, scores, stream, options);
       if (mma_mean && options.mean_variant == 3)
         return detail::launch_score_mean_mma<T, Id, HD, S, Tune::Variant3>(view, model, batch, scores, stream, options);
-      if (mma_mean && options.mean_variant == 4)
-        return detail::launch_score_mean_mma<T, Id, HD, S, Tune::Variant4>(view, model, batch, scores, stream, options);
       if (mma_mean)
-        return detail::launch_score_mean_mma<T, Id, HD, S, Tune::Variant5>(view, model, batch, scores, stream, options);
+        return detail::launch_score_mean_mma<T, Id, HD, S, Tune::Variant4>(view, model, batch, scores, stream, options);
       if (G <= 4) return detail::launch_score_kernel<T, Id, HD, S, 4>(view, model, batch, scores, stream, options);
       return detail::launch_score_kernel<T, Id, HD, S, 8>(view, model, batch, scores, stream, options);  // G > 8: chunks of 8
     };

@@ -1799,32 +1799,26 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
     for (int nt = 0; nt < NT; ++nt) {
       // All of the n-tile's B fragments first (left to itself the compiler loads each one just
       // before its MMA, two registers in rotation, and the warp waits on every load), then the
-      // MMAs in kChains chains per m-tile (k-step s feeds chain s % kChains) so that fewer wait on
-      // their predecessor (ncu, 2026-12-01, two chains: "wait" the top stall, tensor pipe 44% busy).
+      // MMAs in two chains per m-tile (even / odd k-steps) so that fewer wait on their predecessor.
       const uint2* bt = bfrag_s + static_cast<std::size_t>(nt) * KS * SP * 32 + lane;
       uint2 b[KS][SP];
 #pragma unroll
       for (int s = 0; s < KS; ++s)
 #pragma unroll
         for (int x = 0; x < SP; ++x) b[s][x] = bt[(s * SP + x) * 32];
-      constexpr int kChains = KS < 4 ? KS : 4;
-      float part[2][kChains][4] = {};  // [m-tile][chain]
+      float part[2][2][4] = {};  // [m-tile][k-step parity]
 #pragma unroll
       for (int s = 0; s < KS; ++s)
 #pragma unroll
         for (int x = 0; x < SP; ++x) {
-          Tr::mma(part[0][s % kChains], fr[0][s], b[s][x].x, b[s][x].y);
-          Tr::mma(part[1][s % kChains], fr[1][s], b[s][x].x, b[s][x].y);
+          Tr::mma(part[0][s & 1], fr[0][s], b[s][x].x, b[s][x].y);
+          Tr::mma(part[1][s & 1], fr[1][s], b[s][x].x, b[s][x].y);
         }
       float acc[2][4];
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-        for (int v = 0; v < 4; ++v) {
-          acc[mt][v] = part[mt][0][v];
-#pragma unroll
-          for (int c = 1; c < kChains; ++c) acc[mt][v] += part[mt][c][v];
-        }
+        for (int v = 0; v < 4; ++v) acc[mt][v] = part[mt][0][v] + part[mt][1][v];
       if (2 * nt + my_delta_odd < D) {
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)

@@ -25,7 +25,7 @@ struct Compact {
   static constexpr int kVecsPerThread = 4;
 };
 
-/// Tensor-core mean scorer (score_mean_mma_kernel; ScoreOptions::mean_variant 2 to 5): warps per
+/// Tensor-core mean scorer (score_mean_mma_kernel; ScoreOptions::mean_variant 2, 3, 4): warps per
 /// CTA, cp.async ring stages per warp (a stage is a 32-key slice: 8 KB at d = 128) and the CTAs
 /// per SM each is built for. Per SM both keep ~128-190 KB of K in flight (HBM needs ~50-70 KB at
 /// ~1.5 µs loaded latency), with 8 or 12 warps to issue the per-pair norm math.
@@ -41,11 +41,6 @@ struct ScoreMeanMma {
   /// issued only every ~1.9 cycles; <= 128 registers).
   struct Variant4 {
     static constexpr int kWarps = 8, kStages = 3, kMinCtas = 2, kKeys = 16;
-  };
-  /// 2 CTAs x 4 warps, 6 stages of 16 keys: the same 96 KB of rings per CTA as Variant2 in finer
-  /// stages, so a warp keeps 5/6 of its ring in flight while it computes (2/3 with 3 stages).
-  struct Variant5 {
-    static constexpr int kWarps = 4, kStages = 6, kMinCtas = 2, kKeys = 16;
   };
 };
 
