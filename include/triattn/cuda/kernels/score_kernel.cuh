@@ -1349,6 +1349,14 @@ struct KeySliceFeed {
       : f_rid(row0), f_tile(tile0), i_rid(row0), i_tile(tile0),
         slots_addr(static_cast<std::uint32_t>(__cvta_generic_to_shared(warp_slots))), slots(warp_slots) {}
 
+  /// Starts the loads of the first row's addresses (sequence id, length), so that they overlap
+  /// the first table fetch instead of following it.
+  __device__ __forceinline__ void prime(const KvCacheView<T, Id>& view, const ScoreBatch& a, int L, int Hkv, int HC) {
+    const ScoreRow sr = decode_score_row(i_rid, L, Hkv, HC);
+    kr = key_row(view, a, sr.b, sr.l, sr.g);
+    kr_row = i_rid;
+  }
+
   __device__ __forceinline__ void fetch(const KvCacheView<T, Id>& view, const ScoreBatch& a, const FastDiv& fd,
                                         int tiles_per_row, int L, int Hkv, int HC, int warp, int lane) {
     const long long row = f_rid;
@@ -1426,9 +1434,14 @@ struct KeySliceFeed {
 /// Commit group g of the loop holds the slice of item g + kStages - 1 and the table fetch of item
 /// g + kStages - 1 + kAhead; waiting until kStages - 1 groups are pending completes the slice
 /// of item k and, because kAhead >= kStages, the table entry of every item issued next.
-/// fetch(), issue(stage) and compute(stage) are the caller's bound lambdas.
-template <int kStages, class Fetch, class Issue, class Compute>
-__device__ __forceinline__ void run_key_ring(int n_items, Fetch&& fetch, Issue&& issue, Compute&& compute) {
+/// fetch(), issue(stage), prepare() and compute(stage) are the caller's bound lambdas: prepare()
+/// advances the consumer to item k (its row's weights on a row change; it may __syncthreads,
+/// its branches being uniform across the CTA) and returns whether the warp has keys in it; it
+/// runs before the wait, so that a row change's loads and weight folding overlap the slices in
+/// flight instead of following them.
+template <int kStages, class Fetch, class Issue, class Prepare, class Compute>
+__device__ __forceinline__ void run_key_ring(int n_items, Fetch&& fetch, Issue&& issue, Prepare&& prepare,
+                                             Compute&& compute) {
   constexpr int kAhead = KeyTableSlots<kStages>::kAhead;
   static_assert(kAhead >= kStages, "a table entry must land before its slice is issued");
 #pragma unroll
@@ -1447,9 +1460,10 @@ __device__ __forceinline__ void run_key_ring(int n_items, Fetch&& fetch, Issue&&
     if (kn < n_items) issue(kn % kStages);
     if (kn + kAhead < n_items) fetch();
     score_cp_async_commit();
+    const bool live = prepare();
     score_cp_async_wait<kStages - 1>();  // this lane's copies of item k have landed
     __syncwarp();                          // ... and every lane's
-    compute(k % kStages);
+    if (live) compute(k % kStages);
     __syncwarp();  // every lane has read stage k % kStages before it is refilled
   }
   score_cp_async_wait<0>();
@@ -1516,7 +1530,8 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
 #pragma unroll
   for (int s = 0; s < F / 8; ++s) bn[s][0] = bn[s][1] = 0u;
 
-  const auto compute = [&](int stage) {  // the item at the compute cursor, then advance it
+  int key0 = 0;  // this warp's first key of the current item (set by prepare)
+  const auto prepare = [&]() -> bool {  // the item at the compute cursor, then advance it
     const long long rid = c_rid;
     const int tile = c_tile;
     if (++c_tile == tiles_per_row) {
@@ -1529,7 +1544,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
       len = l0 < a.max_len ? (l0 > 0 ? l0 : 0) : a.max_len;
       seen_row = rid;
     }
-    if (tile * Shape::kTile >= len) return;  // no key in this item (uniform across the CTA)
+    if (tile * Shape::kTile >= len) return false;  // no key in this item (uniform across the CTA)
     if (rid != w_row) {                      // first item of a row with keys (uniform): its weights
       __syncthreads();                       // every warp is done with the previous row's weights
       if (row.b != w_b) {
@@ -1593,8 +1608,10 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
           bn[s][i] = detail::norm_b_word<S>(cf, c4, s, i, g4 >> 1, (g4 & 1) != 0);
       w_row = rid;
     }
-    const int key0 = tile * Shape::kTile + warp * Shape::kKeysPerWarp;
-    if (key0 >= len) return;  // uniform across the warp
+    key0 = tile * Shape::kTile + warp * Shape::kKeysPerWarp;
+    return key0 < len;  // uniform across the warp
+  };
+  const auto compute = [&](int stage) {
 
     const std::uint32_t st_addr = ring_addr + static_cast<std::uint32_t>(stage * Shape::kSliceVecs * 16);
     const int hg = row.hc * GH + c4;
@@ -1624,7 +1641,8 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
     }
   };
 
-  detail::run_key_ring<kStages>(n_items, fetch, issue, compute);
+  feed.prime(view, a, L, Hkv, HC);
+  detail::run_key_ring<kStages>(n_items, fetch, issue, prepare, compute);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1697,7 +1715,8 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
 #pragma unroll
   for (int s = 0; s < F / 8; ++s) bn[s][0] = bn[s][1] = 0u;
 
-  const auto compute = [&](int stage) {  // the item at the compute cursor, then advance it
+  int key0 = 0;  // this warp's first key of the current item (set by prepare)
+  const auto prepare = [&]() -> bool {  // the item at the compute cursor, then advance it
     const long long rid = c_rid;
     const int tile = c_tile;
     if (++c_tile == tiles_per_row) {
@@ -1710,7 +1729,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
       len = l0 < a.max_len ? (l0 > 0 ? l0 : 0) : a.max_len;
       seen_row = rid;
     }
-    if (tile * Shape::kTile >= len) return;  // no key in this item (uniform across the CTA)
+    if (tile * Shape::kTile >= len) return false;  // no key in this item (uniform across the CTA)
     if (rid != w_row) {                      // first item of a row with keys (uniform): its weights
       __syncthreads();                       // every warp is done with the previous row's fragments
       if (row.b != w_b) {
@@ -1767,8 +1786,10 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
           bn[s][i] = detail::norm_b_word<S>(cf, c4, s, i, g4 & 3, g4 >= 4);
       w_row = rid;
     }
-    const int key0 = tile * Shape::kTile + warp * Shape::kKeysPerWarp;
-    if (key0 >= len) return;  // uniform across the warp
+    key0 = tile * Shape::kTile + warp * Shape::kKeysPerWarp;
+    return key0 < len;  // uniform across the warp
+  };
+  const auto compute = [&](int stage) {
 
     // A fragments of the two m16 tiles (rows 16mt + g4 and + 8), natural element order
     const std::uint32_t st_addr = ring_addr + static_cast<std::uint32_t>(stage * Shape::kSliceVecs * 16);
@@ -1852,7 +1873,8 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
     }
   };
 
-  detail::run_key_ring<kStages>(n_items, fetch, issue, compute);
+  feed.prime(view, a, L, Hkv, HC);
+  detail::run_key_ring<kStages>(n_items, fetch, issue, prepare, compute);
 }
 
 }  // namespace triattn::cuda
