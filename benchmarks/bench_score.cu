@@ -160,12 +160,9 @@ void BM_score(benchmark::State& state) {
 /// keys are still read and the norm term and the MMAs still run), per mean variant.
 /// Argument `shuffled` 0 lays each sequence's blocks out in order (the cache is then one
 /// contiguous range per sequence, as BM_read_k reads it), 1 shuffles them as BM_score does.
-/// Argument `max_ctas` (ScoreOptions::max_ctas) 0 lets the ring kernels align CTAs to rows
-/// (score_grid_rows: 256 CTAs here), 264 forces one full wave whose CTAs straddle rows.
 void BM_score_trig(benchmark::State& state) {
   cuda::ScoreOptions opt;
   opt.mean_variant = static_cast<int>(state.range(1));
-  opt.max_ctas = static_cast<int>(state.range(3));
   constexpr int kSeqs = 4;
   Setup s(1, 32, 8, 32768, kSeqs, 16, KvLayout::kNHD, Aggregation::kMean, 1, state.range(0) != 0,
           state.range(2) != 0);
@@ -315,8 +312,8 @@ BENCHMARK(BM_score)
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_score_trig)
-    ->ArgNames({"disable_trig", "variant", "shuffled", "max_ctas"})
-    ->ArgsProduct({{0, 1}, {0, 2}, {1, 0}, {0, 264}})
+    ->ArgNames({"disable_trig", "variant", "shuffled"})
+    ->ArgsProduct({{0, 1}, {0, 2}, {1, 0}})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_ring_read_probe)->UseManualTime()->Unit(benchmark::kMicrosecond);

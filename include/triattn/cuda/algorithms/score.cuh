@@ -76,20 +76,6 @@ inline unsigned score_grid(long long items, int sms, int per_sm, int max_ctas = 
   return static_cast<unsigned>(g > 0 ? g : 1);
 }
 
-/// Grid of the ring scorers over rows x tiles_per_row items, split by cta_item_range: where a
-/// row has at least as many tiles as a CTA's share, rows x ceil(tiles / share) CTAs, so that
-/// every CTA's range lies inside one row (no row change, with its length and weight loads and
-/// barriers, in the middle of a CTA's stream); else as score_grid. Only with max_ctas == 0.
-inline unsigned score_grid_rows(long long rows, long long tiles_per_row, int sms, int per_sm, int max_ctas) noexcept {
-  const long long items = rows * tiles_per_row;
-  const unsigned plain = score_grid(items, sms, per_sm, max_ctas);
-  if (max_ctas > 0 || rows <= 0 || tiles_per_row <= 0) return plain;
-  const long long share = (items + plain - 1) / plain;
-  if (share > tiles_per_row) return plain;
-  const long long g = rows * ((tiles_per_row + share - 1) / share);
-  return g <= static_cast<long long>(plain) ? static_cast<unsigned>(g) : plain;
-}
-
 template <class T, class Id>
 [[nodiscard]] inline cudaError_t check_score_args(const KvCacheView<T, Id>& view, const ScoreModelView& m,
                                                   const ScoreBatch& a, const float* scores) noexcept {
@@ -157,9 +143,8 @@ template <class T, class Id, int HD, RopeStyle S, class Cfg>
       (void)cudaGetLastError();
       return resident_ctas(kernel, Shape::kThreads, smem);
     }();
-    const long long tiles = (a.max_len + Shape::kTile - 1) / Shape::kTile;
-    kernel<<<score_grid_rows(rows, tiles, sms, per_sm, opt.max_ctas), Shape::kThreads, smem, stream>>>(view, m, a,
-                                                                                                   scores, fd);
+    const long long items = rows * ((a.max_len + Shape::kTile - 1) / Shape::kTile);
+    kernel<<<score_grid(items, sms, per_sm, opt.max_ctas), Shape::kThreads, smem, stream>>>(view, m, a, scores, fd);
     return check_launch(stream);
   } else {
     return cudaErrorNotSupported;
@@ -190,9 +175,8 @@ template <class T, class Id, int HD, RopeStyle S>
       cached.store(c, std::memory_order_relaxed);
     }
     const int per_sm = static_cast<int>(c & 0xffff) > 0 ? static_cast<int>(c & 0xffff) : 1;
-    const long long tiles = (a.max_len + Shape::kTile - 1) / Shape::kTile;
-    kernel<<<score_grid_rows(rows, tiles, sms, per_sm, opt.max_ctas), Shape::kThreads, smem, stream>>>(view, m, a,
-                                                                                                   scores, fd);
+    const long long items = rows * ((a.max_len + Shape::kTile - 1) / Shape::kTile);
+    kernel<<<score_grid(items, sms, per_sm, opt.max_ctas), Shape::kThreads, smem, stream>>>(view, m, a, scores, fd);
     return check_launch(stream);
   } else {
     return cudaErrorNotSupported;
@@ -240,9 +224,8 @@ template <class T, class Id, int HD, RopeStyle S>
       cached.store(c, std::memory_order_relaxed);
     }
     const int per_sm = static_cast<int>(c & 0xffff) > 0 ? static_cast<int>(c & 0xffff) : 1;
-    const long long tiles = (a.max_len + Shape::kTile - 1) / Shape::kTile;
-    kernel<<<score_grid_rows(rows, tiles, sms, per_sm, opt.max_ctas), Shape::kThreads, smem, stream>>>(view, m, a,
-                                                                                                   scores, fd);
+    const long long items = rows * ((a.max_len + Shape::kTile - 1) / Shape::kTile);
+    kernel<<<score_grid(items, sms, per_sm, opt.max_ctas), Shape::kThreads, smem, stream>>>(view, m, a, scores, fd);
     return check_launch(stream);
   } else {
     return cudaErrorNotSupported;
