@@ -32,14 +32,15 @@ struct ScoreOptions {
   /// register double buffer; bitwise the same scores as 0), 2, 3 and 4 score_mean_mma_kernel (dot
   /// products on the tensor cores, per-warp cp.async rings; tuning::sm90::ScoreMeanMma::Variant2,
   /// 3 and 4; 16-bit caches, else variant 0; within fp32 rounding of 0, not bitwise).
-  /// Default 2: fastest on the H200 (2026-11-30: 36.2–37.0 µs vs 37.4–37.8 for 0 on one Qwen3-8B
-  /// layer at 32K; 75 vs 80 µs for a whole 36-layer round's scores).
+  /// Default 2: fastest on the H200 (2026-12-01: 27.9 µs vs 31.4 for 0 and 29.3 for 3 on one
+  /// Qwen3-8B layer at 32K; 68 vs 72 µs for a whole 36-layer round's scores). Variant 3 is ahead
+  /// from batch ~8 up (1,569 vs 1,615 µs at batch 32).
   int mean_variant = 2;
   /// Tensor-core max kernel (16-bit caches, tensor_core_max): 0 score_max_mma_kernel (load a
   /// tile, then compute it), 1 score_max_mma_pipe_kernel (per-warp cp.async rings, cos/sin once
   /// per CTA and sequence; falls back to 0 when its shared memory exceeds the device's limit,
-  /// i.e. for very many offsets). Within fp32 rounding of each other. Default 1: 70–74 µs vs
-  /// 76–79 for 0 on the H200 (2026-11-30).
+  /// i.e. for very many offsets). Within fp32 rounding of each other. Default 1: 59.5–59.8 µs vs
+  /// 70.6–71.3 for 0 on the H200 (2026-12-01).
   int max_variant = 1;
   /// Upper bound of the grid (0: one wave of resident CTAs). Tests lower it so that every CTA
   /// walks many items across rows and sequences.

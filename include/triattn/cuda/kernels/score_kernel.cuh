@@ -1117,20 +1117,21 @@ __global__ void __launch_bounds__(detail::MmaMaxShape<T, HD>::kThreads, 2)
 // Why: the CUDA-core mean kernels issue ~1,200 instructions per key (4 heads x 3 FMAs per pair,
 // unpacking, weights), about as long as reading the key, and they load a tile, then compute it,
 // so HBM idles while they compute (measured: 37 µs against ~16 µs for the K read). Here
-//  - the dot products Σ_e W_e·k_e run as mma.sync m16n8k16 with the keys as A (exact) and the
-//    folded weights as B, split into 16-bit parts as in score_max_mma_kernel (bf16 hi + mid + lo,
-//    fp16 hi + lo). Column n of MMA x is (head n/2, split 2x + n%2) (the column past the last
-//    split is zero), so lane c4 of a quad ends with head c4's dot product in accumulators 0 + 1
-//    (row g4) and 2 + 3 (row g4 + 8);
-//  - only the norm term Σ_f c_f·|K_f| stays on the CUDA cores (~10 instructions per pair);
+//  - the dot products Σ_e W_e·k_e run as mma.sync m16n8k16 with the keys as A (exact, ldmatrix
+//    fragments in natural element order) and the folded weights as B, split into 16-bit parts
+//    as in score_max_mma_kernel (bf16 hi + mid + lo, fp16 hi + lo). Column n of MMA x is
+//    (head n/2, split 2x + n%2) (the column past the last split is zero), so lane c4 of a quad
+//    ends with head c4's dot product in accumulators 0 + 1 (row g4) and 2 + 3 (row g4 + 8);
+//  - the norm term Σ_f c_f·|K_f| runs as m16n8k8 TF32 MMAs into the same columns (norm_tile_mma:
+//    the CUDA cores only unpack, square, take one MUFU.SQRT and split each pair's norm);
 //  - each warp streams its 32-key (variant 4: 16-key) slices of the CTA's items through its own
 //    kStages-deep cp.async ring (kStages - 1 slices in flight while it computes one; no CTA
 //    barrier per tile);
 //    block-table entries are fetched into shared memory a ring depth ahead (KeySliceFeed);
 //  - the float64 fold runs once per (CTA, row) and the float64 cos/sin once per (CTA, sequence),
 //    while the ring's first loads are in flight.
-// Key rows in shared memory are 16-byte-chunk swizzled (chunk ^ 4 on odd rows) so that a quarter
-// warp's fragment reads (rows g4, g4 + 1 x chunks 4j .. 4j + 3) hit distinct banks.
+// Key rows in shared memory are 16-byte-chunk swizzled (chunk c of row r at c ^ (r & 7)) so that
+// the 8 rows an ldmatrix reads hit distinct banks.
 // ---------------------------------------------------------------------------------------------
 
 namespace detail {
@@ -1647,12 +1648,15 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
 
 // ---------------------------------------------------------------------------------------------
 // Max aggregation on the tensor cores, pipelined (16-bit caches; ScoreOptions::max_variant 1).
-// Same fragments, MMAs and max as score_max_mma_kernel (B fragments [n-tile][k-step][split][lane]
-// in shared memory, two m16 tiles per warp, column n of an n-tile = (δ = 2·nt + n/4, head n%4)).
-// What changes is around them: keys arrive through per-warp cp.async rings (KeySliceFeed), so a
-// warp's next slices are in flight while it runs its ~400 MMAs per 32 keys, instead of loading,
-// waiting, then computing; and the |D|·F float64 cos/sin of (t0 + δ)·ω are computed once per
-// (CTA, sequence) into shared memory, so a row change only re-folds q̄ (|D| products per (head, f)).
+// The same MMAs and max as score_max_mma_kernel (B fragments [n-tile][k-step][split][lane] in
+// shared memory, two m16 tiles per warp, column n of an n-tile = (δ = 2·nt + n/4, head n%4)), on
+// ldmatrix A fragments in natural element order (the B fragments follow it). Around them: keys
+// arrive through per-warp cp.async rings (KeySliceFeed), so a warp's next slices are in flight
+// while it runs its ~430 MMAs per 32 keys, instead of loading, waiting, then computing; the
+// |D|·F float64 cos/sin of (t0 + δ)·ω are computed once per (CTA, sequence) into shared memory,
+// so a row change only re-folds q̄ (|D| products per (head, f)); and the norm term runs as TF32
+// MMAs (norm_tile_mma; columns n = (head n%4, TF32 head n < 4 or rest), summed over lanes c4 and
+// c4 ^ 2).
 // ---------------------------------------------------------------------------------------------
 
 /// Dynamic shared memory of score_max_mma_pipe_kernel: rings, c [slot] float4, cos/sin [|D|][F]
