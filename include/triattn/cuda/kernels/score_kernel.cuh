@@ -168,6 +168,13 @@ __device__ __forceinline__ float pair_norm(float sq) {
   return r;
 }
 
+/// cos and sin of the float64 RoPE phase of position t at frequency omega (the phase fold_weight()
+/// uses), with one range reduction for both (sincos; within an ulp of separate cos and sin, and
+/// the same on every call, so scores stay deterministic).
+__device__ __forceinline__ void rope_cos_sin(long long t, double omega, double& cs, double& sn) {
+  ::sincos(rope_phase(t, omega), &sn, &cs);
+}
+
 /// Compile-time shape of one scoring kernel instance.
 template <class T, int HD, int GMAX, int kUnrollCap>
 struct ScoreShape {
@@ -375,11 +382,7 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 8>::kThreads, 
       const long long t0 = a.t0[row.b];
       for (int f = threadIdx.x; f < F; f += blockDim.x) {
         double cs = 1.0, sn = 0.0;
-        if (!m.disable_trig) {  // same calls as fold_weight(): bitwise-equal weights on the device
-          const double phi = rope_phase(t0, m.omega[f]);
-          cs = ::cos(phi);
-          sn = ::sin(phi);
-        }
+        if (!m.disable_trig) detail::rope_cos_sin(t0, m.omega[f], cs, sn);
         const int i = f / P, j = f % P;
 #pragma unroll
         for (int k = 0; k < GMAX; ++k) {
@@ -515,11 +518,7 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 4>::kThreads, 
       const long long t0 = a.t0[row.b];
       for (int f = threadIdx.x; f < F; f += blockDim.x) {
         double cs = 1.0, sn = 0.0;
-        if (!m.disable_trig) {
-          const double phi = rope_phase(t0, m.omega[f]);
-          cs = ::cos(phi);
-          sn = ::sin(phi);
-        }
+        if (!m.disable_trig) detail::rope_cos_sin(t0, m.omega[f], cs, sn);
         const int ii = f / P, j = f % P;
 #pragma unroll
         for (int k = 0; k < GMAX; ++k) {
@@ -677,8 +676,8 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 4>::kThreads, 
       float* wbase = reinterpret_cast<float*>(wmax_s);
       for (int item = threadIdx.x; item < D * F; item += blockDim.x) {
         const int o = item / F, f = item % F;
-        const double phi = rope_phase(t0 + static_cast<long long>(m.offsets[o]), m.omega[f]);
-        const double cs = ::cos(phi), sn = ::sin(phi);  // as fold_weight() computes them
+        double cs, sn;
+        detail::rope_cos_sin(t0 + static_cast<long long>(m.offsets[o]), m.omega[f], cs, sn);
         const int i = f / P, j = f % P;
 #pragma unroll
         for (int k = 0; k < GMAX; ++k) {
@@ -964,11 +963,7 @@ __global__ void __launch_bounds__(detail::MmaMaxShape<T, HD>::kThreads, 2)
       for (int item = threadIdx.x; item < 2 * NT * F; item += blockDim.x) {
         const int o = item / F, f = item % F;
         double cs = 1.0, sn = 0.0;
-        if (o < D) {
-          const double phi = rope_phase(t0 + static_cast<long long>(m.offsets[o]), m.omega[f]);
-          cs = ::cos(phi);  // as fold_weight() computes them
-          sn = ::sin(phi);
-        }
+        if (o < D) detail::rope_cos_sin(t0 + static_cast<long long>(m.offsets[o]), m.omega[f], cs, sn);
         const int e_re = rope_pair_re(S, f, HD), e_im = rope_pair_im(S, f, HD);
 #pragma unroll
         for (int h = 0; h < GH; ++h) {
@@ -1552,11 +1547,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
         const long long t0 = a.t0[row.b];
         for (int f = static_cast<int>(threadIdx.x); f < F; f += Shape::kThreads) {
           double cs = 1.0, sn = 0.0;
-          if (!m.disable_trig) {  // the calls fold_weight() makes
-            const double phi = rope_phase(t0, m.omega[f]);
-            cs = ::cos(phi);
-            sn = ::sin(phi);
-          }
+          if (!m.disable_trig) detail::rope_cos_sin(t0, m.omega[f], cs, sn);
           cs_s[f] = cs;
           sn_s[f] = sn;
         }
@@ -1740,9 +1731,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
         const long long t0 = a.t0[row.b];
         for (int item = static_cast<int>(threadIdx.x); item < D * F; item += Shape::kThreads) {
           const int o = item / F, f = item % F;
-          const double phi = rope_phase(t0 + static_cast<long long>(m.offsets[o]), m.omega[f]);
-          cs_s[item] = ::cos(phi);  // as fold_weight() computes them
-          sn_s[item] = ::sin(phi);
+          detail::rope_cos_sin(t0 + static_cast<long long>(m.offsets[o]), m.omega[f], cs_s[item], sn_s[item]);
         }
         w_b = row.b;
         __syncthreads();
