@@ -103,11 +103,12 @@ template <class T>
   else return false;
 }
 
-/// The ring kernels (score_mean_mma_kernel, score_max_mma_pipe_kernel) address keys as 31-bit
-/// offsets in 16-byte chunks from their layer's K range (KeySliceFeed::issue).
+/// The ring kernels (score_mean_mma_kernel, score_max_mma_pipe_kernel) address keys as 32-bit
+/// offsets in 16-byte chunks from their layer's K range (KeySliceFeed::issue): ranges below
+/// 64 GiB.
 template <class T, class Id>
 [[nodiscard]] inline bool ring_offsets_fit(const KvCacheView<T, Id>& view) noexcept {
-  return static_cast<unsigned long long>(view.range_stride) * sizeof(T) < (1ull << 35);
+  return static_cast<unsigned long long>(view.range_stride) * sizeof(T) < (1ull << 36);
 }
 
 /// Tensor-core mean path (mean_variant 2, 3, 4): 16-bit caches; fp16 weights far from fp16's range limit.

@@ -1380,7 +1380,7 @@ struct KeySliceFeed {
   /// a copy costs one 32-bit shuffle, one wide multiply-add and the cp.async; keys past the length
   /// (a suffix of the slice) are zero-filled from the range start, which is not read. (Two
   /// shuffles, selects and 64-bit arithmetic per copy before: ~8 instructions per key of 36.) The
-  /// launcher routes caches with K ranges of 32 GiB or more elsewhere (ring_offsets_fit).
+  /// launcher routes caches with K ranges of 64 GiB or more elsewhere (ring_offsets_fit).
   __device__ __forceinline__ void issue(const KvCacheView<T, Id>& view, const ScoreBatch& a, const FastDiv& fd,
                                         int tiles_per_row, int L, int Hkv, int HC, int warp, int lane,
                                         std::uint32_t stage_addr) {
