@@ -1430,23 +1430,20 @@ struct KeySliceFeed {
 /// Commit group g of the loop holds the slice of item g + kStages - 1 and the table fetch of item
 /// g + kStages - 1 + kAhead; waiting until kStages - 1 groups are pending completes the slice
 /// of item k and, because kAhead >= kStages, the table entry of every item issued next.
-/// fetch(), start(), issue(stage), prepare() and compute(stage) are the caller's bound lambdas:
-/// start() runs once after the first table fetches are issued and before the warp waits for them
-/// (loads whose latency should overlap that wait); prepare()
+/// fetch(), issue(stage), prepare() and compute(stage) are the caller's bound lambdas: prepare()
 /// advances the consumer to item k (its row's weights on a row change; it may __syncthreads,
 /// its branches being uniform across the CTA) and returns whether the warp has keys in it; it
 /// runs before the wait, so that a row change's loads and weight folding overlap the slices in
 /// flight instead of following them.
-template <int kStages, class Fetch, class Start, class Issue, class Prepare, class Compute>
-__device__ __forceinline__ void run_key_ring(int n_items, Fetch&& fetch, Start&& start, Issue&& issue,
-                                             Prepare&& prepare, Compute&& compute) {
+template <int kStages, class Fetch, class Issue, class Prepare, class Compute>
+__device__ __forceinline__ void run_key_ring(int n_items, Fetch&& fetch, Issue&& issue, Prepare&& prepare,
+                                             Compute&& compute) {
   constexpr int kAhead = KeyTableSlots<kStages>::kAhead;
   static_assert(kAhead >= kStages, "a table entry must land before its slice is issued");
 #pragma unroll
   for (int j = 0; j < kAhead; ++j)
     if (j < n_items) fetch();
   score_cp_async_commit();
-  start();
   score_cp_async_wait<0>();  // the first entries (the only table latency the warp waits for)
 #pragma unroll
   for (int j = 0; j < kStages - 1; ++j) {
@@ -1529,17 +1526,6 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
 #pragma unroll
   for (int s = 0; s < F / 8; ++s) bn[s][0] = bn[s][1] = 0u;
 
-  // The first row's t0 and this thread's ω_f, loaded in start(), while the first table fetch is
-  // in flight: prepare() needs them at once, and waiting there on t0 alone held ~10% of the
-  // warps' stall samples (ncu source counters, 2026-12-01).
-  const detail::ScoreRow first_row = detail::decode_score_row(row0, L, Hkv, HC);
-  long long t0_first = 0;
-  double omega_mine = 0.0;
-  const auto start = [&]() {
-    feed.prime(view, a, L, Hkv, HC);
-    t0_first = a.t0[first_row.b];
-    if (static_cast<int>(threadIdx.x) < F) omega_mine = m.omega[threadIdx.x];
-  };
   int key0 = 0;  // this warp's first key of the current item (set by prepare)
   const auto prepare = [&]() -> bool {  // the item at the compute cursor, then advance it
     const long long rid = c_rid;
@@ -1558,11 +1544,10 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
     if (rid != w_row) {                      // first item of a row with keys (uniform): its weights
       __syncthreads();                       // every warp is done with the previous row's weights
       if (row.b != w_b) {
-        const long long t0 = row.b == first_row.b ? t0_first : a.t0[row.b];
+        const long long t0 = a.t0[row.b];
         for (int f = static_cast<int>(threadIdx.x); f < F; f += Shape::kThreads) {
           double cs = 1.0, sn = 0.0;
-          if (!m.disable_trig)
-            detail::rope_cos_sin(t0, f == static_cast<int>(threadIdx.x) ? omega_mine : m.omega[f], cs, sn);
+          if (!m.disable_trig) detail::rope_cos_sin(t0, m.omega[f], cs, sn);
           cs_s[f] = cs;
           sn_s[f] = sn;
         }
@@ -1648,7 +1633,8 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
     }
   };
 
-  detail::run_key_ring<kStages>(n_items, fetch, start, issue, prepare, compute);
+  feed.prime(view, a, L, Hkv, HC);
+  detail::run_key_ring<kStages>(n_items, fetch, issue, prepare, compute);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1724,14 +1710,6 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
 #pragma unroll
   for (int s = 0; s < F / 8; ++s) bn[s][0] = bn[s][1] = 0u;
 
-  // The first row's t0, loaded in start() while the first table fetch is in flight (as the mean
-  // scorer does).
-  const detail::ScoreRow first_row = detail::decode_score_row(row0, L, Hkv, HC);
-  long long t0_first = 0;
-  const auto start = [&]() {
-    feed.prime(view, a, L, Hkv, HC);
-    t0_first = a.t0[first_row.b];
-  };
   int key0 = 0;  // this warp's first key of the current item (set by prepare)
   const auto prepare = [&]() -> bool {  // the item at the compute cursor, then advance it
     const long long rid = c_rid;
@@ -1750,7 +1728,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
     if (rid != w_row) {                      // first item of a row with keys (uniform): its weights
       __syncthreads();                       // every warp is done with the previous row's fragments
       if (row.b != w_b) {
-        const long long t0 = row.b == first_row.b ? t0_first : a.t0[row.b];
+        const long long t0 = a.t0[row.b];
         for (int item = static_cast<int>(threadIdx.x); item < D * F; item += Shape::kThreads) {
           const int o = item / F, f = item % F;
           detail::rope_cos_sin(t0 + static_cast<long long>(m.offsets[o]), m.omega[f], cs_s[item], sn_s[item]);
@@ -1888,7 +1866,8 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
     }
   };
 
-  detail::run_key_ring<kStages>(n_items, fetch, start, issue, prepare, compute);
+  feed.prime(view, a, L, Hkv, HC);
+  detail::run_key_ring<kStages>(n_items, fetch, issue, prepare, compute);
 }
 
 }  // namespace triattn::cuda
