@@ -258,6 +258,23 @@ TEST_CASE("FastDiv divides exactly for every n < 2^31 (host twin of the device c
   }
 }
 
+TEST_CASE("ring scorers take K ranges below 64 GiB only (32-bit chunk offsets - host routing rule)") {
+  // KeySliceFeed::issue addresses a key as a uint32 count of 16-byte chunks from its layer's K
+  // range; cuda::score routes larger ranges to the non-ring kernels.
+  KvCacheView<bf16_storage, std::int32_t> v{};
+  for (const long long bytes : {1LL << 20, (1LL << 35) + 2, (1LL << 36) - 2, 1LL << 36, (1LL << 36) + 2, 1LL << 40}) {
+    v.range_stride = bytes / static_cast<long long>(sizeof(bf16_storage));
+    const bool fits = cuda::detail::ring_offsets_fit(v);
+    CHECK_EQ(fits, bytes < (1LL << 36));
+    if (fits) CHECK_LE((bytes - 1) / 16, 0xffffffffLL);  // the last chunk's offset is a uint32
+  }
+  KvCacheView<float, std::int64_t> w{};
+  w.range_stride = (1LL << 34) - 1;  // 4 bytes each: just under 64 GiB
+  CHECK(cuda::detail::ring_offsets_fit(w));
+  w.range_stride = 1LL << 34;
+  CHECK_FALSE(cuda::detail::ring_offsets_fit(w));
+}
+
 TEST_SUITE("gpu") {
   TEST_CASE_TEMPLATE("score matches the CPU reference over page sizes x layouts x head dims x pairings x aggregations",
                      T, float, f16_storage, bf16_storage) {
