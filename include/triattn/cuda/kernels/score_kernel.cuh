@@ -858,8 +858,9 @@ struct MmaMaxShape {
 /// One n-tile of the max scorers' dot products for the warp's two m16 tiles: acc[mt] = rows
 /// 16mt + g4 (words 0, 1) and + 8 (words 2, 3) against the tile's B fragments bt[(s·SP + x)·32]
 /// (this lane's, [k-step][split] uint2). raw: the lane's rows 8q + g4, chunks 4j + c4.
-/// One accumulator chain per m-tile: splitting each into 4 chains (summed at the end) measured
-/// slower on the H200 (pipelined kernel 66 -> 75 µs, 2026-12-01), so MMA latency is not its limit.
+/// Used by score_max_mma_kernel. One accumulator chain per m-tile: 4 chains per m-tile (summed
+/// at the end) measured slower on the H200 (2026-12-01, in the pipelined kernel when it still
+/// used this helper: 66 -> 75 µs).
 template <class Tr, int KS, int SP, int NC>
 __device__ __forceinline__ void max_tile_dot(float (&acc)[2][4], const std::uint32_t (&raw)[4][NC][4],
                                              const uint2* bt) {
@@ -1222,6 +1223,14 @@ __device__ __forceinline__ float mma_lane_pair_norm(const std::uint32_t (&fr)[KS
   }
   return pair_norm(fmaf(re, re, fmaf(im, im, 1e-8f)));
 }
+/// Where element e of a B column lives in the MMA fragments that pair with the A fragments of
+/// load_tile_fragments (natural element order): k-step e/16, quad lane (e%8)/2 (the lane is
+/// 4·column + that), word (e%16)/8 of the lane's uint2, half e%2 of the word. Shared by the
+/// mean and max ring scorers' weight fills.
+struct BFragmentSlot {
+  int step, quad_lane, word, half;
+};
+__device__ __forceinline__ BFragmentSlot b_fragment_slot(int e) { return {e >> 4, (e & 7) >> 1, (e & 15) >> 3, e & 1}; }
 /// ldmatrix.x4: lane l gives the shared address of row l%8 of matrix l/8; word i of the result is
 /// matrix i's row lane/4, elements 2·(lane%4), +1.
 __device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&r)[4], std::uint32_t addr) {
@@ -1231,6 +1240,10 @@ __device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&r)[4], std::uint32_t
 }
 /// The TF32 head of x (low 13 mantissa bits cleared); x - head is exact in fp32.
 __device__ __forceinline__ std::uint32_t tf32_head(float x) { return __float_as_uint(x) & 0xffffe000u; }
+/// x - tf32_head(x), as the bits of a TF32 operand.
+__device__ __forceinline__ std::uint32_t tf32_rest(float x, std::uint32_t head) {
+  return __float_as_uint(x - __uint_as_float(head));
+}
 /// d += A·B, m16n8k8 TF32 with fp32 accumulation; a: (row g, k c), (g+8, c), (g, c+4), (g+8, c+4).
 __device__ __forceinline__ void mma_tf32(float (&d)[4], std::uint32_t a0, std::uint32_t a1, std::uint32_t a2,
                                          std::uint32_t a3, std::uint32_t b0, std::uint32_t b1) {
@@ -1241,7 +1254,7 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], std::uint32_t a0, std::u
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 /// The A fragments of one m16 tile of a ring stage whose rows hold chunk c at c ^ (row & 7)
-/// (KeySliceFeed with kRowSwizzle8): fr[s] for every k-step s. tile_addr: shared address of the
+/// (KeySliceFeed): fr[s] for every k-step s. tile_addr: shared address of the
 /// tile's first row; CPR: 16-byte chunks per row.
 template <int KS, int CPR>
 __device__ __forceinline__ void load_tile_fragments(std::uint32_t (&fr)[KS][4], std::uint32_t tile_addr, int lane) {
@@ -1258,7 +1271,7 @@ __device__ __forceinline__ std::uint32_t norm_b_word(const float* cf, int c4, in
   const int f = mma_lane_pair<S>(c4, 2 * s + i);
   const float c = cf[(f + f / 8) * 4 + h];
   const std::uint32_t head = tf32_head(c);
-  return rest ? __float_as_uint(c - __uint_as_float(head)) : head;
+  return rest ? tf32_rest(c, head) : head;
 }
 /// The norm term of one m16 tile: acc_head += |K|_head·B and acc_rest += |K|_rest·B over the F/8
 /// TF32 k8-steps (|K_f| split into TF32 head and rest; the two may be the same accumulators).
@@ -1274,7 +1287,7 @@ __device__ __forceinline__ void norm_tile_mma(float (&acc_head)[4], float (&acc_
       for (int q = 0; q < 2; ++q) {
         const float n = mma_lane_pair_norm<T, S, KS>(fr, q, 2 * s + i);
         hd[i][q] = tf32_head(n);
-        rs[i][q] = __float_as_uint(n - __uint_as_float(hd[i][q]));
+        rs[i][q] = tf32_rest(n, hd[i][q]);
       }
     mma_tf32(acc_head, hd[0][0], hd[0][1], hd[1][0], hd[1][1], bn[s][0], bn[s][1]);
     mma_tf32(acc_rest, rs[0][0], rs[0][1], rs[1][0], rs[1][1], bn[s][0], bn[s][1]);
@@ -1315,18 +1328,17 @@ __device__ __forceinline__ void score_cp_async_small(std::uint32_t dst, const vo
 ///  - issue() reads the entry back and copies the slice into one ring stage with 16-byte cp.async:
 ///    copy x = i·32 + lane is chunk x % CPR of key x / CPR, so one warp instruction moves 32/CPR
 ///    whole keys; keys past the length are zero-filled. Chunk c of key k lands at
-///    c ^ chunk_swizzle(k): 4·(k & 1) for readers that take 16-byte chunks of rows g and g + 8
-///    (LDS.128), k & 7 (kRowSwizzle8) for ldmatrix readers, whose 8 rows of a matrix then hit 8
-///    distinct 16-byte bank groups.
+///    c ^ chunk_swizzle(k) = c ^ (k & 7), so the 8 rows of an ldmatrix hit 8 distinct 16-byte
+///    bank groups (load_tile_fragments).
 /// run_key_ring() orders the two with the consumer so that every read finds its copy complete.
-template <class T, class Id, int HD, int kTile, int kKeys, int kStages, bool kRowSwizzle8 = false>
+template <class T, class Id, int HD, int kTile, int kKeys, int kStages>
 struct KeySliceFeed {
   static_assert(kKeys == 16 || kKeys == 32, "16 or 32 keys per slice");
   static_assert(sizeof(Id) == 4 || sizeof(Id) == 8, "4- or 8-byte block ids");
   static constexpr int kCPR = HD / 8;  // 16-byte chunks per key
   using Slots = KeyTableSlots<kStages>;
-  static_assert(!kRowSwizzle8 || kCPR >= 8, "the 8-row swizzle needs 8 chunks per key");
-  static __device__ __forceinline__ int chunk_swizzle(int key) { return kRowSwizzle8 ? (key & 7) : ((key & 1) << 2); }
+  static_assert(kCPR >= 8, "the 8-row swizzle needs 8 chunks per key");
+  static __device__ __forceinline__ int chunk_swizzle(int key) { return key & 7; }
 
   long long f_rid;       // fetch cursor: row and tile of the next item to fetch
   int f_tile;
@@ -1345,12 +1357,17 @@ struct KeySliceFeed {
       : f_rid(row0), f_tile(tile0), i_rid(row0), i_tile(tile0),
         slots_addr(static_cast<std::uint32_t>(__cvta_generic_to_shared(warp_slots))), slots(warp_slots) {}
 
-  /// Starts the loads of the first row's addresses (sequence id, length), so that they overlap
-  /// the first table fetch instead of following it.
-  __device__ __forceinline__ void prime(const KvCacheView<T, Id>& view, const ScoreBatch& a, int L, int Hkv, int HC) {
-    const ScoreRow sr = decode_score_row(i_rid, L, Hkv, HC);
+  /// kr = the addresses of row `row` (loads its sequence id and length).
+  __device__ __forceinline__ void load_row(const KvCacheView<T, Id>& view, const ScoreBatch& a, long long row, int L,
+                                           int Hkv, int HC) {
+    const ScoreRow sr = decode_score_row(row, L, Hkv, HC);
     kr = key_row(view, a, sr.b, sr.l, sr.g);
-    kr_row = i_rid;
+    kr_row = row;
+  }
+  /// Starts the loads of the first row's addresses, so that they overlap the first table fetch
+  /// instead of following it.
+  __device__ __forceinline__ void prime(const KvCacheView<T, Id>& view, const ScoreBatch& a, int L, int Hkv, int HC) {
+    load_row(view, a, i_rid, L, Hkv, HC);
   }
 
   __device__ __forceinline__ void fetch(const KvCacheView<T, Id>& view, const ScoreBatch& a, const FastDiv& fd,
@@ -1390,11 +1407,7 @@ struct KeySliceFeed {
       i_tile = 0;
       ++i_rid;
     }
-    if (row != kr_row) {
-      const ScoreRow sr = decode_score_row(row, L, Hkv, HC);
-      kr = key_row(view, a, sr.b, sr.l, sr.g);
-      kr_row = row;
-    }
+    if (row != kr_row) load_row(view, a, row, L, Hkv, HC);
     const int t_first = tl * kTile + warp * kKeys;  // the slice's first key
     const int t = t_first + lane;
     const int page = static_cast<int>(fd.div(static_cast<std::uint32_t>(t)));
@@ -1506,7 +1519,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
   const int tile0 = static_cast<int>(it0 - row0 * tiles_per_row);
   Id* const warp_slots = reinterpret_cast<Id*>(mean_mma_smem + Shape::kSmemBytes - Shape::kTableBytes) +
                          static_cast<std::size_t>(warp) * (kStages + 1) * 32;
-  detail::KeySliceFeed<T, Id, HD, Shape::kTile, kKeys, kStages, true> feed(row0, tile0, warp_slots);
+  detail::KeySliceFeed<T, Id, HD, Shape::kTile, kKeys, kStages> feed(row0, tile0, warp_slots);
   const auto fetch = [&]() { feed.fetch(view, a, fd, tiles_per_row, L, Hkv, HC, warp, lane); };
   const auto issue = [&](int stage) {
     feed.issue(view, a, fd, tiles_per_row, L, Hkv, HC, warp, lane,
@@ -1573,14 +1586,12 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
           const int e = part == 0 ? rope_pair_re(S, f, HD) : rope_pair_im(S, f, HD);
           std::uint16_t sp[SP];
           Tr::split(part == 0 ? wr : wi, sp);
-          // element e -> k-step e/16, lane n·4 + (e%8)/2, word (e%16)/8, half e%2 (ldmatrix order)
-          const int s = e >> 4;
-          const int q4 = (e & 7) >> 1;
-          const int at = (e & 15) >> 3;
+          const detail::BFragmentSlot b = detail::b_fragment_slot(e);
 #pragma unroll
           for (int x = 0; x < 2 * NM; ++x) {
             const int n = 2 * h + (x & 1);
-            b16[((((s * NM + (x >> 1)) * 32 + n * 4 + q4) * 2 + at) * 2) + (e & 1)] = x < SP ? sp[x < SP ? x : 0] : 0;
+            b16[((((b.step * NM + (x >> 1)) * 32 + n * 4 + b.quad_lane) * 2 + b.word) * 2) + b.half] =
+                x < SP ? sp[x < SP ? x : 0] : 0;
           }
         }
       }
@@ -1604,7 +1615,6 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
     return key0 < len;  // uniform across the warp
   };
   const auto compute = [&](int stage) {
-
     const std::uint32_t st_addr = ring_addr + static_cast<std::uint32_t>(stage * Shape::kSliceVecs * 16);
     const int hg = row.hc * GH + c4;
     float* const out = scores + ((static_cast<std::int64_t>(row.b) * L + row.l) * Hq + row.g * G + (hg < G ? hg : 0)) *
@@ -1696,7 +1706,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
   const int tile0 = static_cast<int>(it0 - row0 * tiles_per_row);
   Id* const warp_slots = reinterpret_cast<Id*>(bfrag_s + static_cast<std::size_t>(NT) * KS * SP * 32) +
                          static_cast<std::size_t>(warp) * (kStages + 1) * 32;
-  detail::KeySliceFeed<T, Id, HD, Shape::kTile, 32, kStages, true> feed(row0, tile0, warp_slots);
+  detail::KeySliceFeed<T, Id, HD, Shape::kTile, 32, kStages> feed(row0, tile0, warp_slots);
   const auto fetch = [&]() { feed.fetch(view, a, fd, tiles_per_row, L, Hkv, HC, warp, lane); };
   const auto issue = [&](int stage) {
     feed.issue(view, a, fd, tiles_per_row, L, Hkv, HC, warp, lane,
@@ -1761,13 +1771,12 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
             const int e = part == 0 ? e_re : e_im;
             std::uint16_t sp[SP];
             Tr::split(part == 0 ? wr : wi, sp);
-            // element e -> k-step e/16, lane n·4 + (e%8)/2, word (e%16)/8, half e%2 (ldmatrix order)
-            const int s = e >> 4;
-            const int ln = n * 4 + ((e & 7) >> 1);
-            const int w = (e & 15) >> 3;
+            const detail::BFragmentSlot b = detail::b_fragment_slot(e);
+            const int ln = n * 4 + b.quad_lane;
 #pragma unroll
             for (int x = 0; x < SP; ++x)
-              b16[((((static_cast<std::size_t>(o >> 1) * KS + s) * SP + x) * 32 + ln) * 2 + w) * 2 + (e & 1)] = sp[x];
+              b16[((((static_cast<std::size_t>(o >> 1) * KS + b.step) * SP + x) * 32 + ln) * 2 + b.word) * 2 + b.half] =
+                  sp[x];
           }
         }
       }
