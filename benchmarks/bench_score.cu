@@ -13,115 +13,21 @@
 // BM_score_round_shape: the scoring part of a Qwen3-8B round (36 layers, 2,560 tokens).
 #include <benchmark/benchmark.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <memory>
-#include <random>
 #include <vector>
 
-#include "common/cuda_event_timer.hpp"
-#include "common/device_memory.cuh"
-
-#include <triattn/core/dtype.hpp>
-#include <triattn/core/stats/random.hpp>
-#include <triattn/cuda/algorithms/score.cuh>
-#include <triattn/cuda/policy/triattention_device_scorer.cuh>
+#include "common/score_setup.cuh"
 
 namespace {
 
 using namespace triattn;
-using T = bf16_storage;
+using namespace triattn::bench::score_setup;
 using triattn::bench::CudaEventTimer;
 using triattn::bench::L2Flusher;
 using triattn::bench::device_alloc;
 using triattn::bench::upload;
-
 using triattn::bench::kReadRoofline;
-constexpr int kHeadDim = 128;
-
-/// Keeps one thread busy for `ns` nanoseconds of GPU time (see `queued` above).
-__global__ void gpu_delay(unsigned long long ns) {
-  unsigned long long t0, t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  do {
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  } while (t - t0 < ns);
-}
-constexpr unsigned long long kDelayNs = 30000;
-
-
-QueryStats random_stats(int L, int Hq, int d) {
-  std::mt19937 rng(5);
-  return random_query_stats(rng, L, Hq, d, RopeStyle::kHalf, "bench");
-}
-
-/// A device cache of `seqs` sequences x `len` tokens with shuffled blocks, plus a scorer.
-struct Setup {
-  int L, Hq, Hkv, len, seqs, bs;
-  BlockLayout bl;
-  int per_seq, blocks;
-  T* data = nullptr;
-  std::int32_t *tables = nullptr, *lens = nullptr, *seq_ids = nullptr;
-  std::int64_t* t0 = nullptr;
-  float* scores = nullptr;
-  std::unique_ptr<cuda::TriAttentionDeviceScorer> scorer;
-
-  Setup(int L_, int Hq_, int Hkv_, int len_, int seqs_, int bs_, KvLayout layout, Aggregation agg, int batch,
-        bool disable_trig = false, bool shuffle_blocks = true)
-      : L(L_), Hq(Hq_), Hkv(Hkv_), len(len_), seqs(seqs_), bs(bs_), bl{layout, bs_, Hkv_, kHeadDim} {
-    per_seq = (len + bs - 1) / bs;
-    blocks = seqs * per_seq;
-    const std::size_t elems = 2ull * L * static_cast<std::size_t>(blocks) * static_cast<std::size_t>(bl.block_elems());
-    data = device_alloc<T>(elems);
-    bench::fill_gaussian_bf16<<<2048, 256>>>(reinterpret_cast<std::uint16_t*>(data), elems, 7);
-    std::vector<std::int32_t> ids(static_cast<std::size_t>(blocks));
-    for (int i = 0; i < blocks; ++i) ids[static_cast<std::size_t>(i)] = i;
-    if (shuffle_blocks)  // else each sequence's blocks lie in order, one contiguous range
-      std::shuffle(ids.begin(), ids.end(), std::mt19937(3));  // row s = blocks [s*per_seq, (s+1)*per_seq)
-    tables = upload(ids);
-    lens = upload(std::vector<std::int32_t>(static_cast<std::size_t>(seqs), len));
-    std::vector<std::int32_t> sid(static_cast<std::size_t>(seqs) + batch);
-    for (std::size_t i = 0; i < sid.size(); ++i) sid[i] = static_cast<std::int32_t>(i % seqs);
-    seq_ids = upload(sid);
-    t0 = upload(std::vector<std::int64_t>(sid.size(), static_cast<std::int64_t>(len) + 100000));
-    scores = device_alloc<float>(static_cast<std::size_t>(batch) * L * Hq * len);
-    RopeConfig rope;
-    rope.theta = 1e6;
-    ScoringParams sp;
-    sp.aggregation = agg;
-    sp.disable_trig = disable_trig;
-    scorer = std::make_unique<cuda::TriAttentionDeviceScorer>(random_stats(L, Hq, kHeadDim), rope, sp, Hkv);
-    TRIATTN_BENCH_CUDA(cudaDeviceSynchronize());
-  }
-  ~Setup() {
-    for (void* p : {static_cast<void*>(data), static_cast<void*>(tables), static_cast<void*>(lens),
-                    static_cast<void*>(seq_ids), static_cast<void*>(t0), static_cast<void*>(scores)})
-      cudaFree(p);
-  }
-  KvCacheView<T, std::int32_t> view() const {
-    return {data, static_cast<std::int64_t>(blocks) * bl.block_elems(), bl, L, blocks, seqs, per_seq, tables, lens};
-  }
-  /// The timed loop of the rotating benchmarks: iteration k launches launch(batch) on sequence
-  /// k % seqs (so L2 never holds its K), after a GPU spin kernel when `queued`.
-  template <class Launch>
-  void time_rotating(benchmark::State& state, cudaStream_t stream, bool queued, Launch&& launch) const {
-    int i = 0;
-    for (auto _ : state) {
-      const cuda::ScoreBatch batch{seq_ids + i, t0 + i, 1, len};
-      i = (i + 1) % seqs;
-      if (queued) gpu_delay<<<1, 1, 0, stream>>>(kDelayNs);
-      CudaEventTimer timer(state, stream);
-      launch(batch);
-    }
-  }
-  /// Bytes one scoring of `batch` sequences moves at least.
-  double bytes(int batch) const {
-    const double tokens = static_cast<double>(batch) * L * len;
-    return tokens * Hkv * kHeadDim * sizeof(T) + tokens * Hq * sizeof(float) +
-           static_cast<double>(batch) * L * Hkv * per_seq * sizeof(std::int32_t);
-  }
-};
 
 void report(benchmark::State& state, double bytes) {
   state.SetBytesProcessed(static_cast<std::int64_t>(bytes) * state.iterations());
@@ -210,33 +116,55 @@ __global__ void __launch_bounds__(32 * kWarps, 2)
   };
   unsigned acc = 0;
   const auto compute = [&](int stage) { acc ^= my_ring[stage * Shape::kSliceVecs + lane].x; };
-  feed.prime(view, a, 1, Hkv, 1);
-  cuda::detail::run_key_ring<kStages>(n_items, fetch, issue, [] { return true; }, compute);
+  const auto start = [&]() { feed.prime(view, a, 1, Hkv, 1); };
+  cuda::detail::run_key_ring<kStages>(n_items, fetch, start, issue, [] { return true; }, compute);
   if (acc == 0x9e3779b9u) *sink = acc;
 }
-void BM_ring_read_probe(benchmark::State& state) {
-  constexpr int kWarps = 4, kStages = 3, kSeqs = 4;
+/// ring_read_probe launched as mean_variant 2 would be (sms x resident CTAs) on a Setup.
+struct RingProbe {
+  static constexpr int kWarps = 4, kStages = 3;
   using Shape = cuda::detail::MmaMeanShape<T, kHeadDim, kWarps, kStages>;
-  Setup s(1, 32, 8, 32768, kSeqs, 16, KvLayout::kNHD, Aggregation::kMean, 1);
-  const auto view = s.view();
-  const std::size_t smem = Shape::kRingBytes + Shape::kTableBytes;
-  auto kernel = ring_read_probe<kWarps, kStages>;
-  TRIATTN_BENCH_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  int sms = 0, per_sm = 0;
-  TRIATTN_BENCH_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  TRIATTN_BENCH_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Shape::kThreads, smem));
+  static constexpr std::size_t kSmem = Shape::kRingBytes + Shape::kTableBytes;
+  int ctas = 0;
   unsigned* sink = device_alloc<unsigned>(1);
+  RingProbe() {
+    auto kernel = ring_read_probe<kWarps, kStages>;
+    TRIATTN_BENCH_CUDA(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmem)));
+    int sms = 0, per_sm = 0;
+    TRIATTN_BENCH_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    TRIATTN_BENCH_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Shape::kThreads, kSmem));
+    ctas = sms * per_sm;
+  }
+  ~RingProbe() { cudaFree(sink); }
+  void launch(const Setup& s, const cuda::ScoreBatch& batch, cudaStream_t stream) const {
+    ring_read_probe<kWarps, kStages><<<ctas, Shape::kThreads, kSmem, stream>>>(s.view(), batch, s.Hkv,
+                                                                              cuda::detail::FastDiv(s.bs), sink);
+  }
+};
+void BM_ring_read_probe(benchmark::State& state) {
+  constexpr int kSeqs = 4;
+  Setup s(1, 32, 8, 32768, kSeqs, 16, KvLayout::kNHD, Aggregation::kMean, 1);
+  const RingProbe probe;
   cudaStream_t stream;
   TRIATTN_BENCH_CUDA(cudaStreamCreate(&stream));
-  const cuda::detail::FastDiv fd(s.bs);
-  s.time_rotating(state, stream, true, [&](const cuda::ScoreBatch& batch) {
-    kernel<<<sms * per_sm, Shape::kThreads, smem, stream>>>(view, batch, s.Hkv, fd, sink);
-  });
+  s.time_rotating(state, stream, true, [&](const cuda::ScoreBatch& batch) { probe.launch(s, batch, stream); });
   TRIATTN_BENCH_CUDA(cudaGetLastError());
-  state.counters["ctas"] = sms * per_sm;
+  state.counters["ctas"] = probe.ctas;
   report(state, static_cast<double>(s.len) * s.Hkv * kHeadDim * sizeof(T));
   cudaStreamDestroy(stream);
-  cudaFree(sink);
+}
+
+/// Streams `bytes` from p with 16-byte loads (kernel 0: one load per thread in flight, sms x 8
+/// CTAs of 256; 1: four loads in flight, sms x 4 CTAs of 512; 2: eight loads in flight, sms x 2
+/// CTAs of 1024).
+void launch_read(int kernel, const uint4* p, std::size_t bytes, int sms, unsigned* sink, cudaStream_t stream) {
+  if (kernel == 0)
+    bench::stream_read_kernel<1, true><<<sms * 8, 256, 0, stream>>>(p, bytes / sizeof(uint4), sink);
+  else if (kernel == 1)
+    bench::stream_read_kernel<4, true><<<sms * 4, 512, 0, stream>>>(p, bytes / sizeof(uint4), sink);
+  else
+    bench::stream_read_kernel<8, true><<<sms * 2, 1024, 0, stream>>>(p, bytes / sizeof(uint4), sink);
 }
 
 /// Context: the K bytes of one BM_score iteration streamed with 16-byte loads and nothing else
@@ -259,17 +187,51 @@ void BM_read_k(benchmark::State& state) {
     i = (i + 1) % kCopies;
     if (queued) gpu_delay<<<1, 1, 0, stream>>>(kDelayNs);
     CudaEventTimer timer(state, stream);
-    if (state.range(1) == 0)
-      bench::stream_read_kernel<1, true><<<sms * 8, 256, 0, stream>>>(p, kBytes / sizeof(uint4), sink);
-    else if (state.range(1) == 1)
-      bench::stream_read_kernel<4, true><<<sms * 4, 512, 0, stream>>>(p, kBytes / sizeof(uint4), sink);
-    else
-      bench::stream_read_kernel<8, true><<<sms * 2, 1024, 0, stream>>>(p, kBytes / sizeof(uint4), sink);
+    launch_read(static_cast<int>(state.range(1)), p, kBytes, sms, sink, stream);
   }
   report(state, static_cast<double>(kBytes));
   cudaStreamDestroy(stream);
   cudaFree(buf);
   cudaFree(sink);
+}
+
+/// Fixed cost against streaming rate: one sequence of `tokens` tokens (8 KV heads, d = 128, bf16,
+/// page 16, shuffled blocks, rotating over 4 sequences, queued), read by kind 0 the mean scorer
+/// (mean_variant 2), 1 its memory path alone (ring_read_probe), 2 a plain 16-byte read of the
+/// same number of K bytes (read kernel 2). A line through time vs bytes splits each into a fixed
+/// cost (intercept) and a streaming rate (slope).
+void BM_length_sweep(benchmark::State& state) {
+  const int kind = static_cast<int>(state.range(0));
+  const int tokens = static_cast<int>(state.range(1));
+  constexpr int kSeqs = 4;
+  Setup s(1, 32, 8, tokens, kSeqs, 16, KvLayout::kNHD, Aggregation::kMean, 1);
+  cudaStream_t stream;
+  TRIATTN_BENCH_CUDA(cudaStreamCreate(&stream));
+  const auto view = s.view();
+  const double k_bytes = static_cast<double>(tokens) * s.Hkv * kHeadDim * sizeof(T);
+  cuda::ScoreOptions opt;
+  opt.mean_variant = 2;
+  const RingProbe probe;
+  int sms = 0;
+  TRIATTN_BENCH_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  for (int w = 0; w < 3; ++w)
+    TRIATTN_BENCH_CUDA(s.scorer->score_async(view, cuda::ScoreBatch{s.seq_ids, s.t0, 1, s.len}, s.scores, stream, opt));
+  s.time_rotating(state, stream, true, [&](const cuda::ScoreBatch& batch) {
+    if (kind == 0) {
+      TRIATTN_BENCH_CUDA(s.scorer->score_async(view, batch, s.scores, stream, opt));
+    } else if (kind == 1) {
+      probe.launch(s, batch, stream);
+    } else {  // sequence k's K range: the layer's blocks in allocation order (no table walk)
+      const std::size_t per_seq_bytes = static_cast<std::size_t>(s.per_seq) * s.bl.block_elems() * sizeof(T);
+      const auto* base = reinterpret_cast<const char*>(s.data);
+      launch_read(2, reinterpret_cast<const uint4*>(base + per_seq_bytes * static_cast<std::size_t>(batch.seq_ids - s.seq_ids)),
+                  static_cast<std::size_t>(k_bytes), sms, probe.sink, stream);
+    }
+  });
+  TRIATTN_BENCH_CUDA(cudaGetLastError());
+  state.counters["k_bytes"] = k_bytes;
+  report(state, kind == 0 ? s.bytes(1) : k_bytes);
+  cudaStreamDestroy(stream);
 }
 
 /// Scoring part of a compression round at Qwen3-8B shape: 36 layers, 32/8 heads, 2,560 tokens.
@@ -317,6 +279,11 @@ BENCHMARK(BM_score_trig)
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_ring_read_probe)->UseManualTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_length_sweep)
+    ->ArgNames({"kind", "tokens"})
+    ->ArgsProduct({{0, 1, 2}, {8192, 16384, 32768, 65536, 131072}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_read_k)->ArgNames({"queued", "kernel"})->ArgsProduct({{0, 1}, {0, 1, 2}})->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_score_round_shape)
     ->ArgNames({"batch", "max", "variant"})

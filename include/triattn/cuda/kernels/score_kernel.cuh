@@ -1439,25 +1439,114 @@ struct KeySliceFeed {
   }
 };
 
+/// The global inputs of one row's weight fold in the ring scorers, loaded into registers ahead of
+/// the fold: the row's length and t0, and this thread's share of q̄ and c (fold items
+/// tid + j·kThreads < GH·F, item = h·F + f), with ω_f and C_f for the mean fold (kMean).
+/// Why: the fold used to load them when the row began, i.e. after the warps had issued their
+/// first slices (~25 MB of key copies across the GPU at one layer), so those few loads queued
+/// behind the keys and the warps held ready slices while they waited (ncu, 2026-12-01: ~20% of
+/// the mean scorer's stall samples in the first row's prologue). The first row's inputs now load
+/// with the first table fetch (run_key_ring's start()), the next row's right after a fold.
+template <int F, int GH, int kThreads, bool kMean>
+struct RowFoldInputs {
+  static constexpr int kItems = (GH * F + kThreads - 1) / kThreads;
+  static constexpr int kFreqs = (F + kThreads - 1) / kThreads;  // ω_f, f = tid + j·kThreads (kMean)
+  long long rid = -1;  // row these are for
+  ScoreRow row{};
+  int len = 0;         // physical length, clamped to [0, max_len]
+  long long t0 = 0;
+  double q_re[kItems], q_im[kItems], cm_re[kItems], cm_im[kItems];  // q̄, C_f (kMean) of item j
+  float c[kItems];
+  double omega[kFreqs];
+
+  /// Issues the loads of row r (no use of their values here). seq_lens: the view's [max_seqs].
+  template <class Id>
+  __device__ __forceinline__ void load(const ScoreModelView& m, const ScoreBatch& a, const Id* seq_lens, long long r,
+                                       int L, int Hkv, int HC) {
+    rid = r;
+    row = decode_score_row(r, L, Hkv, HC);
+    const int l0 = static_cast<int>(seq_lens[a.seq_ids[row.b]]);
+    len = l0 < a.max_len ? (l0 > 0 ? l0 : 0) : a.max_len;
+    t0 = a.t0[row.b];
+    const int Hq = m.num_q_heads, G = Hq / m.num_kv_heads;
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      const int item = static_cast<int>(threadIdx.x) + j * kThreads;
+      const int h = item / F, f = item % F;  // consecutive threads: consecutive f (coalesced loads)
+      const int hg = row.hc * GH + h;
+      q_re[j] = q_im[j] = cm_re[j] = cm_im[j] = 0.0;
+      c[j] = 0.0f;
+      if (item < GH * F && hg < G) {
+        const std::int64_t idx = (static_cast<std::int64_t>(row.l) * Hq + row.g * G + hg) * F + f;
+        if (!m.disable_trig) {
+          q_re[j] = m.q_re[idx];
+          q_im[j] = m.q_im[idx];
+          if constexpr (kMean) {
+            cm_re[j] = m.cmean_re[f];
+            cm_im[j] = m.cmean_im[f];
+          }
+        }
+        c[j] = m.c[idx];
+      }
+    }
+    if constexpr (kMean) {
+#pragma unroll
+      for (int j = 0; j < kFreqs; ++j) {
+        const int f = static_cast<int>(threadIdx.x) + j * kThreads;
+        omega[j] = f < F && !m.disable_trig ? m.omega[f] : 0.0;
+      }
+    }
+  }
+};
+
+#ifdef TRIATTN_RING_TRACE
+/// Diagnostic build only (benchmarks/bench_score_trace.cu defines TRIATTN_RING_TRACE): lane 0 of
+/// every warp of run_key_ring writes kRingTraceWords words at ring_trace[(blockIdx.x · warps +
+/// warp) · kRingTraceWords]: %globaltimer (ns) at entry, after the first table wait, at the first
+/// compute and at exit, then the clock64 cycles summed over the loop in the slice wait, prepare(),
+/// compute() and issue() + fetch(), the cycles of the first prepare(), the item count and the SM.
+constexpr int kRingTraceWords = 11;
+static __device__ unsigned long long* ring_trace = nullptr;
+__device__ __forceinline__ unsigned long long ring_trace_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+#define TRIATTN_RING_TRACE_NS(var) const unsigned long long var = ::triattn::cuda::detail::ring_trace_ns()
+#define TRIATTN_RING_TRACE_CLK(var) const long long var = clock64()
+#else
+#define TRIATTN_RING_TRACE_NS(var)
+#define TRIATTN_RING_TRACE_CLK(var)
+#endif
+
 /// Runs one warp's ring over the CTA's n_items items: item k's slice sits in stage k % kStages.
 /// Commit group g of the loop holds the slice of item g + kStages - 1 and the table fetch of item
 /// g + kStages - 1 + kAhead; waiting until kStages - 1 groups are pending completes the slice
 /// of item k and, because kAhead >= kStages, the table entry of every item issued next.
-/// fetch(), issue(stage), prepare() and compute(stage) are the caller's bound lambdas: prepare()
+/// fetch(), start(), issue(stage), prepare() and compute(stage) are the caller's bound lambdas:
+/// start() runs once after the first table fetches are issued and before the warp waits for them
+/// (loads whose latency should overlap that wait); prepare()
 /// advances the consumer to item k (its row's weights on a row change; it may __syncthreads,
 /// its branches being uniform across the CTA) and returns whether the warp has keys in it; it
 /// runs before the wait, so that a row change's loads and weight folding overlap the slices in
 /// flight instead of following them.
-template <int kStages, class Fetch, class Issue, class Prepare, class Compute>
-__device__ __forceinline__ void run_key_ring(int n_items, Fetch&& fetch, Issue&& issue, Prepare&& prepare,
-                                             Compute&& compute) {
+template <int kStages, class Fetch, class Start, class Issue, class Prepare, class Compute>
+__device__ __forceinline__ void run_key_ring(int n_items, Fetch&& fetch, Start&& start, Issue&& issue,
+                                             Prepare&& prepare, Compute&& compute) {
   constexpr int kAhead = KeyTableSlots<kStages>::kAhead;
   static_assert(kAhead >= kStages, "a table entry must land before its slice is issued");
+  TRIATTN_RING_TRACE_NS(g_entry);
 #pragma unroll
   for (int j = 0; j < kAhead; ++j)
     if (j < n_items) fetch();
   score_cp_async_commit();
+  start();
   score_cp_async_wait<0>();  // the first entries (the only table latency the warp waits for)
+  TRIATTN_RING_TRACE_NS(g_tables);
+#ifdef TRIATTN_RING_TRACE
+  unsigned long long g_first = 0;
+  long long c_wait = 0, c_prep = 0, c_comp = 0, c_issue = 0, c_prep_first = 0;
+#endif
 #pragma unroll
   for (int j = 0; j < kStages - 1; ++j) {
     if (j < n_items) issue(j);
@@ -1466,16 +1555,52 @@ __device__ __forceinline__ void run_key_ring(int n_items, Fetch&& fetch, Issue&&
   }
   for (int k = 0; k < n_items; ++k) {
     const int kn = k + kStages - 1;
+    TRIATTN_RING_TRACE_CLK(c0);
     if (kn < n_items) issue(kn % kStages);
     if (kn + kAhead < n_items) fetch();
     score_cp_async_commit();
+    TRIATTN_RING_TRACE_CLK(c1);
     const bool live = prepare();
+    TRIATTN_RING_TRACE_CLK(c2);
     score_cp_async_wait<kStages - 1>();  // this lane's copies of item k have landed
     __syncwarp();                          // ... and every lane's
+    TRIATTN_RING_TRACE_CLK(c3);
+#ifdef TRIATTN_RING_TRACE
+    if (k == 0) {
+      g_first = ring_trace_ns();
+      c_prep_first = c2 - c1;
+    }
+#endif
     if (live) compute(k % kStages);
     __syncwarp();  // every lane has read stage k % kStages before it is refilled
+#ifdef TRIATTN_RING_TRACE
+    const long long c4 = clock64();
+    c_issue += c1 - c0;
+    c_prep += c2 - c1;
+    c_wait += c3 - c2;
+    c_comp += c4 - c3;
+#endif
   }
   score_cp_async_wait<0>();
+#ifdef TRIATTN_RING_TRACE
+  if ((threadIdx.x & 31) == 0 && ring_trace != nullptr) {
+    unsigned long long* w = ring_trace + (static_cast<std::size_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5)) *
+                                             kRingTraceWords;
+    w[0] = g_entry;
+    w[1] = g_tables;
+    w[2] = g_first;
+    w[3] = ring_trace_ns();
+    w[4] = static_cast<unsigned long long>(c_wait);
+    w[5] = static_cast<unsigned long long>(c_prep);
+    w[6] = static_cast<unsigned long long>(c_comp);
+    w[7] = static_cast<unsigned long long>(c_issue);
+    w[8] = static_cast<unsigned long long>(c_prep_first);
+    w[9] = static_cast<unsigned long long>(n_items);
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    w[10] = smid;
+  }
+#endif
 }
 
 }  // namespace detail
@@ -1483,7 +1608,10 @@ __device__ __forceinline__ void run_key_ring(int n_items, Fetch&& fetch, Issue&&
 /// Tensor-core mean-aggregation (and disable_trig) scorer for 16-bit caches: same contract as
 /// score_mean_kernel (scores within fp32 rounding of it, not bitwise); dynamic shared memory
 /// MmaMeanShape<T, HD, kWarps, kStages, kKeys>::kSmemBytes.
-template <class T, class Id, int HD, RopeStyle S, int kWarps, int kStages, int kMinCtas, int kKeys = 32>
+/// kLoadAhead: row inputs loaded ahead (RowFoldInputs; ~25 registers held through the stream, so
+/// off where the register cap would make the kernel spill).
+template <class T, class Id, int HD, RopeStyle S, int kWarps, int kStages, int kMinCtas, int kKeys = 32,
+          bool kLoadAhead = true>
 __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
     score_mean_mma_kernel(KvCacheView<T, Id> view, ScoreModelView m, ScoreBatch a, float* __restrict__ scores,
                           detail::FastDiv fd) {
@@ -1539,6 +1667,15 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
 #pragma unroll
   for (int s = 0; s < F / 8; ++s) bn[s][0] = bn[s][1] = 0u;
 
+  // Row inputs (length, t0, q̄, c, C_f, ω_f) in registers; with kLoadAhead the first row's load
+  // with the first table fetch and each next row's right after a fold (see RowFoldInputs), else
+  // when the row begins.
+  detail::RowFoldInputs<F, GH, Shape::kThreads, true> pre;
+  const long long last_row = (it_end - 1) / tiles_per_row;
+  const auto start = [&]() {
+    feed.prime(view, a, L, Hkv, HC);
+    if constexpr (kLoadAhead) pre.load(m, a, view.seq_lens, row0, L, Hkv, HC);
+  };
   int key0 = 0;  // this warp's first key of the current item (set by prepare)
   const auto prepare = [&]() -> bool {  // the item at the compute cursor, then advance it
     const long long rid = c_rid;
@@ -1548,19 +1685,24 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
       ++c_rid;
     }
     if (rid != seen_row) {
-      row = detail::decode_score_row(rid, L, Hkv, HC);
-      const int l0 = static_cast<int>(view.seq_lens[a.seq_ids[row.b]]);
-      len = l0 < a.max_len ? (l0 > 0 ? l0 : 0) : a.max_len;
+      if (pre.rid != rid) pre.load(m, a, view.seq_lens, rid, L, Hkv, HC);  // not loaded ahead (a skipped row)
+      row = pre.row;
+      len = pre.len;
       seen_row = rid;
     }
-    if (tile * Shape::kTile >= len) return false;  // no key in this item (uniform across the CTA)
-    if (rid != w_row) {                      // first item of a row with keys (uniform): its weights
-      __syncthreads();                       // every warp is done with the previous row's weights
+    if (tile * Shape::kTile >= len) {  // no key in this item, nor in the row's later ones (uniform across the CTA)
+      if (kLoadAhead && pre.rid == rid && rid < last_row) pre.load(m, a, view.seq_lens, rid + 1, L, Hkv, HC);
+      return false;
+    }
+    if (rid != w_row) {  // first item of a row with keys (uniform): its weights
+      __syncthreads();   // every warp is done with the previous row's weights
       if (row.b != w_b) {
-        const long long t0 = a.t0[row.b];
-        for (int f = static_cast<int>(threadIdx.x); f < F; f += Shape::kThreads) {
+#pragma unroll
+        for (int j = 0; j < decltype(pre)::kFreqs; ++j) {
+          const int f = static_cast<int>(threadIdx.x) + j * Shape::kThreads;
+          if (f >= F) break;
           double cs = 1.0, sn = 0.0;
-          if (!m.disable_trig) detail::rope_cos_sin(t0, m.omega[f], cs, sn);
+          if (!m.disable_trig) detail::rope_cos_sin(pre.t0, pre.omega[j], cs, sn);
           cs_s[f] = cs;
           sn_s[f] = sn;
         }
@@ -1569,17 +1711,17 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
       }
       auto* b16 = reinterpret_cast<std::uint16_t*>(bfrag_s);
       float* cf = reinterpret_cast<float*>(c_s);
-      for (int item = static_cast<int>(threadIdx.x); item < GH * F; item += Shape::kThreads) {
-        const int h = item / F, f = item % F;  // consecutive threads: consecutive f (coalesced q̄ loads)
+#pragma unroll
+      for (int j = 0; j < decltype(pre)::kItems; ++j) {
+        const int item = static_cast<int>(threadIdx.x) + j * Shape::kThreads;
+        if (item >= GH * F) break;
+        const int h = item / F, f = item % F;
         const int hg = row.hc * GH + h;
-        float wr = 0.0f, wi = 0.0f, c = 0.0f;
-        if (hg < G) {
-          const std::int64_t idx = (static_cast<std::int64_t>(row.l) * Hq + row.g * G + hg) * F + f;
-          if (!m.disable_trig)
-            fold_weight_from_phase(m.q_re[idx], m.q_im[idx], m.cmean_re[f], m.cmean_im[f], cs_s[f], sn_s[f], m.s2,
-                                   &wr, &wi);
-          c = m.c[idx];
-        }
+        float wr = 0.0f, wi = 0.0f;
+        if (hg < G && !m.disable_trig)
+          fold_weight_from_phase(pre.q_re[j], pre.q_im[j], pre.cm_re[j], pre.cm_im[j], cs_s[f], sn_s[f], m.s2, &wr,
+                                 &wi);
+        const float c = pre.c[j];  // 0 past the group
         cf[(f + f / 8) * 4 + h] = c;
 #pragma unroll
         for (int part = 0; part < 2; ++part) {
@@ -1610,6 +1752,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
         for (int i = 0; i < 2; ++i)  // column g4: head g4/2, TF32 head (g4 even) or rest (odd)
           bn[s][i] = detail::norm_b_word<S>(cf, c4, s, i, g4 >> 1, (g4 & 1) != 0);
       w_row = rid;
+      if (kLoadAhead && rid < last_row) pre.load(m, a, view.seq_lens, rid + 1, L, Hkv, HC);  // in flight while this row streams
     }
     key0 = tile * Shape::kTile + warp * Shape::kKeysPerWarp;
     return key0 < len;  // uniform across the warp
@@ -1643,8 +1786,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
     }
   };
 
-  feed.prime(view, a, L, Hkv, HC);
-  detail::run_key_ring<kStages>(n_items, fetch, issue, prepare, compute);
+  detail::run_key_ring<kStages>(n_items, fetch, start, issue, prepare, compute);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1720,6 +1862,13 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
 #pragma unroll
   for (int s = 0; s < F / 8; ++s) bn[s][0] = bn[s][1] = 0u;
 
+  // Row inputs (length, t0, q̄, c) ahead in registers, as in the mean scorer (RowFoldInputs).
+  detail::RowFoldInputs<F, GH, Shape::kThreads, false> pre;
+  const long long last_row = (it_end - 1) / tiles_per_row;
+  const auto start = [&]() {
+    feed.prime(view, a, L, Hkv, HC);
+    pre.load(m, a, view.seq_lens, row0, L, Hkv, HC);
+  };
   int key0 = 0;  // this warp's first key of the current item (set by prepare)
   const auto prepare = [&]() -> bool {  // the item at the compute cursor, then advance it
     const long long rid = c_rid;
@@ -1729,36 +1878,35 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
       ++c_rid;
     }
     if (rid != seen_row) {
-      row = detail::decode_score_row(rid, L, Hkv, HC);
-      const int l0 = static_cast<int>(view.seq_lens[a.seq_ids[row.b]]);
-      len = l0 < a.max_len ? (l0 > 0 ? l0 : 0) : a.max_len;
+      if (pre.rid != rid) pre.load(m, a, view.seq_lens, rid, L, Hkv, HC);  // not loaded ahead (a skipped row)
+      row = pre.row;
+      len = pre.len;
       seen_row = rid;
     }
-    if (tile * Shape::kTile >= len) return false;  // no key in this item (uniform across the CTA)
-    if (rid != w_row) {                      // first item of a row with keys (uniform): its weights
-      __syncthreads();                       // every warp is done with the previous row's fragments
+    if (tile * Shape::kTile >= len) {  // no key in this item, nor in the row's later ones (uniform across the CTA)
+      if (pre.rid == rid && rid < last_row) pre.load(m, a, view.seq_lens, rid + 1, L, Hkv, HC);
+      return false;
+    }
+    if (rid != w_row) {  // first item of a row with keys (uniform): its weights
+      __syncthreads();   // every warp is done with the previous row's fragments
       if (row.b != w_b) {
-        const long long t0 = a.t0[row.b];
         for (int item = static_cast<int>(threadIdx.x); item < D * F; item += Shape::kThreads) {
           const int o = item / F, f = item % F;
-          detail::rope_cos_sin(t0 + static_cast<long long>(m.offsets[o]), m.omega[f], cs_s[item], sn_s[item]);
+          detail::rope_cos_sin(pre.t0 + static_cast<long long>(m.offsets[o]), m.omega[f], cs_s[item], sn_s[item]);
         }
         w_b = row.b;
         __syncthreads();
       }
       auto* b16 = reinterpret_cast<std::uint16_t*>(bfrag_s);
       float* cf = reinterpret_cast<float*>(c_s);
-      for (int item = static_cast<int>(threadIdx.x); item < GH * F; item += Shape::kThreads) {
+#pragma unroll
+      for (int j = 0; j < decltype(pre)::kItems; ++j) {
+        const int item = static_cast<int>(threadIdx.x) + j * Shape::kThreads;
+        if (item >= GH * F) break;
         const int h = item / F, f = item % F;
         const int hg = row.hc * GH + h;
-        double qr = 0.0, qi = 0.0;
-        float c = 0.0f;
-        if (hg < G) {
-          const std::int64_t idx = (static_cast<std::int64_t>(row.l) * Hq + row.g * G + hg) * F + f;
-          qr = m.q_re[idx];
-          qi = m.q_im[idx];
-          c = m.c[idx];
-        }
+        const double qr = pre.q_re[j], qi = pre.q_im[j];  // 0 past the group
+        const float c = pre.c[j];
         cf[(f + f / 8) * 4 + h] = c;
         const int e_re = rope_pair_re(S, f, HD), e_im = rope_pair_im(S, f, HD);
         for (int o = 0; o < 2 * NT; ++o) {
@@ -1787,6 +1935,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
         for (int i = 0; i < 2; ++i)  // column g4: head g4 % 4 (as the trig columns), TF32 head (g4 < 4) or rest
           bn[s][i] = detail::norm_b_word<S>(cf, c4, s, i, g4 & 3, g4 >= 4);
       w_row = rid;
+      if (rid < last_row) pre.load(m, a, view.seq_lens, rid + 1, L, Hkv, HC);  // in flight while this row streams
     }
     key0 = tile * Shape::kTile + warp * Shape::kKeysPerWarp;
     return key0 < len;  // uniform across the warp
@@ -1875,8 +2024,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
     }
   };
 
-  feed.prime(view, a, L, Hkv, HC);
-  detail::run_key_ring<kStages>(n_items, fetch, issue, prepare, compute);
+  detail::run_key_ring<kStages>(n_items, fetch, start, issue, prepare, compute);
 }
 
 }  // namespace triattn::cuda

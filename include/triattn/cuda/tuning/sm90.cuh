@@ -29,18 +29,24 @@ struct Compact {
 /// CTA, cp.async ring stages per warp (a stage is a 32-key slice: 8 KB at d = 128) and the CTAs
 /// per SM each is built for. Per SM both keep ~128-190 KB of K in flight (HBM needs ~50-70 KB at
 /// ~1.5 µs loaded latency), with 8 or 12 warps to issue the per-pair norm math.
+/// kLoadAhead: each row's weight inputs are loaded ahead into registers (RowFoldInputs; H200,
+/// 2026-12-01: variant 2 27.7 -> 26.7 µs at one layer). Off where the register cap is tight:
+/// variants 3 (168) and 4 (128) spilled with it and ran 33.2 and 39.9 µs.
 struct ScoreMeanMma {
   struct Variant2 {  // 2 CTAs x 4 warps, 3 stages: 102 KB shared memory per CTA at d = 128
     static constexpr int kWarps = 4, kStages = 3, kMinCtas = 2, kKeys = 32;
+    static constexpr bool kLoadAhead = true;
   };
   struct Variant3 {  // 3 CTAs x 4 warps, 2 stages: 70 KB per CTA, <= 168 registers
     static constexpr int kWarps = 4, kStages = 2, kMinCtas = 3, kKeys = 32;
+    static constexpr bool kLoadAhead = false;
   };
   /// 2 CTAs x 8 warps of 16-key slices (one m16 tile), 3 stages: the same 96 KB of rings per CTA
   /// but twice the warps per scheduler (ncu on variant 2: 2 warps per scheduler, an instruction
   /// issued only every ~1.9 cycles; <= 128 registers).
   struct Variant4 {
     static constexpr int kWarps = 8, kStages = 3, kMinCtas = 2, kKeys = 16;
+    static constexpr bool kLoadAhead = false;
   };
 };
 
