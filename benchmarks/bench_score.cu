@@ -198,7 +198,7 @@ void BM_read_k(benchmark::State& state) {
 /// Fixed cost against streaming rate: one sequence of `tokens` tokens (8 KV heads, d = 128, bf16,
 /// page 16, shuffled blocks, rotating over 4 sequences, queued), read by kind 0 the mean scorer
 /// (mean_variant 2), 1 its memory path alone (ring_read_probe), 2 a plain 16-byte read of the
-/// same number of K bytes (read kernel 2). A line through time vs bytes splits each into a fixed
+/// same number of K bytes (read kernel 2), 3 the mean scorer with a producer warp (mean_variant 5). A line through time vs bytes splits each into a fixed
 /// cost (intercept) and a streaming rate (slope).
 void BM_length_sweep(benchmark::State& state) {
   const int kind = static_cast<int>(state.range(0));
@@ -210,14 +210,14 @@ void BM_length_sweep(benchmark::State& state) {
   const auto view = s.view();
   const double k_bytes = static_cast<double>(tokens) * s.Hkv * kHeadDim * sizeof(T);
   cuda::ScoreOptions opt;
-  opt.mean_variant = 2;
+  opt.mean_variant = kind == 3 ? 5 : 2;
   const RingProbe probe;
   int sms = 0;
   TRIATTN_BENCH_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   for (int w = 0; w < 3; ++w)
     TRIATTN_BENCH_CUDA(s.scorer->score_async(view, cuda::ScoreBatch{s.seq_ids, s.t0, 1, s.len}, s.scores, stream, opt));
   s.time_rotating(state, stream, true, [&](const cuda::ScoreBatch& batch) {
-    if (kind == 0) {
+    if (kind == 0 || kind == 3) {
       TRIATTN_BENCH_CUDA(s.scorer->score_async(view, batch, s.scores, stream, opt));
     } else if (kind == 1) {
       probe.launch(s, batch, stream);
@@ -230,7 +230,7 @@ void BM_length_sweep(benchmark::State& state) {
   });
   TRIATTN_BENCH_CUDA(cudaGetLastError());
   state.counters["k_bytes"] = k_bytes;
-  report(state, kind == 0 ? s.bytes(1) : k_bytes);
+  report(state, kind == 0 || kind == 3 ? s.bytes(1) : k_bytes);
   cudaStreamDestroy(stream);
 }
 
@@ -267,7 +267,7 @@ BENCHMARK(BM_score)
         for (int agg : {0, 1, 2})
           for (int page : {16, 64})
             for (int hnd : {0, 1})
-              for (int variant : {0, 1, 2, 3, 4})
+              for (int variant : {0, 1, 2, 3, 4, 5})
                 if (agg == 0 || variant == 0 || (agg == 1 && variant == 1))
                   b->Args({agg, page, hnd, variant, queued});
     })
@@ -275,13 +275,13 @@ BENCHMARK(BM_score)
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_score_trig)
     ->ArgNames({"disable_trig", "variant", "shuffled"})
-    ->ArgsProduct({{0, 1}, {0, 2}, {1, 0}})
+    ->ArgsProduct({{0, 1}, {0, 2, 5}, {1, 0}})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_ring_read_probe)->UseManualTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_length_sweep)
     ->ArgNames({"kind", "tokens"})
-    ->ArgsProduct({{0, 1, 2}, {8192, 16384, 32768, 65536, 131072}})
+    ->ArgsProduct({{0, 1, 2, 3}, {8192, 16384, 32768, 65536, 131072}})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_read_k)->ArgNames({"queued", "kernel"})->ArgsProduct({{0, 1}, {0, 1, 2}})->UseManualTime()->Unit(benchmark::kMicrosecond);
@@ -290,7 +290,7 @@ BENCHMARK(BM_score_round_shape)
     ->Apply([](benchmark::internal::Benchmark* b) {
       for (int batch : {1, 8, 32})
         for (int max : {0, 1})
-          for (int variant : {0, 1, 2, 3, 4})
+          for (int variant : {0, 1, 2, 3, 4, 5})
             if ((max == 0 && variant != 1) || (max == 1 && variant <= 1)) b->Args({batch, max, variant});
     })
     ->UseManualTime()

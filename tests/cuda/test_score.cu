@@ -171,16 +171,16 @@ void check_case(const Case& c, std::uint32_t seed) {
   for (int b = 0; b < batch; ++b) wants.push_back(ref_scores(p, scorer.model(), b, t0[b]));
   // Max aggregation on 16-bit caches has two kernels (tensor cores, CUDA cores): check both.
   const bool two_paths = c.agg == Aggregation::kMax && !c.no_trig && sizeof(T) == 2;
-  // Mean aggregation has five kernels: mean_variant 0 and 1 (bitwise the same scores), 2, 3, 4
-  // (tensor cores; 16-bit caches, else variant 0). The tensor-core max path has two
-  // (max_variant 0, 1). The ring kernels (mean_variant 2-4, max_variant 1) run twice: with the
+  // Mean aggregation has six kernels: mean_variant 0 and 1 (bitwise the same scores), 2, 3, 4, 5
+  // (tensor cores; 16-bit caches, else variant 0; 5 with a producer warp and bulk copies). The tensor-core max path has two
+  // (max_variant 0, 1). The ring kernels (mean_variant 2-5, max_variant 1) run twice: with the
   // default grid and with at most 3 CTAs, so that each CTA streams many items across rows and
   // sequences.
   const bool mean_paths = c.agg == Aggregation::kMean || c.no_trig;
   std::vector<float> variant0;
   for (const bool tensor_cores : {true, false}) {
     if (!tensor_cores && !two_paths) break;
-    for (const int variant : {0, 1, 2, 3, 4}) {
+    for (const int variant : {0, 1, 2, 3, 4, 5}) {
       if (variant >= 1 && !mean_paths) break;
       for (const int max_variant : {0, 1}) {
         if (max_variant == 1 && !(two_paths && tensor_cores)) break;

@@ -29,13 +29,14 @@ struct ScoreOptions {
   bool tensor_core_max = true;
   /// Mean-aggregation (and disable_trig) kernel: 0 score_mean_kernel (8 keys per lane, one tile
   /// in flight per CTA), 1 score_mean_pipe_kernel (4 keys per lane, next tile prefetched into a
-  /// register double buffer; bitwise the same scores as 0), 2, 3 and 4 score_mean_mma_kernel (dot
-  /// products on the tensor cores, per-warp cp.async rings; tuning::sm90::ScoreMeanMma::Variant2,
-  /// 3 and 4; 16-bit caches, else variant 0; within fp32 rounding of 0, not bitwise).
-  /// Default 2: fastest on the H200 (2026-12-01: 27.9 µs vs 31.4 for 0 and 29.3 for 3 on one
-  /// Qwen3-8B layer at 32K; 68 vs 72 µs for a whole 36-layer round's scores). Variant 3 is ahead
-  /// from batch ~8 up (1,569 vs 1,615 µs at batch 32).
-  int mean_variant = 2;
+  /// register double buffer; bitwise the same scores as 0), 2-5 score_mean_mma_kernel (dot
+  /// products on the tensor cores; tuning::sm90::ScoreMeanMma::Variant2-5; 16-bit caches, else
+  /// variant 0; within fp32 rounding of 0, not bitwise): 2, 3 and 4 with per-warp cp.async rings,
+  /// 5 with 8 computing warps fed by 2 producer warps.
+  /// Default 5: fastest on the H200 (2026-12-01, one machine: 26.0 µs vs 26.2 for 2 on one
+  /// Qwen3-8B layer at 32K; 63.0 vs 66.2 µs for a whole 36-layer round's scores at batch 1, 393 vs
+  /// 399 at batch 8).
+  int mean_variant = 5;
   /// Tensor-core max kernel (16-bit caches, tensor_core_max): 0 score_max_mma_kernel (load a
   /// tile, then compute it), 1 score_max_mma_pipe_kernel (per-warp cp.async rings, cos/sin once
   /// per CTA and sequence; falls back to 0 when its shared memory exceeds the device's limit,
@@ -111,10 +112,10 @@ template <class T, class Id>
   return static_cast<unsigned long long>(view.range_stride) * sizeof(T) < (1ull << 36);
 }
 
-/// Tensor-core mean path (mean_variant 2, 3, 4): 16-bit caches; fp16 weights far from fp16's range limit.
+/// Tensor-core mean path (mean_variant 2-5): 16-bit caches; fp16 weights far from fp16's range limit.
 template <class T>
 [[nodiscard]] inline bool use_mma_mean(const ScoreModelView& m, const ScoreOptions& opt) noexcept {
-  if (opt.mean_variant < 2 || opt.mean_variant > 4) return false;
+  if (opt.mean_variant < 2 || opt.mean_variant > 5) return false;
   if (m.aggregation != Aggregation::kMean && !m.disable_trig) return false;
   if constexpr (std::is_same_v<T, bf16_storage>) return true;
   else if constexpr (std::is_same_v<T, f16_storage>) return m.max_abs_weight < 16384.0;  // |W_f| <= s²|q̄_f|
@@ -134,8 +135,9 @@ template <class T, class Id, int HD, RopeStyle S, class Cfg>
     int sms = 0;
     TRIATTN_CUDA_RETURN_IF_ERROR(current_device_sm_count(&sms));
     auto kernel = score_mean_mma_kernel<T, Id, HD, S, Cfg::kWarps, Cfg::kStages, Cfg::kMinCtas, Cfg::kKeys,
-                                        Cfg::kLoadAhead>;
-    constexpr std::size_t smem = Shape::kSmemBytes;
+                                        Cfg::kLoadAhead, Cfg::kProducers>;
+    constexpr std::size_t smem = Cfg::kProducers > 0 ? Shape::kSmemBytesProducer : Shape::kSmemBytes;
+    constexpr int threads = Shape::kThreads + 32 * Cfg::kProducers;
     static DynamicSmemGrant granted;
     TRIATTN_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem(kernel, smem, granted));
     // Once per instantiation (no attribute call or occupancy query inside a graph capture later):
@@ -144,10 +146,10 @@ template <class T, class Id, int HD, RopeStyle S, class Cfg>
       (void)cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                  cudaSharedmemCarveoutMaxShared);
       (void)cudaGetLastError();
-      return resident_ctas(kernel, Shape::kThreads, smem);
+      return resident_ctas(kernel, threads, smem);
     }();
     const long long items = rows * ((a.max_len + Shape::kTile - 1) / Shape::kTile);
-    kernel<<<score_grid(items, sms, per_sm, opt.max_ctas), Shape::kThreads, smem, stream>>>(view, m, a, scores, fd);
+    kernel<<<score_grid(items, sms, per_sm, opt.max_ctas), threads, smem, stream>>>(view, m, a, scores, fd);
     return check_launch(stream);
   } else {
     return cudaErrorNotSupported;
@@ -319,6 +321,8 @@ template <class T, class Id>
         return detail::launch_score_mean_mma<T, Id, HD, S, Tune::Variant2>(view, model, batch, scores, stream, options);
       if (mma_mean && options.mean_variant == 3)
         return detail::launch_score_mean_mma<T, Id, HD, S, Tune::Variant3>(view, model, batch, scores, stream, options);
+      if (mma_mean && options.mean_variant == 5)
+        return detail::launch_score_mean_mma<T, Id, HD, S, Tune::Variant5>(view, model, batch, scores, stream, options);
       if (mma_mean)
         return detail::launch_score_mean_mma<T, Id, HD, S, Tune::Variant4>(view, model, batch, scores, stream, options);
       if (G <= 4) return detail::launch_score_kernel<T, Id, HD, S, 4>(view, model, batch, scores, stream, options);

@@ -1109,7 +1109,7 @@ __global__ void __launch_bounds__(detail::MmaMaxShape<T, HD>::kThreads, 2)
 
 
 // ---------------------------------------------------------------------------------------------
-// Mean aggregation on the tensor cores (16-bit caches; ScoreOptions::mean_variant 2, 3, 4).
+// Mean aggregation on the tensor cores (16-bit caches; ScoreOptions::mean_variant 2-5).
 // Why: the CUDA-core mean kernels issue ~1,200 instructions per key (4 heads x 3 FMAs per pair,
 // unpacking, weights), about as long as reading the key, and they load a tile, then compute it,
 // so HBM idles while they compute (measured: 37 µs against ~16 µs for the K read). Here
@@ -1124,6 +1124,8 @@ __global__ void __launch_bounds__(detail::MmaMaxShape<T, HD>::kThreads, 2)
 //    kStages-deep cp.async ring (kStages - 1 slices in flight while it computes one; no CTA
 //    barrier per tile);
 //    block-table entries are fetched into shared memory a ring depth ahead (KeySliceFeed);
+//    variant 5 (kProducers > 0): producer warps fill the computing warps' rings instead, handing
+//    each slice over on a full mbarrier and taking the stage back on an empty one;
 //  - the float64 fold runs once per (CTA, row) and the float64 cos/sin once per (CTA, sequence),
 //    while the ring's first loads are in flight.
 // Key rows in shared memory are 16-byte-chunk swizzled (chunk c of row r at c ^ (r & 7)) so that
@@ -1162,6 +1164,10 @@ struct MmaMeanShape {
   /// Per-warp block-table slots (KeySliceFeed), after everything else.
   static constexpr std::size_t kTableBytes = static_cast<std::size_t>(kWarps) * ((kStages + 1) * 32 * 8);
   static constexpr std::size_t kSmemBytes = kRingBytes + kBfragBytes + kCBytes + kPhaseBytes + kTableBytes;
+  /// With producer warps (score_mean_mma_kernel's kProducers): full and empty mbarriers per
+  /// (warp, stage) instead of the per-warp table slots.
+  static constexpr std::size_t kBarrierBytes = static_cast<std::size_t>(kWarps) * kStages * 2 * 8;
+  static constexpr std::size_t kSmemBytesProducer = kRingBytes + kBfragBytes + kCBytes + kPhaseBytes + kBarrierBytes;
 };
 
 __device__ __forceinline__ std::uint32_t score_smem_addr(const void* p) {
@@ -1264,6 +1270,30 @@ __device__ __forceinline__ void load_tile_fragments(std::uint32_t (&fr)[KS][4], 
 #pragma unroll
   for (int s = 0; s < KS; ++s) ldmatrix_x4(fr[s], row_addr + static_cast<std::uint32_t>(((2 * s + half) ^ swz) * 16));
 }
+/// mbarrier primitives (shared::cta addresses) for the producer-warp rings.
+__device__ __forceinline__ void mbar_init(std::uint32_t bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(std::uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+/// Waits until the phase of parity `parity` has completed.
+__device__ __forceinline__ void mbar_wait(std::uint32_t bar, unsigned parity) {
+  unsigned done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (done == 0);
+}
+/// Arrives on mbarrier `bar` once every cp.async this thread has issued so far has completed
+/// (without raising the pending count: the barrier's init count includes this arrival).
+__device__ __forceinline__ void mbar_arrive_on_cp_async(std::uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+
 /// Word i of this lane's norm B fragment for k8-step s: c of lane-local pair 2s + i for head h, as
 /// its TF32 head or (rest) c - head. cf: c as [slot f + f/8][4 heads] floats.
 template <RopeStyle S>
@@ -1415,19 +1445,26 @@ struct KeySliceFeed {
     const int n_valid = kr.len - t_first;  // keys kk >= n_valid are zero-filled
     const Id blk = slots[i_slot * 32 + lane];
     if (++i_slot == Slots::kSlots) i_slot = 0;
+    copy_slice(stage_addr, kr.range, lane < n_valid && lane < kKeys ? chunk_offset(kr, blk, r) : 0u, n_valid, lane);
+  }
+
+  /// Key (blk, slot r)'s offset from its layer's K range in 16-byte chunks.
+  static __device__ __forceinline__ std::uint32_t chunk_offset(const KeyRowAddr<T, Id>& k, Id blk, int r) {
     constexpr int kElemsPerChunk = 16 / static_cast<int>(sizeof(T));
-    const std::uint32_t mine =
-        lane < n_valid && lane < kKeys
-            ? static_cast<std::uint32_t>(static_cast<std::uint64_t>(static_cast<std::int64_t>(blk) * kr.block_elems +
-                                                                    static_cast<std::int64_t>(r) * kr.token_stride +
-                                                                    kr.head_off) /
-                                         kElemsPerChunk)
-            : 0u;
+    return static_cast<std::uint32_t>(
+        static_cast<std::uint64_t>(static_cast<std::int64_t>(blk) * k.block_elems +
+                                   static_cast<std::int64_t>(r) * k.token_stride + k.head_off) /
+        kElemsPerChunk);
+  }
+  /// One warp copies a slice: lane l's `mine` is key l's chunk offset from `range`; keys
+  /// kk >= n_valid are zero-filled. Chunk c of key kk lands at c ^ chunk_swizzle(kk).
+  static __device__ __forceinline__ void copy_slice(std::uint32_t stage_addr, const T* range, std::uint32_t mine,
+                                                    int n_valid, int lane) {
     constexpr int kKeysPerCopy = 32 / kCPR;  // whole keys one warp instruction moves
     const int c = lane % kCPR, sub = lane / kCPR;
     // chunk_swizzle(i·kKeysPerCopy + sub) = chunk_swizzle(i·kKeysPerCopy) ^ chunk_swizzle(sub): disjoint bits
     const int c_sw = c ^ chunk_swizzle(sub);
-    const unsigned long long base = reinterpret_cast<unsigned long long>(kr.range) + static_cast<unsigned>(c) * 16u;
+    const unsigned long long base = reinterpret_cast<unsigned long long>(range) + static_cast<unsigned>(c) * 16u;
 #pragma unroll
     for (int i = 0; i < kCPR * kKeys / 32; ++i) {
       const int kk = i * kKeysPerCopy + sub;
@@ -1610,22 +1647,41 @@ __device__ __forceinline__ void run_key_ring(int n_items, Fetch&& fetch, Start&&
 /// MmaMeanShape<T, HD, kWarps, kStages, kKeys>::kSmemBytes.
 /// kLoadAhead: row inputs loaded ahead (RowFoldInputs; ~25 registers held through the stream, so
 /// off where the register cap would make the kernel spill).
+/// kProducers: producer warps (0: each warp feeds its own ring) that fill the kWarps computing
+/// warps' rings (cp.async, each slice
+/// completing on a full mbarrier per (warp, stage); the computing warp hands the stage back on an
+/// empty one; MmaMeanShape::kSmemBytesProducer), so that a computing warp never stalls issuing
+/// copies: with per-warp rings the warps of the SMs with the slowest memory path spent ~32% of
+/// their loop issuing copies (H200 trace, 2026-12-01) and ended ~5 µs after the median warp.
+/// (One bulk copy (TMA) per 256-byte key instead ran at ~0.9 TB/s.)
 template <class T, class Id, int HD, RopeStyle S, int kWarps, int kStages, int kMinCtas, int kKeys = 32,
-          bool kLoadAhead = true>
-__global__ void __launch_bounds__(32 * kWarps, kMinCtas)
+          bool kLoadAhead = true, int kProducers = 0>
+__global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
     score_mean_mma_kernel(KvCacheView<T, Id> view, ScoreModelView m, ScoreBatch a, float* __restrict__ scores,
                           detail::FastDiv fd) {
   using Shape = detail::MmaMeanShape<T, HD, kWarps, kStages, kKeys>;
   using Tr = detail::MmaMaxTraits<T>;
   constexpr int F = Shape::kF, KS = Shape::kSteps, CPR = Shape::kCPR;
   constexpr int SP = Shape::kSplits, NM = Shape::kMmas, GH = Shape::kHeads;
+  constexpr bool kProducerWarp = kProducers > 0;
+  static_assert(!kProducerWarp || (kKeys == 32 && kWarps % (kProducerWarp ? kProducers : 1) == 0),
+                "producer warps fill 32-key slices (one key per lane), the same number each");
+  constexpr int kFed = kProducerWarp ? kWarps / kProducers : 1;  // computing warps per producer warp
+  constexpr std::size_t kRing = Shape::kRingBytes;
+  constexpr std::size_t kSliceBytes = Shape::kSliceVecs * 16;
   extern __shared__ __align__(16) unsigned char mean_mma_smem[];
   uint4* const ring = reinterpret_cast<uint4*>(mean_mma_smem);
-  uint2* const bfrag_s = reinterpret_cast<uint2*>(mean_mma_smem + Shape::kRingBytes);
-  float4* const c_s = reinterpret_cast<float4*>(mean_mma_smem + Shape::kRingBytes + Shape::kBfragBytes);
-  double* const cs_s =
-      reinterpret_cast<double*>(mean_mma_smem + Shape::kRingBytes + Shape::kBfragBytes + Shape::kCBytes);
+  uint2* const bfrag_s = reinterpret_cast<uint2*>(mean_mma_smem + kRing);
+  float4* const c_s = reinterpret_cast<float4*>(mean_mma_smem + kRing + Shape::kBfragBytes);
+  double* const cs_s = reinterpret_cast<double*>(mean_mma_smem + kRing + Shape::kBfragBytes + Shape::kCBytes);
   double* const sn_s = cs_s + F;
+  // producer-warp ring only: full[warp][stage] then empty[warp][stage] mbarriers
+  const std::uint32_t bars = detail::score_smem_addr(mean_mma_smem + kRing + Shape::kBfragBytes + Shape::kCBytes +
+                                                     Shape::kPhaseBytes);
+  const auto full_bar = [&](int w, int st) { return bars + static_cast<std::uint32_t>((w * kStages + st) * 8); };
+  const auto empty_bar = [&](int w, int st) {
+    return bars + static_cast<std::uint32_t>(((kWarps + w) * kStages + st) * 8);
+  };
 
   const int L = m.num_layers, Hq = m.num_q_heads, Hkv = m.num_kv_heads;
   const int G = Hq / Hkv;
@@ -1639,19 +1695,85 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
 
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
   const int g4 = lane >> 2, c4 = lane & 3;
-  const uint4* const my_ring = ring + static_cast<std::size_t>(warp) * kStages * Shape::kSliceVecs;
-  const std::uint32_t ring_addr = detail::score_smem_addr(my_ring);
-
-  // ---- producer: see KeySliceFeed; the consumer keeps its own (row, tile) cursor ----
   const long long row0 = it0 / tiles_per_row;
   const int tile0 = static_cast<int>(it0 - row0 * tiles_per_row);
+  const auto ring_of = [&](int w) { return detail::score_smem_addr(ring) + static_cast<std::uint32_t>(w * kStages * kSliceBytes); };
+  const std::uint32_t ring_addr = ring_of(warp);
+
+  if constexpr (kProducerWarp) {
+    using Feed = detail::KeySliceFeed<T, Id, HD, Shape::kTile, kKeys, kStages>;
+    if (threadIdx.x == 0) {  // full: the producer's 32 lanes arrive (on their copies); empty: one lane of the warp
+      for (int i = 0; i < 2 * kWarps * kStages; ++i)
+        detail::mbar_init(bars + static_cast<std::uint32_t>(i * 8), i < kWarps * kStages ? 32u : 1u);
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (warp >= kWarps) {  // ---- producer warp p: item k's slices for computing warps p, p + kProducers, ... ----
+      const int p = warp - kWarps;
+      // The next item's row addresses and block ids load one item ahead, while this item's copies
+      // go out, so the table latency stalls neither the copies nor the computing warps.
+      long long rid_n = row0, kr_row = -1;
+      int tile_n = tile0;
+      detail::KeyRowAddr<T, Id> kr_n{};
+      Id blk_n[kFed];
+      const auto load_next = [&]() {
+        if (rid_n != kr_row) {
+          const detail::ScoreRow sr = detail::decode_score_row(rid_n, L, Hkv, HC);
+          kr_n = detail::key_row(view, a, sr.b, sr.l, sr.g);
+          kr_row = rid_n;
+        }
+#pragma unroll
+        for (int i = 0; i < kFed; ++i) {
+          const int t = tile_n * Shape::kTile + (p + i * kProducers) * 32 + lane;
+          const int page = static_cast<int>(fd.div(static_cast<std::uint32_t>(t)));
+          blk_n[i] = t < kr_n.len && page < view.max_blocks_per_seq ? kr_n.table[page] : Id(0);
+        }
+      };
+      load_next();
+      for (int k = 0; k < n_items; ++k) {
+        const detail::KeyRowAddr<T, Id> kr = kr_n;
+        const int tile = tile_n;
+        Id blk[kFed];
+#pragma unroll
+        for (int i = 0; i < kFed; ++i) blk[i] = blk_n[i];
+        if (++tile_n == tiles_per_row) {
+          tile_n = 0;
+          ++rid_n;
+        }
+        if (k + 1 < n_items) load_next();
+        const int st = k % kStages;
+#pragma unroll
+        for (int i = 0; i < kFed; ++i) {
+          const int w = p + i * kProducers;
+          const int t_first = tile * Shape::kTile + w * 32, t = t_first + lane;
+          const int page = static_cast<int>(fd.div(static_cast<std::uint32_t>(t)));
+          const int n_valid = kr.len - t_first;
+          const std::uint32_t mine =
+              lane < n_valid ? Feed::chunk_offset(kr, blk[i], t - page * view.block.block_size) : 0u;
+          if (k >= kStages) detail::mbar_wait(empty_bar(w, st), static_cast<unsigned>(((k / kStages) & 1) ^ 1));
+          Feed::copy_slice(ring_of(w) + static_cast<std::uint32_t>(st * kSliceBytes), kr.range, mine, n_valid, lane);
+          detail::mbar_arrive_on_cp_async(full_bar(w, st));
+        }
+      }
+      return;  // the copies complete on their own; the computing warps wait for them
+    }
+  }
+
+  // ---- producer (per-warp cp.async rings): see KeySliceFeed; the consumer keeps its own (row, tile) cursor ----
   Id* const warp_slots = reinterpret_cast<Id*>(mean_mma_smem + Shape::kSmemBytes - Shape::kTableBytes) +
                          static_cast<std::size_t>(warp) * (kStages + 1) * 32;
   detail::KeySliceFeed<T, Id, HD, Shape::kTile, kKeys, kStages> feed(row0, tile0, warp_slots);
   const auto fetch = [&]() { feed.fetch(view, a, fd, tiles_per_row, L, Hkv, HC, warp, lane); };
   const auto issue = [&](int stage) {
     feed.issue(view, a, fd, tiles_per_row, L, Hkv, HC, warp, lane,
-               ring_addr + static_cast<std::uint32_t>(stage * Shape::kSliceVecs * 16));
+               ring_addr + static_cast<std::uint32_t>(stage * kSliceBytes));
+  };
+  // the computing warps' barrier (without the producer warp)
+  const auto consumers_sync = [&]() {
+    if constexpr (kProducerWarp)
+      asm volatile("bar.sync 1, %0;" ::"n"(32 * kWarps) : "memory");
+    else
+      __syncthreads();
   };
 
   // ---- consumer state ----
@@ -1695,7 +1817,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
       return false;
     }
     if (rid != w_row) {  // first item of a row with keys (uniform): its weights
-      __syncthreads();   // every warp is done with the previous row's weights
+      consumers_sync();  // every warp is done with the previous row's weights
       if (row.b != w_b) {
 #pragma unroll
         for (int j = 0; j < decltype(pre)::kFreqs; ++j) {
@@ -1707,7 +1829,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
           sn_s[f] = sn;
         }
         w_b = row.b;
-        __syncthreads();
+        consumers_sync();
       }
       auto* b16 = reinterpret_cast<std::uint16_t*>(bfrag_s);
       float* cf = reinterpret_cast<float*>(c_s);
@@ -1737,7 +1859,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
           }
         }
       }
-      __syncthreads();
+      consumers_sync();
 #pragma unroll
       for (int s = 0; s < KS; ++s)
 #pragma unroll
@@ -1758,7 +1880,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
     return key0 < len;  // uniform across the warp
   };
   const auto compute = [&](int stage) {
-    const std::uint32_t st_addr = ring_addr + static_cast<std::uint32_t>(stage * Shape::kSliceVecs * 16);
+    const std::uint32_t st_addr = ring_addr + static_cast<std::uint32_t>(stage * kSliceBytes);
     const int hg = row.hc * GH + c4;
     float* const out = scores + ((static_cast<std::int64_t>(row.b) * L + row.l) * Hq + row.g * G + (hg < G ? hg : 0)) *
                                     static_cast<std::int64_t>(a.max_len);
@@ -1786,7 +1908,22 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
     }
   };
 
-  detail::run_key_ring<kStages>(n_items, fetch, start, issue, prepare, compute);
+  if constexpr (kProducerWarp) {  // the computing warps: wait for the slice, compute, hand the stage back
+    if constexpr (kLoadAhead) pre.load(m, a, view.seq_lens, row0, L, Hkv, HC);
+    (void)fetch;
+    (void)issue;
+    (void)start;
+    for (int k = 0; k < n_items; ++k) {
+      const bool live = prepare();
+      const int st = k % kStages;
+      detail::mbar_wait(full_bar(warp, st), static_cast<unsigned>((k / kStages) & 1));
+      if (live) compute(st);
+      __syncwarp();  // every lane has read the stage
+      if (lane == 0) detail::mbar_arrive(empty_bar(warp, st));
+    }
+  } else {
+    detail::run_key_ring<kStages>(n_items, fetch, start, issue, prepare, compute);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ struct Compact {
   static constexpr int kVecsPerThread = 4;
 };
 
-/// Tensor-core mean scorer (score_mean_mma_kernel; ScoreOptions::mean_variant 2, 3, 4): warps per
+/// Tensor-core mean scorer (score_mean_mma_kernel; ScoreOptions::mean_variant 2-5): warps per
 /// CTA, cp.async ring stages per warp (a stage is a 32-key slice: 8 KB at d = 128) and the CTAs
 /// per SM each is built for. Per SM both keep ~128-190 KB of K in flight (HBM needs ~50-70 KB at
 /// ~1.5 µs loaded latency), with 8 or 12 warps to issue the per-pair norm math.
@@ -36,10 +36,12 @@ struct ScoreMeanMma {
   struct Variant2 {  // 2 CTAs x 4 warps, 3 stages: 102 KB shared memory per CTA at d = 128
     static constexpr int kWarps = 4, kStages = 3, kMinCtas = 2, kKeys = 32;
     static constexpr bool kLoadAhead = true;
+    static constexpr int kProducers = 0;
   };
   struct Variant3 {  // 3 CTAs x 4 warps, 2 stages: 70 KB per CTA, <= 168 registers
     static constexpr int kWarps = 4, kStages = 2, kMinCtas = 3, kKeys = 32;
     static constexpr bool kLoadAhead = false;
+    static constexpr int kProducers = 0;
   };
   /// 2 CTAs x 8 warps of 16-key slices (one m16 tile), 3 stages: the same 96 KB of rings per CTA
   /// but twice the warps per scheduler (ncu on variant 2: 2 warps per scheduler, an instruction
@@ -47,7 +49,20 @@ struct ScoreMeanMma {
   struct Variant4 {
     static constexpr int kWarps = 8, kStages = 3, kMinCtas = 2, kKeys = 16;
     static constexpr bool kLoadAhead = false;
+    static constexpr int kProducers = 0;
   };
+  /// One CTA per SM: 8 computing warps with 3 stages of 32 keys each (192 KB at d = 128) and
+  /// kProducers producer warps that fill them (cp.async), so that memory back-pressure stalls
+  /// only the producers. H200, 2026-12-01: one producer warp could not keep 8 rings full
+  /// (29.8 µs at one layer), one bulk copy per key (TMA) ran at ~0.9 TB/s, 4 producers 26.6 µs;
+  /// 2 producers 26.0 µs at one layer (variant 2: 26.2), 63.0 / 393 µs for a round's scores at
+  /// batch 1 / 8 (66.2 / 399).
+  struct Variant5 {
+    static constexpr int kWarps = 8, kStages = 3, kMinCtas = 1, kKeys = 32;
+    static constexpr bool kLoadAhead = true;
+    static constexpr int kProducers = 2;
+  };
+
 };
 
 /// Pipelined tensor-core max scorer (score_max_mma_pipe_kernel; ScoreOptions::max_variant 1):
