@@ -1648,11 +1648,11 @@ __device__ __forceinline__ void run_key_ring(int n_items, Fetch&& fetch, Start&&
 /// kLoadAhead: row inputs loaded ahead (RowFoldInputs; ~25 registers held through the stream, so
 /// off where the register cap would make the kernel spill).
 /// kProducers: producer warps (0: each warp feeds its own ring) that fill the kWarps computing
-/// warps' rings (cp.async, each slice
-/// completing on a full mbarrier per (warp, stage); the computing warp hands the stage back on an
-/// empty one; MmaMeanShape::kSmemBytesProducer), so that a computing warp never stalls issuing
-/// copies: with per-warp rings the warps of the SMs with the slowest memory path spent ~32% of
-/// their loop issuing copies (H200 trace, 2026-12-01) and ended ~5 µs after the median warp.
+/// warps' rings (cp.async, each slice completing on a full mbarrier per (warp, stage); the
+/// computing warp hands the stage back on an empty one; MmaMeanShape::kSmemBytesProducer), so
+/// that a computing warp never stalls issuing copies: with per-warp rings the warps of the SMs
+/// with the slowest memory path spent ~32% of their loop issuing copies (H200 trace, 2026-12-01)
+/// and ended ~5 µs after the median warp.
 /// (One bulk copy (TMA) per 256-byte key instead ran at ~0.9 TB/s.)
 template <class T, class Id, int HD, RopeStyle S, int kWarps, int kStages, int kMinCtas, int kKeys = 32,
           bool kLoadAhead = true, int kProducers = 0>
@@ -1667,8 +1667,7 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
   static_assert(!kProducerWarp || (kKeys == 32 && kWarps % (kProducerWarp ? kProducers : 1) == 0),
                 "producer warps fill 32-key slices (one key per lane), the same number each");
   constexpr int kFed = kProducerWarp ? kWarps / kProducers : 1;  // computing warps per producer warp
-  constexpr std::size_t kRing = Shape::kRingBytes;
-  constexpr std::size_t kSliceBytes = Shape::kSliceVecs * 16;
+  constexpr std::size_t kRing = Shape::kRingBytes, kSliceBytes = Shape::kSliceVecs * 16;
   extern __shared__ __align__(16) unsigned char mean_mma_smem[];
   uint4* const ring = reinterpret_cast<uint4*>(mean_mma_smem);
   uint2* const bfrag_s = reinterpret_cast<uint2*>(mean_mma_smem + kRing);
@@ -1759,7 +1758,7 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
     }
   }
 
-  // ---- producer (per-warp cp.async rings): see KeySliceFeed; the consumer keeps its own (row, tile) cursor ----
+  // ---- per-warp rings (kProducers == 0): see KeySliceFeed; the consumer keeps its own (row, tile) cursor ----
   Id* const warp_slots = reinterpret_cast<Id*>(mean_mma_smem + Shape::kSmemBytes - Shape::kTableBytes) +
                          static_cast<std::size_t>(warp) * (kStages + 1) * 32;
   detail::KeySliceFeed<T, Id, HD, Shape::kTile, kKeys, kStages> feed(row0, tile0, warp_slots);
@@ -1793,10 +1792,11 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
   // with the first table fetch and each next row's right after a fold (see RowFoldInputs), else
   // when the row begins.
   detail::RowFoldInputs<F, GH, Shape::kThreads, true> pre;
+  const auto load_pre = [&](long long r) { pre.load(m, a, view.seq_lens, r, L, Hkv, HC); };
   const long long last_row = (it_end - 1) / tiles_per_row;
-  const auto start = [&]() {
+  const auto start = [&]() {  // per-warp rings: the first row's addresses and inputs, during the first table fetch
     feed.prime(view, a, L, Hkv, HC);
-    if constexpr (kLoadAhead) pre.load(m, a, view.seq_lens, row0, L, Hkv, HC);
+    if constexpr (kLoadAhead) load_pre(row0);
   };
   int key0 = 0;  // this warp's first key of the current item (set by prepare)
   const auto prepare = [&]() -> bool {  // the item at the compute cursor, then advance it
@@ -1807,13 +1807,13 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
       ++c_rid;
     }
     if (rid != seen_row) {
-      if (pre.rid != rid) pre.load(m, a, view.seq_lens, rid, L, Hkv, HC);  // not loaded ahead (a skipped row)
+      if (pre.rid != rid) load_pre(rid);  // not loaded ahead (a skipped row)
       row = pre.row;
       len = pre.len;
       seen_row = rid;
     }
     if (tile * Shape::kTile >= len) {  // no key in this item, nor in the row's later ones (uniform across the CTA)
-      if (kLoadAhead && pre.rid == rid && rid < last_row) pre.load(m, a, view.seq_lens, rid + 1, L, Hkv, HC);
+      if (kLoadAhead && pre.rid == rid && rid < last_row) load_pre(rid + 1);
       return false;
     }
     if (rid != w_row) {  // first item of a row with keys (uniform): its weights
@@ -1874,7 +1874,7 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
         for (int i = 0; i < 2; ++i)  // column g4: head g4/2, TF32 head (g4 even) or rest (odd)
           bn[s][i] = detail::norm_b_word<S>(cf, c4, s, i, g4 >> 1, (g4 & 1) != 0);
       w_row = rid;
-      if (kLoadAhead && rid < last_row) pre.load(m, a, view.seq_lens, rid + 1, L, Hkv, HC);  // in flight while this row streams
+      if (kLoadAhead && rid < last_row) load_pre(rid + 1);  // in flight while this row streams
     }
     key0 = tile * Shape::kTile + warp * Shape::kKeysPerWarp;
     return key0 < len;  // uniform across the warp
@@ -1909,10 +1909,7 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
   };
 
   if constexpr (kProducerWarp) {  // the computing warps: wait for the slice, compute, hand the stage back
-    if constexpr (kLoadAhead) pre.load(m, a, view.seq_lens, row0, L, Hkv, HC);
-    (void)fetch;
-    (void)issue;
-    (void)start;
+    if constexpr (kLoadAhead) load_pre(row0);
     for (int k = 0; k < n_items; ++k) {
       const bool live = prepare();
       const int st = k % kStages;
@@ -1921,7 +1918,7 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
       __syncwarp();  // every lane has read the stage
       if (lane == 0) detail::mbar_arrive(empty_bar(warp, st));
     }
-  } else {
+  } else {  // each warp feeds its own ring (KeySliceFeed)
     detail::run_key_ring<kStages>(n_items, fetch, start, issue, prepare, compute);
   }
 }
@@ -2001,10 +1998,11 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
 
   // Row inputs (length, t0, q̄, c) ahead in registers, as in the mean scorer (RowFoldInputs).
   detail::RowFoldInputs<F, GH, Shape::kThreads, false> pre;
+  const auto load_pre = [&](long long r) { pre.load(m, a, view.seq_lens, r, L, Hkv, HC); };
   const long long last_row = (it_end - 1) / tiles_per_row;
   const auto start = [&]() {
     feed.prime(view, a, L, Hkv, HC);
-    pre.load(m, a, view.seq_lens, row0, L, Hkv, HC);
+    load_pre(row0);
   };
   int key0 = 0;  // this warp's first key of the current item (set by prepare)
   const auto prepare = [&]() -> bool {  // the item at the compute cursor, then advance it
@@ -2015,13 +2013,13 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
       ++c_rid;
     }
     if (rid != seen_row) {
-      if (pre.rid != rid) pre.load(m, a, view.seq_lens, rid, L, Hkv, HC);  // not loaded ahead (a skipped row)
+      if (pre.rid != rid) load_pre(rid);  // not loaded ahead (a skipped row)
       row = pre.row;
       len = pre.len;
       seen_row = rid;
     }
     if (tile * Shape::kTile >= len) {  // no key in this item, nor in the row's later ones (uniform across the CTA)
-      if (pre.rid == rid && rid < last_row) pre.load(m, a, view.seq_lens, rid + 1, L, Hkv, HC);
+      if (pre.rid == rid && rid < last_row) load_pre(rid + 1);
       return false;
     }
     if (rid != w_row) {  // first item of a row with keys (uniform): its weights
@@ -2072,7 +2070,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
         for (int i = 0; i < 2; ++i)  // column g4: head g4 % 4 (as the trig columns), TF32 head (g4 < 4) or rest
           bn[s][i] = detail::norm_b_word<S>(cf, c4, s, i, g4 & 3, g4 >= 4);
       w_row = rid;
-      if (rid < last_row) pre.load(m, a, view.seq_lens, rid + 1, L, Hkv, HC);  // in flight while this row streams
+      if (rid < last_row) load_pre(rid + 1);  // in flight while this row streams
     }
     key0 = tile * Shape::kTile + warp * Shape::kKeysPerWarp;
     return key0 < len;  // uniform across the warp
