@@ -61,6 +61,28 @@ void BM_score(benchmark::State& state) {
   cudaStreamDestroy(stream);
 }
 
+/// Grid waves (ScoreOptions::grid_waves): BM_score's queued row (page 16, NHD) for mean (agg 0)
+/// or tensor-core max (agg 1) kernel `variant`, launched as `waves` waves of shorter CTAs.
+void BM_score_waves(benchmark::State& state) {
+  const Aggregation agg = state.range(0) ? Aggregation::kMax : Aggregation::kMean;
+  cuda::ScoreOptions opt;
+  opt.mean_variant = state.range(0) == 0 ? static_cast<int>(state.range(1)) : 0;
+  opt.max_variant = state.range(0) == 1 ? static_cast<int>(state.range(1)) : 0;
+  opt.grid_waves = static_cast<int>(state.range(2));
+  constexpr int kSeqs = 4;
+  Setup s(1, 32, 8, 32768, kSeqs, 16, KvLayout::kNHD, agg, 1);
+  cudaStream_t stream;
+  TRIATTN_BENCH_CUDA(cudaStreamCreate(&stream));
+  const auto view = s.view();
+  for (int w = 0; w < 3; ++w)
+    TRIATTN_BENCH_CUDA(s.scorer->score_async(view, cuda::ScoreBatch{s.seq_ids, s.t0, 1, s.len}, s.scores, stream, opt));
+  s.time_rotating(state, stream, true, [&](const cuda::ScoreBatch& batch) {
+    TRIATTN_BENCH_CUDA(s.scorer->score_async(view, batch, s.scores, stream, opt));
+  });
+  report(state, s.bytes(1));
+  cudaStreamDestroy(stream);
+}
+
 /// Where the mean scorer's time goes: BM_score's queued mean row (page 16, NHD) with the trig
 /// term on (0) or off (1: disable_trig, the per-CTA float64 cos/sin and fold are skipped, the
 /// keys are still read and the norm term and the MMAs still run), per mean variant.
@@ -268,8 +290,18 @@ BENCHMARK(BM_score)
           for (int page : {16, 64})
             for (int hnd : {0, 1})
               for (int variant : {0, 1, 2, 3, 4, 5})
-                if (agg == 0 || variant == 0 || (agg == 1 && variant == 1))
+                if (agg == 0 || variant == 0 || (agg == 1 && variant <= 2))
                   b->Args({agg, page, hnd, variant, queued});
+    })
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_score_waves)
+    ->ArgNames({"agg", "variant", "waves"})
+    ->Apply([](benchmark::internal::Benchmark* b) {
+      for (int waves : {1, 2, 3, 4, 8}) {
+        for (int variant : {2, 5}) b->Args({0, variant, waves});
+        for (int variant : {1, 2}) b->Args({1, variant, waves});
+      }
     })
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
@@ -291,7 +323,7 @@ BENCHMARK(BM_score_round_shape)
       for (int batch : {1, 8, 32})
         for (int max : {0, 1})
           for (int variant : {0, 1, 2, 3, 4, 5})
-            if ((max == 0 && variant != 1) || (max == 1 && variant <= 1)) b->Args({batch, max, variant});
+            if ((max == 0 && variant != 1) || (max == 1 && variant <= 2)) b->Args({batch, max, variant});
     })
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);

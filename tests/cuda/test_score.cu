@@ -172,22 +172,24 @@ void check_case(const Case& c, std::uint32_t seed) {
   // Max aggregation on 16-bit caches has two kernels (tensor cores, CUDA cores): check both.
   const bool two_paths = c.agg == Aggregation::kMax && !c.no_trig && sizeof(T) == 2;
   // Mean aggregation has six kernels: mean_variant 0 and 1 (bitwise the same scores), 2, 3, 4, 5
-  // (tensor cores; 16-bit caches, else variant 0; 5 with a producer warp and bulk copies). The tensor-core max path has two
-  // (max_variant 0, 1). The ring kernels (mean_variant 2-5, max_variant 1) run twice: with the
-  // default grid and with at most 3 CTAs, so that each CTA streams many items across rows and
-  // sequences.
+  // (tensor cores; 16-bit caches, else variant 0; 5 with producer warps). The tensor-core max
+  // path has three (max_variant 0, 1, 2: 2 on warpgroup MMAs). The ring kernels (mean_variant
+  // 2-5, max_variant 1, 2) run three times: with the default grid, with at most 3 CTAs (each CTA
+  // streams many items across rows and sequences) and with two waves of CTAs (grid_waves).
   const bool mean_paths = c.agg == Aggregation::kMean || c.no_trig;
   std::vector<float> variant0;
   for (const bool tensor_cores : {true, false}) {
     if (!tensor_cores && !two_paths) break;
     for (const int variant : {0, 1, 2, 3, 4, 5}) {
       if (variant >= 1 && !mean_paths) break;
-      for (const int max_variant : {0, 1}) {
-        if (max_variant == 1 && !(two_paths && tensor_cores)) break;
-        for (const int max_ctas : {0, 3}) {
-          if (max_ctas > 0 && variant < 2 && max_variant == 0) break;
+      for (const int max_variant : {0, 1, 2}) {
+        if (max_variant >= 1 && !(two_paths && tensor_cores)) break;
+        for (const int grid : {0, 1, 2}) {  // default grid, at most 3 CTAs, 2 waves of CTAs
+          if (grid > 0 && variant < 2 && max_variant == 0) break;
+          const int max_ctas = grid == 1 ? 3 : 0;
+          const int waves = grid == 2 ? 2 : 1;
           INFO("tensor_core_max = ", tensor_cores, ", mean_variant = ", variant, ", max_variant = ", max_variant,
-               ", max_ctas = ", max_ctas);
+               ", max_ctas = ", max_ctas, ", grid_waves = ", waves);
           scores.poison();
           const cuda::ScoreBatch sb{p.d_seq_ids.get(), d_t0.get(), batch, max_len};
           cuda::ScoreOptions opt;
@@ -195,6 +197,7 @@ void check_case(const Case& c, std::uint32_t seed) {
           opt.mean_variant = variant;
           opt.max_variant = max_variant;
           opt.max_ctas = max_ctas;
+          opt.grid_waves = waves;
           TRIATTN_TEST_CUDA(cuda::score(p.device_view(), scorer.device_model(), sb, scores.get(), nullptr, opt));
           TRIATTN_TEST_CUDA(cudaDeviceSynchronize());
           std::vector<float> got = scores.download();
@@ -207,6 +210,15 @@ void check_case(const Case& c, std::uint32_t seed) {
       }
     }
   }
+}
+
+/// 1 where this file's device code is compiled with wgmma (the scorers' TRIATTN_WGMMA_ENABLED).
+__global__ void wgmma_probe(int* out) {
+#ifdef TRIATTN_WGMMA_ENABLED
+  *out = 1;
+#else
+  *out = 0;
+#endif
 }
 
 void compare(const Case& c, const std::vector<float>& got, const std::vector<std::vector<float>>& wants, int max_len) {
@@ -333,6 +345,19 @@ TEST_SUITE("gpu") {
     c.layout = KvLayout::kHND;
     c.bs = 7;
     check_case<float>(c, seed + 3);
+  }
+
+  TEST_CASE("max_variant 2 is compiled with warpgroup MMAs where the build targets sm_90a") {
+    triattn::test::require_device();
+    test::DeviceBuffer<int> flag(1);
+    flag.poison();
+    wgmma_probe<<<1, 1>>>(flag.get());
+    TRIATTN_TEST_CUDA(cudaDeviceSynchronize());
+#ifdef TRIATTN_TEST_EXPECT_WGMMA
+    CHECK(flag.download()[0] == 1);
+#else
+    CHECK(flag.download()[0] == 0);
+#endif
   }
 
   TEST_CASE("TriAttentionDeviceScorer::score (the KvCache::compress interface) matches the CPU scorer") {

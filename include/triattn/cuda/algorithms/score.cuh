@@ -44,12 +44,20 @@ struct ScoreOptions {
   /// Tensor-core max kernel (16-bit caches, tensor_core_max): 0 score_max_mma_kernel (load a
   /// tile, then compute it), 1 score_max_mma_pipe_kernel (per-warp cp.async rings, cos/sin once
   /// per CTA and sequence; falls back to 0 when its shared memory exceeds the device's limit,
-  /// i.e. for very many offsets). Within fp32 rounding of each other. Default 1: 59.5–59.8 µs vs
-  /// 70.6–71.3 for 0 on the H200 (2026-12-01).
+  /// i.e. for very many offsets), 2 the same kernel with the dot products as warpgroup MMAs
+  /// (wgmma; needs a build for sm_90a, else it runs as 1; |D| > 18 offsets run as 1). Within fp32
+  /// rounding of each other. Default 1: 59.5–59.8 µs vs 70.6–71.3 for 0 on the H200 (2026-12-01).
   int max_variant = 1;
   /// Upper bound of the grid (0: one wave of resident CTAs). Tests lower it so that every CTA
   /// walks many items across rows and sequences.
   int max_ctas = 0;
+  /// CTAs per resident CTA slot (>= 1): 1 launches one persistent wave (each CTA walks a
+  /// contiguous share of the items); k > 1 launches k times as many CTAs with k times shorter
+  /// shares, so the hardware hands the later waves to whichever multiprocessors finish first
+  /// (balancing against per-SM speed differences, at the cost of more per-CTA start-up work).
+  /// H200, 2026-12-01, one 32K layer: mean_variant 2 26.5 µs at 1 wave, 31.4 at 2, 33.3 at 3;
+  /// max_variant 2 49.0 at 1, 56.8 at 2 (each CTA's start-up is not hidden): keep 1.
+  int grid_waves = 1;
 };
 
 namespace detail {
@@ -73,11 +81,11 @@ template <class Kernel>
   return granted.ensure(kernel, smem);
 }
 
-/// Grid of a persistent-style scoring launch: one wave of resident CTAs, capped by the items
-/// (and by max_ctas when > 0).
-inline unsigned score_grid(long long items, int sms, int per_sm, int max_ctas = 0) noexcept {
-  long long cap = static_cast<long long>(sms) * per_sm;
-  if (max_ctas > 0 && max_ctas < cap) cap = max_ctas;
+/// Grid of a scoring launch: grid_waves waves of resident CTAs (one persistent wave by
+/// default), capped by the items (and by max_ctas when > 0).
+inline unsigned score_grid(long long items, int sms, int per_sm, const ScoreOptions& opt) noexcept {
+  long long cap = static_cast<long long>(sms) * per_sm * (opt.grid_waves > 1 ? opt.grid_waves : 1);
+  if (opt.max_ctas > 0 && opt.max_ctas < cap) cap = opt.max_ctas;
   const long long g = items < cap ? items : cap;
   return static_cast<unsigned>(g > 0 ? g : 1);
 }
@@ -153,7 +161,7 @@ template <class T, class Id, int HD, RopeStyle S, class Cfg>
       return resident_ctas(kernel, threads, smem);
     }();
     const long long items = rows * ((a.max_len + Shape::kTile - 1) / Shape::kTile);
-    kernel<<<score_grid(items, sms, per_sm, opt.max_ctas), threads, smem, stream>>>(view, m, a, scores, fd);
+    kernel<<<score_grid(items, sms, per_sm, opt), threads, smem, stream>>>(view, m, a, scores, fd);
     return check_launch(stream);
   } else {
     return cudaErrorNotSupported;
@@ -185,23 +193,23 @@ template <class T, class Id, int HD, RopeStyle S>
     }
     const int per_sm = static_cast<int>(c & 0xffff) > 0 ? static_cast<int>(c & 0xffff) : 1;
     const long long items = rows * ((a.max_len + Shape::kTile - 1) / Shape::kTile);
-    kernel<<<score_grid(items, sms, per_sm, opt.max_ctas), Shape::kThreads, smem, stream>>>(view, m, a, scores, fd);
+    kernel<<<score_grid(items, sms, per_sm, opt), Shape::kThreads, smem, stream>>>(view, m, a, scores, fd);
     return check_launch(stream);
   } else {
     return cudaErrorNotSupported;
   }
 }
 
-/// Pipelined tensor-core max scorer (max_variant 1); score_max_mma_kernel when its shared
-/// memory does not fit.
-template <class T, class Id, int HD, RopeStyle S>
+/// Pipelined tensor-core max scorer (max_variant 1, or 2 with kWgmma); score_max_mma_kernel when
+/// its shared memory does not fit.
+template <class T, class Id, int HD, RopeStyle S, bool kWgmma>
 [[nodiscard]] inline cudaError_t launch_score_max_mma_pipe(const KvCacheView<T, Id>& view, const ScoreModelView& m,
                                                            const ScoreBatch& a, float* scores, cudaStream_t stream,
                                                            const ScoreOptions& opt) noexcept {
   if constexpr (sizeof(T) == 2) {
     using Cfg = tuning::sm90::ScoreMaxMma;
     using Shape = MmaMeanShape<T, HD, Cfg::kWarps, Cfg::kStages>;
-    const std::size_t smem = score_max_mma_pipe_smem_bytes<T, HD, Cfg::kWarps, Cfg::kStages>(m.num_offsets);
+    const std::size_t smem = score_max_mma_pipe_smem_bytes<T, HD, Cfg::kWarps, Cfg::kStages, kWgmma>(m.num_offsets);
     static const int optin = [] {  // the device's opt-in limit of shared memory per CTA
       int dev = 0, v = 0;
       if (cudaGetDevice(&dev) != cudaSuccess ||
@@ -219,7 +227,7 @@ template <class T, class Id, int HD, RopeStyle S>
         static_cast<long long>(a.batch) * m.num_layers * m.num_kv_heads * ((G + Shape::kHeads - 1) / Shape::kHeads);
     int sms = 0;
     TRIATTN_CUDA_RETURN_IF_ERROR(current_device_sm_count(&sms));
-    auto kernel = score_max_mma_pipe_kernel<T, Id, HD, S, Cfg::kWarps, Cfg::kStages, Cfg::kMinCtas>;
+    auto kernel = score_max_mma_pipe_kernel<T, Id, HD, S, Cfg::kWarps, Cfg::kStages, Cfg::kMinCtas, kWgmma>;
     static DynamicSmemGrant granted;
     TRIATTN_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem(kernel, smem, granted));
     static std::atomic<unsigned long long> cached{0};  // (smem << 16 | CTAs per SM), as launch_score_max_mma
@@ -234,7 +242,7 @@ template <class T, class Id, int HD, RopeStyle S>
     }
     const int per_sm = static_cast<int>(c & 0xffff) > 0 ? static_cast<int>(c & 0xffff) : 1;
     const long long items = rows * ((a.max_len + Shape::kTile - 1) / Shape::kTile);
-    kernel<<<score_grid(items, sms, per_sm, opt.max_ctas), Shape::kThreads, smem, stream>>>(view, m, a, scores, fd);
+    kernel<<<score_grid(items, sms, per_sm, opt), Shape::kThreads, smem, stream>>>(view, m, a, scores, fd);
     return check_launch(stream);
   } else {
     return cudaErrorNotSupported;
@@ -256,7 +264,7 @@ template <class T, class Id, int HD, RopeStyle S, int GMAX>
     auto kernel = score_mean_pipe_kernel<T, Id, HD, S, GMAX>;
     static const int per_sm = resident_ctas(kernel, Shape::kThreads, 0);
     const long long items = rows * ((a.max_len + Shape::kTile - 1) / Shape::kTile);
-    kernel<<<score_grid(items, sms, per_sm, opt.max_ctas), Shape::kThreads, 0, stream>>>(view, m, a, scores, fd);
+    kernel<<<score_grid(items, sms, per_sm, opt), Shape::kThreads, 0, stream>>>(view, m, a, scores, fd);
     return check_launch(stream);
   }
   if (m.aggregation == Aggregation::kMean || m.disable_trig) {
@@ -264,7 +272,7 @@ template <class T, class Id, int HD, RopeStyle S, int GMAX>
     auto kernel = score_mean_kernel<T, Id, HD, S, GMAX>;
     static const int per_sm = resident_ctas(kernel, Shape::kThreads, 0);
     const long long items = rows * ((a.max_len + Shape::kTile - 1) / Shape::kTile);
-    kernel<<<score_grid(items, sms, per_sm, opt.max_ctas), Shape::kThreads, 0, stream>>>(view, m, a, scores, fd);
+    kernel<<<score_grid(items, sms, per_sm, opt), Shape::kThreads, 0, stream>>>(view, m, a, scores, fd);
     return check_launch(stream);
   }
   using Shape = ScoreShape<T, HD, GMAX, 4>;
@@ -283,7 +291,7 @@ template <class T, class Id, int HD, RopeStyle S, int GMAX>
   }
   const int per_sm = static_cast<int>(c & 0xffff) > 0 ? static_cast<int>(c & 0xffff) : 1;
   const long long items = rows * ((a.max_len + Shape::kTile - 1) / Shape::kTile);
-  kernel<<<score_grid(items, sms, per_sm, opt.max_ctas), Shape::kThreads, smem, stream>>>(view, m, a, scores, fd);
+  kernel<<<score_grid(items, sms, per_sm, opt), Shape::kThreads, smem, stream>>>(view, m, a, scores, fd);
   return check_launch(stream);
 }
 
@@ -318,8 +326,10 @@ template <class T, class Id>
     const auto by_group = [&](auto style) -> cudaError_t {
       constexpr RopeStyle S = decltype(style)::value;
       using Tune = tuning::sm90::ScoreMeanMma;
-      if (mma && options.max_variant == 1 && ring_ok)
-        return detail::launch_score_max_mma_pipe<T, Id, HD, S>(view, model, batch, scores, stream, options);
+      if (mma && options.max_variant == 2 && ring_ok && model.num_offsets <= 2 * kWgmmaMaxNTiles)
+        return detail::launch_score_max_mma_pipe<T, Id, HD, S, true>(view, model, batch, scores, stream, options);
+      if (mma && options.max_variant >= 1 && ring_ok)
+        return detail::launch_score_max_mma_pipe<T, Id, HD, S, false>(view, model, batch, scores, stream, options);
       if (mma) return detail::launch_score_max_mma<T, Id, HD, S>(view, model, batch, scores, stream, options);
       if (mma_mean && options.mean_variant == 2)
         return detail::launch_score_mean_mma<T, Id, HD, S, Tune::Variant2>(view, model, batch, scores, stream, options);

@@ -41,6 +41,7 @@
 #include <triattn/core/ref/score.hpp>
 #include <triattn/core/rope_types.hpp>
 #include <triattn/cuda/config.cuh>
+#include <triattn/cuda/kernels/wgmma.cuh>
 #include <triattn/cuda/types.cuh>
 
 namespace triattn::cuda {
@@ -56,6 +57,10 @@ struct ScoreModelView {
   const double* cmean_re = nullptr;  ///< [F] Re C_f = mean_δ cos(δω_f)
   const double* cmean_im = nullptr;  ///< [F] Im C_f
   const double* offsets = nullptr;   ///< [num_offsets] δ ∈ D (whole numbers stored as double)
+  /// [num_offsets, F] cos / sin of δ·ω_f, optional: with them the max scorers form the phase
+  /// (t0 + δ)·ω_f by angle addition from F sincos per sequence instead of |D|·F.
+  const double* offset_cos = nullptr;
+  const double* offset_sin = nullptr;
   double s2 = 1.0;                   ///< s² = α²
   int num_layers = 0;
   int num_q_heads = 0;
@@ -1484,9 +1489,23 @@ struct KeySliceFeed {
 /// behind the keys and the warps held ready slices while they waited (ncu, 2026-12-01: ~20% of
 /// the mean scorer's stall samples in the first row's prologue). The first row's inputs now load
 /// with the first table fetch (run_key_ring's start()), the next row's right after a fold.
-template <int F, int GH, int kThreads, bool kMean>
+/// kHeadMinor: fold item -> (h, f) with the head varying fastest within 8-frequency blocks (see
+/// item_hf), so that a warp's B-fragment stores of one column land in 4 distinct core-matrix rows.
+template <int F, int GH, int kThreads, bool kMean, bool kHeadMinor = false>
 struct RowFoldInputs {
+  static_assert(!kHeadMinor || (GH == 4 && F % 8 == 0), "head-minor items: 4 heads, whole 8-frequency blocks");
   static constexpr int kItems = (GH * F + kThreads - 1) / kThreads;
+  /// Head and frequency of fold item `item` (< GH·F): h = item / F, f = item % F, or head-minor:
+  /// f = 8·(item / 32) + item % 8, h = (item / 8) % 4.
+  __device__ __forceinline__ static void item_hf(int item, int& h, int& f) {
+    if constexpr (kHeadMinor) {
+      f = (item >> 5) * 8 + (item & 7);
+      h = (item >> 3) & 3;
+    } else {
+      h = item / F;
+      f = item % F;
+    }
+  }
   static constexpr int kFreqs = (F + kThreads - 1) / kThreads;  // ω_f, f = tid + j·kThreads (kMean)
   long long rid = -1;  // row these are for
   ScoreRow row{};
@@ -1509,7 +1528,8 @@ struct RowFoldInputs {
 #pragma unroll
     for (int j = 0; j < kItems; ++j) {
       const int item = static_cast<int>(threadIdx.x) + j * kThreads;
-      const int h = item / F, f = item % F;  // consecutive threads: consecutive f (coalesced loads)
+      int h, f;
+      item_hf(item, h, f);  // consecutive threads: runs of >= 8 consecutive f (coalesced loads)
       const int hg = row.hc * GH + h;
       q_re[j] = q_im[j] = cm_re[j] = cm_im[j] = 0.0;
       c[j] = 0.0f;
@@ -1936,26 +1956,42 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
 // c4 ^ 2).
 // ---------------------------------------------------------------------------------------------
 
+/// n-tiles of B fragments the warpgroup-MMA max scorer always holds: one m64n72k16 covers
+/// |D| <= 18 offsets (columns past |D| are zero weights); more offsets take the mma.sync kernel.
+inline constexpr int kWgmmaMaxNTiles = 9;
+
 /// Dynamic shared memory of score_max_mma_pipe_kernel: rings, c [slot] float4, cos/sin [|D|][F]
-/// double, B fragments [ceil(|D|/2)][k-step][split][lane] uint2, table slots [warp][kStages + 1][32].
-template <class T, int HD, int kWarps, int kStages>
+/// double, B fragments (mma.sync: [ceil(|D|/2)][k-step][split][lane] uint2; wgmma: [k-step][split]
+/// x kWgmmaMaxNTiles core-matrix pairs of 256 bytes, the same size at |D| = 17, 18), table slots
+/// [warp][kStages + 1][32].
+template <class T, int HD, int kWarps, int kStages, bool kWgmma = false>
 constexpr std::size_t score_max_mma_pipe_smem_bytes(int num_offsets) {
   using Shape = detail::MmaMeanShape<T, HD, kWarps, kStages>;
+  const int n_tiles = kWgmma ? kWgmmaMaxNTiles : (num_offsets + 1) / 2;
   return Shape::kRingBytes + Shape::kCBytes + static_cast<std::size_t>(num_offsets) * Shape::kF * 2 * sizeof(double) +
-         static_cast<std::size_t>((num_offsets + 1) / 2) * Shape::kSteps * Shape::kSplits * 32 * 8 + Shape::kTableBytes;
+         static_cast<std::size_t>(n_tiles) * Shape::kSteps * Shape::kSplits * 32 * 8 + Shape::kTableBytes;
 }
 
 /// Pipelined tensor-core max-aggregation scorer for 16-bit caches (same contract as
 /// score_max_mma_kernel; dynamic shared memory score_max_mma_pipe_smem_bytes).
-template <class T, class Id, int HD, RopeStyle S, int kWarps, int kStages, int kMinCtas>
+/// kWgmma (max_variant 2; |D| <= 18, kWarps a multiple of 4): the dot products run as warpgroup
+/// MMAs (wgmma m64n72k16, A = each warp's key fragments from registers, B = the weights from
+/// shared memory) where the build targets sm_90a, else as with kWgmma = false.
+template <class T, class Id, int HD, RopeStyle S, int kWarps, int kStages, int kMinCtas, bool kWgmma = false>
 __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
     score_max_mma_pipe_kernel(KvCacheView<T, Id> view, ScoreModelView m, ScoreBatch a, float* __restrict__ scores,
                               detail::FastDiv fd) {
   using Shape = detail::MmaMeanShape<T, HD, kWarps, kStages>;
   using Tr = detail::MmaMaxTraits<T>;
   constexpr int F = Shape::kF, KS = Shape::kSteps, SP = Shape::kSplits, GH = Shape::kHeads;
+#ifdef TRIATTN_WGMMA_ENABLED
+  constexpr bool kUseWgmma = kWgmma;
+#else
+  constexpr bool kUseWgmma = false;
+#endif
+  static_assert(!kWgmma || kWarps % 4 == 0, "warpgroups of 4 warps");
   const int D = m.num_offsets;
-  const int NT = (D + 1) / 2;
+  const int NT = kUseWgmma ? kWgmmaMaxNTiles : (D + 1) / 2;  // n-tiles of B in shared memory
   extern __shared__ __align__(16) unsigned char max_pipe_smem[];
   uint4* const ring = reinterpret_cast<uint4*>(max_pipe_smem);
   float4* const c_s = reinterpret_cast<float4*>(max_pipe_smem + Shape::kRingBytes);
@@ -1997,12 +2033,32 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
   for (int s = 0; s < F / 8; ++s) bn[s][0] = bn[s][1] = 0u;
 
   // Row inputs (length, t0, q̄, c) ahead in registers, as in the mean scorer (RowFoldInputs).
-  detail::RowFoldInputs<F, GH, Shape::kThreads, false> pre;
+  using Pre = detail::RowFoldInputs<F, GH, Shape::kThreads, false, kUseWgmma>;
+  Pre pre;
   const auto load_pre = [&](long long r) { pre.load(m, a, view.seq_lens, r, L, Hkv, HC); };
   const long long last_row = (it_end - 1) / tiles_per_row;
+  // With the cos/sin(δω_f) tables (angle addition): this thread's ω_f, and the tables copied into
+  // cs_s / sn_s, both issued with the first table fetch (before the warps flood HBM with keys;
+  // loaded at the first fold they waited ~10% of the kernel, ncu 2026-12-01).
+  const bool angle_tables = m.offset_cos != nullptr && !m.disable_trig;
+  double omega_f = 0.0;
+  bool tables_in_smem = false;  // cs_s / sn_s hold the raw cos/sin(δω) (until the first sequence's fold)
   const auto start = [&]() {
     feed.prime(view, a, L, Hkv, HC);
     load_pre(row0);
+    if (angle_tables) {
+      static_assert(Shape::kThreads % F == 0, "every item of a thread has the same frequency");
+      omega_f = m.omega[threadIdx.x % F];
+      const int chunks = D * F / 2;  // 16-byte chunks per table
+      for (int i = static_cast<int>(threadIdx.x); i < 2 * chunks; i += Shape::kThreads) {
+        const bool sn = i >= chunks;
+        const int ci = sn ? i - chunks : i;
+        detail::score_cp_async_16(detail::score_smem_addr((sn ? sn_s : cs_s) + 2 * ci), (sn ? m.offset_sin : m.offset_cos) + 2 * ci,
+                                  16);
+      }
+      detail::score_cp_async_commit();  // run_key_ring waits for it right after start()
+      tables_in_smem = true;              // visible to all after the first fold's barrier
+    }
   };
   int key0 = 0;  // this warp's first key of the current item (set by prepare)
   const auto prepare = [&]() -> bool {  // the item at the compute cursor, then advance it
@@ -2025,9 +2081,21 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
     if (rid != w_row) {  // first item of a row with keys (uniform): its weights
       __syncthreads();   // every warp is done with the previous row's fragments
       if (row.b != w_b) {
-        for (int item = static_cast<int>(threadIdx.x); item < D * F; item += Shape::kThreads) {
-          const int o = item / F, f = item % F;
-          detail::rope_cos_sin(pre.t0 + static_cast<long long>(m.offsets[o]), m.omega[f], cs_s[item], sn_s[item]);
+        if (angle_tables) {  // cos/sin((t0 + δ)ω) by angle addition: one sincos per thread
+          double ct, st;
+          detail::rope_cos_sin(pre.t0, omega_f, ct, st);
+          for (int item = static_cast<int>(threadIdx.x); item < D * F; item += Shape::kThreads) {
+            const double cd = tables_in_smem ? cs_s[item] : m.offset_cos[item];
+            const double sd = tables_in_smem ? sn_s[item] : m.offset_sin[item];
+            cs_s[item] = ct * cd - st * sd;
+            sn_s[item] = st * cd + ct * sd;
+          }
+          tables_in_smem = false;
+        } else {
+          for (int item = static_cast<int>(threadIdx.x); item < D * F; item += Shape::kThreads) {
+            const int o = item / F, f = item % F;
+            detail::rope_cos_sin(pre.t0 + static_cast<long long>(m.offsets[o]), m.omega[f], cs_s[item], sn_s[item]);
+          }
         }
         w_b = row.b;
         __syncthreads();
@@ -2038,7 +2106,8 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
       for (int j = 0; j < decltype(pre)::kItems; ++j) {
         const int item = static_cast<int>(threadIdx.x) + j * Shape::kThreads;
         if (item >= GH * F) break;
-        const int h = item / F, f = item % F;
+        int h, f;
+        Pre::item_hf(item, h, f);
         const int hg = row.hc * GH + h;
         const double qr = pre.q_re[j], qi = pre.q_im[j];  // 0 past the group
         const float c = pre.c[j];
@@ -2054,15 +2123,26 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
             const int e = part == 0 ? e_re : e_im;
             std::uint16_t sp[SP];
             Tr::split(part == 0 ? wr : wi, sp);
-            const detail::BFragmentSlot b = detail::b_fragment_slot(e);
-            const int ln = n * 4 + b.quad_lane;
+            if constexpr (kUseWgmma) {
+              // K-major core matrices: [k-step][split][n-tile][k-chunk (e%16)/8][column n][e%8]
 #pragma unroll
-            for (int x = 0; x < SP; ++x)
-              b16[((((static_cast<std::size_t>(o >> 1) * KS + b.step) * SP + x) * 32 + ln) * 2 + b.word) * 2 + b.half] =
-                  sp[x];
+              for (int x = 0; x < SP; ++x)
+                b16[((((static_cast<std::size_t>(e >> 4) * SP + x) * NT + (o >> 1)) * 2 + ((e >> 3) & 1)) * 8 + n) * 8 +
+                    (e & 7)] = sp[x];
+            } else {
+              const detail::BFragmentSlot b = detail::b_fragment_slot(e);
+              const int ln = n * 4 + b.quad_lane;
+#pragma unroll
+              for (int x = 0; x < SP; ++x)
+                b16[((((static_cast<std::size_t>(o >> 1) * KS + b.step) * SP + x) * 32 + ln) * 2 + b.word) * 2 +
+                    b.half] = sp[x];
+            }
           }
         }
       }
+#ifdef TRIATTN_WGMMA_ENABLED
+      if constexpr (kUseWgmma) detail::fence_proxy_async_smem();  // the B tiles are read by wgmma
+#endif
       __syncthreads();
 #pragma unroll
       for (int s = 0; s < F / 8; ++s)
@@ -2073,7 +2153,9 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
       if (rid < last_row) load_pre(rid + 1);  // in flight while this row streams
     }
     key0 = tile * Shape::kTile + warp * Shape::kKeysPerWarp;
-    return key0 < len;  // uniform across the warp
+    // A warpgroup's wgmma needs all four warps, also one whose slice is past the length (its
+    // rows are computed on whatever its ring holds and never stored).
+    return kUseWgmma || key0 < len;  // uniform across the warp (the warpgroup with wgmma)
   };
   const auto compute = [&](int stage) {
 
@@ -2088,12 +2170,15 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
     // ---- norm term (TF32 MMAs): lane c4 gets the head (c4 < 2) or the rest (c4 >= 2) of heads
     // 2(c4 & 1) + i, the rest from lane c4 ^ 2 ----
     float nr[2][4];  // [m-tile][2·(row g4 + 8q) + i]
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
+    const auto norm_tile = [&](int mt) {
       float nacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       detail::norm_tile_mma<T, S>(nacc, nacc, fr[mt], bn);
 #pragma unroll
       for (int v = 0; v < 4; ++v) nr[mt][v] = nacc[v] + __shfl_xor_sync(0xffffffffu, nacc[v], 2);
+    };
+    if constexpr (!kUseWgmma) {
+      norm_tile(0);
+      norm_tile(1);
     }
 
     // ---- dot products on the tensor cores, running max over δ ----
@@ -2103,34 +2188,73 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
 #pragma unroll
       for (int v = 0; v < 4; ++v) best[mt][v] = -INFINITY;
     const int my_delta_odd = c4 >> 1;
-    for (int nt = 0; nt < NT; ++nt) {
-      // All of the n-tile's B fragments first (left to itself the compiler loads each one just
-      // before its MMA, two registers in rotation, and the warp waits on every load), then the
-      // MMAs in two chains per m-tile (even / odd k-steps) so that fewer wait on their predecessor.
-      const uint2* bt = bfrag_s + static_cast<std::size_t>(nt) * KS * SP * 32 + lane;
-      uint2 b[KS][SP];
+#ifdef TRIATTN_WGMMA_ENABLED
+    if constexpr (kUseWgmma) {
+      // Per m-tile one chain of KS·SP warpgroup MMAs over all 72 columns. m-tile 1's norm runs
+      // while m-tile 0's MMAs are in the tensor cores, m-tile 0's max while m-tile 1's are (a
+      // wgmma's A registers are not touched until it is waited for).
+      constexpr std::uint32_t kTileBytes = kWgmmaMaxNTiles * 256;  // one (k-step, split) B tile
+      const std::uint32_t b_addr = detail::score_smem_addr(bfrag_s);
+      float d[2][4 * kWgmmaMaxNTiles];
 #pragma unroll
-      for (int s = 0; s < KS; ++s)
+      for (int mt = 0; mt < 2; ++mt) {
+        norm_tile(mt);
+        detail::wgmma_fence();
 #pragma unroll
-        for (int x = 0; x < SP; ++x) b[s][x] = bt[(s * SP + x) * 32];
-      float part[2][2][4] = {};  // [m-tile][k-step parity]
+        for (int s = 0; s < KS; ++s)
 #pragma unroll
-      for (int s = 0; s < KS; ++s)
+          for (int x = 0; x < SP; ++x)
+            detail::wgmma_m64n72k16_rs<std::is_same_v<T, f16_storage>>(
+                d[mt], fr[mt][s],
+                detail::wgmma_desc_kmajor(b_addr + static_cast<std::uint32_t>(s * SP + x) * kTileBytes, 128u, 256u),
+                s + x);
+        detail::wgmma_commit();
+      }
 #pragma unroll
-        for (int x = 0; x < SP; ++x) {
-          Tr::mma(part[0][s & 1], fr[0][s], b[s][x].x, b[s][x].y);
-          Tr::mma(part[1][s & 1], fr[1][s], b[s][x].x, b[s][x].y);
-        }
-      float acc[2][4];
+      for (int mt = 0; mt < 2; ++mt) {
+        if (mt == 0)
+          detail::wgmma_wait<1>();
+        else
+          detail::wgmma_wait<0>();
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
+        for (int nt = 0; nt < kWgmmaMaxNTiles; ++nt)
+          if (2 * nt + my_delta_odd < D) {
 #pragma unroll
-        for (int v = 0; v < 4; ++v) acc[mt][v] = part[mt][0][v] + part[mt][1][v];
-      if (2 * nt + my_delta_odd < D) {
+            for (int v = 0; v < 4; ++v) best[mt][v] = best[mt][v] < d[mt][4 * nt + v] ? d[mt][4 * nt + v] : best[mt][v];
+          }
+      }
+    }
+#endif
+    if constexpr (!kUseWgmma) {
+      for (int nt = 0; nt < NT; ++nt) {
+        // All of the n-tile's B fragments first (left to itself the compiler loads each one just
+        // before its MMA, two registers in rotation, and the warp waits on every load), then the
+        // MMAs in two chains per m-tile (even / odd k-steps) so that fewer wait on their predecessor.
+        const uint2* bt = bfrag_s + static_cast<std::size_t>(nt) * KS * SP * 32 + lane;
+        uint2 b[KS][SP];
+#pragma unroll
+        for (int s = 0; s < KS; ++s)
+#pragma unroll
+          for (int x = 0; x < SP; ++x) b[s][x] = bt[(s * SP + x) * 32];
+        float part[2][2][4] = {};  // [m-tile][k-step parity]
+#pragma unroll
+        for (int s = 0; s < KS; ++s)
+#pragma unroll
+          for (int x = 0; x < SP; ++x) {
+            Tr::mma(part[0][s & 1], fr[0][s], b[s][x].x, b[s][x].y);
+            Tr::mma(part[1][s & 1], fr[1][s], b[s][x].x, b[s][x].y);
+          }
+        float acc[2][4];
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-          for (int v = 0; v < 4; ++v) best[mt][v] = best[mt][v] < acc[mt][v] ? acc[mt][v] : best[mt][v];
+          for (int v = 0; v < 4; ++v) acc[mt][v] = part[mt][0][v] + part[mt][1][v];
+        if (2 * nt + my_delta_odd < D) {
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int v = 0; v < 4; ++v) best[mt][v] = best[mt][v] < acc[mt][v] ? acc[mt][v] : best[mt][v];
+        }
       }
     }
 #pragma unroll

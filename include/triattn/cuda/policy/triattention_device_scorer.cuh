@@ -145,13 +145,21 @@ class TriAttentionDeviceScorer {
 
   static std::size_t round_up(std::size_t x) noexcept { return (x + 255) / 256 * 256; }
 
-  /// One allocation: q_re, q_im (double), omega, cmean_re, cmean_im, offsets (double), c (float).
+  /// One allocation: q_re, q_im (double), omega, cmean_re, cmean_im, offsets, cos / sin of δ·ω_f
+  /// (double), c (float).
   void upload() {
     const ref::TriAttentionModel& m = model_;
     const std::size_t n = static_cast<std::size_t>(m.num_layers()) * m.num_q_heads() * m.num_freqs();
     const std::size_t F = static_cast<std::size_t>(m.num_freqs());
     const std::size_t D = static_cast<std::size_t>(m.num_offsets());
     std::vector<float> c(n);
+    std::vector<double> off_cos(D * F), off_sin(D * F);  // [D][F], the phase as rope_phase forms it
+    for (std::size_t o = 0; o < D; ++o)
+      for (std::size_t f = 0; f < F; ++f) {
+        const double phi = rope_phase(static_cast<long long>(m.offsets()[o]), m.omega()[f]);
+        off_cos[o * F + f] = std::cos(phi);
+        off_sin[o * F + f] = std::sin(phi);
+      }
     const double* cd = m.mlr_weight(0, 0);  // [L, Hq, F], contiguous
     for (std::size_t i = 0; i < n; ++i) c[i] = static_cast<float>(cd[i]);  // as TriAttentionModel::fold
     struct Part {
@@ -159,10 +167,15 @@ class TriAttentionDeviceScorer {
       std::size_t bytes;
       std::size_t off;
     };
-    Part parts[7] = {{m.q_mean_re(0, 0), n * sizeof(double), 0}, {m.q_mean_im(0, 0), n * sizeof(double), 0},
-                     {m.omega().data(), F * sizeof(double), 0},   {m.offset_mean_re().data(), F * sizeof(double), 0},
-                     {m.offset_mean_im().data(), F * sizeof(double), 0}, {m.offsets().data(), D * sizeof(double), 0},
-                     {c.data(), n * sizeof(float), 0}};
+    Part parts[9] = {{m.q_mean_re(0, 0), n * sizeof(double), 0},
+                     {m.q_mean_im(0, 0), n * sizeof(double), 0},
+                     {m.omega().data(), F * sizeof(double), 0},
+                     {m.offset_mean_re().data(), F * sizeof(double), 0},
+                     {m.offset_mean_im().data(), F * sizeof(double), 0},
+                     {m.offsets().data(), D * sizeof(double), 0},
+                     {c.data(), n * sizeof(float), 0},
+                     {off_cos.data(), D * F * sizeof(double), 0},
+                     {off_sin.data(), D * F * sizeof(double), 0}};
     std::size_t total = 0;
     for (Part& p : parts) {
       p.off = total;
@@ -184,6 +197,8 @@ class TriAttentionDeviceScorer {
     view_.cmean_im = reinterpret_cast<const double*>(at(4));
     view_.offsets = reinterpret_cast<const double*>(at(5));
     view_.c = reinterpret_cast<const float*>(at(6));
+    view_.offset_cos = reinterpret_cast<const double*>(at(7));
+    view_.offset_sin = reinterpret_cast<const double*>(at(8));
     view_.s2 = m.freq_scale_sq();
     view_.num_layers = m.num_layers();
     view_.num_q_heads = m.num_q_heads();

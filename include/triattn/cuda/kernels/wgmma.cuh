@@ -1,0 +1,75 @@
+// SPDX-License-Identifier: Apache-2.0
+// Hopper warpgroup MMA (wgmma.mma_async, sm_90a) for the scorers: the few PTX wrappers they use.
+//
+// wgmma exists only in code compiled for the arch-specific target sm_90a
+// (-gencode=arch=compute_90a,code=sm_90a; CMake: CUDA_ARCHITECTURES 90a). TRIATTN_WGMMA_ENABLED is
+// defined in exactly those device passes; kernels that use these wrappers keep an mma.sync path
+// for every other target, so a plain sm_90 build computes the same function, only slower.
+#pragma once
+
+#include <cstdint>
+
+#include <triattn/cuda/config.cuh>
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define TRIATTN_WGMMA_ENABLED 1
+#endif
+
+namespace triattn::cuda::detail {
+
+/// Shared-memory matrix descriptor of a K-major operand without swizzle ("interleave" layout):
+/// core matrices of 8 rows x 16 bytes (8 16-bit elements of K), each 128 contiguous bytes.
+/// k_chunk_stride: bytes between the two core matrices of a k16 step (the leading dimension);
+/// row_group_stride: bytes between core matrices 8 rows (N) apart. All multiples of 16.
+__device__ __forceinline__ std::uint64_t wgmma_desc_kmajor(std::uint32_t smem_addr, std::uint32_t k_chunk_stride,
+                                                           std::uint32_t row_group_stride) {
+  return static_cast<std::uint64_t>((smem_addr >> 4) & 0x3FFFu) |
+         (static_cast<std::uint64_t>((k_chunk_stride >> 4) & 0x3FFFu) << 16) |
+         (static_cast<std::uint64_t>((row_group_stride >> 4) & 0x3FFFu) << 32);  // layout type 0: no swizzle
+}
+
+#ifdef TRIATTN_WGMMA_ENABLED
+/// Orders this thread's earlier register writes (accumulators, A fragments) before the next wgmma.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+/// Waits until at most N committed wgmma groups of this warpgroup are pending.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+/// Makes this thread's generic-proxy shared-memory writes visible to wgmma (async proxy) reads
+/// that follow a barrier.
+__device__ __forceinline__ void fence_proxy_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+/// d (+)= A·B for one m64n72k16 step, fp32 accumulators. A from registers: this warp's 16 rows
+/// of the warpgroup's 64 in mma.sync m16n8k16 A-fragment order; B (K-major, 72 x 16) from the
+/// shared-memory descriptor b_desc. accumulate = 0 overwrites d. d[4j + v] is column
+/// 8j + 2·(lane % 4) + (v & 1) of row lane / 4 + 8·(v >> 1) (the m16n8 C layout per 8 columns).
+/// kF16: fp16 operands, else bf16.
+template <bool kF16>
+__device__ __forceinline__ void wgmma_m64n72k16_rs(float (&d)[36], const std::uint32_t (&a)[4], std::uint64_t b_desc,
+                                                   int accumulate) {
+#define TRIATTN_WGMMA_N72_ASM(TY)                                                                                   \
+  asm volatile(                                                                                                     \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %41, 0;\n"                                                                 \
+      "wgmma.mma_async.sync.aligned.m64n72k16.f32." TY "." TY " "                                                  \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "                          \
+      "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35}, "                \
+      "{%36, %37, %38, %39}, %40, p, 1, 1, 0;\n}\n"                                                                 \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), \
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),       \
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),      \
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),      \
+        "+f"(d[33]), "+f"(d[34]), "+f"(d[35])                                                                        \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate))
+  if constexpr (kF16)
+    TRIATTN_WGMMA_N72_ASM("f16");
+  else
+    TRIATTN_WGMMA_N72_ASM("bf16");
+#undef TRIATTN_WGMMA_N72_ASM
+}
+#endif  // TRIATTN_WGMMA_ENABLED
+
+}  // namespace triattn::cuda::detail
