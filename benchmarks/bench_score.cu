@@ -290,7 +290,7 @@ BENCHMARK(BM_score)
           for (int page : {16, 64})
             for (int hnd : {0, 1})
               for (int variant : {0, 1, 2, 3, 4, 5})
-                if (agg == 0 || variant == 0 || (agg == 1 && variant <= 2))
+                if (agg == 0 || variant == 0 || (agg == 1 && variant <= 3))
                   b->Args({agg, page, hnd, variant, queued});
     })
     ->UseManualTime()
@@ -300,7 +300,7 @@ BENCHMARK(BM_score_waves)
     ->Apply([](benchmark::internal::Benchmark* b) {
       for (int waves : {1, 2, 3, 4, 8}) {
         for (int variant : {2, 5}) b->Args({0, variant, waves});
-        for (int variant : {1, 2}) b->Args({1, variant, waves});
+        for (int variant : {1, 2, 3}) b->Args({1, variant, waves});
       }
     })
     ->UseManualTime()
@@ -323,7 +323,7 @@ BENCHMARK(BM_score_round_shape)
       for (int batch : {1, 8, 32})
         for (int max : {0, 1})
           for (int variant : {0, 1, 2, 3, 4, 5})
-            if ((max == 0 && variant != 1) || (max == 1 && variant <= 2)) b->Args({batch, max, variant});
+            if ((max == 0 && variant != 1) || (max == 1 && variant <= 3)) b->Args({batch, max, variant});
     })
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);

@@ -141,7 +141,12 @@ struct Case {
   }
 };
 
-void compare(const Case& c, const std::vector<float>& got, const std::vector<std::vector<float>>& wants, int max_len);
+double compare(const Case& c, const std::vector<float>& got, const std::vector<std::vector<float>>& wants, int max_len);
+
+// Largest normalised error and number of runs per tensor-core max_variant (16-bit caches) since
+// the last reset (the GQA case reports them).
+double g_max_nerr[4] = {};
+int g_max_runs[4] = {};
 
 /// Runs one case on the GPU and compares with the CPU reference.
 template <class T>
@@ -173,16 +178,17 @@ void check_case(const Case& c, std::uint32_t seed) {
   const bool two_paths = c.agg == Aggregation::kMax && !c.no_trig && sizeof(T) == 2;
   // Mean aggregation has six kernels: mean_variant 0 and 1 (bitwise the same scores), 2, 3, 4, 5
   // (tensor cores; 16-bit caches, else variant 0; 5 with producer warps). The tensor-core max
-  // path has three (max_variant 0, 1, 2: 2 on warpgroup MMAs). The ring kernels (mean_variant
-  // 2-5, max_variant 1, 2) run three times: with the default grid, with at most 3 CTAs (each CTA
-  // streams many items across rows and sequences) and with two waves of CTAs (grid_waves).
+  // path has four (max_variant 0-3; 2 and 3 on warpgroup MMAs in an sm_90a build). The ring
+  // kernels (mean_variant 2-5, max_variant 1-3) run three times: with the default grid, with at
+  // most 3 CTAs (each CTA streams many items across rows and sequences) and with two waves of
+  // CTAs (grid_waves).
   const bool mean_paths = c.agg == Aggregation::kMean || c.no_trig;
   std::vector<float> variant0;
   for (const bool tensor_cores : {true, false}) {
     if (!tensor_cores && !two_paths) break;
     for (const int variant : {0, 1, 2, 3, 4, 5}) {
       if (variant >= 1 && !mean_paths) break;
-      for (const int max_variant : {0, 1, 2}) {
+      for (const int max_variant : {0, 1, 2, 3}) {
         if (max_variant >= 1 && !(two_paths && tensor_cores)) break;
         for (const int grid : {0, 1, 2}) {  // default grid, at most 3 CTAs, 2 waves of CTAs
           if (grid > 0 && variant < 2 && max_variant == 0) break;
@@ -201,7 +207,11 @@ void check_case(const Case& c, std::uint32_t seed) {
           TRIATTN_TEST_CUDA(cuda::score(p.device_view(), scorer.device_model(), sb, scores.get(), nullptr, opt));
           TRIATTN_TEST_CUDA(cudaDeviceSynchronize());
           std::vector<float> got = scores.download();
-          compare(c, got, wants, max_len);
+          const double nerr = compare(c, got, wants, max_len);
+          if (two_paths && tensor_cores) {
+            g_max_nerr[max_variant] = std::max(g_max_nerr[max_variant], nerr);
+            ++g_max_runs[max_variant];
+          }
           if (mean_paths && variant == 0) variant0 = got;
           if (mean_paths && variant == 1)
             CHECK_MESSAGE(std::memcmp(got.data(), variant0.data(), got.size() * sizeof(float)) == 0,
@@ -221,7 +231,7 @@ __global__ void wgmma_probe(int* out) {
 #endif
 }
 
-void compare(const Case& c, const std::vector<float>& got, const std::vector<std::vector<float>>& wants, int max_len) {
+double compare(const Case& c, const std::vector<float>& got, const std::vector<std::vector<float>>& wants, int max_len) {
   const int batch = static_cast<int>(c.lens.size());
 
   double err2 = 0.0, ref2 = 0.0;
@@ -251,6 +261,7 @@ void compare(const Case& c, const std::vector<float>& got, const std::vector<std
   CHECK_MESSAGE(overwritten == 0, overwritten, " slots past the lengths were written");
   const double nerr = ref2 > 0 ? std::sqrt(err2 / ref2) : std::sqrt(err2);
   CHECK_MESSAGE(nerr <= 1e-5, "normalised error ", nerr);
+  return nerr;
 }
 
 }  // namespace
@@ -315,6 +326,7 @@ TEST_SUITE("gpu") {
     triattn::test::require_device();
     const std::uint32_t seed = test::fresh_seed32();
     int combo = 0;
+    for (int v = 0; v < 4; ++v) g_max_nerr[v] = g_max_runs[v] = 0;
     for (int G : {1, 2, 3, 4, 5, 7, 8, 12, 16})
       for (Aggregation agg : {Aggregation::kMean, Aggregation::kMax}) {
         Case c;
@@ -325,6 +337,10 @@ TEST_SUITE("gpu") {
         c.lens = {90, 211};
         check_case<bf16_storage>(c, seed + static_cast<std::uint32_t>(combo++));
       }
+    for (int v = 0; v < 4; ++v) {  // the tensor-core max kernels on bf16 at |D| = 17
+      MESSAGE("max_variant ", v, ": ", g_max_runs[v], " runs, largest normalised error ", g_max_nerr[v]);
+      CHECK(g_max_runs[v] > 0);
+    }
   }
 
   TEST_CASE("score: long sequences over many tiles and short offset sets") {

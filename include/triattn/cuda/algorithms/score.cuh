@@ -45,9 +45,15 @@ struct ScoreOptions {
   /// tile, then compute it), 1 score_max_mma_pipe_kernel (per-warp cp.async rings, cos/sin once
   /// per CTA and sequence; falls back to 0 when its shared memory exceeds the device's limit,
   /// i.e. for very many offsets), 2 the same kernel with the dot products as warpgroup MMAs
-  /// (wgmma; needs a build for sm_90a, else it runs as 1; |D| > 18 offsets run as 1). Within fp32
-  /// rounding of each other. Default 1: 59.5–59.8 µs vs 70.6–71.3 for 0 on the H200 (2026-12-01).
-  int max_variant = 1;
+  /// (wgmma; needs a build for sm_90a, else it runs as 1; |D| > 18 offsets run as 1), 3 as 2 with
+  /// bf16 weights in two 16-bit terms instead of three (each weight to 2^-17 of its size instead
+  /// of 2^-25, a third fewer MMAs; fp16 caches: as 2; without sm_90a or for |D| > 18 the mma.sync
+  /// kernel with two terms). 0-2 within fp32 rounding of each other.
+  /// Default 3. H200, 2026-12-01, one 32K layer (8 KV heads, |D| = 17): 37.6 µs vs 44.5 (2), 53.4
+  /// (1); largest normalised error against the CPU reference in test_score's GQA case 9.6e-7 vs
+  /// 9.3e-7 (2) and 9.0e-7 (1): the fp32 accumulation, not the third term, sets it. 16 warps of
+  /// 16-key slices (four warpgroups per SM) ran slower: 54.1 / 49.0 µs with 3 / 2 terms.
+  int max_variant = 3;
   /// Upper bound of the grid (0: one wave of resident CTAs). Tests lower it so that every CTA
   /// walks many items across rows and sequences.
   int max_ctas = 0;
@@ -202,14 +208,15 @@ template <class T, class Id, int HD, RopeStyle S>
 
 /// Pipelined tensor-core max scorer (max_variant 1, or 2 with kWgmma); score_max_mma_kernel when
 /// its shared memory does not fit.
-template <class T, class Id, int HD, RopeStyle S, bool kWgmma>
+template <class T, class Id, int HD, RopeStyle S, bool kWgmma, int kSplits = 0,
+          class Cfg = tuning::sm90::ScoreMaxMma>
 [[nodiscard]] inline cudaError_t launch_score_max_mma_pipe(const KvCacheView<T, Id>& view, const ScoreModelView& m,
                                                            const ScoreBatch& a, float* scores, cudaStream_t stream,
                                                            const ScoreOptions& opt) noexcept {
   if constexpr (sizeof(T) == 2) {
-    using Cfg = tuning::sm90::ScoreMaxMma;
-    using Shape = MmaMeanShape<T, HD, Cfg::kWarps, Cfg::kStages>;
-    const std::size_t smem = score_max_mma_pipe_smem_bytes<T, HD, Cfg::kWarps, Cfg::kStages, kWgmma>(m.num_offsets);
+    using Shape = MmaMeanShape<T, HD, Cfg::kWarps, Cfg::kStages, Cfg::kKeys>;
+    const std::size_t smem =
+        score_max_mma_pipe_smem_bytes<T, HD, Cfg::kWarps, Cfg::kStages, kWgmma, kSplits, Cfg::kKeys>(m.num_offsets);
     static const int optin = [] {  // the device's opt-in limit of shared memory per CTA
       int dev = 0, v = 0;
       if (cudaGetDevice(&dev) != cudaSuccess ||
@@ -227,7 +234,7 @@ template <class T, class Id, int HD, RopeStyle S, bool kWgmma>
         static_cast<long long>(a.batch) * m.num_layers * m.num_kv_heads * ((G + Shape::kHeads - 1) / Shape::kHeads);
     int sms = 0;
     TRIATTN_CUDA_RETURN_IF_ERROR(current_device_sm_count(&sms));
-    auto kernel = score_max_mma_pipe_kernel<T, Id, HD, S, Cfg::kWarps, Cfg::kStages, Cfg::kMinCtas, kWgmma>;
+    auto kernel = score_max_mma_pipe_kernel<T, Id, HD, S, Cfg::kWarps, Cfg::kStages, Cfg::kMinCtas, kWgmma, kSplits, Cfg::kKeys>;
     static DynamicSmemGrant granted;
     TRIATTN_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem(kernel, smem, granted));
     static std::atomic<unsigned long long> cached{0};  // (smem << 16 | CTAs per SM), as launch_score_max_mma
@@ -328,6 +335,10 @@ template <class T, class Id>
       using Tune = tuning::sm90::ScoreMeanMma;
       if (mma && options.max_variant == 2 && ring_ok && model.num_offsets <= 2 * kWgmmaMaxNTiles)
         return detail::launch_score_max_mma_pipe<T, Id, HD, S, true>(view, model, batch, scores, stream, options);
+      if (mma && options.max_variant == 3 && ring_ok && model.num_offsets <= 2 * kWgmmaMaxNTiles)
+        return detail::launch_score_max_mma_pipe<T, Id, HD, S, true, 2>(view, model, batch, scores, stream, options);
+      if (mma && options.max_variant == 3 && ring_ok)  // |D| > 18: the mma.sync kernel, two terms
+        return detail::launch_score_max_mma_pipe<T, Id, HD, S, false, 2>(view, model, batch, scores, stream, options);
       if (mma && options.max_variant >= 1 && ring_ok)
         return detail::launch_score_max_mma_pipe<T, Id, HD, S, false>(view, model, batch, scores, stream, options);
       if (mma) return detail::launch_score_max_mma<T, Id, HD, S>(view, model, batch, scores, stream, options);

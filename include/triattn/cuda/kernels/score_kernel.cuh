@@ -810,14 +810,17 @@ struct MmaMaxTraits;
 template <>
 struct MmaMaxTraits<bf16_storage> {
   static constexpr int kSplits = 3;
+  /// w as kParts bf16 terms (hi, mid, lo): residual <= 2^-9, 2^-17, 2^-25 of |w| for 1, 2, 3.
+  template <int kParts = kSplits>
   __device__ static void split(float w, std::uint16_t* out) {
-    const __nv_bfloat16 h = __float2bfloat16_rn(w);
-    const float r1 = w - __bfloat162float(h);
-    const __nv_bfloat16 m = __float2bfloat16_rn(r1);
-    const __nv_bfloat16 l = __float2bfloat16_rn(r1 - __bfloat162float(m));
-    out[0] = __bfloat16_as_ushort(h);
-    out[1] = __bfloat16_as_ushort(m);
-    out[2] = __bfloat16_as_ushort(l);
+    static_assert(kParts >= 1 && kParts <= 3);
+    float r = w;
+#pragma unroll
+    for (int i = 0; i < kParts; ++i) {
+      const __nv_bfloat16 p = __float2bfloat16_rn(r);
+      out[i] = __bfloat16_as_ushort(p);
+      r -= __bfloat162float(p);
+    }
   }
   __device__ static void mma(float (&d)[4], const std::uint32_t (&a)[4], std::uint32_t b0, std::uint32_t b1) {
     asm volatile(
@@ -830,7 +833,9 @@ struct MmaMaxTraits<bf16_storage> {
 template <>
 struct MmaMaxTraits<f16_storage> {
   static constexpr int kSplits = 2;
+  template <int kParts = kSplits>
   __device__ static void split(float w, std::uint16_t* out) {
+    static_assert(kParts == 2, "fp16 weights: hi + lo");
     const __half h = __float2half_rn(w);
     const __half l = __float2half_rn(w - __half2float(h));
     out[0] = __half_as_ushort(h);
@@ -1964,26 +1969,33 @@ inline constexpr int kWgmmaMaxNTiles = 9;
 /// double, B fragments (mma.sync: [ceil(|D|/2)][k-step][split][lane] uint2; wgmma: [k-step][split]
 /// x kWgmmaMaxNTiles core-matrix pairs of 256 bytes, the same size at |D| = 17, 18), table slots
 /// [warp][kStages + 1][32].
-template <class T, int HD, int kWarps, int kStages, bool kWgmma = false>
+template <class T, int HD, int kWarps, int kStages, bool kWgmma = false, int kSplits = 0, int kKeys = 32>
 constexpr std::size_t score_max_mma_pipe_smem_bytes(int num_offsets) {
-  using Shape = detail::MmaMeanShape<T, HD, kWarps, kStages>;
+  using Shape = detail::MmaMeanShape<T, HD, kWarps, kStages, kKeys>;
   const int n_tiles = kWgmma ? kWgmmaMaxNTiles : (num_offsets + 1) / 2;
+  const int splits = kSplits > 0 ? kSplits : Shape::kSplits;
   return Shape::kRingBytes + Shape::kCBytes + static_cast<std::size_t>(num_offsets) * Shape::kF * 2 * sizeof(double) +
-         static_cast<std::size_t>(n_tiles) * Shape::kSteps * Shape::kSplits * 32 * 8 + Shape::kTableBytes;
+         static_cast<std::size_t>(n_tiles) * Shape::kSteps * splits * 32 * 8 + Shape::kTableBytes;
 }
 
 /// Pipelined tensor-core max-aggregation scorer for 16-bit caches (same contract as
 /// score_max_mma_kernel; dynamic shared memory score_max_mma_pipe_smem_bytes).
-/// kWgmma (max_variant 2; |D| <= 18, kWarps a multiple of 4): the dot products run as warpgroup
+/// kWgmma (max_variant 2, 3; |D| <= 18, kWarps a multiple of 4): the dot products run as warpgroup
 /// MMAs (wgmma m64n72k16, A = each warp's key fragments from registers, B = the weights from
 /// shared memory) where the build targets sm_90a, else as with kWgmma = false.
-template <class T, class Id, int HD, RopeStyle S, int kWarps, int kStages, int kMinCtas, bool kWgmma = false>
+/// kSplits: 16-bit terms per weight (0: MmaMaxTraits' default, 3 for bf16 and 2 for fp16 caches;
+/// max_variant 3 takes 2 for bf16 too: weights to 2^-17 of their size instead of 2^-25, a third
+/// fewer MMAs). kKeys: keys per warp slice (32: two m16 tiles, 16: one).
+template <class T, class Id, int HD, RopeStyle S, int kWarps, int kStages, int kMinCtas, bool kWgmma = false,
+          int kSplits = 0, int kKeys = 32>
 __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
     score_max_mma_pipe_kernel(KvCacheView<T, Id> view, ScoreModelView m, ScoreBatch a, float* __restrict__ scores,
                               detail::FastDiv fd) {
-  using Shape = detail::MmaMeanShape<T, HD, kWarps, kStages>;
+  using Shape = detail::MmaMeanShape<T, HD, kWarps, kStages, kKeys>;
+  constexpr int MT = kKeys / 16;  // m16 tiles per warp slice
   using Tr = detail::MmaMaxTraits<T>;
-  constexpr int F = Shape::kF, KS = Shape::kSteps, SP = Shape::kSplits, GH = Shape::kHeads;
+  constexpr int F = Shape::kF, KS = Shape::kSteps, GH = Shape::kHeads;
+  constexpr int SP = kSplits > 0 && kSplits < Shape::kSplits ? kSplits : Shape::kSplits;
 #ifdef TRIATTN_WGMMA_ENABLED
   constexpr bool kUseWgmma = kWgmma;
 #else
@@ -2018,7 +2030,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
   const int tile0 = static_cast<int>(it0 - row0 * tiles_per_row);
   Id* const warp_slots = reinterpret_cast<Id*>(bfrag_s + static_cast<std::size_t>(NT) * KS * SP * 32) +
                          static_cast<std::size_t>(warp) * (kStages + 1) * 32;
-  detail::KeySliceFeed<T, Id, HD, Shape::kTile, 32, kStages> feed(row0, tile0, warp_slots);
+  detail::KeySliceFeed<T, Id, HD, Shape::kTile, kKeys, kStages> feed(row0, tile0, warp_slots);
   const auto fetch = [&]() { feed.fetch(view, a, fd, tiles_per_row, L, Hkv, HC, warp, lane); };
   const auto issue = [&](int stage) {
     feed.issue(view, a, fd, tiles_per_row, L, Hkv, HC, warp, lane,
@@ -2122,7 +2134,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
           for (int part = 0; part < 2; ++part) {
             const int e = part == 0 ? e_re : e_im;
             std::uint16_t sp[SP];
-            Tr::split(part == 0 ? wr : wi, sp);
+            Tr::template split<SP>(part == 0 ? wr : wi, sp);
             if constexpr (kUseWgmma) {
               // K-major core matrices: [k-step][split][n-tile][k-chunk (e%16)/8][column n][e%8]
 #pragma unroll
@@ -2159,17 +2171,17 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
   };
   const auto compute = [&](int stage) {
 
-    // A fragments of the two m16 tiles (rows 16mt + g4 and + 8), natural element order
+    // A fragments of the MT m16 tiles (rows 16mt + g4 and + 8), natural element order
     const std::uint32_t st_addr = ring_addr + static_cast<std::uint32_t>(stage * Shape::kSliceVecs * 16);
-    std::uint32_t fr[2][KS][4];
+    std::uint32_t fr[MT][KS][4];
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int mt = 0; mt < MT; ++mt)
       detail::load_tile_fragments<KS, Shape::kCPR>(fr[mt], st_addr + static_cast<std::uint32_t>(16 * mt * Shape::kCPR * 16),
                                                    lane);
 
     // ---- norm term (TF32 MMAs): lane c4 gets the head (c4 < 2) or the rest (c4 >= 2) of heads
     // 2(c4 & 1) + i, the rest from lane c4 ^ 2 ----
-    float nr[2][4];  // [m-tile][2·(row g4 + 8q) + i]
+    float nr[MT][4];  // [m-tile][2·(row g4 + 8q) + i]
     const auto norm_tile = [&](int mt) {
       float nacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       detail::norm_tile_mma<T, S>(nacc, nacc, fr[mt], bn);
@@ -2177,14 +2189,14 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
       for (int v = 0; v < 4; ++v) nr[mt][v] = nacc[v] + __shfl_xor_sync(0xffffffffu, nacc[v], 2);
     };
     if constexpr (!kUseWgmma) {
-      norm_tile(0);
-      norm_tile(1);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) norm_tile(mt);
     }
 
-    // ---- dot products on the tensor cores, running max over δ ----
-    float best[2][4];  // [m-tile][2·(row g4 + 8q) + i]: head 2(c4 & 1) + i
+    // ---- dot products on the tensor cores, running max over δ (fmaxf: one FMNMX; the values are finite) ----
+    float best[MT][4];  // [m-tile][2·(row g4 + 8q) + i]: head 2(c4 & 1) + i
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int v = 0; v < 4; ++v) best[mt][v] = -INFINITY;
     const int my_delta_odd = c4 >> 1;
@@ -2195,9 +2207,9 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
       // wgmma's A registers are not touched until it is waited for).
       constexpr std::uint32_t kTileBytes = kWgmmaMaxNTiles * 256;  // one (k-step, split) B tile
       const std::uint32_t b_addr = detail::score_smem_addr(bfrag_s);
-      float d[2][4 * kWgmmaMaxNTiles];
+      float d[MT][4 * kWgmmaMaxNTiles];
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
+      for (int mt = 0; mt < MT; ++mt) {
         norm_tile(mt);
         detail::wgmma_fence();
 #pragma unroll
@@ -2211,16 +2223,16 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
         detail::wgmma_commit();
       }
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        if (mt == 0)
-          detail::wgmma_wait<1>();
+      for (int mt = 0; mt < MT; ++mt) {
+        if (mt + 1 < MT)
+          detail::wgmma_wait<1>();  // MT <= 2
         else
           detail::wgmma_wait<0>();
 #pragma unroll
         for (int nt = 0; nt < kWgmmaMaxNTiles; ++nt)
           if (2 * nt + my_delta_odd < D) {
 #pragma unroll
-            for (int v = 0; v < 4; ++v) best[mt][v] = best[mt][v] < d[mt][4 * nt + v] ? d[mt][4 * nt + v] : best[mt][v];
+            for (int v = 0; v < 4; ++v) best[mt][v] = fmaxf(best[mt][v], d[mt][4 * nt + v]);
           }
       }
     }
@@ -2236,37 +2248,36 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
         for (int s = 0; s < KS; ++s)
 #pragma unroll
           for (int x = 0; x < SP; ++x) b[s][x] = bt[(s * SP + x) * 32];
-        float part[2][2][4] = {};  // [m-tile][k-step parity]
+        float part[MT][2][4] = {};  // [m-tile][k-step parity]
 #pragma unroll
         for (int s = 0; s < KS; ++s)
 #pragma unroll
-          for (int x = 0; x < SP; ++x) {
-            Tr::mma(part[0][s & 1], fr[0][s], b[s][x].x, b[s][x].y);
-            Tr::mma(part[1][s & 1], fr[1][s], b[s][x].x, b[s][x].y);
-          }
-        float acc[2][4];
+          for (int x = 0; x < SP; ++x)
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
+            for (int mt = 0; mt < MT; ++mt) Tr::mma(part[mt][s & 1], fr[mt][s], b[s][x].x, b[s][x].y);
+        float acc[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
           for (int v = 0; v < 4; ++v) acc[mt][v] = part[mt][0][v] + part[mt][1][v];
         if (2 * nt + my_delta_odd < D) {
 #pragma unroll
-          for (int mt = 0; mt < 2; ++mt)
+          for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int v = 0; v < 4; ++v) best[mt][v] = best[mt][v] < acc[mt][v] ? acc[mt][v] : best[mt][v];
+            for (int v = 0; v < 4; ++v) best[mt][v] = fmaxf(best[mt][v], acc[mt][v]);
         }
       }
     }
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int v = 0; v < 4; ++v) {
         const float other = __shfl_xor_sync(0xffffffffu, best[mt][v], 2);  // the other δ parity
-        best[mt][v] = best[mt][v] < other ? other : best[mt][v];
+        best[mt][v] = fmaxf(best[mt][v], other);
       }
     if (c4 < 2) {
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int q = 0; q < 2; ++q) {
           const int t = key0 + 16 * mt + 8 * q + g4;
