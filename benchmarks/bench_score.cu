@@ -36,6 +36,21 @@ void report(benchmark::State& state, double bytes) {
       benchmark::Counter(bytes / kReadRoofline * 100.0, benchmark::Counter::kIsIterationInvariantRate);
 }
 
+/// One layer's scores timed over the rotating sequences of `s` (warm-up first: module load,
+/// occupancy queries); queued: launches back to back (launch overhead hidden).
+void time_one_layer(benchmark::State& state, Setup& s, const cuda::ScoreOptions& opt, bool queued) {
+  cudaStream_t stream;
+  TRIATTN_BENCH_CUDA(cudaStreamCreate(&stream));
+  const auto view = s.view();
+  for (int w = 0; w < 3; ++w)
+    TRIATTN_BENCH_CUDA(s.scorer->score_async(view, cuda::ScoreBatch{s.seq_ids, s.t0, 1, s.len}, s.scores, stream, opt));
+  s.time_rotating(state, stream, queued, [&](const cuda::ScoreBatch& batch) {
+    TRIATTN_BENCH_CUDA(s.scorer->score_async(view, batch, s.scores, stream, opt));
+  });
+  report(state, s.bytes(1));
+  cudaStreamDestroy(stream);
+}
+
 /// args: aggregation (0 mean, 1 max on the tensor cores, 2 max on the CUDA cores), page size,
 /// layout (0 NHD, 1 HND), kernel variant (agg:0 ScoreOptions::mean_variant, agg:1 max_variant),
 /// queued
@@ -49,16 +64,7 @@ void BM_score(benchmark::State& state) {
   const KvLayout layout = state.range(2) ? KvLayout::kHND : KvLayout::kNHD;
   constexpr int kSeqs = 4;  // 4 x 64 MiB of K in rotation: more than 5x the L2
   Setup s(1, 32, 8, 32768, kSeqs, bs, layout, agg, 1);
-  cudaStream_t stream;
-  TRIATTN_BENCH_CUDA(cudaStreamCreate(&stream));
-  const auto view = s.view();
-  for (int w = 0; w < 3; ++w)  // warm-up: module load, occupancy queries
-    TRIATTN_BENCH_CUDA(s.scorer->score_async(view, cuda::ScoreBatch{s.seq_ids, s.t0, 1, s.len}, s.scores, stream, opt));
-  s.time_rotating(state, stream, state.range(4) != 0, [&](const cuda::ScoreBatch& batch) {
-    TRIATTN_BENCH_CUDA(s.scorer->score_async(view, batch, s.scores, stream, opt));
-  });
-  report(state, s.bytes(1));
-  cudaStreamDestroy(stream);
+  time_one_layer(state, s, opt, state.range(4) != 0);
 }
 
 /// Grid waves (ScoreOptions::grid_waves): BM_score's queued row (page 16, NHD) for mean (agg 0)
@@ -71,16 +77,7 @@ void BM_score_waves(benchmark::State& state) {
   opt.grid_waves = static_cast<int>(state.range(2));
   constexpr int kSeqs = 4;
   Setup s(1, 32, 8, 32768, kSeqs, 16, KvLayout::kNHD, agg, 1);
-  cudaStream_t stream;
-  TRIATTN_BENCH_CUDA(cudaStreamCreate(&stream));
-  const auto view = s.view();
-  for (int w = 0; w < 3; ++w)
-    TRIATTN_BENCH_CUDA(s.scorer->score_async(view, cuda::ScoreBatch{s.seq_ids, s.t0, 1, s.len}, s.scores, stream, opt));
-  s.time_rotating(state, stream, true, [&](const cuda::ScoreBatch& batch) {
-    TRIATTN_BENCH_CUDA(s.scorer->score_async(view, batch, s.scores, stream, opt));
-  });
-  report(state, s.bytes(1));
-  cudaStreamDestroy(stream);
+  time_one_layer(state, s, opt, true);
 }
 
 /// Where the mean scorer's time goes: BM_score's queued mean row (page 16, NHD) with the trig
@@ -94,16 +91,7 @@ void BM_score_trig(benchmark::State& state) {
   constexpr int kSeqs = 4;
   Setup s(1, 32, 8, 32768, kSeqs, 16, KvLayout::kNHD, Aggregation::kMean, 1, state.range(0) != 0,
           state.range(2) != 0);
-  cudaStream_t stream;
-  TRIATTN_BENCH_CUDA(cudaStreamCreate(&stream));
-  const auto view = s.view();
-  for (int w = 0; w < 3; ++w)
-    TRIATTN_BENCH_CUDA(s.scorer->score_async(view, cuda::ScoreBatch{s.seq_ids, s.t0, 1, s.len}, s.scores, stream, opt));
-  s.time_rotating(state, stream, true, [&](const cuda::ScoreBatch& batch) {
-    TRIATTN_BENCH_CUDA(s.scorer->score_async(view, batch, s.scores, stream, opt));
-  });
-  report(state, s.bytes(1));
-  cudaStreamDestroy(stream);
+  time_one_layer(state, s, opt, true);
 }
 
 /// Probe: the tensor-core mean scorer's memory path without its math. The same per-warp cp.async
