@@ -36,7 +36,7 @@ cmake --build "$B/cpu" -j "$JOBS"
 ctest --test-dir "$B/cpu" -LE gpu -j "$JOBS" --output-on-failure
 
 if [ "$HAVE_NVCC" = 1 ]; then
-  step "2. full build (CUDA sm_90 compiled, not run)"
+  step "2. full build (CUDA compiled for sm_90a and, for test_score, sm_90; not run)"
   cmake -S . -B "$B/full" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
   cmake --build "$B/full" -j "$JOBS"
 else

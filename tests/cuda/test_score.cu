@@ -357,6 +357,10 @@ TEST_SUITE("gpu") {
     check_case<bf16_storage>(c, seed + 1);
     c.offset_max = 1000;  // |D| = 10
     check_case<f16_storage>(c, seed + 2);
+    c.offset_max = 1 << 20;  // |D| = 21: more offsets than one wgmma covers (the mma.sync kernels)
+    c.lens = {700, 33};
+    check_case<bf16_storage>(c, seed + 4);
+    c.lens = {5000, 1, 2049, 4097};
     c.agg = Aggregation::kMean;
     c.layout = KvLayout::kHND;
     c.bs = 7;
