@@ -51,8 +51,7 @@ struct ScoreOptions {
   /// kernel with two terms). 0-2 within fp32 rounding of each other.
   /// Default 3. H200, 2026-12-01, one 32K layer (8 KV heads, |D| = 17): 37.6 µs vs 44.5 (2), 53.4
   /// (1); largest normalised error against the CPU reference in test_score's GQA case 9.6e-7 vs
-  /// 9.3e-7 (2) and 9.0e-7 (1): the fp32 accumulation, not the third term, sets it. 16 warps of
-  /// 16-key slices (four warpgroups per SM) ran slower: 54.1 / 49.0 µs with 3 / 2 terms.
+  /// 9.3e-7 (2) and 9.0e-7 (1): the fp32 accumulation, not the third term, sets it.
   int max_variant = 3;
   /// Upper bound of the grid (0: one wave of resident CTAs). Tests lower it so that every CTA
   /// walks many items across rows and sequences.
@@ -206,14 +205,18 @@ template <class T, class Id, int HD, RopeStyle S>
   }
 }
 
-/// Pipelined tensor-core max scorer (max_variant 1, or 2 with kWgmma); score_max_mma_kernel when
-/// its shared memory does not fit.
+/// Pipelined tensor-core max scorer (max_variant 1; 2, 3 with kWgmma); the kernel without wgmma
+/// when |D| > 18 (one m64n72 covers 18 offsets), score_max_mma_kernel when its shared memory does
+/// not fit.
 template <class T, class Id, int HD, RopeStyle S, bool kWgmma, int kSplits = 0,
           class Cfg = tuning::sm90::ScoreMaxMma>
 [[nodiscard]] inline cudaError_t launch_score_max_mma_pipe(const KvCacheView<T, Id>& view, const ScoreModelView& m,
                                                            const ScoreBatch& a, float* scores, cudaStream_t stream,
                                                            const ScoreOptions& opt) noexcept {
   if constexpr (sizeof(T) == 2) {
+    if constexpr (kWgmma)
+      if (m.num_offsets > 2 * kWgmmaMaxNTiles)
+        return launch_score_max_mma_pipe<T, Id, HD, S, false, kSplits, Cfg>(view, m, a, scores, stream, opt);
     using Shape = MmaMeanShape<T, HD, Cfg::kWarps, Cfg::kStages, Cfg::kKeys>;
     const std::size_t smem =
         score_max_mma_pipe_smem_bytes<T, HD, Cfg::kWarps, Cfg::kStages, kWgmma, kSplits, Cfg::kKeys>(m.num_offsets);
@@ -333,12 +336,10 @@ template <class T, class Id>
     const auto by_group = [&](auto style) -> cudaError_t {
       constexpr RopeStyle S = decltype(style)::value;
       using Tune = tuning::sm90::ScoreMeanMma;
-      if (mma && options.max_variant == 2 && ring_ok && model.num_offsets <= 2 * kWgmmaMaxNTiles)
+      if (mma && options.max_variant == 2 && ring_ok)
         return detail::launch_score_max_mma_pipe<T, Id, HD, S, true>(view, model, batch, scores, stream, options);
-      if (mma && options.max_variant == 3 && ring_ok && model.num_offsets <= 2 * kWgmmaMaxNTiles)
+      if (mma && options.max_variant == 3 && ring_ok)
         return detail::launch_score_max_mma_pipe<T, Id, HD, S, true, 2>(view, model, batch, scores, stream, options);
-      if (mma && options.max_variant == 3 && ring_ok)  // |D| > 18: the mma.sync kernel, two terms
-        return detail::launch_score_max_mma_pipe<T, Id, HD, S, false, 2>(view, model, batch, scores, stream, options);
       if (mma && options.max_variant >= 1 && ring_ok)
         return detail::launch_score_max_mma_pipe<T, Id, HD, S, false>(view, model, batch, scores, stream, options);
       if (mma) return detail::launch_score_max_mma<T, Id, HD, S>(view, model, batch, scores, stream, options);
