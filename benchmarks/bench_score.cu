@@ -278,7 +278,7 @@ BENCHMARK(BM_score)
           for (int page : {16, 64})
             for (int hnd : {0, 1})
               for (int variant : {0, 1, 2, 3, 4, 5})
-                if (agg == 0 || variant == 0 || (agg == 1 && variant <= 3))
+                if (agg == 0 || variant == 0 || (agg == 1 && variant <= 4))
                   b->Args({agg, page, hnd, variant, queued});
     })
     ->UseManualTime()
@@ -311,7 +311,7 @@ BENCHMARK(BM_score_round_shape)
       for (int batch : {1, 8, 32})
         for (int max : {0, 1})
           for (int variant : {0, 1, 2, 3, 4, 5})
-            if ((max == 0 && variant != 1) || (max == 1 && variant <= 3)) b->Args({batch, max, variant});
+            if ((max == 0 && variant != 1) || (max == 1 && variant <= 4)) b->Args({batch, max, variant});
     })
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);

@@ -145,8 +145,9 @@ double compare(const Case& c, const std::vector<float>& got, const std::vector<s
 
 // Largest normalised error and number of runs per tensor-core max_variant (16-bit caches) since
 // the last reset (the GQA case reports them).
-double g_max_nerr[4] = {};
-int g_max_runs[4] = {};
+constexpr int kMaxVariants = 5;  // ScoreOptions::max_variant 0-4
+double g_max_nerr[kMaxVariants] = {};
+int g_max_runs[kMaxVariants] = {};
 
 /// Runs one case on the GPU and compares with the CPU reference.
 template <class T>
@@ -178,8 +179,8 @@ void check_case(const Case& c, std::uint32_t seed) {
   const bool two_paths = c.agg == Aggregation::kMax && !c.no_trig && sizeof(T) == 2;
   // Mean aggregation has six kernels: mean_variant 0 and 1 (bitwise the same scores), 2, 3, 4, 5
   // (tensor cores; 16-bit caches, else variant 0; 5 with producer warps). The tensor-core max
-  // path has four (max_variant 0-3; 2 and 3 on warpgroup MMAs in an sm_90a build). The ring
-  // kernels (mean_variant 2-5, max_variant 1-3) run three times: with the default grid, with at
+  // path has five (max_variant 0-4; 2-4 on warpgroup MMAs in an sm_90a build, 4 with the norm
+  // term on the CUDA cores). The ring kernels (mean_variant 2-5, max_variant 1-4) run three times: with the default grid, with at
   // most 3 CTAs (each CTA streams many items across rows and sequences) and with two waves of
   // CTAs (grid_waves).
   const bool mean_paths = c.agg == Aggregation::kMean || c.no_trig;
@@ -188,7 +189,7 @@ void check_case(const Case& c, std::uint32_t seed) {
     if (!tensor_cores && !two_paths) break;
     for (const int variant : {0, 1, 2, 3, 4, 5}) {
       if (variant >= 1 && !mean_paths) break;
-      for (const int max_variant : {0, 1, 2, 3}) {
+      for (int max_variant = 0; max_variant < kMaxVariants; ++max_variant) {
         if (max_variant >= 1 && !(two_paths && tensor_cores)) break;
         for (const int grid : {0, 1, 2}) {  // default grid, at most 3 CTAs, 2 waves of CTAs
           if (grid > 0 && variant < 2 && max_variant == 0) break;
@@ -326,7 +327,7 @@ TEST_SUITE("gpu") {
     triattn::test::require_device();
     const std::uint32_t seed = test::fresh_seed32();
     int combo = 0;
-    for (int v = 0; v < 4; ++v) g_max_nerr[v] = g_max_runs[v] = 0;
+    for (int v = 0; v < kMaxVariants; ++v) g_max_nerr[v] = g_max_runs[v] = 0;
     for (int G : {1, 2, 3, 4, 5, 7, 8, 12, 16})
       for (Aggregation agg : {Aggregation::kMean, Aggregation::kMax}) {
         Case c;
@@ -337,7 +338,7 @@ TEST_SUITE("gpu") {
         c.lens = {90, 211};
         check_case<bf16_storage>(c, seed + static_cast<std::uint32_t>(combo++));
       }
-    for (int v = 0; v < 4; ++v) {  // the tensor-core max kernels on bf16 at |D| = 17
+    for (int v = 0; v < kMaxVariants; ++v) {  // the tensor-core max kernels on bf16 at |D| = 17
       MESSAGE("max_variant ", v, ": ", g_max_runs[v], " runs, largest normalised error ", g_max_nerr[v]);
       CHECK(g_max_runs[v] > 0);
     }

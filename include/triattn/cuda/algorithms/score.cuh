@@ -48,11 +48,14 @@ struct ScoreOptions {
   /// (wgmma; needs a build for sm_90a, else it runs as 1; |D| > 18 offsets run as 1), 3 as 2 with
   /// bf16 weights in two 16-bit terms instead of three (each weight to 2^-17 of its size instead
   /// of 2^-25, a third fewer MMAs; fp16 caches: as 2; without sm_90a or for |D| > 18 the mma.sync
-  /// kernel with two terms). 0-2 within fp32 rounding of each other.
-  /// Default 3. H200, 2026-12-01, one 32K layer (8 KV heads, |D| = 17): 37.6 µs vs 44.5 (2), 53.4
-  /// (1); largest normalised error against the CPU reference in test_score's GQA case 9.6e-7 vs
-  /// 9.3e-7 (2) and 9.0e-7 (1): the fp32 accumulation, not the third term, sets it.
-  int max_variant = 3;
+  /// kernel with two terms), 4 as 3 with the norm term Σ_f c_f·|K_f| as fp32 FMAs on the CUDA
+  /// cores instead of TF32 MMAs on the tensor pipe (which the other warpgroup's MMAs hold). 0-2
+  /// within fp32 rounding of each other.
+  /// Default 4. H200, 2026-12-01, one 32K layer (8 KV heads, |D| = 17): 37.1-37.5 µs vs 37.7-38.0
+  /// (3, same machine), 44.5 (2), 53.4 (1). Largest normalised error against the CPU reference in
+  /// test_score's GQA case: 3.2e-7 (4) vs 9.2e-7 (3), 9.0e-7 (2), 8.7e-7 (1), 1.6e-7 (0): the TF32
+  /// products of the norm term (~21 bits), not the weights' third term, set the error of 1-3.
+  int max_variant = 4;
   /// Upper bound of the grid (0: one wave of resident CTAs). Tests lower it so that every CTA
   /// walks many items across rows and sequences.
   int max_ctas = 0;
@@ -205,10 +208,10 @@ template <class T, class Id, int HD, RopeStyle S>
   }
 }
 
-/// Pipelined tensor-core max scorer (max_variant 1; 2, 3 with kWgmma); the kernel without wgmma
+/// Pipelined tensor-core max scorer (max_variant 1; 2, 3, 4 with kWgmma; 4 with kNormFfma); the kernel without wgmma
 /// when |D| > 18 (one m64n72 covers 18 offsets), score_max_mma_kernel when its shared memory does
 /// not fit.
-template <class T, class Id, int HD, RopeStyle S, bool kWgmma, int kSplits = 0,
+template <class T, class Id, int HD, RopeStyle S, bool kWgmma, int kSplits = 0, bool kNormFfma = false,
           class Cfg = tuning::sm90::ScoreMaxMma>
 [[nodiscard]] inline cudaError_t launch_score_max_mma_pipe(const KvCacheView<T, Id>& view, const ScoreModelView& m,
                                                            const ScoreBatch& a, float* scores, cudaStream_t stream,
@@ -216,7 +219,7 @@ template <class T, class Id, int HD, RopeStyle S, bool kWgmma, int kSplits = 0,
   if constexpr (sizeof(T) == 2) {
     if constexpr (kWgmma)
       if (m.num_offsets > 2 * kWgmmaMaxNTiles)
-        return launch_score_max_mma_pipe<T, Id, HD, S, false, kSplits, Cfg>(view, m, a, scores, stream, opt);
+        return launch_score_max_mma_pipe<T, Id, HD, S, false, kSplits, kNormFfma, Cfg>(view, m, a, scores, stream, opt);
     using Shape = MmaMeanShape<T, HD, Cfg::kWarps, Cfg::kStages, Cfg::kKeys>;
     const std::size_t smem =
         score_max_mma_pipe_smem_bytes<T, HD, Cfg::kWarps, Cfg::kStages, kWgmma, kSplits, Cfg::kKeys>(m.num_offsets);
@@ -237,7 +240,8 @@ template <class T, class Id, int HD, RopeStyle S, bool kWgmma, int kSplits = 0,
         static_cast<long long>(a.batch) * m.num_layers * m.num_kv_heads * ((G + Shape::kHeads - 1) / Shape::kHeads);
     int sms = 0;
     TRIATTN_CUDA_RETURN_IF_ERROR(current_device_sm_count(&sms));
-    auto kernel = score_max_mma_pipe_kernel<T, Id, HD, S, Cfg::kWarps, Cfg::kStages, Cfg::kMinCtas, kWgmma, kSplits, Cfg::kKeys>;
+    auto kernel = score_max_mma_pipe_kernel<T, Id, HD, S, Cfg::kWarps, Cfg::kStages, Cfg::kMinCtas, kWgmma, kSplits,
+                                            Cfg::kKeys, kNormFfma>;
     static DynamicSmemGrant granted;
     TRIATTN_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem(kernel, smem, granted));
     static std::atomic<unsigned long long> cached{0};  // (smem << 16 | CTAs per SM), as launch_score_max_mma
@@ -340,6 +344,9 @@ template <class T, class Id>
         return detail::launch_score_max_mma_pipe<T, Id, HD, S, true>(view, model, batch, scores, stream, options);
       if (mma && options.max_variant == 3 && ring_ok)
         return detail::launch_score_max_mma_pipe<T, Id, HD, S, true, 2>(view, model, batch, scores, stream, options);
+      if (mma && options.max_variant == 4 && ring_ok)
+        return detail::launch_score_max_mma_pipe<T, Id, HD, S, true, 2, true>(view, model, batch, scores, stream,
+                                                                             options);
       if (mma && options.max_variant >= 1 && ring_ok)
         return detail::launch_score_max_mma_pipe<T, Id, HD, S, false>(view, model, batch, scores, stream, options);
       if (mma) return detail::launch_score_max_mma<T, Id, HD, S>(view, model, batch, scores, stream, options);

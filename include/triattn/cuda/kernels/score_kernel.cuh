@@ -1334,6 +1334,43 @@ __device__ __forceinline__ void norm_tile_mma(float (&acc_head)[4], float (&acc_
   }
 }
 
+/// The norm term of one m16 tile on the CUDA cores: out[2q + i] = Σ_f c_f·|K_f| of row g + 8q for
+/// head 2(c & 1) + i (the layout of the max scorer's running max). Each lane sums its F/4 pairs
+/// for all 4 heads (c as [slot f + f/8] float4 in shared memory), then the quad reduce-scatters.
+/// Why not TF32 MMAs (norm_tile_mma): next to warpgroup MMAs they queue on the same tensor pipe,
+/// so one warpgroup's norm waits behind the other's MMAs (ncu, 2026-12-01: 17% of the max
+/// scorer's stall samples on those HMMAs, math-pipe throttle).
+template <class T, RopeStyle S, int KS>
+__device__ __forceinline__ void norm_tile_ffma(float (&out)[4], const std::uint32_t (&fr)[KS][4], const float4* c_s,
+                                               int c) {
+  constexpr int kPairs = KS * 2;  // F/4 lane-local pairs per row
+  float acc[2][4] = {};           // [row g + 8q][head]
+#pragma unroll
+  for (int p = 0; p < kPairs; ++p) {
+    const int f = mma_lane_pair<S>(c, p);
+    const float4 cf = c_s[f + f / 8];
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const float n = mma_lane_pair_norm<T, S, KS>(fr, q, p);
+      acc[q][0] = fmaf(cf.x, n, acc[q][0]);
+      acc[q][1] = fmaf(cf.y, n, acc[q][1]);
+      acc[q][2] = fmaf(cf.z, n, acc[q][2]);
+      acc[q][3] = fmaf(cf.w, n, acc[q][3]);
+    }
+  }
+  const bool odd = (c & 1) != 0;  // keeps heads 2, 3 (even lanes 0, 1) after the xor-1 exchange
+#pragma unroll
+  for (int q = 0; q < 2; ++q)
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float keep = odd ? acc[q][2 + i] : acc[q][i];
+      const float give = odd ? acc[q][i] : acc[q][2 + i];
+      float v = keep + __shfl_xor_sync(0xffffffffu, give, 1);
+      v += __shfl_xor_sync(0xffffffffu, v, 2);
+      out[2 * q + i] = v;
+    }
+}
+
 /// 16-byte global -> shared copy through L2 only, or 16 zero bytes when `zero` (src not read).
 __device__ __forceinline__ void score_cp_async_16_or_zero(std::uint32_t dst, unsigned long long src, bool zero) {
   asm volatile(
@@ -1986,8 +2023,11 @@ constexpr std::size_t score_max_mma_pipe_smem_bytes(int num_offsets) {
 /// kSplits: 16-bit terms per weight (0: MmaMaxTraits' default, 3 for bf16 and 2 for fp16 caches;
 /// max_variant 3 takes 2 for bf16 too: weights to 2^-17 of their size instead of 2^-25, a third
 /// fewer MMAs). kKeys: keys per warp slice (32: two m16 tiles, 16: one).
+/// kNormFfma (max_variant 4): the norm term Σ_f c_f·|K_f| as fp32 FMAs on the CUDA cores
+/// (norm_tile_ffma) instead of TF32 MMAs (norm_tile_mma): off the tensor pipe that the other
+/// warpgroup's MMAs hold, and exact to fp32 rounding instead of ~21-bit products.
 template <class T, class Id, int HD, RopeStyle S, int kWarps, int kStages, int kMinCtas, bool kWgmma = false,
-          int kSplits = 0, int kKeys = 32>
+          int kSplits = 0, int kKeys = 32, bool kNormFfma = false>
 __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
     score_max_mma_pipe_kernel(KvCacheView<T, Id> view, ScoreModelView m, ScoreBatch a, float* __restrict__ scores,
                               detail::FastDiv fd) {
@@ -2156,11 +2196,13 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
       if constexpr (kUseWgmma) detail::fence_proxy_async_smem();  // the B tiles are read by wgmma
 #endif
       __syncthreads();
+      if constexpr (!kNormFfma) {  // norm_tile_ffma reads c from shared memory instead
 #pragma unroll
-      for (int s = 0; s < F / 8; ++s)
+        for (int s = 0; s < F / 8; ++s)
 #pragma unroll
-        for (int i = 0; i < 2; ++i)  // column g4: head g4 % 4 (as the trig columns), TF32 head (g4 < 4) or rest
-          bn[s][i] = detail::norm_b_word<S>(cf, c4, s, i, g4 & 3, g4 >= 4);
+          for (int i = 0; i < 2; ++i)  // column g4: head g4 % 4 (as the trig columns), TF32 head (g4 < 4) or rest
+            bn[s][i] = detail::norm_b_word<S>(cf, c4, s, i, g4 & 3, g4 >= 4);
+      }
       w_row = rid;
       if (rid < last_row) load_pre(rid + 1);  // in flight while this row streams
     }
@@ -2179,14 +2221,18 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
       detail::load_tile_fragments<KS, Shape::kCPR>(fr[mt], st_addr + static_cast<std::uint32_t>(16 * mt * Shape::kCPR * 16),
                                                    lane);
 
-    // ---- norm term (TF32 MMAs): lane c4 gets the head (c4 < 2) or the rest (c4 >= 2) of heads
-    // 2(c4 & 1) + i, the rest from lane c4 ^ 2 ----
+    // ---- norm term of heads 2(c4 & 1) + i: FMAs (kNormFfma), or TF32 MMAs where lane c4 gets the
+    // head (c4 < 2) or the rest (c4 >= 2) and the other part from lane c4 ^ 2 ----
     float nr[MT][4];  // [m-tile][2·(row g4 + 8q) + i]
     const auto norm_tile = [&](int mt) {
-      float nacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      detail::norm_tile_mma<T, S>(nacc, nacc, fr[mt], bn);
+      if constexpr (kNormFfma) {
+        detail::norm_tile_ffma<T, S, KS>(nr[mt], fr[mt], c_s, c4);
+      } else {
+        float nacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        detail::norm_tile_mma<T, S>(nacc, nacc, fr[mt], bn);
 #pragma unroll
-      for (int v = 0; v < 4; ++v) nr[mt][v] = nacc[v] + __shfl_xor_sync(0xffffffffu, nacc[v], 2);
+        for (int v = 0; v < 4; ++v) nr[mt][v] = nacc[v] + __shfl_xor_sync(0xffffffffu, nacc[v], 2);
+      }
     };
     if constexpr (!kUseWgmma) {
 #pragma unroll
