@@ -51,7 +51,8 @@ double moved_slots(const std::int32_t* d_kept, std::size_t n, int max_keep) {
   std::vector<std::int32_t> h(n);
   TRIATTN_BENCH_CUDA(cudaMemcpy(h.data(), d_kept, n * 4, cudaMemcpyDeviceToHost));
   double moved = 0;
-  for (std::size_t i = 0; i < n; ++i) moved += h[i] != static_cast<std::int32_t>(i % static_cast<std::size_t>(max_keep));
+  for (std::size_t i = 0; i < n; ++i)
+    moved += h[i] != static_cast<std::int32_t>(i % static_cast<std::size_t>(max_keep));
   return moved;
 }
 
@@ -105,7 +106,8 @@ void BM_compression_round(benchmark::State& state) {
       TRIATTN_BENCH_CUDA(cuda::compression_round::run(view, scorer.device_model(), dp, rb, plan, ws, ws_bytes, stream));
   };
   const auto restore_cache = [&] {
-    if (restore) TRIATTN_BENCH_CUDA(cudaMemcpyAsync(data, pristine, elems * sizeof(T), cudaMemcpyDeviceToDevice, stream));
+    if (restore)
+      TRIATTN_BENCH_CUDA(cudaMemcpyAsync(data, pristine, elems * sizeof(T), cudaMemcpyDeviceToDevice, stream));
   };
   round();  // warm-up, and the plan whose moves the floor counts
   TRIATTN_BENCH_CUDA(cudaStreamSynchronize(stream));
@@ -148,8 +150,9 @@ void BM_compression_round(benchmark::State& state) {
     state.counters["moved_frac_timed"] = moved_slots(kept, plan_slots, max_keep) / static_cast<double>(plan_slots);
   if (exec) cudaGraphExecDestroy(exec);
   cudaStreamDestroy(stream);
-  for (void* p : {static_cast<void*>(data), static_cast<void*>(pristine), static_cast<void*>(d_tables), static_cast<void*>(d_lens),
-                  static_cast<void*>(d_seq), static_cast<void*>(d_prompts), static_cast<void*>(d_t0),
+  for (void* p : {static_cast<void*>(data), static_cast<void*>(pristine), static_cast<void*>(d_tables),
+                  static_cast<void*>(d_lens), static_cast<void*>(d_seq), static_cast<void*>(d_prompts),
+                  static_cast<void*>(d_t0),
                   static_cast<void*>(kept), static_cast<void*>(keep), ws})
     cudaFree(p);
 }

@@ -51,9 +51,9 @@ struct ScoreOptions {
   /// kernel with two terms), 4 as 3 with the norm term Σ_f c_f·|K_f| as fp32 FMAs on the CUDA
   /// cores instead of TF32 MMAs on the tensor pipe (which the other warpgroup's MMAs hold). 0-2
   /// within fp32 rounding of each other.
-  /// Default 4. H200, 2026-12-01, one 32K layer (8 KV heads, |D| = 17): 37.1-37.5 µs vs 37.7-38.0
-  /// (3, same machine), 44.5 (2), 53.4 (1). Largest normalised error against the CPU reference in
-  /// test_score's GQA case: 3.2e-7 (4) vs 9.2e-7 (3), 9.0e-7 (2), 8.7e-7 (1), 1.6e-7 (0): the TF32
+  /// Default 4. H200, 2026-12-01, one 32K layer (8 KV heads, |D| = 17): 36.8-37.0 µs vs 37.6-37.8
+  /// (3, same run), 44.5 (2), 53.6 (1). Largest normalised error against the CPU reference in
+  /// test_score's GQA case: 3.2e-7 (4) vs 9.3e-7 (3), 9.1e-7 (2), 8.8e-7 (1), 1.5e-7 (0): the TF32
   /// products of the norm term (~21 bits), not the weights' third term, set the error of 1-3.
   int max_variant = 4;
   /// Upper bound of the grid (0: one wave of resident CTAs). Tests lower it so that every CTA
@@ -208,9 +208,9 @@ template <class T, class Id, int HD, RopeStyle S>
   }
 }
 
-/// Pipelined tensor-core max scorer (max_variant 1; 2, 3, 4 with kWgmma; 4 with kNormFfma); the kernel without wgmma
-/// when |D| > 18 (one m64n72 covers 18 offsets), score_max_mma_kernel when its shared memory does
-/// not fit.
+/// Pipelined tensor-core max scorer (max_variant 1; 2, 3, 4 with kWgmma; 4 with kNormFfma); the
+/// kernel without wgmma when |D| > 18 (one m64n72 covers 18 offsets), score_max_mma_kernel when
+/// its shared memory does not fit.
 template <class T, class Id, int HD, RopeStyle S, bool kWgmma, int kSplits = 0, bool kNormFfma = false,
           class Cfg = tuning::sm90::ScoreMaxMma>
 [[nodiscard]] inline cudaError_t launch_score_max_mma_pipe(const KvCacheView<T, Id>& view, const ScoreModelView& m,

@@ -65,13 +65,14 @@ struct ScoreMeanMma {
 
 };
 
-/// Pipelined tensor-core max scorer (score_max_mma_pipe_kernel; ScoreOptions::max_variant 1):
+/// Pipelined tensor-core max scorer (score_max_mma_pipe_kernel; ScoreOptions::max_variant 1-4):
 /// one CTA of 8 warps per SM, 2 ring stages of 32 keys per warp (128 KB of rings; with |D| = 17
 /// the B fragments take 54 KB and the cos/sin 17 KB: 200 KB per CTA at d = 128).
 struct ScoreMaxMma {
   /// kKeys: keys per warp slice. 16 (one m16 tile) with 16 warps, i.e. four warpgroups per SM
   /// for the wgmma variants, ran slower on the H200 (2026-12-01: 54.1 / 49.0 µs vs 44.5 / 37.6 at
-  /// one 32K layer; the 128-register cap spills 244 bytes).
+  /// one 32K layer; the 128-register cap spills 244 bytes); so did three warpgroups (12 warps of
+  /// 16-key slices, 3 stages, no spill): 40.3 vs 37.5 µs (2026-12-01, seventh session).
   static constexpr int kWarps = 8, kStages = 2, kMinCtas = 1, kKeys = 32;
 };
 
