@@ -44,11 +44,13 @@ std::int64_t make_plan(int batch, std::vector<std::int32_t>& kept) {
   return moved;
 }
 
-/// args: batch, block_size, layout (0 NHD, 1 HND)
+/// args: batch, block_size, layout (0 NHD, 1 HND), column parts and vectors per thread
+/// (cuda::CompactOptions; 0 = automatic)
 void BM_compact(benchmark::State& state) {
   const int batch = static_cast<int>(state.range(0));
   const int bs = static_cast<int>(state.range(1));
   const KvLayout layout = state.range(2) ? KvLayout::kHND : KvLayout::kNHD;
+  const cuda::CompactOptions options{static_cast<int>(state.range(3)), static_cast<int>(state.range(4))};
   const int per_seq = (kLen + bs - 1) / bs;
   const int blocks = batch * per_seq;
   const BlockLayout bl{layout, bs, kKvHeads, kHeadDim};
@@ -82,7 +84,7 @@ void BM_compact(benchmark::State& state) {
   // Repeating the same plan moves the same slots again: same bytes every iteration.
   for (auto _ : state) {
     CudaEventTimer timer(state, stream, &flush);
-    TRIATTN_BENCH_CUDA(cuda::compact::run(view, plan, batch, stream));
+    TRIATTN_BENCH_CUDA(cuda::compact::run(view, plan, batch, stream, options));
   }
   bench::report_bandwidth(state, static_cast<double>(cuda::compact::bytes_moved<T>(moved, kHeadDim)), bench::kCopyRoofline);
   state.counters["moved_frac"] = static_cast<double>(moved) / (static_cast<double>(batch) * kLayers * kKvHeads * kKeep);
@@ -104,8 +106,14 @@ void BM_memcpy_d2d(benchmark::State& state) {
 }  // namespace
 
 BENCHMARK(BM_compact)
-    ->ArgNames({"batch", "page", "hnd"})
-    ->ArgsProduct({{1, 4, 16}, {16, 64}, {0, 1}})
+    ->ArgNames({"batch", "page", "hnd", "parts", "vpt"})
+    ->ArgsProduct({{1, 4, 16}, {16, 64}, {0, 1}, {0}, {0}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+// Every work split at small batches (page 16, NHD).
+BENCHMARK(BM_compact)
+    ->ArgNames({"batch", "page", "hnd", "parts", "vpt"})
+    ->ArgsProduct({{1, 2, 4}, {16}, {0}, {1, 2}, {4, 8}})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_memcpy_d2d)->ArgNames({"batch"})->Arg(1)->Arg(4)->Arg(16)->UseManualTime()->Unit(benchmark::kMicrosecond);

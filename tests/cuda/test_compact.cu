@@ -4,7 +4,9 @@
 // Plans include the adversarial in-place patterns (keep every other, keep the last half, keep
 // all but the first, random subsets, identity) on rows long enough for many chunks; the whole
 // pool is compared, so a read-after-write race or a stray write fails. The same binary under
-// `compute-sanitizer --tool racecheck` checks the kernel's shared-memory protocol.
+// `compute-sanitizer --tool racecheck` checks the kernel's shared-memory protocol. Every work split
+// (column parts 1, 2 x 4 or 8 vectors per thread, and the automatic choice) runs on the same
+// original cache and must give the same pool.
 #include "cuda_test_utils.cuh"
 
 #include <triattn/core/keep_plan.hpp>
@@ -20,6 +22,8 @@ using test::PagedFixture;
 constexpr int kPageSizes[] = {1, 7, 16, 64};
 constexpr KvLayout kLayouts[] = {KvLayout::kNHD, KvLayout::kHND};
 constexpr int kHeadDims[] = {64, 128};
+// {parts, vecs_per_thread}: the automatic choice first, then every compiled split.
+constexpr cuda::CompactOptions kSplits[] = {{0, 0}, {1, 4}, {1, 8}, {2, 4}, {2, 8}};
 
 enum class Pattern { kEveryOther, kLastHalf, kAllButFirst, kRandom, kIdentity, kPrefixThenRandom, kCount };
 
@@ -119,6 +123,8 @@ TEST_CASE("compact: argument checks (no device needed)") {
   CHECK(cuda::compact::run(v, cuda::CompactParams{}, 0, nullptr) == cudaSuccess);
   CHECK(cuda::compact::run(v, cuda::CompactParams{nullptr, nullptr, nullptr, 4}, 1, nullptr) == cudaErrorInvalidValue);
   CHECK(cuda::compact::run(v, cuda::CompactParams{}, -1, nullptr) == cudaErrorInvalidValue);
+  CHECK(cuda::compact::run(v, cuda::CompactParams{}, 1, nullptr, cuda::CompactOptions{3, 0}) == cudaErrorInvalidValue);
+  CHECK(cuda::compact::run(v, cuda::CompactParams{}, 1, nullptr, cuda::CompactOptions{0, 6}) == cudaErrorInvalidValue);
 }
 
 TEST_SUITE("gpu") {
@@ -164,13 +170,20 @@ TEST_SUITE("gpu") {
           // A padding entry (sequence -1) in the middle must be skipped.
           plans_o.insert(plans_o.begin() + 1, plans_o.front());
           seqs_o.insert(seqs_o.begin() + 1, -1);
+          const std::vector<T> original = f.pool;
           auto hv = f.host_view();
           for (std::size_t b = 0; b < plans_o.size(); ++b)
             if (seqs_o[b] >= 0) ref::compact(hv, seqs_o[b], plans_o[b]);
           const DevicePlan dp(plans_o, seqs_o);
-          TRIATTN_TEST_CUDA(cuda::compact::run(f.device_view(), dp.params(), static_cast<int>(plans_o.size()), nullptr));
-          TRIATTN_TEST_CUDA(cudaDeviceSynchronize());
-          test::require_bitwise_equal(f.d_pool.download(), f.pool, "cache pool after compaction");
+          for (const cuda::CompactOptions& o : kSplits) {
+            CAPTURE(o.parts);
+            CAPTURE(o.vecs_per_thread);
+            f.d_pool.upload(original);
+            TRIATTN_TEST_CUDA(
+                cuda::compact::run(f.device_view(), dp.params(), static_cast<int>(plans_o.size()), nullptr, o));
+            TRIATTN_TEST_CUDA(cudaDeviceSynchronize());
+            test::require_bitwise_equal(f.d_pool.download(), f.pool, "cache pool after compaction");
+          }
         }
   }
 
@@ -189,13 +202,19 @@ TEST_SUITE("gpu") {
         const KvLayout layout = round % 2 ? KvLayout::kHND : KvLayout::kNHD;
         PagedFixture<T> f(rng, layout, 16, heads, d, layers, {len, len}, {len, len});
         std::vector<KeepPlan> plans{make_plan(rng, pat, layers, heads, len), make_plan(rng, pat, layers, heads, len)};
+        const std::vector<T> original = f.pool;
         auto hv = f.host_view();
         ref::compact(hv, 0, plans[0]);
         ref::compact(hv, 1, plans[1]);
         const DevicePlan dp(plans, {0, 1});
-        TRIATTN_TEST_CUDA(cuda::compact::run(f.device_view(), dp.params(), 2, nullptr));
-        TRIATTN_TEST_CUDA(cudaDeviceSynchronize());
-        test::require_bitwise_equal(f.d_pool.download(), f.pool, "cache pool after compaction");
+        for (const cuda::CompactOptions& o : kSplits) {
+          CAPTURE(o.parts);
+          CAPTURE(o.vecs_per_thread);
+          f.d_pool.upload(original);
+          TRIATTN_TEST_CUDA(cuda::compact::run(f.device_view(), dp.params(), 2, nullptr, o));
+          TRIATTN_TEST_CUDA(cudaDeviceSynchronize());
+          test::require_bitwise_equal(f.d_pool.download(), f.pool, "cache pool after compaction");
+        }
       }
   }
 }

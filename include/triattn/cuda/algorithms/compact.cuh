@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include <triattn/core/kv_view.hpp>
 #include <triattn/cuda/config.cuh>
@@ -15,6 +16,33 @@
 
 namespace triattn::cuda {
 
+/// How a compaction launch splits its work (tuning::sm90::Compact). Zeros choose automatically
+/// from the number of rows per SM; every choice moves the same bytes to the same places.
+struct CompactOptions {
+  /// Column parts per row, each walked by its own CTA: 1 or 2 (capped by compact_parts()).
+  int parts = 0;
+  /// 16-byte vectors each thread moves per chunk: 4 or 8.
+  int vecs_per_thread = 0;
+};
+
+namespace detail {
+template <int HeadDim, class T, class Id, int kVecsPerThread>
+[[nodiscard]] cudaError_t launch_compact(const KvCacheView<T, Id>& view, const CompactParams& plan, unsigned rows,
+                                         int batch, int parts, cudaStream_t stream) noexcept {
+  constexpr int kThreads = tuning::sm90::Compact::kThreads;
+  const dim3 grid(rows, static_cast<unsigned>(batch), static_cast<unsigned>(parts));
+  switch (parts) {
+    case 1: compact_kernel<HeadDim, T, Id, 1, kVecsPerThread><<<grid, kThreads, 0, stream>>>(view, plan); break;
+    case 2:
+      if constexpr (compact_parts<HeadDim, T>(2, kVecsPerThread) == 2)
+        compact_kernel<HeadDim, T, Id, 2, kVecsPerThread><<<grid, kThreads, 0, stream>>>(view, plan);
+      break;
+    default: return cudaErrorInvalidValue;
+  }
+  return check_launch(stream);
+}
+}  // namespace detail
+
 struct compact {
   /// Compacts `batch` sequences in place. The view's data and block tables must be device
   /// memory (its lengths are not read); plan arrays are device memory. Each plan row must be
@@ -24,8 +52,12 @@ struct compact {
   /// head_dim, else the launch status.
   template <class T, class Id>
   [[nodiscard]] static cudaError_t run(const KvCacheView<T, Id>& view, const CompactParams& plan, int batch,
-                                       cudaStream_t stream) noexcept {
+                                       cudaStream_t stream, CompactOptions options = {}) noexcept {
+    using Tune = tuning::sm90::Compact;
     if (batch < 0 || batch > 65535 || plan.max_keep < 0) return cudaErrorInvalidValue;
+    if (options.parts < 0 || options.parts > 2) return cudaErrorInvalidValue;
+    if (options.vecs_per_thread != 0 && options.vecs_per_thread != 4 && options.vecs_per_thread != 8)
+      return cudaErrorInvalidValue;
     if (batch == 0 || plan.max_keep == 0) return cudaSuccess;
     constexpr int kVecElems = 16 / static_cast<int>(sizeof(T));
     if (view.data == nullptr || view.block_tables == nullptr || plan.kept == nullptr || plan.keep == nullptr ||
@@ -34,10 +66,22 @@ struct compact {
       return cudaErrorInvalidValue;
     const std::int64_t rows = static_cast<std::int64_t>(view.num_layers) * view.block.num_kv_heads;
     if (rows <= 0 || rows > 0x7fffffff) return cudaErrorInvalidValue;
-    const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(batch));
+    int parts = options.parts, vecs = options.vecs_per_thread;
+    if (parts == 0 || vecs == 0) {
+      int sms = 0;
+      TRIATTN_CUDA_RETURN_IF_ERROR(current_device_sm_count(&sms));
+      const std::int64_t units = rows * batch;
+      if (parts == 0) parts = units <= static_cast<std::int64_t>(Tune::kSplitRowsPerSm) * sms ? 2 : 1;
+      if (vecs == 0) vecs = units <= static_cast<std::int64_t>(Tune::kShortRowsPerSm) * sms ? 4 : 8;
+    }
     return dispatch_head_dim_status(view.block.head_dim, [&](auto hd) {
-      compact_kernel<decltype(hd)::value, T, Id><<<grid, tuning::sm90::Compact::kThreads, 0, stream>>>(view, plan);
-      return check_launch(stream);
+      constexpr int D = decltype(hd)::value;
+      const auto go = [&](auto v) {
+        constexpr int V = decltype(v)::value;
+        return detail::launch_compact<D, T, Id, V>(view, plan, static_cast<unsigned>(rows), batch,
+                                                   compact_parts<D, T>(parts, V), stream);
+      };
+      return vecs == 4 ? go(std::integral_constant<int, 4>{}) : go(std::integral_constant<int, 8>{});
     });
   }
 

@@ -73,8 +73,9 @@ template <class Id>
   const dim3 grid(static_cast<unsigned>((seqs.max_len + slots_per_cta - 1) / slots_per_cta),
                   static_cast<unsigned>(reduced_rows(shape, params.mode)), static_cast<unsigned>(seqs.batch));
   if (grid.y > 65535u) return cudaErrorInvalidValue;
-  const std::size_t smem = gqa_reduce_smem_bytes(params.mode, shape.num_layers);
-  static DynamicSmemGrant granted;  // > 48 KiB only beyond 192 layers
+  const std::size_t smem =
+      gqa_reduce_smem_bytes(params.mode, params.normalize, shape.num_layers, shape.num_q_heads, shape.num_kv_heads);
+  static DynamicSmemGrant granted;  // > 48 KiB only for very many layers or heads
   TRIATTN_CUDA_RETURN_IF_ERROR(granted.ensure(gqa_reduce_kernel<Id>, smem));
   gqa_reduce_kernel<Id><<<grid, kReduceThreads, smem, stream>>>(
       scores, stats, out, flags, seqs, params, shape.num_layers, shape.num_q_heads, shape.num_kv_heads);

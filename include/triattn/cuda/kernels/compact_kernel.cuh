@@ -4,14 +4,18 @@
 //
 // Race freedom. A row's destinations i and sources kept[i] >= i lie in the same memory, and
 // slot s may be both written (as destination s) and read (as the source of some j <= s with
-// kept[j] = s). One CTA owns a (sequence, layer, KV head) row (K and V alike) and walks it in
-// ascending chunks [c*C, (c+1)*C) of destinations:
+// kept[j] = s). One CTA owns a (sequence, layer, KV head) row, or one column part of it, and walks
+// it in ascending chunks [c*C, (c+1)*C) of destinations:
 //   1. it loads every source of chunk c into registers, then __syncthreads(), then stores
 //      (the next chunk's loads may overlap these stores: see 3);
 //   2. chunk c's sources are >= c*C, and chunks before it wrote only slots < c*C: nothing that
 //      chunk c reads was overwritten earlier;
 //   3. chunk c writes slots in [c*C, (c+1)*C); a later chunk c' > c reads only slots
 //      >= c'*C >= (c+1)*C, and chunk c's own readers finished at the barrier of step 1.
+// Column parts. Each byte column of a row (K or V, offset within the head vector) is its own
+// in-place problem: a slot's column is only ever read and written at that column. So a row's
+// 2 * HeadDim columns may be split into kParts disjoint parts walked by independent CTAs, which
+// need no ordering between them: more, smaller CTAs for small batches.
 // Rows of different (layer, kind, head) never share memory, and sequences own distinct blocks
 // (KvCache refuses to compact shared blocks), so CTAs need no ordering between them.
 #pragma once
@@ -32,17 +36,33 @@ struct CompactParams {
   int max_keep;                 ///< row pitch of `kept`
 };
 
-template <int HeadDim, class T, class Id>
+/// Column parts of a row that a launch with `requested` parts uses: a chunk must not hold more
+/// tokens than the CTA has threads (each thread resolves at most one token per chunk), so parts
+/// are capped at 2 * HeadDim / (16-byte vector elements * vectors per thread).
+template <int HeadDim, class T>
+[[nodiscard]] TRIATTN_HOST_DEVICE constexpr int compact_parts(int requested, int vecs_per_thread) noexcept {
+  const int row_vecs = 2 * HeadDim / (16 / static_cast<int>(sizeof(T)));  // K and V of one token
+  int parts = 1;
+  while (parts * 2 <= requested && row_vecs % (parts * 2) == 0 && parts * 2 * vecs_per_thread <= row_vecs)
+    parts *= 2;
+  return parts;
+}
+
+/// Grid: (layer * num_kv_heads + head, batch entry, column part). Each thread moves
+/// kVecsPerThread 16-byte vectors of one column of K or V per chunk.
+template <int HeadDim, class T, class Id, int kParts, int kVecsPerThread>
 __global__ void __launch_bounds__(tuning::sm90::Compact::kThreads)
     compact_kernel(KvCacheView<T, Id> view, CompactParams p) {
-  using Tune = tuning::sm90::Compact;
+  constexpr int kThreads = tuning::sm90::Compact::kThreads;
   constexpr int kVecElems = 16 / static_cast<int>(sizeof(T));
-  constexpr int kVecs = HeadDim / kVecElems;                // 16-byte vectors per head vector
-  constexpr int kTokenLanes = Tune::kThreads / kVecs;       // tokens one pass of the CTA covers
-  constexpr int kChunk = kTokenLanes * Tune::kVecsPerThread;  // destinations per chunk
-  static_assert(Tune::kThreads % kVecs == 0, "a CTA must cover whole head vectors");
-
-  static_assert(kChunk <= Tune::kThreads, "one thread resolves at most one token of a chunk");
+  constexpr int kVecs = HeadDim / kVecElems;               // 16-byte vectors per head vector
+  constexpr int kRowVecs = 2 * kVecs;                      // K and V of one token
+  static_assert(kParts == compact_parts<HeadDim, T>(kParts, kVecsPerThread), "use compact_parts()");
+  constexpr int kPartVecs = kRowVecs / kParts;             // vectors per token of this CTA's part
+  constexpr int kTokenLanes = kThreads / kPartVecs;        // tokens one pass of the CTA covers
+  constexpr int kChunk = kTokenLanes * kVecsPerThread;     // destinations per chunk
+  static_assert(kThreads % kPartVecs == 0, "a CTA must cover whole parts of a token");
+  static_assert(kChunk <= kThreads, "one thread resolves at most one token of a chunk");
 
   // Element offsets (in the range) of each chunk token's source and destination; -1 = no move.
   // Three buffers: chunk c's offsets are written during chunk c-1 (their lookups overlap chunk
@@ -61,12 +81,12 @@ __global__ void __launch_bounds__(tuning::sm90::Compact::kThreads)
   const std::int32_t* row = p.kept + ((static_cast<std::int64_t>(b) * view.num_layers + layer) * heads + head) * p.max_keep;
   const Id* table = view.block_tables + static_cast<std::int64_t>(seq) * view.max_blocks_per_seq;
   const int bs = view.block.block_size;
-  T* const k_base = view.range(layer, KvKind::kKey);
-  T* const v_base = view.range(layer, KvKind::kValue);
 
   const int tid = static_cast<int>(threadIdx.x);
-  const int lane_token = tid / kVecs;
-  const int vec = tid % kVecs;
+  const int lane_token = tid / kPartVecs;
+  const int col = static_cast<int>(blockIdx.z) * kPartVecs + tid % kPartVecs;  // in [0, kRowVecs)
+  // This thread's column: K for col < kVecs, else V; every offset below is relative to it.
+  T* const base = view.range(layer, col < kVecs ? KvKind::kKey : KvKind::kValue) + (col % kVecs) * kVecElems;
 
   // Thread t < kChunk resolves token t of each chunk; its kept index is loaded one chunk early.
   auto resolve = [&](int i, int s, int buf) {
@@ -86,14 +106,11 @@ __global__ void __launch_bounds__(tuning::sm90::Compact::kThreads)
   __syncthreads();
 
   for (int c0 = 0, buf = 0; c0 < keep; c0 += kChunk, buf = buf == 2 ? 0 : buf + 1) {
-    uint4 kx[Tune::kVecsPerThread], vx[Tune::kVecsPerThread];
+    uint4 x[kVecsPerThread];
 #pragma unroll
-    for (int r = 0; r < Tune::kVecsPerThread; ++r) {
+    for (int r = 0; r < kVecsPerThread; ++r) {
       const std::int64_t src = s_src[buf][lane_token + r * kTokenLanes];
-      if (src >= 0) {
-        kx[r] = *reinterpret_cast<const uint4*>(k_base + src + vec * kVecElems);
-        vx[r] = *reinterpret_cast<const uint4*>(v_base + src + vec * kVecElems);
-      }
+      if (src >= 0) x[r] = *reinterpret_cast<const uint4*>(base + src);
     }
     // Offsets of the next chunk while this chunk's loads are in flight.
     const int n0 = c0 + kChunk;
@@ -105,12 +122,9 @@ __global__ void __launch_bounds__(tuning::sm90::Compact::kThreads)
     // the next chunk's offsets are visible.
     __syncthreads();
 #pragma unroll
-    for (int r = 0; r < Tune::kVecsPerThread; ++r) {
+    for (int r = 0; r < kVecsPerThread; ++r) {
       const std::int64_t dst = s_dst[buf][lane_token + r * kTokenLanes];
-      if (dst >= 0) {
-        *reinterpret_cast<uint4*>(k_base + dst + vec * kVecElems) = kx[r];
-        *reinterpret_cast<uint4*>(v_base + dst + vec * kVecElems) = vx[r];
-      }
+      if (dst >= 0) *reinterpret_cast<uint4*>(base + dst) = x[r];
     }
   }
 }

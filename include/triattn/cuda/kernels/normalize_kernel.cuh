@@ -104,6 +104,7 @@ __device__ __forceinline__ float normalized(float x, const RowStats& s) {
   return static_cast<float>(q);
 }
 
+/// Sum over a CTA of kThreads in a fixed order (deterministic); every thread gets it.
 template <int kThreads>
 __device__ __forceinline__ double block_sum(double v, double* scratch) {
   constexpr int kWarps = kThreads / 32;
@@ -114,17 +115,22 @@ __device__ __forceinline__ double block_sum(double v, double* scratch) {
   __syncthreads();
   double total = 0.0;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) total += scratch[w];  // fixed order: deterministic
-  __syncthreads();
+  for (int w = 0; w < kWarps; ++w) total += scratch[w];
+  __syncthreads();  // scratch is reused by the next call
   return total;
 }
 
 }  // namespace detail
 
-inline constexpr int kRowStatsThreads = 256;
-inline constexpr int kRowStatsCache = 16;  // values per thread kept in registers between the passes
+inline constexpr int kRowStatsThreads = 128;
+// Values per thread kept in registers between the passes: 2,560 per row (a Qwen3-8B round), so
+// the second pass over such rows re-reads nothing; the rest of a longer row is re-read from L2
+// in independent batches of kRowStatsRestBatch.
+inline constexpr int kRowStatsCache = 20;
+inline constexpr int kRowStatsRestBatch = 8;
 
-/// One CTA per (b, l, h) row: mean and population std of the row's selectable slots.
+/// One CTA of kRowStatsThreads per (b, l, h) row: mean and population std of the row's selectable
+/// slots. Small CTAs keep a Qwen3-8B round's 1,152 rows (batch 1) in one wave.
 /// @param scores [batch, L, Hq, max_len] raw scores
 /// @param stats  [batch, L, Hq] output (rows of identity rounds or with no selectable slot get {0, 1, 1})
 template <class Id>
@@ -140,31 +146,46 @@ __global__ void __launch_bounds__(kRowStatsThreads)
     if (threadIdx.x == 0) stats[row] = RowStats{0.0, 1.0, 1.0};
     return;
   }
+  const int tid = static_cast<int>(threadIdx.x);
   const float* x = scores + row * seqs.max_len + kc.begin;
   float cache[kRowStatsCache];
-  double sum = 0.0;
 #pragma unroll
   for (int c = 0; c < kRowStatsCache; ++c) {
-    const int j = threadIdx.x + c * kRowStatsThreads;
+    const int j = tid + c * kRowStatsThreads;
     cache[c] = j < n ? x[j] : 0.0f;
-    sum += static_cast<double>(cache[c]);
   }
-  for (int j = threadIdx.x + kRowStatsCache * kRowStatsThreads; j < n; j += kRowStatsThreads)
-    sum += static_cast<double>(x[j]);
+  // The rest of a longer row, kRowStatsRestBatch loads in flight (f maps each value to its term).
+  const auto add_rest = [&](double acc, auto f) {
+    for (int j0 = tid + kRowStatsCache * kRowStatsThreads; j0 < n; j0 += kRowStatsThreads * kRowStatsRestBatch) {
+      float v[kRowStatsRestBatch];
+#pragma unroll
+      for (int k = 0; k < kRowStatsRestBatch; ++k) {
+        const int j = j0 + k * kRowStatsThreads;
+        v[k] = j < n ? x[j] : 0.0f;
+      }
+#pragma unroll
+      for (int k = 0; k < kRowStatsRestBatch; ++k)
+        if (j0 + k * kRowStatsThreads < n) acc += f(v[k]);
+    }
+    return acc;
+  };
+  double sum = 0.0;
+#pragma unroll
+  for (int c = 0; c < kRowStatsCache; ++c) sum += static_cast<double>(cache[c]);
+  sum = add_rest(sum, [](float v) { return static_cast<double>(v); });
   const double mean = detail::block_sum<kRowStatsThreads>(sum, scratch) / n;
   double ss = 0.0;
 #pragma unroll
   for (int c = 0; c < kRowStatsCache; ++c) {
-    const int j = threadIdx.x + c * kRowStatsThreads;
     const double d = static_cast<double>(cache[c]) - mean;
-    if (j < n) ss += d * d;
+    if (tid + c * kRowStatsThreads < n) ss += d * d;
   }
-  for (int j = threadIdx.x + kRowStatsCache * kRowStatsThreads; j < n; j += kRowStatsThreads) {
-    const double d = static_cast<double>(x[j]) - mean;
-    ss += d * d;
-  }
+  ss = add_rest(ss, [mean](float v) {
+    const double d = static_cast<double>(v) - mean;
+    return d * d;
+  });
   ss = detail::block_sum<kRowStatsThreads>(ss, scratch);
-  if (threadIdx.x == 0) {
+  if (tid == 0) {
     double sd = sqrt(ss / n);
     sd = sd > 1e-6 ? sd : 1e-6;
     stats[row] = RowStats{mean, sd, 1.0 / sd};
@@ -172,14 +193,27 @@ __global__ void __launch_bounds__(kRowStatsThreads)
 }
 
 inline constexpr int kReduceThreads = 256;
-inline constexpr int kReduceBatch = 16;  // loads in flight per thread
-inline constexpr int kReduceSlots = 64;  // per_head: slots per CTA (4 threads per slot split the layers)
+inline constexpr int kReduceBatch = 16;  // union: loads in flight per thread
+inline constexpr int kReduceSlots = 32;  // per_head: slots per CTA (8 threads per slot split the layers)
 inline constexpr int kReduceLayerLanes = kReduceThreads / kReduceSlots;
+inline constexpr int kReduceLayersInFlight = 4;  // per_head: layers x heads loaded before they are reduced
+inline constexpr int kReduceHeadsInFlight = 4;
 
-/// Dynamic shared memory of gqa_reduce_kernel: per_head keeps max_h Ŝ of every layer of its
-/// kReduceSlots slots, so the mean over layers can be summed in layer order.
-[[nodiscard]] inline std::size_t gqa_reduce_smem_bytes(PruningMode mode, int num_layers) noexcept {
-  return mode == PruningMode::kPerHead ? static_cast<std::size_t>(num_layers) * kReduceSlots * sizeof(float) : 0;
+/// Rows of statistics a gqa_reduce CTA stages in shared memory: the (l, h) rows it normalises.
+[[nodiscard]] TRIATTN_HOST_DEVICE int gqa_reduce_stat_rows(PruningMode mode, bool normalize, int L, int Hq,
+                                                                  int Hkv) noexcept {
+  if (!normalize) return 0;
+  return mode == PruningMode::kPerHead ? L * (Hq / Hkv) : mode == PruningMode::kPerLayerPerHead ? Hq / Hkv : Hq;
+}
+
+/// Dynamic shared memory of gqa_reduce_kernel: the statistics of the rows the CTA normalises
+/// (each read by every slot: from shared memory instead of one dependent L2 load per value), and
+/// for per_head max_h Ŝ of every layer of its kReduceSlots slots, so the mean over layers can be
+/// summed in layer order.
+[[nodiscard]] inline std::size_t gqa_reduce_smem_bytes(PruningMode mode, bool normalize, int L, int Hq,
+                                                       int Hkv) noexcept {
+  return static_cast<std::size_t>(gqa_reduce_stat_rows(mode, normalize, L, Hq, Hkv)) * sizeof(RowStats) +
+         (mode == PruningMode::kPerHead ? static_cast<std::size_t>(L) * kReduceSlots * sizeof(float) : 0);
 }
 
 /// Normalise-and-reduce. Grid: (slot tiles, groups, batch) with groups = Hkv (per_head),
@@ -195,7 +229,7 @@ __global__ void __launch_bounds__(kReduceThreads)
     gqa_reduce_kernel(float* __restrict__ scores, const RowStats* __restrict__ stats, float* __restrict__ out,
                       std::uint8_t* __restrict__ flags, RoundSeqs<Id> seqs, DeviceSelectParams p, int L, int Hq,
                       int Hkv) {
-  extern __shared__ float s_layer_max[];  // per_head: [L][kReduceSlots]
+  extern __shared__ __align__(16) unsigned char s_raw[];
   const int b = blockIdx.z;
   const int grp = blockIdx.y;
   const DeviceKeepCounts kc = seqs.counts(b, p);
@@ -203,43 +237,60 @@ __global__ void __launch_bounds__(kReduceThreads)
   const int G = Hq / Hkv;
   const long long T = seqs.max_len;
   const long long seq_row0 = static_cast<long long>(b) * L * Hq;  // first (l, h) row of sequence b
-  const auto value = [&](long long row, float x) { return p.normalize ? detail::normalized(x, stats[row]) : x; };
+  // Statistics of the rows this CTA normalises, by local index: per_head l·G + h,
+  // per_layer_per_head h, union h.
+  const int n_stats = gqa_reduce_stat_rows(p.mode, p.normalize, L, Hq, Hkv);
+  RowStats* const s_stats = reinterpret_cast<RowStats*>(s_raw);
+  float* const s_layer_max = reinterpret_cast<float*>(s_raw + n_stats * sizeof(RowStats));  // per_head: [L][kReduceSlots]
+  for (int i = threadIdx.x; i < n_stats; i += blockDim.x) {
+    const long long row = p.mode == PruningMode::kPerHead ? seq_row0 + static_cast<long long>(i / G) * Hq + grp * G + i % G
+                          : p.mode == PruningMode::kPerLayerPerHead
+                              ? seq_row0 + static_cast<long long>(grp / Hkv) * Hq + (grp % Hkv) * G + i
+                              : seq_row0 + static_cast<long long>(grp) * Hq + i;
+    s_stats[i] = stats[row];
+  }
+  __syncthreads();
+  const auto value = [&](int local, float x) { return p.normalize ? detail::normalized(x, s_stats[local]) : x; };
 
   if (p.mode == PruningMode::kPerHead) {
-    // Thread (slot ts, layer lane lg) takes layers lg, lg + 4, ...: max over the group's heads per
-    // layer into shared memory, then one thread per slot sums them in layer order (float64, as
-    // ref::mean_over_layers), so the result does not depend on the split.
+    // Thread (slot ts, layer lane lg) takes layers lg, lg + kReduceLayerLanes, ...: max over the
+    // group's heads per layer into shared memory, then one thread per slot sums them in layer
+    // order (float64, as ref::mean_over_layers), so the result does not depend on the split.
+    // kReduceLayersInFlight layers x kReduceHeadsInFlight heads are loaded before any is
+    // normalised (the kernel is latency- and instruction-bound: one base address per value, no
+    // division).
     const int g = grp;
     const int ts = threadIdx.x % kReduceSlots, lg = threadIdx.x / kReduceSlots;
     const int t = blockIdx.x * kReduceSlots + ts;
     const bool valid = t >= kc.begin && t < kc.end;
     if (valid) {
-      const int nl = (L - lg + kReduceLayerLanes - 1) / kReduceLayerLanes;  // layers of this lane
-      const int n = nl * G;
-      float m = 0.0f;
-      int li = 0, h = 0;
-      for (int base = 0; base < n; base += kReduceBatch) {
-        float v[kReduceBatch];
+      const float* col = scores + (seq_row0 + g * G) * T + t;  // row (l, g·G + h) at col[(l·Hq + h)·T]
+      for (int l0 = lg; l0 < L; l0 += kReduceLayersInFlight * kReduceLayerLanes) {
+        float m[kReduceLayersInFlight] = {};
+        for (int h0 = 0; h0 < G; h0 += kReduceHeadsInFlight) {
+          float v[kReduceLayersInFlight][kReduceHeadsInFlight];
 #pragma unroll
-        for (int k = 0; k < kReduceBatch; ++k) {
-          const int idx = base + k;
-          if (idx < n) {
-            const int lk = lg + (idx / G) * kReduceLayerLanes, hk = idx % G;
-            v[k] = scores[(seq_row0 + static_cast<long long>(lk) * Hq + g * G + hk) * T + t];
-          }
+          for (int i = 0; i < kReduceLayersInFlight; ++i)
+#pragma unroll
+            for (int j = 0; j < kReduceHeadsInFlight; ++j) {
+              const int l = l0 + i * kReduceLayerLanes, h = h0 + j;
+              if (l < L && h < G) v[i][j] = col[(static_cast<long long>(l) * Hq + h) * T];
+            }
+#pragma unroll
+          for (int i = 0; i < kReduceLayersInFlight; ++i)
+#pragma unroll
+            for (int j = 0; j < kReduceHeadsInFlight; ++j) {
+              const int l = l0 + i * kReduceLayerLanes, h = h0 + j;
+              if (l < L && h < G) {
+                const float xh = value(l * G + h, v[i][j]);
+                m[i] = (h == 0 || m[i] < xh) ? xh : m[i];  // std::max(m, xh) of the reference, heads in order
+              }
+            }
         }
 #pragma unroll
-        for (int k = 0; k < kReduceBatch; ++k) {
-          if (base + k < n) {
-            const int l = lg + li * kReduceLayerLanes;
-            const float xh = value(seq_row0 + static_cast<long long>(l) * Hq + g * G + h, v[k]);
-            m = (h == 0 || m < xh) ? xh : m;  // std::max(m, xh) of the reference
-            if (++h == G) {
-              s_layer_max[l * kReduceSlots + ts] = m;
-              h = 0;
-              ++li;
-            }
-          }
+        for (int i = 0; i < kReduceLayersInFlight; ++i) {
+          const int l = l0 + i * kReduceLayerLanes;
+          if (l < L) s_layer_max[l * kReduceSlots + ts] = m[i];
         }
       }
     }
@@ -259,7 +310,7 @@ __global__ void __launch_bounds__(kReduceThreads)
     const long long row0 = seq_row0 + static_cast<long long>(l) * Hq + g * G;
     float m = 0.0f;
     for (int h = 0; h < G; ++h) {
-      const float xh = value(row0 + h, scores[(row0 + h) * T + t]);
+      const float xh = value(h, scores[(row0 + h) * T + t]);
       m = (h == 0 || m < xh) ? xh : m;
     }
     out[((static_cast<long long>(b) * L + l) * Hkv + g) * T + t] = m;
@@ -276,7 +327,7 @@ __global__ void __launch_bounds__(kReduceThreads)
       for (int k = 0; k < kReduceBatch; ++k) {
         const int h = base + k;
         if (h < Hq) {
-          const float xh = value(row0 + h, v[k]);
+          const float xh = value(h, v[k]);
           if (p.normalize) scores[(row0 + h) * T + t] = xh;
           m = (h == 0 || m < xh) ? xh : m;
         }

@@ -15,14 +15,22 @@ struct Append {
   static constexpr int kVecsPerThread = 4;
 };
 
-/// Compaction: one CTA per (sequence, layer, KV head), K and V together, ascending chunks of
-/// kThreads * kVecsPerThread 16-byte vectors per kind, one barrier per chunk (the next chunk's
-/// index lookups overlap this chunk's loads). 256 threads * 4 vectors * 2 kinds = 32 KB of loads
-/// in flight per CTA; <= 64 registers keeps 4 CTAs/SM, so Qwen3-8B's 288 rows per sequence are
-/// all resident at batch 1 (a second wave would double the time of its CTAs).
+/// Compaction: one CTA per (sequence, layer, KV head) row, or per column part of it (its K and
+/// V columns split into 2 parts), ascending chunks of kThreads * vectors-per-thread 16-byte
+/// vectors, one barrier per chunk (the next chunk's index lookups overlap this chunk's loads).
+/// Automatic split by rows per SM (rows = sequences * layers * KV heads): <= kSplitRowsPerSm rows
+/// per SM run 2 parts, <= kShortRowsPerSm rows per SM 4 vectors per thread (16 KB of loads in
+/// flight per CTA, 40 registers, 6 CTAs per SM), else 8 (32 KB, 64 registers, 4 CTAs per SM).
+/// H200, 2026-12-01, Qwen3-8B rows, 2,560 -> 2,048, µs (parts x vectors):
+///   batch 1 (2.2 rows/SM):  1x8 172, 1x4 168, 2x8 174, 2x4 163, 4x8 181, 4x4 191
+///   batch 2 (4.4 rows/SM):  1x8 341, 1x4 321, 2x8 315, 2x4 335, 4x8 362, 4x4 367
+///   batch 4 (8.7 rows/SM):  1x8 620, 1x4 646, 2x8 623, 2x4 629, 4x8 722, 4x4 731
+/// (4 parts were measured, never faster, and are not compiled; one CTA per row with 4 K + 4 V
+/// vectors per thread, before: 181 / - / 632 µs).
 struct Compact {
   static constexpr int kThreads = 256;
-  static constexpr int kVecsPerThread = 4;
+  static constexpr int kSplitRowsPerSm = 6;
+  static constexpr int kShortRowsPerSm = 3;
 };
 
 /// Tensor-core mean scorer (score_mean_mma_kernel; ScoreOptions::mean_variant 2-5): warps per
