@@ -252,7 +252,10 @@ TEST_SUITE("gpu") {
     triattn::test::require_device();
     const std::uint32_t seed = test::fresh_seed32();
     int combo = 0;
-    for (auto [L, Hq, Hkv] : {std::tuple{1, 1, 1}, std::tuple{1, 4, 4}, std::tuple{36, 32, 8}, std::tuple{5, 12, 2}})
+    // group sizes 1, 4, 6, 8 and 24 (gqa_reduce is compiled for 1, 2, 4 and 8; 6 and 24 take the
+    // generic kernel, 24 in several head chunks)
+    for (auto [L, Hq, Hkv] : {std::tuple{1, 1, 1}, std::tuple{1, 4, 4}, std::tuple{36, 32, 8}, std::tuple{5, 12, 2},
+                              std::tuple{3, 16, 2}, std::tuple{2, 24, 1}})
       for (PruningMode mode : {PruningMode::kPerHead, PruningMode::kPerLayerPerHead, PruningMode::kUnion}) {
         SelCase c;
         c.L = L;

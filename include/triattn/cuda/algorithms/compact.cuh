@@ -10,6 +10,7 @@
 #include <triattn/core/kv_view.hpp>
 #include <triattn/cuda/config.cuh>
 #include <triattn/cuda/error.cuh>
+#include <triattn/cuda/griddep.cuh>
 #include <triattn/cuda/kernels/compact_kernel.cuh>
 #include <triattn/cuda/launch.cuh>
 #include <triattn/cuda/tuning/sm90.cuh>
@@ -32,10 +33,15 @@ template <int HeadDim, class T, class Id, int kVecsPerThread>
   constexpr int kThreads = tuning::sm90::Compact::kThreads;
   const dim3 grid(rows, static_cast<unsigned>(batch), static_cast<unsigned>(parts));
   switch (parts) {
-    case 1: compact_kernel<HeadDim, T, Id, 1, kVecsPerThread><<<grid, kThreads, 0, stream>>>(view, plan); break;
+    // Dependent launch: the CTAs may be scheduled during the previous kernel (a round's select).
+    case 1:
+      TRIATTN_CUDA_RETURN_IF_ERROR(
+          launch_dependent(compact_kernel<HeadDim, T, Id, 1, kVecsPerThread>, grid, dim3(kThreads), 0, stream, view, plan));
+      break;
     case 2:
       if constexpr (compact_parts<HeadDim, T>(2, kVecsPerThread) == 2)
-        compact_kernel<HeadDim, T, Id, 2, kVecsPerThread><<<grid, kThreads, 0, stream>>>(view, plan);
+        TRIATTN_CUDA_RETURN_IF_ERROR(launch_dependent(compact_kernel<HeadDim, T, Id, 2, kVecsPerThread>, grid,
+                                                      dim3(kThreads), 0, stream, view, plan));
       break;
     default: return cudaErrorInvalidValue;
   }

@@ -188,36 +188,23 @@ struct decode_attention {
       TRIATTN_CUDA_RETURN_IF_ERROR(check_launch(stream));
       if (plan.num_splits == 1 || fused) return cudaSuccess;
 
-      cudaLaunchConfig_t cfg{};
-      cfg.gridDim = dim3(static_cast<unsigned>(num_q_heads), static_cast<unsigned>(batch));
-      cfg.blockDim = dim3(kD);
-      cfg.dynamicSmemBytes = 0;
-      cfg.stream = stream;
-      cudaLaunchAttribute attr[1];
-      attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attr[0].val.programmaticStreamSerializationAllowed = 1;
-      cfg.attrs = attr;
-      cfg.numAttrs = 1;
+      const dim3 cgrid(static_cast<unsigned>(num_q_heads), static_cast<unsigned>(batch));
       const Id* lens = view.seq_lens;
       const float* po = p.partial_o;
       const float2* pml = p.partial_ml;
-      auto launch = [&] {
-        if (plan.variant == 0)
-          return cudaLaunchKernelEx(&cfg, decode_attention_combine_kernel<kD, Id, OutT>, lens, seq_ids, po, pml, out,
-                                    num_q_heads, plan.num_splits, plan.tokens_per_split);
-        if (plan.variant >= 5)
-          return cudaLaunchKernelEx(&cfg, decode_attention_combine_wide_kernel<kD, Id, OutT>, lens, seq_ids, po, pml,
-                                    out, num_q_heads, plan.num_splits, plan.tokens_per_split);
-        return cudaLaunchKernelEx(&cfg, decode_attention_combine_fast_kernel<kD, Id, OutT>, lens, seq_ids, po, pml,
-                                  out, num_q_heads, plan.num_splits, plan.tokens_per_split);
-      };
-      if (launch() != cudaSuccess) {
-        // Without programmatic dependent launch (e.g. a stream that refuses it) the combine
-        // kernel simply runs after the split kernel; griddepcontrol.wait is then a no-op.
-        (void)cudaGetLastError();
-        cfg.numAttrs = 0;
-        TRIATTN_CUDA_RETURN_IF_ERROR(launch());
-      }
+      // Dependent launch: the combine kernel's CTAs start during the split kernel's tail.
+      if (plan.variant == 0)
+        TRIATTN_CUDA_RETURN_IF_ERROR(launch_dependent(decode_attention_combine_kernel<kD, Id, OutT>, cgrid, dim3(kD),
+                                                      0, stream, lens, seq_ids, po, pml, out, num_q_heads,
+                                                      plan.num_splits, plan.tokens_per_split));
+      else if (plan.variant >= 5)
+        TRIATTN_CUDA_RETURN_IF_ERROR(launch_dependent(decode_attention_combine_wide_kernel<kD, Id, OutT>, cgrid,
+                                                      dim3(kD), 0, stream, lens, seq_ids, po, pml, out, num_q_heads,
+                                                      plan.num_splits, plan.tokens_per_split));
+      else
+        TRIATTN_CUDA_RETURN_IF_ERROR(launch_dependent(decode_attention_combine_fast_kernel<kD, Id, OutT>, cgrid,
+                                                      dim3(kD), 0, stream, lens, seq_ids, po, pml, out, num_q_heads,
+                                                      plan.num_splits, plan.tokens_per_split));
       return check_launch(stream);
     });
   }
@@ -263,21 +250,8 @@ struct decode_attention {
     decode_attention_zero_counters_kernel<std::uint32_t>
         <<<static_cast<unsigned>((n + 255) / 256 < 64 ? (n + 255) / 256 : 64), 256, 0, stream>>>(p.counters, n);
     TRIATTN_CUDA_RETURN_IF_ERROR(check_launch(stream));
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(Tune::kThreads);
-    cfg.dynamicSmemBytes = static_cast<std::size_t>(smem);
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    if (cudaLaunchKernelEx(&cfg, kernel, view, p) != cudaSuccess) {
-      (void)cudaGetLastError();  // no programmatic launch here: plain stream order
-      cfg.numAttrs = 0;
-      TRIATTN_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kernel, view, p));
-    }
+    TRIATTN_CUDA_RETURN_IF_ERROR(
+        launch_dependent(kernel, grid, dim3(Tune::kThreads), static_cast<std::size_t>(smem), stream, view, p));
     return check_launch(stream);
   }
 };

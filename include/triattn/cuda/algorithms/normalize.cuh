@@ -11,6 +11,7 @@
 #include <triattn/core/scoring_params.hpp>
 #include <triattn/cuda/config.cuh>
 #include <triattn/cuda/error.cuh>
+#include <triattn/cuda/griddep.cuh>
 #include <triattn/cuda/launch.cuh>
 #include <triattn/cuda/kernels/normalize_kernel.cuh>
 
@@ -50,8 +51,9 @@ template <class Id>
   const int rows_per_seq = shape.num_layers * shape.num_q_heads;
   const long long rows = static_cast<long long>(seqs.batch) * rows_per_seq;
   if (rows > 0x7fffffffLL) return cudaErrorInvalidValue;
-  row_stats_kernel<Id><<<static_cast<unsigned>(rows), kRowStatsThreads, 0, stream>>>(scores, stats, seqs, params,
-                                                                                     rows_per_seq);
+  TRIATTN_CUDA_RETURN_IF_ERROR(launch_dependent(row_stats_kernel<Id>, dim3(static_cast<unsigned>(rows)),
+                                                dim3(kRowStatsThreads), 0, stream, scores, stats, seqs, params,
+                                                rows_per_seq));
   return check_launch(stream);
 }
 
@@ -75,10 +77,20 @@ template <class Id>
   if (grid.y > 65535u) return cudaErrorInvalidValue;
   const std::size_t smem =
       gqa_reduce_smem_bytes(params.mode, params.normalize, shape.num_layers, shape.num_q_heads, shape.num_kv_heads);
-  static DynamicSmemGrant granted;  // > 48 KiB only for very many layers or heads
-  TRIATTN_CUDA_RETURN_IF_ERROR(granted.ensure(gqa_reduce_kernel<Id>, smem));
-  gqa_reduce_kernel<Id><<<grid, kReduceThreads, smem, stream>>>(
-      scores, stats, out, flags, seqs, params, shape.num_layers, shape.num_q_heads, shape.num_kv_heads);
+  // per_head is compiled for the common group sizes (no guards or divisions in its loads).
+  const auto launch = [&](auto kernel, DynamicSmemGrant& granted) {
+    TRIATTN_CUDA_RETURN_IF_ERROR(granted.ensure(kernel, smem));  // > 48 KiB only for very many layers or heads
+    return launch_dependent(kernel, grid, dim3(kReduceThreads), smem, stream, scores, stats, out, flags, seqs, params,
+                            shape.num_layers, shape.num_q_heads, shape.num_kv_heads);
+  };
+  static DynamicSmemGrant granted_any, granted_1, granted_2, granted_4, granted_8;
+  const int G = shape.num_q_heads / shape.num_kv_heads;
+  const bool per_head = params.mode == PruningMode::kPerHead;
+  if (per_head && G == 1) TRIATTN_CUDA_RETURN_IF_ERROR(launch(gqa_reduce_kernel<Id, 1>, granted_1));
+  else if (per_head && G == 2) TRIATTN_CUDA_RETURN_IF_ERROR(launch(gqa_reduce_kernel<Id, 2>, granted_2));
+  else if (per_head && G == 4) TRIATTN_CUDA_RETURN_IF_ERROR(launch(gqa_reduce_kernel<Id, 4>, granted_4));
+  else if (per_head && G == 8) TRIATTN_CUDA_RETURN_IF_ERROR(launch(gqa_reduce_kernel<Id, 8>, granted_8));
+  else TRIATTN_CUDA_RETURN_IF_ERROR(launch(gqa_reduce_kernel<Id, 0>, granted_any));
   return check_launch(stream);
 }
 

@@ -11,6 +11,7 @@
 #include <triattn/cuda/algorithms/normalize.cuh>
 #include <triattn/cuda/config.cuh>
 #include <triattn/cuda/error.cuh>
+#include <triattn/cuda/griddep.cuh>
 #include <triattn/cuda/launch.cuh>
 #include <triattn/cuda/kernels/select_kernel.cuh>
 #include <triattn/cuda/kernels/union_agreement_kernel.cuh>
@@ -42,11 +43,13 @@ template <class Id>
   const int sp = static_cast<int>(splits);
   if (seqs.max_len <= kSelectCacheMax) {
     const std::size_t smem = static_cast<std::size_t>(seqs.max_len) * sizeof(std::uint32_t);
-    select_kernel<Id, true><<<grid, kSelectThreads, smem, stream>>>(in, plan, flags, seqs, params, shape.num_layers,
-                                                                   shape.num_kv_heads, target, sp);
+    TRIATTN_CUDA_RETURN_IF_ERROR(launch_dependent(select_kernel<Id, true>, grid, dim3(kSelectThreads), smem, stream,
+                                                  in, plan, flags, seqs, params, shape.num_layers, shape.num_kv_heads,
+                                                  target, sp));
   } else {
-    select_kernel<Id, false><<<grid, kSelectThreads, 0, stream>>>(in, plan, flags, seqs, params, shape.num_layers,
-                                                                 shape.num_kv_heads, target, sp);
+    TRIATTN_CUDA_RETURN_IF_ERROR(launch_dependent(select_kernel<Id, false>, grid, dim3(kSelectThreads), 0, stream,
+                                                  in, plan, flags, seqs, params, shape.num_layers, shape.num_kv_heads,
+                                                  target, sp));
   }
   return check_launch(stream);
 }

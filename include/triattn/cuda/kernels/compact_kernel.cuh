@@ -24,6 +24,7 @@
 
 #include <triattn/core/kv_view.hpp>
 #include <triattn/cuda/config.cuh>
+#include <triattn/cuda/griddep.cuh>
 #include <triattn/cuda/tuning/sm90.cuh>
 
 namespace triattn::cuda {
@@ -75,6 +76,7 @@ __global__ void __launch_bounds__(tuning::sm90::Compact::kThreads)
   const int layer = static_cast<int>(blockIdx.x) / heads;
   const int head = static_cast<int>(blockIdx.x) % heads;
   const int b = static_cast<int>(blockIdx.y);
+  detail::griddep_wait();  // the plan (a round's select writes it) and the cache
   const int seq = p.seq_ids[b];
   const int keep = p.keep[b];
   if (seq < 0 || keep <= 0) return;  // padding entry; uniform over the CTA, so no barrier is split

@@ -31,6 +31,7 @@
 
 #include <triattn/core/kv_view.hpp>
 #include <triattn/cuda/config.cuh>
+#include <triattn/cuda/griddep.cuh>
 #include <triattn/cuda/tuning/sm90.cuh>
 #include <triattn/cuda/types.cuh>
 
@@ -55,17 +56,6 @@ struct DecodeAttentionParams {
 };
 
 namespace detail {
-
-__device__ __forceinline__ void griddep_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void griddep_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
 
 template <class T>
 __device__ __forceinline__ void store_f32(T* p, float x) {

@@ -19,6 +19,7 @@
 #include <triattn/core/config.hpp>
 #include <triattn/core/scoring_params.hpp>
 #include <triattn/cuda/config.cuh>
+#include <triattn/cuda/griddep.cuh>
 
 namespace triattn::cuda {
 
@@ -128,20 +129,25 @@ inline constexpr int kRowStatsThreads = 128;
 // in independent batches of kRowStatsRestBatch.
 inline constexpr int kRowStatsCache = 20;
 inline constexpr int kRowStatsRestBatch = 8;
+// <= 56 registers: 9 CTAs per SM, so 1,152 rows run in one wave on 132 SMs (at 78 registers,
+// 6 per SM, they took two: 8.9 µs on the H200).
+inline constexpr int kRowStatsMinCtas = 9;
 
 /// One CTA of kRowStatsThreads per (b, l, h) row: mean and population std of the row's selectable
 /// slots. Small CTAs keep a Qwen3-8B round's 1,152 rows (batch 1) in one wave.
 /// @param scores [batch, L, Hq, max_len] raw scores
 /// @param stats  [batch, L, Hq] output (rows of identity rounds or with no selectable slot get {0, 1, 1})
 template <class Id>
-__global__ void __launch_bounds__(kRowStatsThreads)
+__global__ void __launch_bounds__(kRowStatsThreads, kRowStatsMinCtas)
     row_stats_kernel(const float* __restrict__ scores, RowStats* __restrict__ stats, RoundSeqs<Id> seqs,
                      DeviceSelectParams p, int rows_per_seq) {
   __shared__ double scratch[kRowStatsThreads / 32];
+  detail::griddep_launch_dependents();
   const long long row = blockIdx.x;
   const int b = static_cast<int>(row / rows_per_seq);
-  const DeviceKeepCounts kc = seqs.counts(b, p);
+  const DeviceKeepCounts kc = seqs.counts(b, p);  // round inputs: before the wait
   const int n = kc.end - kc.begin;
+  detail::griddep_wait();  // the scores
   if (kc.identity || n <= 0) {
     if (threadIdx.x == 0) stats[row] = RowStats{0.0, 1.0, 1.0};
     return;
@@ -192,12 +198,14 @@ __global__ void __launch_bounds__(kRowStatsThreads)
   }
 }
 
-inline constexpr int kReduceThreads = 256;
+// 128 threads (<= 80 registers: 6 CTAs per SM): per_head at batch 1 of Qwen3-8B is 80 slot tiles
+// x 8 KV heads = 640 CTAs, one wave on 132 SMs (256-thread CTAs at 3 per SM took two: 15 µs).
+inline constexpr int kReduceThreads = 128;
 inline constexpr int kReduceBatch = 16;  // union: loads in flight per thread
-inline constexpr int kReduceSlots = 32;  // per_head: slots per CTA (8 threads per slot split the layers)
+inline constexpr int kReduceSlots = 32;  // per_head: slots per CTA (4 threads per slot split the layers)
 inline constexpr int kReduceLayerLanes = kReduceThreads / kReduceSlots;
-inline constexpr int kReduceLayersInFlight = 4;  // per_head: layers x heads loaded before they are reduced
-inline constexpr int kReduceHeadsInFlight = 4;
+inline constexpr int kReduceLayersInFlight = 3;  // per_head: layers (x all heads of the group) loaded at once
+inline constexpr int kReduceGenericHeads = 8;     // per_head, any group size: head loads at once
 
 /// Rows of statistics a gqa_reduce CTA stages in shared memory: the (l, h) rows it normalises.
 [[nodiscard]] TRIATTN_HOST_DEVICE int gqa_reduce_stat_rows(PruningMode mode, bool normalize, int L, int Hq,
@@ -224,17 +232,19 @@ inline constexpr int kReduceHeadsInFlight = 4;
 /// @param out     per_head [batch, Hkv, max_len]; per_layer_per_head [batch, L, Hkv, max_len];
 ///                union [batch, L, max_len]
 /// @param flags   union only: [batch, max_len] candidate flags, cleared on the selectable slots
-template <class Id>
-__global__ void __launch_bounds__(kReduceThreads)
+template <class Id, int kG>
+__global__ void __launch_bounds__(kReduceThreads, 6)
     gqa_reduce_kernel(float* __restrict__ scores, const RowStats* __restrict__ stats, float* __restrict__ out,
                       std::uint8_t* __restrict__ flags, RoundSeqs<Id> seqs, DeviceSelectParams p, int L, int Hq,
                       int Hkv) {
   extern __shared__ __align__(16) unsigned char s_raw[];
+  detail::griddep_launch_dependents();
   const int b = blockIdx.z;
   const int grp = blockIdx.y;
-  const DeviceKeepCounts kc = seqs.counts(b, p);
+  const DeviceKeepCounts kc = seqs.counts(b, p);  // round inputs: before the wait
+  detail::griddep_wait();                         // scores and statistics of the kernels before
   if (kc.identity) return;  // uniform across the CTA
-  const int G = Hq / Hkv;
+  const int G = kG > 0 ? kG : Hq / Hkv;  // kG: the group size this kernel is compiled for (0: any)
   const long long T = seqs.max_len;
   const long long seq_row0 = static_cast<long long>(b) * L * Hq;  // first (l, h) row of sequence b
   // Statistics of the rows this CTA normalises, by local index: per_head l·G + h,
@@ -265,32 +275,61 @@ __global__ void __launch_bounds__(kReduceThreads)
     const bool valid = t >= kc.begin && t < kc.end;
     if (valid) {
       const float* col = scores + (seq_row0 + g * G) * T + t;  // row (l, g·G + h) at col[(l·Hq + h)·T]
-      for (int l0 = lg; l0 < L; l0 += kReduceLayersInFlight * kReduceLayerLanes) {
-        float m[kReduceLayersInFlight] = {};
-        for (int h0 = 0; h0 < G; h0 += kReduceHeadsInFlight) {
-          float v[kReduceLayersInFlight][kReduceHeadsInFlight];
+      const long long layer_stride = static_cast<long long>(Hq) * T;
+      const int nl = (L - lg + kReduceLayerLanes - 1) / kReduceLayerLanes;  // layers lg + k·lanes, k < nl
+      if constexpr (kG > 0) {
+        // The group size is a compile-time constant: kReduceLayersInFlight layers x kG heads are
+        // loaded before any is normalised, without guards or divisions.
+        const auto head_max = [&](int l, const float* v) {  // heads in order: std::max(m, x̂) of the reference
+          float m = value(l * kG, v[0]);
 #pragma unroll
-          for (int i = 0; i < kReduceLayersInFlight; ++i)
+          for (int h = 1; h < kG; ++h) {
+            const float xh = value(l * kG + h, v[h]);
+            m = m < xh ? xh : m;
+          }
+          return m;
+        };
+        const auto load_heads = [&](int l, float* v) {
+          const float* pl = col + l * layer_stride;
 #pragma unroll
-            for (int j = 0; j < kReduceHeadsInFlight; ++j) {
-              const int l = l0 + i * kReduceLayerLanes, h = h0 + j;
-              if (l < L && h < G) v[i][j] = col[(static_cast<long long>(l) * Hq + h) * T];
-            }
+          for (int h = 0; h < kG; ++h) v[h] = pl[static_cast<long long>(h) * T];
+        };
+        int k = 0;
+        for (; k + kReduceLayersInFlight <= nl; k += kReduceLayersInFlight) {
+          float v[kReduceLayersInFlight][kG];
 #pragma unroll
-          for (int i = 0; i < kReduceLayersInFlight; ++i)
+          for (int i = 0; i < kReduceLayersInFlight; ++i) load_heads(lg + (k + i) * kReduceLayerLanes, v[i]);
 #pragma unroll
-            for (int j = 0; j < kReduceHeadsInFlight; ++j) {
-              const int l = l0 + i * kReduceLayerLanes, h = h0 + j;
-              if (l < L && h < G) {
-                const float xh = value(l * G + h, v[i][j]);
-                m[i] = (h == 0 || m[i] < xh) ? xh : m[i];  // std::max(m, xh) of the reference, heads in order
-              }
-            }
+          for (int i = 0; i < kReduceLayersInFlight; ++i) {
+            const int l = lg + (k + i) * kReduceLayerLanes;
+            s_layer_max[l * kReduceSlots + ts] = head_max(l, v[i]);
+          }
         }
+        for (; k < nl; ++k) {
+          float v[kG];
+          const int l = lg + k * kReduceLayerLanes;
+          load_heads(l, v);
+          s_layer_max[l * kReduceSlots + ts] = head_max(l, v);
+        }
+      } else {
+        // Any group size: one layer at a time, heads in chunks of kReduceGenericHeads loads.
+        for (int k = 0; k < nl; ++k) {
+          const int l = lg + k * kReduceLayerLanes;
+          const float* pl = col + l * layer_stride;
+          float m = 0.0f;
+          for (int h0 = 0; h0 < G; h0 += kReduceGenericHeads) {
+            float v[kReduceGenericHeads];
 #pragma unroll
-        for (int i = 0; i < kReduceLayersInFlight; ++i) {
-          const int l = l0 + i * kReduceLayerLanes;
-          if (l < L) s_layer_max[l * kReduceSlots + ts] = m[i];
+            for (int j = 0; j < kReduceGenericHeads; ++j)
+              if (h0 + j < G) v[j] = pl[static_cast<long long>(h0 + j) * T];
+#pragma unroll
+            for (int j = 0; j < kReduceGenericHeads; ++j)
+              if (h0 + j < G) {
+                const float xh = value(l * G + h0 + j, v[j]);
+                m = (h0 + j == 0 || m < xh) ? xh : m;
+              }
+          }
+          s_layer_max[l * kReduceSlots + ts] = m;
         }
       }
     }

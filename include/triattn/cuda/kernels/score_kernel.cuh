@@ -41,6 +41,7 @@
 #include <triattn/core/ref/score.hpp>
 #include <triattn/core/rope_types.hpp>
 #include <triattn/cuda/config.cuh>
+#include <triattn/cuda/griddep.cuh>
 #include <triattn/cuda/kernels/wgmma.cuh>
 #include <triattn/cuda/types.cuh>
 
@@ -1721,6 +1722,9 @@ template <class T, class Id, int HD, RopeStyle S, int kWarps, int kStages, int k
 __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
     score_mean_mma_kernel(KvCacheView<T, Id> view, ScoreModelView m, ScoreBatch a, float* __restrict__ scores,
                           detail::FastDiv fd) {
+  // The round's next kernel (row statistics) is launched dependent: it may be scheduled now and
+  // waits for this grid's completion before it reads the scores.
+  detail::griddep_launch_dependents();
   using Shape = detail::MmaMeanShape<T, HD, kWarps, kStages, kKeys>;
   using Tr = detail::MmaMaxTraits<T>;
   constexpr int F = Shape::kF, KS = Shape::kSteps, CPR = Shape::kCPR;
@@ -2031,6 +2035,9 @@ template <class T, class Id, int HD, RopeStyle S, int kWarps, int kStages, int k
 __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
     score_max_mma_pipe_kernel(KvCacheView<T, Id> view, ScoreModelView m, ScoreBatch a, float* __restrict__ scores,
                               detail::FastDiv fd) {
+  // The round's next kernel (row statistics) is launched dependent: it may be scheduled now and
+  // waits for this grid's completion before it reads the scores.
+  detail::griddep_launch_dependents();
   using Shape = detail::MmaMeanShape<T, HD, kWarps, kStages, kKeys>;
   constexpr int MT = kKeys / 16;  // m16 tiles per warp slice
   using Tr = detail::MmaMaxTraits<T>;

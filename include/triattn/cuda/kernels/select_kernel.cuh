@@ -7,11 +7,12 @@
 //
 // Algorithm: values become order-preserving 32-bit keys (larger float → larger key; −0 → +0 so
 // it ties with +0 as in the reference's float compare; NaN → key 1, below every finite value;
-// key 0 marks slots that do not compete). A 4-pass 8-bit radix select (warp-aggregated shared
-// histogram, bin search by one warp) finds the threshold key and how many slots equal to it are
-// taken; a pass with ballot-based block scans then ranks slots in index order, so ties go to the
-// lower slot and the output comes out sorted without a sort. Rows up to kSelectCacheMax values
-// keep their keys in shared memory; longer rows re-read the values (L2) on each pass.
+// key 0 marks slots that do not compete). Each thread owns a contiguous run of slots. A 4-pass
+// 8-bit radix select (shared histogram fed by run-length aggregated atomics, bin search by one
+// warp, two barriers per pass) finds the threshold key and how many slots equal to it are taken;
+// one block scan of per-thread counts then ranks slots in index order, so ties go to the lower
+// slot and the output comes out sorted without a sort. Rows up to kSelectCacheMax values keep
+// their keys in shared memory; longer rows re-read the values (L2) on each pass.
 #pragma once
 
 #include <climits>
@@ -20,6 +21,7 @@
 
 #include <triattn/core/config.hpp>
 #include <triattn/cuda/config.cuh>
+#include <triattn/cuda/griddep.cuh>
 #include <triattn/cuda/kernels/normalize_kernel.cuh>
 
 namespace triattn::cuda {
@@ -64,20 +66,23 @@ __device__ __forceinline__ std::uint32_t order_key(float x) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-__device__ __forceinline__ unsigned lanemask_lt() {
-  unsigned m;
-  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
-  return m;
-}
-
-/// Block-wide exclusive counts of two predicates in thread order, plus their totals.
-__device__ __forceinline__ void block_count2(bool a, bool b, int& pre_a, int& pre_b, int& tot_a, int& tot_b,
-                                             int* s_a, int* s_b) {
+/// Block-wide exclusive prefix sums of two per-thread counts in thread order, and their totals.
+/// s_a / s_b: [32] shared scratch, free again when this returns.
+__device__ __forceinline__ void block_exclusive_scan2(int a, int b, int& pre_a, int& pre_b, int& tot_a, int& tot_b,
+                                                      int* s_a, int* s_b) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  const unsigned ba = __ballot_sync(0xffffffffu, a), bb = __ballot_sync(0xffffffffu, b);
-  if (lane == 0) {
-    s_a[warp] = __popc(ba);
-    s_b[warp] = __popc(bb);
+  int inc_a = a, inc_b = b;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int va = __shfl_up_sync(0xffffffffu, inc_a, o), vb = __shfl_up_sync(0xffffffffu, inc_b, o);
+    if (lane >= o) {
+      inc_a += va;
+      inc_b += vb;
+    }
+  }
+  if (lane == 31) {
+    s_a[warp] = inc_a;
+    s_b[warp] = inc_b;
   }
   __syncthreads();
   int off_a = 0, off_b = 0, all_a = 0, all_b = 0;
@@ -90,12 +95,11 @@ __device__ __forceinline__ void block_count2(bool a, bool b, int& pre_a, int& pr
     all_a += ca;
     all_b += cb;
   }
-  const unsigned lt = lanemask_lt();
-  pre_a = off_a + __popc(ba & lt);
-  pre_b = off_b + __popc(bb & lt);
+  pre_a = off_a + inc_a - a;
+  pre_b = off_b + inc_b - b;
   tot_a = all_a;
   tot_b = all_b;
-  __syncthreads();  // s_a / s_b are reused by the next call
+  __syncthreads();
 }
 
 }  // namespace detail
@@ -112,13 +116,16 @@ __global__ void __launch_bounds__(kSelectThreads)
     select_kernel(SelectInput in, DeviceKeepPlanView plan, std::uint8_t* __restrict__ flags, RoundSeqs<Id> seqs,
                   DeviceSelectParams p, int L, int Hkv, SelectTarget target, int splits) {
   extern __shared__ std::uint32_t s_keys[];
-  __shared__ unsigned s_hist[256];
+  __shared__ unsigned s_hist[2][256];
   __shared__ unsigned s_sel[3];
   __shared__ int s_wa[32], s_wb[32];
 
+  // No griddep_launch_dependents(): compaction CTAs scheduled beside select's (H200, 2026-12-01)
+  // made the compaction 13 µs slower; it starts when select completes.
   const int r = blockIdx.x / splits, split = blockIdx.x % splits, b = blockIdx.y;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const DeviceKeepCounts kc = seqs.counts(b, p);
+  const DeviceKeepCounts kc = seqs.counts(b, p);  // round inputs: before the wait
+  detail::griddep_wait();  // the values to rank come from the kernel before
   const int T = kc.length, begin = kc.begin, end = kc.end, n = end - begin;
   const long long ML = seqs.max_len;
 
@@ -176,36 +183,51 @@ __global__ void __launch_bounds__(kSelectThreads)
     if constexpr (kCache) return s_keys[i];
     else return load_key(i);
   };
-  if constexpr (kCache) {
+  if constexpr (kCache)
     for (int i = tid; i < n; i += blockDim.x) s_keys[i] = load_key(i);
-    __syncthreads();
-  }
+  for (int i = tid; i < 256; i += blockDim.x) s_hist[0][i] = 0u;  // the first pass's histogram
+  __syncthreads();
 
+  // Keys are walked in tiles of blockDim·per; thread tid owns the contiguous keys
+  // [t0 + tid·per, t0 + (tid + 1)·per) of tile t0. With the keys in shared memory one tile covers
+  // the row: histogram updates are run-length aggregated (neighbouring slots often share a
+  // digit, the first digits nearly always) and the ranking needs a single block scan. Keys read
+  // from global memory keep per = 1, so every load of a warp is coalesced.
+  const int per = kCache ? (n + static_cast<int>(blockDim.x) - 1) / static_cast<int>(blockDim.x) : 1;
+  const int tile = per * static_cast<int>(blockDim.x);
   // ---- radix select: threshold key `prefix` and how many slots equal to it are taken ---------
+  // Two histograms: pass p counts into s_hist[p & 1] while clearing the other, which warp 0 last
+  // read in pass p − 1's bin search, finished before that pass's last barrier.
   unsigned prefix = 0u, pmask = 0u, krem = static_cast<unsigned>(kc.quota);
   bool take_all = false;
   for (int pass = 0; pass < 4; ++pass) {
     const int shift = 24 - 8 * pass;
-    for (int i = tid; i < 256; i += blockDim.x) s_hist[i] = 0u;
-    __syncthreads();
-    for (int base = 0; base < n; base += blockDim.x) {
-      const int i = base + tid;
-      const std::uint32_t key = i < n ? key_at(i) : 0u;
-      const bool in_prefix = key != 0u && (key & pmask) == prefix;
-      const unsigned bin = (key >> shift) & 255u;
-      const unsigned active = __ballot_sync(0xffffffffu, in_prefix);
-      if (in_prefix) {
-        const unsigned peers = __match_any_sync(active, bin);
-        if (lane == __ffs(peers) - 1) atomicAdd(&s_hist[bin], static_cast<unsigned>(__popc(peers)));
+    unsigned* const hist = s_hist[pass & 1];
+    for (int i = tid; i < 256; i += blockDim.x) s_hist[(pass + 1) & 1][i] = 0u;
+    unsigned run_bin = 0u, run = 0u;
+    for (int t0 = 0; t0 < n; t0 += tile) {
+      const int i0 = t0 + tid * per, i1 = min(n, i0 + per);
+      for (int i = i0; i < i1; ++i) {
+        const std::uint32_t key = key_at(i);
+        if (key != 0u && (key & pmask) == prefix) {
+          const unsigned bin = (key >> shift) & 255u;
+          if (bin != run_bin && run != 0u) {
+            atomicAdd(&hist[run_bin], run);
+            run = 0u;
+          }
+          run_bin = bin;
+          ++run;
+        }
       }
     }
+    if (run != 0u) atomicAdd(&hist[run_bin], run);
     __syncthreads();
     if (warp == 0) {
       // lane owns bins 255 − 8·lane − q (q < 8): lane 0 the highest
       unsigned c[8], tot = 0u;
 #pragma unroll
       for (int q = 0; q < 8; ++q) {
-        c[q] = s_hist[255 - 8 * lane - q];
+        c[q] = hist[255 - 8 * lane - q];
         tot += c[q];
       }
       unsigned incl = tot;
@@ -245,25 +267,40 @@ __global__ void __launch_bounds__(kSelectThreads)
       take_all = true;
       break;
     }
+    // s_sel is written again only in the next pass's bin search, after its histogram barrier,
+    // which every thread reaches after reading it here.
   }
   if (take_all && prefix == 0u) prefix = 1u;  // key 0 never competes
   const int krem_eff = take_all ? INT_MAX : static_cast<int>(krem);
 
   // ---- rank in slot order and write ------------------------------------------------------------
-  int gt_base = 0, eq_base = 0;
-  for (int base = 0; base < n; base += blockDim.x) {
-    const int i = base + tid;
-    const std::uint32_t key = i < n ? key_at(i) : 0u;
-    const bool gt = key != 0u && key > prefix;
-    const bool eq = key != 0u && key == prefix;
+  // Slot i is taken when its key is above the threshold, or equal to it and among the first
+  // krem_eff equal keys in slot order; its output rank is the number of taken slots before it.
+  int gt_base = 0, eq_base = 0;  // taken-candidate counts of the tiles before this one
+  for (int t0 = 0; t0 < n; t0 += tile) {
+    const int i0 = t0 + tid * per, i1 = min(n, i0 + per);
+    int gt_cnt = 0, eq_cnt = 0;
+    for (int i = i0; i < i1; ++i) {
+      const std::uint32_t key = key_at(i);
+      gt_cnt += key != 0u && key > prefix;
+      eq_cnt += key != 0u && key == prefix;
+    }
     int gt_pre, eq_pre, gt_tot, eq_tot;
-    detail::block_count2(gt, eq, gt_pre, eq_pre, gt_tot, eq_tot, s_wa, s_wb);
-    const int eq_rank = eq_base + eq_pre;
-    if (gt || (eq && eq_rank < krem_eff)) {
-      const int out_rank = gt_base + gt_pre + (eq_rank < krem_eff ? eq_rank : krem_eff);
-      const int slot = begin + i;
-      if (target == SelectTarget::kFlags) flags[b * ML + slot] = 1;
-      else write_pos(begin + out_rank, slot);
+    detail::block_exclusive_scan2(gt_cnt, eq_cnt, gt_pre, eq_pre, gt_tot, eq_tot, s_wa, s_wb);
+    gt_pre += gt_base;
+    eq_pre += eq_base;
+    for (int i = i0; i < i1; ++i) {
+      const std::uint32_t key = key_at(i);
+      const bool gt = key != 0u && key > prefix;
+      const bool eq = key != 0u && key == prefix;
+      if (gt || (eq && eq_pre < krem_eff)) {
+        const int out_rank = gt_pre + (eq_pre < krem_eff ? eq_pre : krem_eff);
+        const int slot = begin + i;
+        if (target == SelectTarget::kFlags) flags[b * ML + slot] = 1;
+        else write_pos(begin + out_rank, slot);
+      }
+      gt_pre += gt;
+      eq_pre += eq;
     }
     gt_base += gt_tot;
     eq_base += eq_tot;
