@@ -59,6 +59,7 @@
 #include <triattn/cuda/algorithms/decode_attention.cuh>
 #include <triattn/cuda/device_kv_cache.cuh>
 #include <triattn/cuda/error.cuh>
+#include <triattn/cuda/griddep.cuh>
 #include <triattn/cuda/launch.cuh>
 #include <triattn/cuda/policy/device_compactor.cuh>
 #include <triattn/cuda/policy/triattention_device_scorer.cuh>
@@ -888,25 +889,9 @@ class CudaBackend {
     template <class... KArgs, class... Args>
     void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, std::size_t smem, Args&&... args) {
       if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
-      cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = grid;
-      cfg.blockDim = block;
-      cfg.dynamicSmemBytes = smem;
-      cfg.stream = stream;
-      cudaLaunchAttribute attr[1];
-      attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attr[0].val.programmaticStreamSerializationAllowed = 1;
-      cfg.attrs = attr;
-      cfg.numAttrs = opt.pdl ? 1 : 0;
-      cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, args...);
-      if (e != cudaSuccess && cfg.numAttrs > 0) {
-        // A driver or stream that refuses programmatic dependent launch: plain launches from now
-        // on (the kernels' griddepcontrol instructions are then no-ops).
-        (void)cudaGetLastError();
-        cfg.numAttrs = 0;
-        e = cudaLaunchKernelEx(&cfg, kernel, args...);
-        if (e == cudaSuccess) opt.pdl = false;
-      }
+      // Programmatic dependent launch where opt.pdl (triattn falls back to a plain launch where it
+      // is refused; the kernels' griddepcontrol instructions are then no-ops).
+      const cudaError_t e = triattn::cuda::launch_kernel(kernel, grid, block, smem, stream, opt.pdl, args...);
       TRIATTN_CUDA_TRY(e);
       ++stats.kernels;
     }

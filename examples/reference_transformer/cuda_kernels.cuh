@@ -36,6 +36,7 @@
 
 #include <triattn/core/kv_view.hpp>
 #include <triattn/core/rope_types.hpp>
+#include <triattn/cuda/griddep.cuh>
 
 namespace triattn_example::gpu {
 
@@ -45,16 +46,9 @@ using triattn::RopeStyle;
 
 // ---- small device helpers -----------------------------------------------------------------------
 
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void pdl_trigger() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
+// Programmatic dependent launch (triattn/cuda/griddep.cuh): trigger the next kernel, wait for the previous.
+__device__ __forceinline__ void pdl_wait() { triattn::cuda::detail::griddep_wait(); }
+__device__ __forceinline__ void pdl_trigger() { triattn::cuda::detail::griddep_launch_dependents(); }
 
 /// 16-byte load that bypasses L1 (weights are read once per step).
 __device__ __forceinline__ uint4 ld_stream(const void* p) {

@@ -20,6 +20,7 @@
 #include <triattn/cuda/dispatch.cuh>
 #include <triattn/cuda/driver.cuh>
 #include <triattn/cuda/error.cuh>
+#include <triattn/cuda/griddep.cuh>
 #include <triattn/cuda/kernels/append_kernel.cuh>
 #include <triattn/cuda/kernels/compact_kernel.cuh>
 #include <triattn/cuda/kernels/decode_attention_kernel.cuh>

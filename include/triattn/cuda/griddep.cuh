@@ -36,11 +36,12 @@ __device__ __forceinline__ void griddep_wait() {
 
 }  // namespace detail
 
-/// Launches `kernel` as a programmatic dependent of the previous work in `stream` (falls back to
-/// a plain launch where that is refused). Returns the launch status.
+/// Launches `kernel` with cudaLaunchKernelEx; with `dependent`, as a programmatic dependent of
+/// the previous work in `stream` (falling back to a plain launch where that is refused). Returns
+/// the launch status.
 template <class... Params, class... Args>
-[[nodiscard]] cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem,
-                                           cudaStream_t stream, Args&&... args) noexcept {
+[[nodiscard]] cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem,
+                                        cudaStream_t stream, bool dependent, Args&&... args) noexcept {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = block;
@@ -50,11 +51,19 @@ template <class... Params, class... Args>
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  if (cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...) == cudaSuccess) return cudaSuccess;
+  cfg.numAttrs = dependent ? 1 : 0;
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, args...);
+  if (e == cudaSuccess || !dependent) return e;
   (void)cudaGetLastError();  // no programmatic launch here: plain stream order
   cfg.numAttrs = 0;
-  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  return cudaLaunchKernelEx(&cfg, kernel, args...);
+}
+
+/// launch_kernel(..., dependent = true, ...).
+template <class... Params, class... Args>
+[[nodiscard]] cudaError_t launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t smem,
+                                           cudaStream_t stream, Args&&... args) noexcept {
+  return launch_kernel(kernel, grid, block, smem, stream, true, std::forward<Args>(args)...);
 }
 
 }  // namespace triattn::cuda
