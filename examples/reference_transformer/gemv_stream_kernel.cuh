@@ -677,23 +677,7 @@ GemvKernelFn small_gemv_kernel(int variant) {
 /// Launches a planned GEMV on `stream`, with programmatic dependent launch when `pdl` (falling
 /// back to a plain launch where the stream refuses it).
 inline cudaError_t launch_gemv_planned(const GemvLaunch& l, cudaStream_t stream, bool pdl) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = l.grid;
-  cfg.blockDim = l.block;
-  cfg.dynamicSmemBytes = l.smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  cudaError_t e = cudaLaunchKernelEx(&cfg, l.kernel, l.p);
-  if (e != cudaSuccess && pdl) {
-    (void)cudaGetLastError();
-    cfg.numAttrs = 0;
-    e = cudaLaunchKernelEx(&cfg, l.kernel, l.p);
-  }
-  return e;
+  return triattn::cuda::launch_kernel(l.kernel, l.grid, l.block, l.smem, stream, pdl, l.p);
 }
 
 }  // namespace triattn_example::gpu
