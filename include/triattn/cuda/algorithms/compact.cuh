@@ -33,10 +33,11 @@ template <int HeadDim, class T, class Id, int kVecsPerThread>
   constexpr int kThreads = tuning::sm90::Compact::kThreads;
   const dim3 grid(rows, static_cast<unsigned>(batch), static_cast<unsigned>(parts));
   switch (parts) {
-    // Dependent launch: the CTAs may be scheduled during the previous kernel (a round's select).
+    // Dependent launch: each CTA waits for the previous grid (griddep_wait) before it reads the
+    // plan. A round's select does not trigger early (see select_kernel), so nothing overlaps it.
     case 1:
-      TRIATTN_CUDA_RETURN_IF_ERROR(
-          launch_dependent(compact_kernel<HeadDim, T, Id, 1, kVecsPerThread>, grid, dim3(kThreads), 0, stream, view, plan));
+      TRIATTN_CUDA_RETURN_IF_ERROR(launch_dependent(compact_kernel<HeadDim, T, Id, 1, kVecsPerThread>, grid,
+                                                    dim3(kThreads), 0, stream, view, plan));
       break;
     case 2:
       if constexpr (compact_parts<HeadDim, T>(2, kVecsPerThread) == 2)

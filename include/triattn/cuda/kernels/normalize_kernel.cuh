@@ -198,9 +198,10 @@ __global__ void __launch_bounds__(kRowStatsThreads, kRowStatsMinCtas)
   }
 }
 
-// 128 threads (<= 80 registers: 6 CTAs per SM): per_head at batch 1 of Qwen3-8B is 80 slot tiles
-// x 8 KV heads = 640 CTAs, one wave on 132 SMs (256-thread CTAs at 3 per SM took two: 15 µs).
+// 128 threads, <= 80 registers (kReduceMinCtas per SM): per_head at batch 1 of Qwen3-8B is 80 slot
+// tiles x 8 KV heads = 640 CTAs, one wave on 132 SMs (256-thread CTAs at 3 per SM took two: 15 µs).
 inline constexpr int kReduceThreads = 128;
+inline constexpr int kReduceMinCtas = 6;
 inline constexpr int kReduceBatch = 16;  // union: loads in flight per thread
 inline constexpr int kReduceSlots = 32;  // per_head: slots per CTA (4 threads per slot split the layers)
 inline constexpr int kReduceLayerLanes = kReduceThreads / kReduceSlots;
@@ -209,7 +210,7 @@ inline constexpr int kReduceGenericHeads = 8;     // per_head, any group size: h
 
 /// Rows of statistics a gqa_reduce CTA stages in shared memory: the (l, h) rows it normalises.
 [[nodiscard]] TRIATTN_HOST_DEVICE int gqa_reduce_stat_rows(PruningMode mode, bool normalize, int L, int Hq,
-                                                                  int Hkv) noexcept {
+                                                           int Hkv) noexcept {
   if (!normalize) return 0;
   return mode == PruningMode::kPerHead ? L * (Hq / Hkv) : mode == PruningMode::kPerLayerPerHead ? Hq / Hkv : Hq;
 }
@@ -233,7 +234,7 @@ inline constexpr int kReduceGenericHeads = 8;     // per_head, any group size: h
 ///                union [batch, L, max_len]
 /// @param flags   union only: [batch, max_len] candidate flags, cleared on the selectable slots
 template <class Id, int kG>
-__global__ void __launch_bounds__(kReduceThreads, 6)
+__global__ void __launch_bounds__(kReduceThreads, kReduceMinCtas)
     gqa_reduce_kernel(float* __restrict__ scores, const RowStats* __restrict__ stats, float* __restrict__ out,
                       std::uint8_t* __restrict__ flags, RoundSeqs<Id> seqs, DeviceSelectParams p, int L, int Hq,
                       int Hkv) {
@@ -251,12 +252,12 @@ __global__ void __launch_bounds__(kReduceThreads, 6)
   // per_layer_per_head h, union h.
   const int n_stats = gqa_reduce_stat_rows(p.mode, p.normalize, L, Hq, Hkv);
   RowStats* const s_stats = reinterpret_cast<RowStats*>(s_raw);
-  float* const s_layer_max = reinterpret_cast<float*>(s_raw + n_stats * sizeof(RowStats));  // per_head: [L][kReduceSlots]
+  float* const s_layer_max = reinterpret_cast<float*>(s_raw + n_stats * sizeof(RowStats));  // per_head: [L][slots]
   for (int i = threadIdx.x; i < n_stats; i += blockDim.x) {
-    const long long row = p.mode == PruningMode::kPerHead ? seq_row0 + static_cast<long long>(i / G) * Hq + grp * G + i % G
-                          : p.mode == PruningMode::kPerLayerPerHead
-                              ? seq_row0 + static_cast<long long>(grp / Hkv) * Hq + (grp % Hkv) * G + i
-                              : seq_row0 + static_cast<long long>(grp) * Hq + i;
+    long long row = seq_row0 + static_cast<long long>(grp) * Hq + i;  // union: layer grp, head i
+    if (p.mode == PruningMode::kPerHead) row = seq_row0 + static_cast<long long>(i / G) * Hq + grp * G + i % G;
+    else if (p.mode == PruningMode::kPerLayerPerHead)
+      row = seq_row0 + static_cast<long long>(grp / Hkv) * Hq + (grp % Hkv) * G + i;
     s_stats[i] = stats[row];
   }
   __syncthreads();
@@ -266,9 +267,8 @@ __global__ void __launch_bounds__(kReduceThreads, 6)
     // Thread (slot ts, layer lane lg) takes layers lg, lg + kReduceLayerLanes, ...: max over the
     // group's heads per layer into shared memory, then one thread per slot sums them in layer
     // order (float64, as ref::mean_over_layers), so the result does not depend on the split.
-    // kReduceLayersInFlight layers x kReduceHeadsInFlight heads are loaded before any is
-    // normalised (the kernel is latency- and instruction-bound: one base address per value, no
-    // division).
+    // The kernel is latency- and instruction-bound: loads are issued in batches before any value
+    // is normalised, from one base address per layer.
     const int g = grp;
     const int ts = threadIdx.x % kReduceSlots, lg = threadIdx.x / kReduceSlots;
     const int t = blockIdx.x * kReduceSlots + ts;
