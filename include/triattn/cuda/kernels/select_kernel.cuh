@@ -8,8 +8,9 @@
 // Algorithm: values become order-preserving 32-bit keys (larger float → larger key; −0 → +0 so
 // it ties with +0 as in the reference's float compare; NaN → key 1, below every finite value;
 // key 0 marks slots that do not compete). Each thread owns a contiguous run of slots. A 4-pass
-// 8-bit radix select (shared histogram fed by run-length aggregated atomics, bin search by one
-// warp, two barriers per pass) finds the threshold key and how many slots equal to it are taken;
+// 8-bit radix select (shared histogram fed by run-length aggregated atomics, or warp-aggregated
+// ones where a thread holds one slot per tile; bin search by one warp, two barriers per pass)
+// finds the threshold key and how many slots equal to it are taken;
 // one block scan of per-thread counts then ranks slots in index order, so ties go to the lower
 // slot and the output comes out sorted without a sort. Rows up to kSelectCacheMax values keep
 // their keys in shared memory; longer rows re-read the values (L2) on each pass.
@@ -206,18 +207,29 @@ __global__ void __launch_bounds__(kSelectThreads)
     for (int i = tid; i < 256; i += blockDim.x) s_hist[(pass + 1) & 1][i] = 0u;
     unsigned run_bin = 0u, run = 0u;
     for (int t0 = 0; t0 < n; t0 += tile) {
-      const int i0 = t0 + tid * per, i1 = min(n, i0 + per);
-      for (int i = i0; i < i1; ++i) {
-        const std::uint32_t key = key_at(i);
-        if (key != 0u && (key & pmask) == prefix) {
-          const unsigned bin = (key >> shift) & 255u;
-          if (bin != run_bin && run != 0u) {
-            atomicAdd(&hist[run_bin], run);
-            run = 0u;
+      if constexpr (kCache) {
+        const int i0 = t0 + tid * per, i1 = min(n, i0 + per);
+        for (int i = i0; i < i1; ++i) {
+          const std::uint32_t key = key_at(i);
+          if (key != 0u && (key & pmask) == prefix) {
+            const unsigned bin = (key >> shift) & 255u;
+            if (bin != run_bin && run != 0u) {
+              atomicAdd(&hist[run_bin], run);
+              run = 0u;
+            }
+            run_bin = bin;
+            ++run;
           }
-          run_bin = bin;
-          ++run;
         }
+      } else {
+        // One key per thread per tile (per = 1): lanes with equal bins add once, through their
+        // lowest lane (t0 is uniform, so the whole warp reaches the match).
+        const int i = t0 + tid;
+        const std::uint32_t key = i < n ? key_at(i) : 0u;
+        const bool counts = key != 0u && (key & pmask) == prefix;
+        const unsigned bin = (key >> shift) & 255u;
+        const unsigned peers = __match_any_sync(0xffffffffu, counts ? bin : 0xffffffffu);
+        if (counts && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], static_cast<unsigned>(__popc(peers)));
       }
     }
     if (run != 0u) atomicAdd(&hist[run_bin], run);
