@@ -33,14 +33,12 @@ struct ScoreOptions {
   /// products on the tensor cores; tuning::sm90::ScoreMeanMma::Variant2-5; 16-bit caches, else
   /// variant 0; within fp32 rounding of 0, not bitwise): 2, 3 and 4 with per-warp cp.async rings,
   /// 5 with 8 computing warps fed by 2 producer warps.
-  /// Default 2 (H200, 2026-12-01: 26.2 µs on one Qwen3-8B layer at 32K, 27.4–27.8 before the row
-  /// inputs were loaded ahead; 31.4 for 0). Variant 5 measured a little faster on the same
-  /// machine (26.0 µs; 63.0 vs 66.2 µs for a whole 36-layer round's scores at batch 1, 393 vs 399
-  /// at batch 8) and passes the same tests, but compute-sanitizer racecheck reports hazards
-  /// between its producers' cp.async writes and the computing warps' ldmatrix reads, which are
-  /// ordered by mbarriers (cp.async.mbarrier.arrive) that the tool does not appear to model; until
-  /// that is settled it is opt-in.
-  int mean_variant = 2;
+  /// Default 5. H200, 2026-12-01, on one machine: one Qwen3-8B layer at 32K 25.8 µs (2:
+  /// 25.8-26.1); a whole 36-layer round's scores 62.5-62.7 vs 65.6-65.7 µs at batch 1, 391-392 vs
+  /// 398 at batch 8; the batch-1 round from a CUDA graph 246-247 vs 248-250 µs. Its computing
+  /// warps' lanes each arrive on the stage's empty mbarrier (compute-sanitizer racecheck clean on
+  /// test_score's GQA case; with one lane after a __syncwarp it reported 80 hazards).
+  int mean_variant = 5;
   /// Tensor-core max kernel (16-bit caches, tensor_core_max): 0 score_max_mma_kernel (load a
   /// tile, then compute it), 1 score_max_mma_pipe_kernel (per-warp cp.async rings, cos/sin once
   /// per CTA and sequence; falls back to 0 when its shared memory exceeds the device's limit,
