@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(kSelectThreads)
     const int shift = 24 - 8 * pass;
     unsigned* const hist = s_hist[pass & 1];
     for (int i = tid; i < 256; i += blockDim.x) s_hist[(pass + 1) & 1][i] = 0u;
-    unsigned run_bin = 0u, run = 0u;
+    unsigned run_bin = 0u, run = 0u;  // cached rows: the open run of equal bins
     for (int t0 = 0; t0 < n; t0 += tile) {
       if constexpr (kCache) {
         const int i0 = t0 + tid * per, i1 = min(n, i0 + per);
@@ -232,7 +232,8 @@ __global__ void __launch_bounds__(kSelectThreads)
         if (counts && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], static_cast<unsigned>(__popc(peers)));
       }
     }
-    if (run != 0u) atomicAdd(&hist[run_bin], run);
+    if constexpr (kCache)
+      if (run != 0u) atomicAdd(&hist[run_bin], run);
     __syncthreads();
     if (warp == 0) {
       // lane owns bins 255 − 8·lane − q (q < 8): lane 0 the highest
