@@ -145,7 +145,7 @@ double compare(const Case& c, const std::vector<float>& got, const std::vector<s
 
 // Largest normalised error and number of runs per tensor-core max_variant (16-bit caches) since
 // the last reset (the GQA case reports them).
-constexpr int kMaxVariants = 5;  // ScoreOptions::max_variant 0-4
+constexpr int kMaxVariants = 7;  // ScoreOptions::max_variant 0-6
 double g_max_nerr[kMaxVariants] = {};
 int g_max_runs[kMaxVariants] = {};
 
@@ -179,8 +179,9 @@ void check_case(const Case& c, std::uint32_t seed) {
   const bool two_paths = c.agg == Aggregation::kMax && !c.no_trig && sizeof(T) == 2;
   // Mean aggregation has six kernels: mean_variant 0 and 1 (bitwise the same scores), 2, 3, 4, 5
   // (tensor cores; 16-bit caches, else variant 0; 5 with producer warps). The tensor-core max
-  // path has five (max_variant 0-4; 2-4 on warpgroup MMAs in an sm_90a build, 4 with the norm
-  // term on the CUDA cores). The ring kernels (mean_variant 2-5, max_variant 1-4) run three times: with the default grid, with at
+  // path has six (max_variant 0-5; 2-5 on warpgroup MMAs in an sm_90a build, 4 with the norm
+  // term on the CUDA cores, 5 warp-specialized). The ring kernels (mean_variant 2-5, max_variant
+  // 1-5) run three times: with the default grid, with at
   // most 3 CTAs (each CTA streams many items across rows and sequences) and with two waves of
   // CTAs (grid_waves).
   const bool mean_paths = c.agg == Aggregation::kMean || c.no_trig;

@@ -17,6 +17,7 @@
 #include <triattn/cuda/dispatch.cuh>
 #include <triattn/cuda/error.cuh>
 #include <triattn/cuda/kernels/score_kernel.cuh>
+#include <triattn/cuda/kernels/score_max_ws_kernel.cuh>
 #include <triattn/cuda/launch.cuh>
 #include <triattn/cuda/tuning/sm90.cuh>
 
@@ -47,12 +48,15 @@ struct ScoreOptions {
   /// bf16 weights in two 16-bit terms instead of three (each weight to 2^-17 of its size instead
   /// of 2^-25, a third fewer MMAs; fp16 caches: as 2; without sm_90a or for |D| > 18 the mma.sync
   /// kernel with two terms), 4 as 3 with the norm term Σ_f c_f·|K_f| as fp32 FMAs on the CUDA
-  /// cores instead of TF32 MMAs on the tensor pipe (which the other warpgroup's MMAs hold). 0-2
-  /// within fp32 rounding of each other.
+  /// cores instead of TF32 MMAs on the tensor pipe (which the other warpgroup's MMAs hold), 5 and
+  /// 6 score_max_ws_kernel (warp-specialized: producer warps, one or two MMA warpgroups with both
+  /// operands in shared memory, norm warps; |D| > 18 or too little shared memory run as 4; without
+  /// sm_90a the same kernel on mma.sync). 0-2 within fp32 rounding of each other.
   /// Default 4. H200, 2026-12-01, one 32K layer (8 KV heads, |D| = 17): 36.8-37.0 µs vs 37.6-37.8
   /// (3, same run), 44.5 (2), 53.6 (1). Largest normalised error against the CPU reference in
   /// test_score's GQA case: 3.2e-7 (4) vs 9.3e-7 (3), 9.1e-7 (2), 8.8e-7 (1), 1.5e-7 (0): the TF32
   /// products of the norm term (~21 bits), not the weights' third term, set the error of 1-3.
+  /// Variants 5 / 6 (tenth session, same run as 4's 37.1 µs): 43.5 / 53 µs, error 3.2e-7.
   int max_variant = 4;
   /// Upper bound of the grid (0: one wave of resident CTAs). Tests lower it so that every CTA
   /// walks many items across rows and sequences.
@@ -206,6 +210,20 @@ template <class T, class Id, int HD, RopeStyle S>
   }
 }
 
+/// The device's opt-in limit of shared memory per CTA (queried once; 0 when the query fails).
+inline std::size_t smem_optin_limit() noexcept {
+  static const int optin = [] {
+    int dev = 0, v = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    return v;
+  }();
+  return static_cast<std::size_t>(optin);
+}
+
 /// Pipelined tensor-core max scorer (max_variant 1; 2, 3, 4 with kWgmma; 4 with kNormFfma); the
 /// kernel without wgmma when |D| > 18 (one m64n72 covers 18 offsets), score_max_mma_kernel when
 /// its shared memory does not fit.
@@ -221,16 +239,7 @@ template <class T, class Id, int HD, RopeStyle S, bool kWgmma, int kSplits = 0, 
     using Shape = MmaMeanShape<T, HD, Cfg::kWarps, Cfg::kStages, Cfg::kKeys>;
     const std::size_t smem =
         score_max_mma_pipe_smem_bytes<T, HD, Cfg::kWarps, Cfg::kStages, kWgmma, kSplits, Cfg::kKeys>(m.num_offsets);
-    static const int optin = [] {  // the device's opt-in limit of shared memory per CTA
-      int dev = 0, v = 0;
-      if (cudaGetDevice(&dev) != cudaSuccess ||
-          cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess) {
-        (void)cudaGetLastError();
-        return 0;
-      }
-      return v;
-    }();
-    if (smem > static_cast<std::size_t>(optin))
+    if (smem > smem_optin_limit())
       return launch_score_max_mma<T, Id, HD, S>(view, m, a, scores, stream, opt);
     const FastDiv fd(view.block.block_size);
     const int G = m.num_q_heads / m.num_kv_heads;
@@ -307,6 +316,41 @@ template <class T, class Id, int HD, RopeStyle S, int GMAX>
   return check_launch(stream);
 }
 
+/// Warp-specialized max scorer (max_variant 5): one CTA per SM; |D| > 18 offsets, or shared
+/// memory beyond the device's limit, run as max_variant 4.
+template <class T, class Id, int HD, RopeStyle S, int kMmaGroups = 1, class Cfg = tuning::sm90::ScoreMaxWs>
+[[nodiscard]] inline cudaError_t launch_score_max_ws(const KvCacheView<T, Id>& view, const ScoreModelView& m,
+                                                     const ScoreBatch& a, float* scores, cudaStream_t stream,
+                                                     const ScoreOptions& opt) noexcept {
+  if constexpr (sizeof(T) == 2) {
+    using Shape = MaxWsShape<T, HD, Cfg::kStages, kMmaGroups>;
+    const std::size_t smem = Shape::smem_bytes(m.num_offsets);
+    if (m.num_offsets > 2 * kWgmmaMaxNTiles || smem > smem_optin_limit())
+      return launch_score_max_mma_pipe<T, Id, HD, S, true, 2, true>(view, m, a, scores, stream, opt);
+    const FastDiv fd(view.block.block_size);
+    const int G = m.num_q_heads / m.num_kv_heads;
+    const long long rows =
+        static_cast<long long>(a.batch) * m.num_layers * m.num_kv_heads * ((G + Shape::kHeads - 1) / Shape::kHeads);
+    int sms = 0;
+    TRIATTN_CUDA_RETURN_IF_ERROR(current_device_sm_count(&sms));
+    auto kernel = score_max_ws_kernel<T, Id, HD, S, Cfg::kStages, kMmaGroups>;
+    static DynamicSmemGrant granted;
+    TRIATTN_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem(kernel, smem, granted));
+    static const bool carveout = [&] {
+      (void)cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                 cudaSharedmemCarveoutMaxShared);
+      (void)cudaGetLastError();
+      return true;
+    }();
+    (void)carveout;
+    const long long items = rows * ((a.max_len + Shape::kTile - 1) / Shape::kTile);
+    kernel<<<score_grid(items, sms, 1, opt), Shape::kThreads, smem, stream>>>(view, m, a, scores, fd);
+    return check_launch(stream);
+  } else {
+    return cudaErrorNotSupported;
+  }
+}
+
 }  // namespace detail
 
 /// Scores slots [0, length) of every sequence of the batch for every (layer, query head).
@@ -338,6 +382,10 @@ template <class T, class Id>
     const auto by_group = [&](auto style) -> cudaError_t {
       constexpr RopeStyle S = decltype(style)::value;
       using Tune = tuning::sm90::ScoreMeanMma;
+      if (mma && options.max_variant == 5 && ring_ok)
+        return detail::launch_score_max_ws<T, Id, HD, S>(view, model, batch, scores, stream, options);
+      if (mma && options.max_variant == 6 && ring_ok)
+        return detail::launch_score_max_ws<T, Id, HD, S, 2>(view, model, batch, scores, stream, options);
       if (mma && options.max_variant == 2 && ring_ok)
         return detail::launch_score_max_mma_pipe<T, Id, HD, S, true>(view, model, batch, scores, stream, options);
       if (mma && options.max_variant == 3 && ring_ok)

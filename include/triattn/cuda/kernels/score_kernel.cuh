@@ -1394,6 +1394,17 @@ __device__ __forceinline__ void score_cp_async_small(std::uint32_t dst, const vo
                : "memory");
 }
 
+/// Key (blk, slot r)'s offset from its layer's K range in 16-byte chunks (32 bits: the ring
+/// scorers' launchers route K ranges of 64 GiB or more elsewhere, ring_offsets_fit).
+template <class T, class Id>
+__device__ __forceinline__ std::uint32_t key_chunk_offset(const KeyRowAddr<T, Id>& k, Id blk, int r) {
+  constexpr int kElemsPerChunk = 16 / static_cast<int>(sizeof(T));
+  return static_cast<std::uint32_t>(
+      static_cast<std::uint64_t>(static_cast<std::int64_t>(blk) * k.block_elems +
+                                 static_cast<std::int64_t>(r) * k.token_stride + k.head_off) /
+      kElemsPerChunk);
+}
+
 /// Producer side of a per-warp key ring (score_mean_mma_kernel, score_max_mma_pipe_kernel). The
 /// CTA walks its items (row, tile) in order; the warp's slice of an item is the kKeys (16 or 32)
 /// keys from tile·kTile + kKeys·warp, lane l owning key l (lanes >= kKeys own none).
@@ -1496,13 +1507,8 @@ struct KeySliceFeed {
     copy_slice(stage_addr, kr.range, lane < n_valid && lane < kKeys ? chunk_offset(kr, blk, r) : 0u, n_valid, lane);
   }
 
-  /// Key (blk, slot r)'s offset from its layer's K range in 16-byte chunks.
   static __device__ __forceinline__ std::uint32_t chunk_offset(const KeyRowAddr<T, Id>& k, Id blk, int r) {
-    constexpr int kElemsPerChunk = 16 / static_cast<int>(sizeof(T));
-    return static_cast<std::uint32_t>(
-        static_cast<std::uint64_t>(static_cast<std::int64_t>(blk) * k.block_elems +
-                                   static_cast<std::int64_t>(r) * k.token_stride + k.head_off) /
-        kElemsPerChunk);
+    return key_chunk_offset(k, blk, r);
   }
   /// One warp copies a slice: lane l's `mine` is key l's chunk offset from `range`; keys
   /// kk >= n_valid are zero-filled. Chunk c of key kk lands at c ^ chunk_swizzle(kk).

@@ -28,6 +28,18 @@ __device__ __forceinline__ std::uint64_t wgmma_desc_kmajor(std::uint32_t smem_ad
          (static_cast<std::uint64_t>((row_group_stride >> 4) & 0x3FFFu) << 32);  // layout type 0: no swizzle
 }
 
+/// Shared-memory matrix descriptor of a K-major operand in the 128-byte swizzle layout: rows of
+/// 64 16-bit elements (128 bytes) in 8-row atoms of 1,024 bytes, 16-byte chunk c of row r stored
+/// at chunk c ^ (r % 8); the atom must start at a 1,024-byte aligned address. A k16 step at
+/// element offset 16·j inside the row starts 32·j bytes later (the swizzle applies to the
+/// address the hardware forms). row_group_stride: bytes between 8-row atoms.
+__device__ __forceinline__ std::uint64_t wgmma_desc_kmajor_sw128(std::uint32_t smem_addr,
+                                                                 std::uint32_t row_group_stride) {
+  return static_cast<std::uint64_t>((smem_addr >> 4) & 0x3FFFu) | (static_cast<std::uint64_t>(1u) << 16) |
+         (static_cast<std::uint64_t>((row_group_stride >> 4) & 0x3FFFu) << 32) |
+         (static_cast<std::uint64_t>(1u) << 62);  // layout type 1: 128-byte swizzle
+}
+
 #ifdef TRIATTN_WGMMA_ENABLED
 /// Orders this thread's earlier register writes (accumulators, A fragments) before the next wgmma.
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }

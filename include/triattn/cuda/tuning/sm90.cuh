@@ -84,6 +84,14 @@ struct ScoreMaxMma {
   static constexpr int kWarps = 8, kStages = 2, kMinCtas = 1, kKeys = 32;
 };
 
+/// Warp-specialized max scorer (score_max_ws_kernel; ScoreOptions::max_variant 5, 6): stages per
+/// ring, each one 64-key tile (16 KB at d = 128) plus its norm terms (1 KB); with |D| = 17 the CTA
+/// takes 2·kStages·17 KB + 55 KB of shared memory (191 KB at 4 stages). The first choice; not
+/// swept (the kernel is bound by its MMA loop, not by the bytes in flight).
+struct ScoreMaxWs {
+  static constexpr int kStages = 4;
+};
+
 /// Paged decode attention (split-K / flash decoding).
 /// 16-bit caches use mma.sync m16n8k16: a warp takes 16-token tiles, 8 query heads per pass
 /// (the MMA's N); fp32 caches use CUDA cores, 4 query heads per pass. kWarps warps per CTA share

@@ -1,0 +1,584 @@
+// SPDX-License-Identifier: Apache-2.0
+// Warp-specialized tensor-core max scorer (ScoreOptions::max_variant 5 with one MMA warpgroup, 6
+// with two; 16-bit caches, |D| <= 18). Same contract as score_max_mma_pipe_kernel. The idea: in
+// the pipelined kernel (max_variant 4) every warp streams its own keys, runs its MMAs, the norm
+// term Σ_f c_f·|K_f| and the max in one instruction stream (~1,375 instructions per 32 keys, two
+// warps per scheduler), so the tensor pipe, the CUDA cores and HBM take turns. Here each role has
+// its own warps:
+//   producer warps  copy each 64-key tile into a shared-memory ring stage (cp.async), one warp
+//                   and ring per tile of a 128-key item, and signal a full mbarrier per stage;
+//   MMA warpgroup   runs each tile's [64 x d]·[d x (|D|·4 heads)] product as warpgroup MMAs with
+//                   both operands in shared memory (keys as A, the folded weights as B: bf16 hi +
+//                   mid or fp16 hi + lo), takes the max over δ, adds the norm term, stores;
+//   norm warps      compute the norm term of every key of the tile (one key per lane, all pairs and
+//                   the 4 heads) into a small per-stage buffer, next to the MMAs.
+// Measured (H200, 2026-12-01, one 32K layer, 8 KV heads, |D| = 17): 43.5 µs (variant 5) and 53 µs
+// (6) against 37.1 µs for max_variant 4, which stays the default; correct to 3.3e-7 normalised
+// error, compute-sanitizer racecheck and memcheck clean. What holds it back: the MMA warpgroup
+// waits for each item's products before the next item (a product left in flight across the
+// item loop made ptxas serialize every wgmma: C7518), so the tensor pipe idles while the last
+// tile's scores are stored; four accumulator sets (two chains per tile) need more than the 168
+// registers a 10-warp CTA gets: 400 bytes of spills, and ptxas (CUDA 13.0) serialized the wgmmas
+// for lack of registers; moving registers to the MMA warpgroup with setmaxnreg (producers a full
+// warpgroup) made ptxas ignore it and then crash. See docs/performance.md (tenth session).
+// A stage is handed back (empty mbarrier) when the MMA warpgroup has stored its scores and the
+// norm warps are done reading it. Items are (row, 128-key tile) as in the other ring scorers; each
+// CTA walks a contiguous range of them, all roles in the same order (rows without keys skipped).
+// The A tiles use the K-major 128-byte swizzle layout: the tile's 64 keys as rows of 128 bytes per
+// 64-element half of the key (halves 8 KB apart), chunk c (8 elements) of key r at 16-byte slot
+// (c % 8) ^ (r % 8) of its row. A warp copies whole keys (8 lanes = 128 contiguous global bytes
+// per phase, as the hardware coalesces 16-byte accesses) into 8 distinct bank groups, and the norm
+// warps' reads (8 keys' same chunk per phase) hit 8 distinct bank groups too. (The no-swizzle
+// core-matrix layout made either the copies uncoalesced or the writes conflict: ncu, 2026-12-01,
+// twice the ideal L2 sectors and 45% excess shared wavefronts, 62 µs at one 32K layer.)
+// Builds without sm_90a run the same dot products as mma.sync from the same layouts.
+#pragma once
+
+#include <cstdint>
+
+#include <triattn/cuda/kernels/score_kernel.cuh>
+#include <triattn/cuda/kernels/wgmma.cuh>
+
+namespace triattn::cuda {
+
+namespace detail {
+
+/// Shape and shared-memory map of score_max_ws_kernel.
+template <class T, int HD, int kStages_, int kMmaGroups_ = 1>
+struct MaxWsShape {
+  static_assert(HD % 32 == 0, "head_dim must be a multiple of 32");
+  static constexpr int kF = HD / 2;
+  static constexpr int kSteps = HD / 16;  // k16 steps
+  static constexpr int kCPR = HD / 8;     // 16-byte chunks per key
+  static constexpr int kSplits = 2;       // 16-bit weight terms (bf16 hi + mid, fp16 hi + lo)
+  static constexpr int kStages = kStages_;
+  static constexpr int kGroups = 2;     // tiles per item, each with its own ring
+  static constexpr int kMmaGroups = kMmaGroups_;  // MMA warpgroups; group w runs rings w, w + kMmaGroups, ...
+  static_assert(kGroups % kMmaGroups == 0 && kGroups / kMmaGroups <= 2, "every MMA warpgroup takes the same rings, at most 2");
+  static constexpr int kMmaWarps = 4 * kMmaGroups;
+  static constexpr int kNormWarps = 4;  // two per tile (32 keys each)
+  static constexpr int kProducers = kGroups;  // one per ring
+  static constexpr int kConsumerThreads = 32 * (kMmaWarps + kNormWarps);
+  // 10 warps (one MMA warpgroup): up to 168 registers per thread (warps go to the 4 schedulers'
+  // register files in turn, so 3 share one); 14 warps: 128.
+  static constexpr int kThreads = kConsumerThreads + 32 * kProducers;
+  static constexpr int kRows = 64;                 // keys per tile (one m64 wgmma tile)
+  static constexpr int kTile = kGroups * kRows;    // keys per item
+  static constexpr int kHeads = 4;
+  static constexpr std::size_t kATileBytes = static_cast<std::size_t>(kRows) * HD * 2;
+  static constexpr std::size_t kNormBytes = static_cast<std::size_t>(kRows) * kHeads * 4;  // float4 per key
+  static constexpr std::size_t kBTileBytes = static_cast<std::size_t>(kWgmmaMaxNTiles) * 256;  // one (k-step, split)
+  static constexpr std::size_t kBBytes = static_cast<std::size_t>(kSteps) * kSplits * kBTileBytes;
+  static constexpr int kCSlots = kF + kF / 8;
+  static constexpr std::size_t kCBytes = static_cast<std::size_t>(kCSlots) * 16;
+  static constexpr int kBarriers = 3 * kGroups * kStages;  // full, norm-full, empty per (group, stage)
+  // [A tiles: group][stage] | [norm terms: group][stage] | B | c | barriers | cos, sin [|D|][F] double
+  static constexpr std::size_t kAOff = 0;
+  static constexpr std::size_t kNormOff = kAOff + kATileBytes * kGroups * kStages;
+  static constexpr std::size_t kBOff = kNormOff + kNormBytes * kGroups * kStages;
+  static constexpr std::size_t kCOff = kBOff + kBBytes;
+  static constexpr std::size_t kBarOff = kCOff + kCBytes;
+  static constexpr std::size_t kTablesOff = kBarOff + static_cast<std::size_t>(kBarriers) * 8;
+  static_assert(kNormOff % 128 == 0 && kBOff % 128 == 0 && kBarOff % 8 == 0 && kTablesOff % 16 == 0, "alignment");
+  /// Dynamic shared memory for |D| offsets (+1 KB: the A tiles start at a 1,024-byte aligned
+  /// address, which the swizzle needs).
+  static constexpr std::size_t smem_bytes(int num_offsets) {
+    return 1024 + kTablesOff + static_cast<std::size_t>(num_offsets) * kF * 2 * sizeof(double);
+  }
+};
+
+/// Byte offset of chunk c of key r in an A tile (128-byte swizzle, see above).
+__device__ __forceinline__ std::uint32_t ws_chunk_offset(int r, int c) {
+  return static_cast<std::uint32_t>((c >> 3) * 8192 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+
+#ifdef TRIATTN_WGMMA_ENABLED
+/// d (+)= A·B for one m64n72k16 step with both operands in shared memory (descriptors).
+template <bool kF16>
+__device__ __forceinline__ void wgmma_m64n72k16_ss(float (&d)[36], std::uint64_t a_desc, std::uint64_t b_desc,
+                                                   int accumulate) {
+#define TRIATTN_WGMMA_N72_SS_ASM(TY)                                                                                \
+  asm volatile(                                                                                                     \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"                                                                 \
+      "wgmma.mma_async.sync.aligned.m64n72k16.f32." TY "." TY " "                                                  \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "                          \
+      "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35}, "                \
+      "%36, %37, p, 1, 1, 0, 0;\n}\n"                                                                               \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), \
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),       \
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),      \
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),      \
+        "+f"(d[33]), "+f"(d[34]), "+f"(d[35])                                                                        \
+      : "l"(a_desc), "l"(b_desc), "r"(accumulate))
+  if constexpr (kF16)
+    TRIATTN_WGMMA_N72_SS_ASM("f16");
+  else
+    TRIATTN_WGMMA_N72_SS_ASM("bf16");
+#undef TRIATTN_WGMMA_N72_SS_ASM
+}
+#endif
+
+/// ldmatrix.x2: lanes 0-15 give the row addresses of two 8x8 matrices; word i = matrix i's row
+/// lane/4, elements 2·(lane%4), +1 (the B fragment of mma.m16n8k16 from two K-major core matrices).
+__device__ __forceinline__ void ldmatrix_x2(std::uint32_t (&r)[2], std::uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+}
+
+/// The dot products of one A tile, d[4·nt + v] in the wgmma accumulator layout (column
+/// 8·nt + 2·(lane%4) + (v&1) of the warp's row 16·(warp%4) + lane/4 + 8·(v>>1)).
+/// a_tile / b_base: shared addresses of the stage's A tile and of the B tiles [k-step][split].
+template <class T, int KS, int SP>
+__device__ __forceinline__ void ws_tile_products(float (&d)[36], std::uint32_t a_tile, std::uint32_t b_base,
+                                                 int warp_in_group, int lane) {
+  constexpr std::uint32_t kBTile = kWgmmaMaxNTiles * 256;
+#ifdef TRIATTN_WGMMA_ENABLED
+  (void)warp_in_group;
+  (void)lane;
+  wgmma_fence();
+#pragma unroll
+  for (int s = 0; s < KS; ++s)
+#pragma unroll
+    for (int x = 0; x < SP; ++x)
+      wgmma_m64n72k16_ss<std::is_same_v<T, f16_storage>>(
+          d, wgmma_desc_kmajor_sw128(a_tile + static_cast<std::uint32_t>((s >> 2) * 8192 + (s & 3) * 32), 1024u),
+          wgmma_desc_kmajor(b_base + static_cast<std::uint32_t>(s * SP + x) * kBTile, 128u, 256u), s + x);
+  wgmma_commit();
+#else
+  // mma.sync: the warp's 16 rows (row groups 2w, 2w + 1) against each n-tile of 8 columns
+  using Tr = MmaMaxTraits<T>;
+#pragma unroll
+  for (int v = 0; v < 36; ++v) d[v] = 0.0f;
+  const int mrow = lane & 7, mat = lane >> 3;  // ldmatrix: this lane's row address in matrix `mat`
+#pragma unroll
+  for (int s = 0; s < KS; ++s) {
+    std::uint32_t a[4];  // matrices (rows +0, chunk 2s), (+8, 2s), (+0, 2s+1), (+8, 2s+1)
+    ldmatrix_x4(a, a_tile + ws_chunk_offset(16 * warp_in_group + 8 * (mat & 1) + mrow, 2 * s + (mat >> 1)));
+#pragma unroll
+    for (int x = 0; x < SP; ++x)
+#pragma unroll
+      for (int nt = 0; nt < kWgmmaMaxNTiles; ++nt) {
+        std::uint32_t b[2];  // the n-tile's two k-chunk core matrices, 128 bytes apart
+        ldmatrix_x2(b, b_base + static_cast<std::uint32_t>(s * SP + x) * kBTile +
+                           static_cast<std::uint32_t>(nt * 256 + ((lane >> 3) & 1) * 128 + mrow * 16));
+        float acc[4] = {d[4 * nt], d[4 * nt + 1], d[4 * nt + 2], d[4 * nt + 3]};
+        Tr::mma(acc, a, b[0], b[1]);
+#pragma unroll
+        for (int v = 0; v < 4; ++v) d[4 * nt + v] = acc[v];
+      }
+  }
+#endif
+}
+
+/// Pins the accumulators at this point of the instruction stream (the compiler sees no register
+/// dependency between an asynchronous wgmma and its wait, so reads of d could move above it).
+__device__ __forceinline__ void ws_fence_operands(float (&d)[36]) {
+#ifdef TRIATTN_WGMMA_ENABLED
+#pragma unroll
+  for (int v = 0; v < 36; ++v) asm volatile("" : "+f"(d[v])::"memory");
+#else
+  (void)d;
+#endif
+}
+
+/// Waits for the tile's products (all but the newest kPending committed groups).
+template <int kPending>
+__device__ __forceinline__ void ws_wait_products() {
+#ifdef TRIATTN_WGMMA_ENABLED
+  wgmma_wait<kPending>();
+#endif
+}
+
+/// Σ_f c_f·|K_f| of key r of an A tile for the 4 heads (c as [slot f + f/8] float4). The key's
+/// chunks are loaded first and the pairs summed into two interleaved accumulator sets, so that
+/// the square roots and FMAs of neighbouring pairs overlap.
+template <class T, RopeStyle S, int HD>
+__device__ __forceinline__ float4 ws_key_norm(std::uint32_t a_tile, int r, const float4* c_s) {
+  constexpr int kCPR = HD / 8;
+  std::uint32_t w[kCPR][4];
+#pragma unroll
+  for (int c = 0; c < kCPR; ++c)
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(w[c][0]), "=r"(w[c][1]), "=r"(w[c][2]), "=r"(w[c][3])
+                 : "r"(a_tile + ws_chunk_offset(r, c)));
+  float4 acc[2] = {make_float4(0.0f, 0.0f, 0.0f, 0.0f), make_float4(0.0f, 0.0f, 0.0f, 0.0f)};
+  const auto add = [&](int f, float re, float im) {
+    const float n = pair_norm(fmaf(re, re, fmaf(im, im, 1e-8f)));
+    const float4 c = c_s[f + f / 8];
+    float4& s = acc[f & 1];
+    s.x = fmaf(c.x, n, s.x);
+    s.y = fmaf(c.y, n, s.y);
+    s.z = fmaf(c.z, n, s.z);
+    s.w = fmaf(c.w, n, s.w);
+  };
+  if constexpr (S == RopeStyle::kHalf) {  // pair f = elements (f, f + F): chunks c and c + kCPR/2
+#pragma unroll
+    for (int c = 0; c < kCPR / 2; ++c)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) add(8 * c + e, element<T>(w[c], e), element<T>(w[c + kCPR / 2], e));
+  } else {  // pair f = elements (2f, 2f + 1): one word
+#pragma unroll
+    for (int c = 0; c < kCPR; ++c)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) add(4 * c + e, element<T>(w[c], 2 * e), element<T>(w[c], 2 * e + 1));
+  }
+  return make_float4(acc[0].x + acc[1].x, acc[0].y + acc[1].y, acc[0].z + acc[1].z, acc[0].w + acc[1].w);
+}
+
+/// Length of batch entry b's sequence, clamped to [0, max_len].
+template <class T, class Id>
+__device__ __forceinline__ int ws_row_length(const KvCacheView<T, Id>& view, const ScoreBatch& a, int b) {
+  const int len = static_cast<int>(view.seq_lens[a.seq_ids[b]]);
+  return len < a.max_len ? (len > 0 ? len : 0) : a.max_len;
+}
+
+}  // namespace detail
+
+/// Warp-specialized tensor-core max-aggregation scorer (see the top of this file); dynamic shared
+/// memory MaxWsShape<T, HD, kStages>::smem_bytes(|D|), |D| <= 2·kWgmmaMaxNTiles.
+template <class T, class Id, int HD, RopeStyle S, int kStages, int kMmaGroups = 1>
+__global__ void __launch_bounds__(detail::MaxWsShape<T, HD, kStages, kMmaGroups>::kThreads, 1)
+    score_max_ws_kernel(KvCacheView<T, Id> view, ScoreModelView m, ScoreBatch a, float* __restrict__ scores,
+                        detail::FastDiv fd) {
+  detail::griddep_launch_dependents();  // the round's next kernel waits for this grid's completion
+  using Shape = detail::MaxWsShape<T, HD, kStages, kMmaGroups>;
+  using Tr = detail::MmaMaxTraits<T>;
+  constexpr int F = Shape::kF, KS = Shape::kSteps, SP = Shape::kSplits, GH = Shape::kHeads, CPR = Shape::kCPR;
+  constexpr int NT = kWgmmaMaxNTiles;
+  extern __shared__ __align__(128) unsigned char ws_smem_raw[];
+  const std::uint32_t smem_raw = detail::score_smem_addr(ws_smem_raw);
+  const std::uint32_t smem = (smem_raw + 1023u) & ~1023u;  // the swizzle atoms' alignment
+  unsigned char* const ws_smem = ws_smem_raw + (smem - smem_raw);
+  const auto a_tile = [&](int grp, int st) {
+    return smem + static_cast<std::uint32_t>(Shape::kAOff + (grp * kStages + st) * Shape::kATileBytes);
+  };
+  float4* const norm_s = reinterpret_cast<float4*>(ws_smem + Shape::kNormOff);  // [group][stage][64]
+  const std::uint32_t b_base = smem + static_cast<std::uint32_t>(Shape::kBOff);
+  float4* const c_s = reinterpret_cast<float4*>(ws_smem + Shape::kCOff);
+  const std::uint32_t bars = smem + static_cast<std::uint32_t>(Shape::kBarOff);
+  const auto full_bar = [&](int grp, int st) { return bars + static_cast<std::uint32_t>((grp * kStages + st) * 8); };
+  const auto nfull_bar = [&](int grp, int st) {
+    return bars + static_cast<std::uint32_t>(((Shape::kGroups + grp) * kStages + st) * 8);
+  };
+  const auto empty_bar = [&](int grp, int st) {
+    return bars + static_cast<std::uint32_t>(((2 * Shape::kGroups + grp) * kStages + st) * 8);
+  };
+  double* const cs_s = reinterpret_cast<double*>(ws_smem + Shape::kTablesOff);  // [D][F]
+  const int D = m.num_offsets;
+  double* const sn_s = cs_s + static_cast<std::size_t>(D) * F;
+
+  const int L = m.num_layers, Hq = m.num_q_heads, Hkv = m.num_kv_heads;
+  const int G = Hq / Hkv;
+  const int HC = (G + GH - 1) / GH;
+  const int tiles_per_row = (a.max_len + Shape::kTile - 1) / Shape::kTile;
+  const long long total = static_cast<long long>(a.batch) * L * Hkv * HC * tiles_per_row;
+  long long it0, it_end;
+  detail::cta_item_range(total, it0, it_end);
+  if (it_end <= it0 || D <= 0) return;  // uniform across the CTA
+  const long long row0 = it0 / tiles_per_row, last_row = (it_end - 1) / tiles_per_row;
+  const int tile0 = static_cast<int>(it0 - row0 * tiles_per_row);
+  const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
+
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < Shape::kBarriers; ++i) {
+      const int kind = i / (Shape::kGroups * kStages);  // 0 full (producer lanes), 1 norm-full, 2 empty
+      detail::mbar_init(bars + static_cast<std::uint32_t>(i * 8), kind == 0 ? 32u : kind == 1 ? 64u : 192u);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  // Item cursor shared by every role: (row, tile) from it0; live items (with keys) count stages.
+  struct Cursor {
+    long long rid;
+    int tile;
+    long long n;  // items left
+  };
+
+  if (threadIdx.x >= Shape::kConsumerThreads) {  // ---- producer warp p fills ring p (tile p of each item) ----
+    const int p = warp - Shape::kConsumerThreads / 32;
+    Cursor cur{row0, tile0, it_end - it0};
+    long long kr_row = -1;
+    detail::KeyRowAddr<T, Id> kr{};
+    // The next live item's tile, row addresses and block ids (keys lane and lane + 32 of tile p),
+    // their loads issued two items before the copies that need them, so that a table lookup is
+    // not in line with the copies (measured without effect while the copies were uncoalesced, 62
+    // µs both ways; kept: it costs a few registers of an otherwise idle warp).
+    struct Ahead {
+      bool valid;
+      int tile;
+      const T* range;
+      std::int64_t block_elems, token_stride, head_off;
+      int len;
+      Id blk[2];
+    };
+    const auto gen = [&]() -> Ahead {
+      Ahead q{};
+      while (cur.n > 0) {
+        const long long rid = cur.rid;
+        const int tile = cur.tile;
+        if (++cur.tile == tiles_per_row) {
+          cur.tile = 0;
+          ++cur.rid;
+        }
+        --cur.n;
+        if (rid != kr_row) {
+          const detail::ScoreRow sr = detail::decode_score_row(rid, L, Hkv, HC);
+          kr = detail::key_row(view, a, sr.b, sr.l, sr.g);
+          kr_row = rid;
+        }
+        if (tile * Shape::kTile >= kr.len) continue;  // no keys (every role skips it)
+        q.valid = true;
+        q.tile = tile;
+        q.range = kr.range;
+        q.block_elems = kr.block_elems;
+        q.token_stride = kr.token_stride;
+        q.head_off = kr.head_off;
+        q.len = kr.len;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int t = tile * Shape::kTile + p * Shape::kRows + 32 * h + lane;
+          const int page = static_cast<int>(fd.div(static_cast<std::uint32_t>(t)));
+          q.blk[h] = t < kr.len && page < view.max_blocks_per_seq ? kr.table[page] : Id(0);
+        }
+        return q;
+      }
+      return q;
+    };
+    Ahead q0 = gen(), q1 = gen();
+    int live = 0;
+    while (q0.valid) {
+      detail::KeyRowAddr<T, Id> ka{};
+      ka.block_elems = q0.block_elems;
+      ka.token_stride = q0.token_stride;
+      ka.head_off = q0.head_off;
+      const int t_first = q0.tile * Shape::kTile + p * Shape::kRows;
+      const int n_valid = q0.len - t_first;  // keys r >= n_valid are zero-filled
+      std::uint32_t mine[2];                  // chunk offsets of keys lane and lane + 32
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int t = t_first + 32 * h + lane;
+        const int page = static_cast<int>(fd.div(static_cast<std::uint32_t>(t)));
+        mine[h] = 32 * h + lane < n_valid ? detail::key_chunk_offset(ka, q0.blk[h], t - page * view.block.block_size) : 0u;
+      }
+      const int st = live % kStages;
+      if (live >= kStages) detail::mbar_wait(empty_bar(p, st), static_cast<unsigned>(((live / kStages) & 1) ^ 1));
+      // copy i: chunk lane % CPR of key i·(32 / CPR) + lane / CPR (whole keys per instruction)
+      constexpr int kKeysPerCopy = 32 / CPR;
+      const int cc = lane % CPR, sub = lane / CPR;
+      const std::uint32_t dst0 = a_tile(p, st);
+      const unsigned long long base = reinterpret_cast<unsigned long long>(q0.range) + static_cast<unsigned>(cc) * 16u;
+#pragma unroll
+      for (int i = 0; i < Shape::kRows / kKeysPerCopy; ++i) {
+        const int r = i * kKeysPerCopy + sub;
+        const std::uint32_t o = __shfl_sync(0xffffffffu, mine[(i * kKeysPerCopy) >> 5], r & 31);
+        detail::score_cp_async_16_or_zero(dst0 + detail::ws_chunk_offset(r, cc), detail::chunk_address(base, o),
+                                          r >= n_valid);
+      }
+      detail::mbar_arrive_on_cp_async(full_bar(p, st));
+      ++live;
+      q0 = q1;
+      q1 = gen();
+    }
+    return;  // the copies complete on their own
+  }
+
+  // ---- consumers: the MMA warpgroup (warps 0-3) and the norm warps ----
+  const auto consumers_sync = [&]() { asm volatile("bar.sync 1, %0;" ::"n"(Shape::kConsumerThreads) : "memory"); };
+  using Pre = detail::RowFoldInputs<F, GH, Shape::kConsumerThreads, false, true>;
+  static_assert(Pre::kItems == 1, "one fold item (head, frequency) per consumer thread at most");
+  Pre pre;
+  const auto load_pre = [&](long long r) { pre.load(m, a, view.seq_lens, r, L, Hkv, HC); };
+  // The per-model cos/sin(δω_f) tables stay in shared memory (copied once, in flight with the
+  // first row's inputs); a sequence's phases (t0 + δ)ω_f come by angle addition from cos/sin(t0·ω_f)
+  // of the thread's fold frequency.
+  const bool angle_tables = m.offset_cos != nullptr;
+  if (angle_tables) {
+    const int chunks = D * F / 2;  // 16-byte chunks per table
+    for (int i = static_cast<int>(threadIdx.x); i < 2 * chunks; i += Shape::kConsumerThreads) {
+      const bool sn = i >= chunks;
+      const int ci = sn ? i - chunks : i;
+      detail::score_cp_async_16(detail::score_smem_addr((sn ? sn_s : cs_s) + 2 * ci),
+                                (sn ? m.offset_sin : m.offset_cos) + 2 * ci, 16);
+    }
+  }
+  detail::score_cp_async_commit();
+  load_pre(row0);
+  detail::score_cp_async_wait<0>();  // made visible to all by the first fold's barrier
+
+  // Row change (uniform across the consumers): once every consumer is done with the old weights,
+  // the MMA threads write the new row's B tiles (K-major core matrices [k-step][split][n-tile]
+  // [k-chunk][column][8], column n of n-tile nt = (δ = 2·nt + n/4, head n%4)) and c.
+  int w_b = -1;
+  double ct = 1.0, st = 0.0;  // cos/sin(t0·ω_f) of this thread's fold frequency (angle tables)
+  long long w_row = -1;
+  const auto fold_row = [&]() {
+    consumers_sync();
+    const int item = static_cast<int>(threadIdx.x);
+    if (item < GH * F) {
+      int h, f;
+      Pre::item_hf(item, h, f);
+      if (angle_tables && pre.row.b != w_b) detail::rope_cos_sin(pre.t0, m.omega[f], ct, st);
+      const int hg = pre.row.hc * GH + h;
+      const float c = pre.c[0];  // 0 past the group
+      reinterpret_cast<float*>(c_s)[(f + f / 8) * 4 + h] = c;
+      auto* b16 = reinterpret_cast<std::uint16_t*>(ws_smem + Shape::kBOff);
+      const int e_re = rope_pair_re(S, f, HD), e_im = rope_pair_im(S, f, HD);
+      for (int o = 0; o < 2 * NT; ++o) {
+        float wr = 0.0f, wi = 0.0f;
+        if (o < D && hg < G) {
+          double cs, sn;
+          if (angle_tables) {
+            const double cd = cs_s[o * F + f], sd = sn_s[o * F + f];
+            cs = ct * cd - st * sd;
+            sn = st * cd + ct * sd;
+          } else {
+            detail::rope_cos_sin(pre.t0 + static_cast<long long>(m.offsets[o]), m.omega[f], cs, sn);
+          }
+          fold_weight_from_phase(pre.q_re[0], pre.q_im[0], 1.0, 0.0, cs, sn, m.s2, &wr, &wi);
+        }
+        const int n = (o & 1) * 4 + h;  // column within n-tile o/2
+#pragma unroll
+        for (int part = 0; part < 2; ++part) {
+          const int e = part == 0 ? e_re : e_im;
+          std::uint16_t sp[SP];
+          Tr::template split<SP>(part == 0 ? wr : wi, sp);
+#pragma unroll
+          for (int x = 0; x < SP; ++x)
+            b16[((((static_cast<std::size_t>(e >> 4) * SP + x) * NT + (o >> 1)) * 2 + ((e >> 3) & 1)) * 8 + n) * 8 +
+                (e & 7)] = sp[x];
+        }
+      }
+    }
+#ifdef TRIATTN_WGMMA_ENABLED
+    detail::fence_proxy_async_smem();  // the B tiles are read by wgmma
+#endif
+    w_b = pre.row.b;
+    consumers_sync();
+  };
+
+  // Advances `cur` to its next item with keys; returns false when the CTA's range is done. On the
+  // first item of a new row it calls before_fold() (the MMA warps drain their pending tile), then
+  // folds the row's weights (every consumer takes part) and loads the next row's inputs ahead.
+  Cursor cur{row0, tile0, it_end - it0};
+  int live = 0;
+  detail::ScoreRow row{};
+  int len = 0;
+  const auto next_item = [&](int& tile, auto&& before_fold) -> bool {
+    while (cur.n > 0) {
+      const long long rid = cur.rid;
+      tile = cur.tile;
+      if (++cur.tile == tiles_per_row) {
+        cur.tile = 0;
+        ++cur.rid;
+      }
+      --cur.n;
+      if (pre.rid != rid) load_pre(rid);  // not loaded ahead (a skipped row)
+      if (tile * Shape::kTile >= pre.len) {
+        if (rid < last_row) load_pre(rid + 1);
+        continue;  // no keys in this item (every role skips it)
+      }
+      if (rid != w_row) {
+        before_fold();
+        fold_row();
+        w_row = rid;
+        row = pre.row;  // what the stores of this row need
+        len = pre.len;
+        if (rid < last_row) load_pre(rid + 1);  // in flight while this row streams
+      }
+      return true;
+    }
+    return false;
+  };
+
+  if (warp < Shape::kMmaWarps) {  // ---- MMA warpgroup mg: rings mg, mg + kMmaGroups, ... in turn ----
+    const int mg = warp >> 2, wig = warp & 3;
+    const int g4 = lane >> 2, c4 = lane & 3;
+    struct Pending {
+      int grp;  // ring (tile of the item)
+      int stage;
+      unsigned parity;
+      int key0;  // the tile's first key
+    };
+    // Max over δ (lane c4 holds δ parity c4/2 of heads 2(c4 & 1) + i), plus the norm term, stored.
+    const auto finish = [&](const float (&d)[36], const Pending& pd) {
+      float best[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};  // [2·q + i]: row g4 + 8q, head 2(c4 & 1) + i
+      const int my_delta_odd = c4 >> 1;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {  // selects, not branches: accumulators are read in convergent code
+        const bool in = 2 * nt + my_delta_odd < D;
+#pragma unroll
+        for (int v = 0; v < 4; ++v) best[v] = fmaxf(best[v], in ? d[4 * nt + v] : -INFINITY);
+      }
+#pragma unroll
+      for (int v = 0; v < 4; ++v) best[v] = fmaxf(best[v], __shfl_xor_sync(0xffffffffu, best[v], 2));
+      detail::mbar_wait(nfull_bar(pd.grp, pd.stage), pd.parity);
+      if (c4 < 2) {
+        const float4* nb = norm_s + (pd.grp * kStages + pd.stage) * Shape::kRows;
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const int r = 16 * wig + 8 * q + g4, t = pd.key0 + r;
+          if (t >= len) continue;
+          const float2 nv = reinterpret_cast<const float2*>(nb + r)[c4];  // heads 2·c4, 2·c4 + 1
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const int hg = row.hc * GH + 2 * c4 + i;
+            if (hg >= G) continue;
+            const std::int64_t o =
+                ((static_cast<std::int64_t>(row.b) * L + row.l) * Hq + row.g * G + hg) * a.max_len + t;
+            scores[o] = best[2 * q + i] + (i == 0 ? nv.x : nv.y);
+          }
+        }
+      }
+      detail::mbar_arrive(empty_bar(pd.grp, pd.stage));  // this lane is done with the stage
+    };
+    // Per item: the products of this warpgroup's tiles (rings mg, mg + kMmaGroups, ...) issued
+    // back to back, then each tile's max and stores while the later tiles' MMAs run. Every
+    // accumulator is waited for within its item, so the loop's data-dependent control flow holds
+    // no MMA in flight (ptxas serialized every wgmma of a variant that kept one pending across
+    // items: C7518, WG.DP in a divergent path).
+    constexpr int kTilesPerWg = Shape::kGroups / kMmaGroups;
+    float d[kTilesPerWg][36];
+    int tile = 0;
+    while (next_item(tile, [] {})) {
+      Pending pd[kTilesPerWg];
+#pragma unroll
+      for (int j = 0; j < kTilesPerWg; ++j) {
+        pd[j].grp = mg + j * kMmaGroups;
+        pd[j].stage = live % kStages;
+        pd[j].parity = static_cast<unsigned>((live / kStages) & 1);
+        pd[j].key0 = tile * Shape::kTile + pd[j].grp * Shape::kRows;
+        detail::mbar_wait(full_bar(pd[j].grp, pd[j].stage), pd[j].parity);
+#ifdef TRIATTN_WGMMA_ENABLED
+        detail::fence_proxy_async_smem();  // the producer's cp.async writes, read by wgmma (async proxy)
+#endif
+        detail::ws_fence_operands(d[j]);
+        detail::ws_tile_products<T, KS, SP>(d[j], a_tile(pd[j].grp, pd[j].stage), b_base, wig, lane);
+      }
+      ++live;
+#pragma unroll
+      for (int j = 0; j < kTilesPerWg; ++j) {
+        if (j + 1 < kTilesPerWg)
+          detail::ws_wait_products<1>();  // kTilesPerWg <= 2
+        else
+          detail::ws_wait_products<0>();
+        detail::ws_fence_operands(d[j]);
+        finish(d[j], pd[j]);
+      }
+    }
+  } else {  // ---- norm warp nw: key 32·(nw % 2) + lane of MMA warpgroup nw / 2's tiles ----
+    const int nw = warp - Shape::kMmaWarps, grp = nw >> 1;
+    const int r = 32 * (nw & 1) + lane;
+    int tile = 0;
+    while (next_item(tile, [] {})) {
+      const int stg = live % kStages;
+      const unsigned par = static_cast<unsigned>((live / kStages) & 1);
+      ++live;
+      detail::mbar_wait(full_bar(grp, stg), par);
+      norm_s[(grp * kStages + stg) * Shape::kRows + r] = detail::ws_key_norm<T, S, HD>(a_tile(grp, stg), r, c_s);
+      detail::mbar_arrive(nfull_bar(grp, stg));  // the norm terms are written
+      detail::mbar_arrive(empty_bar(grp, stg));  // and the tile read
+    }
+  }
+}
+
+}  // namespace triattn::cuda
