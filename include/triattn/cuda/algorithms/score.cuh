@@ -72,6 +72,12 @@ struct ScoreOptions {
 
 namespace detail {
 
+/// Rows of a scoring launch: (sequence, layer, KV head, chunk of `heads` query heads).
+inline long long score_rows(const ScoreModelView& m, const ScoreBatch& a, int heads) noexcept {
+  const int G = m.num_q_heads / m.num_kv_heads;
+  return static_cast<long long>(a.batch) * m.num_layers * m.num_kv_heads * ((G + heads - 1) / heads);
+}
+
 /// CTAs of `kernel` that fit on one multiprocessor (at least 1).
 template <class Kernel>
 inline int resident_ctas(Kernel kernel, int threads, std::size_t smem) noexcept {
@@ -151,9 +157,7 @@ template <class T, class Id, int HD, RopeStyle S, class Cfg>
   if constexpr (sizeof(T) == 2) {
     using Shape = MmaMeanShape<T, HD, Cfg::kWarps, Cfg::kStages, Cfg::kKeys>;
     const FastDiv fd(view.block.block_size);
-    const int G = m.num_q_heads / m.num_kv_heads;
-    const long long rows =
-        static_cast<long long>(a.batch) * m.num_layers * m.num_kv_heads * ((G + Shape::kHeads - 1) / Shape::kHeads);
+    const long long rows = score_rows(m, a, Shape::kHeads);
     int sms = 0;
     TRIATTN_CUDA_RETURN_IF_ERROR(current_device_sm_count(&sms));
     auto kernel = score_mean_mma_kernel<T, Id, HD, S, Cfg::kWarps, Cfg::kStages, Cfg::kMinCtas, Cfg::kKeys,
@@ -185,9 +189,7 @@ template <class T, class Id, int HD, RopeStyle S>
   if constexpr (sizeof(T) == 2) {
     using Shape = MmaMaxShape<T, HD>;
     const FastDiv fd(view.block.block_size);
-    const int G = m.num_q_heads / m.num_kv_heads;
-    const long long rows =
-        static_cast<long long>(a.batch) * m.num_layers * m.num_kv_heads * ((G + Shape::kHeads - 1) / Shape::kHeads);
+    const long long rows = score_rows(m, a, Shape::kHeads);
     int sms = 0;
     TRIATTN_CUDA_RETURN_IF_ERROR(current_device_sm_count(&sms));
     auto kernel = score_max_mma_kernel<T, Id, HD, S>;
@@ -242,9 +244,7 @@ template <class T, class Id, int HD, RopeStyle S, bool kWgmma, int kSplits = 0, 
     if (smem > smem_optin_limit())
       return launch_score_max_mma<T, Id, HD, S>(view, m, a, scores, stream, opt);
     const FastDiv fd(view.block.block_size);
-    const int G = m.num_q_heads / m.num_kv_heads;
-    const long long rows =
-        static_cast<long long>(a.batch) * m.num_layers * m.num_kv_heads * ((G + Shape::kHeads - 1) / Shape::kHeads);
+    const long long rows = score_rows(m, a, Shape::kHeads);
     int sms = 0;
     TRIATTN_CUDA_RETURN_IF_ERROR(current_device_sm_count(&sms));
     auto kernel = score_max_mma_pipe_kernel<T, Id, HD, S, Cfg::kWarps, Cfg::kStages, Cfg::kMinCtas, kWgmma, kSplits,
@@ -276,8 +276,7 @@ template <class T, class Id, int HD, RopeStyle S, int GMAX>
                                                      const ScoreOptions& opt) noexcept {
   const int mean_variant = opt.mean_variant;
   const FastDiv fd(view.block.block_size);
-  const int G = m.num_q_heads / m.num_kv_heads;
-  const long long rows = static_cast<long long>(a.batch) * m.num_layers * m.num_kv_heads * ((G + GMAX - 1) / GMAX);
+  const long long rows = score_rows(m, a, GMAX);
   int sms = 0;
   TRIATTN_CUDA_RETURN_IF_ERROR(current_device_sm_count(&sms));
   if ((m.aggregation == Aggregation::kMean || m.disable_trig) && mean_variant == 1) {
@@ -328,9 +327,7 @@ template <class T, class Id, int HD, RopeStyle S, int kMmaGroups = 1, class Cfg 
     if (m.num_offsets > 2 * kWgmmaMaxNTiles || smem > smem_optin_limit())
       return launch_score_max_mma_pipe<T, Id, HD, S, true, 2, true>(view, m, a, scores, stream, opt);
     const FastDiv fd(view.block.block_size);
-    const int G = m.num_q_heads / m.num_kv_heads;
-    const long long rows =
-        static_cast<long long>(a.batch) * m.num_layers * m.num_kv_heads * ((G + Shape::kHeads - 1) / Shape::kHeads);
+    const long long rows = score_rows(m, a, Shape::kHeads);
     int sms = 0;
     TRIATTN_CUDA_RETURN_IF_ERROR(current_device_sm_count(&sms));
     auto kernel = score_max_ws_kernel<T, Id, HD, S, Cfg::kStages, kMmaGroups>;

@@ -319,6 +319,18 @@ __device__ __forceinline__ void cta_item_range(long long total, long long& begin
   end = total * (blockIdx.x + 1) / gridDim.x;
 }
 
+/// The work of a scoring launch: rows (sequence, layer, KV head, chunk of `heads` query heads)
+/// cut into tiles of `tile` keys, and this CTA's contiguous [begin, end) range of (row, tile) items.
+struct ScoreWork {
+  int L, Hq, Hkv, G, HC, tiles_per_row;
+  long long begin, end;
+  __device__ __forceinline__ ScoreWork(const ScoreModelView& m, const ScoreBatch& a, int heads, int tile)
+      : L(m.num_layers), Hq(m.num_q_heads), Hkv(m.num_kv_heads), G(Hq / Hkv), HC((G + heads - 1) / heads),
+        tiles_per_row((a.max_len + tile - 1) / tile) {
+    cta_item_range(static_cast<long long>(a.batch) * L * Hkv * HC * tiles_per_row, begin, end);
+  }
+};
+
 }  // namespace detail
 
 /// Mean-aggregation (and disable_trig) scorer.
@@ -338,13 +350,9 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 8>::kThreads, 
   // the LPK lanes of a key group read LPK consecutive float4 (conflict-free, broadcast across groups).
   __shared__ float4 w_s[P * 3 * Q * LPK];
 
-  const int L = m.num_layers, Hq = m.num_q_heads, Hkv = m.num_kv_heads;
-  const int G = Hq / Hkv;
-  const int HC = (G + GMAX - 1) / GMAX;
-  const int tiles_per_row = (a.max_len + Shape::kTile - 1) / Shape::kTile;
-  const long long total = static_cast<long long>(a.batch) * L * Hkv * HC * tiles_per_row;
-  long long it, end;
-  detail::cta_item_range(total, it, end);
+  const detail::ScoreWork work(m, a, GMAX, Shape::kTile);
+  const int L = work.L, Hq = work.Hq, Hkv = work.Hkv, G = work.G, HC = work.HC, tiles_per_row = work.tiles_per_row;
+  long long it = work.begin, end = work.end;
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int li = lane % LPK, kg = lane / LPK;
@@ -469,13 +477,9 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 4>::kThreads, 
   constexpr int Q = Shape::kQ, W = Shape::kWords;
   __shared__ float4 w_s[P * 3 * Q * LPK];
 
-  const int L = m.num_layers, Hq = m.num_q_heads, Hkv = m.num_kv_heads;
-  const int G = Hq / Hkv;
-  const int HC = (G + GMAX - 1) / GMAX;
-  const int tiles_per_row = (a.max_len + Shape::kTile - 1) / Shape::kTile;
-  const long long total = static_cast<long long>(a.batch) * L * Hkv * HC * tiles_per_row;
-  long long it, end;
-  detail::cta_item_range(total, it, end);
+  const detail::ScoreWork work(m, a, GMAX, Shape::kTile);
+  const int L = work.L, Hq = work.Hq, Hkv = work.Hkv, G = work.G, HC = work.HC, tiles_per_row = work.tiles_per_row;
+  long long it = work.begin, end = work.end;
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int li = lane % LPK, kg = lane / LPK;
@@ -635,13 +639,9 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 4>::kThreads, 
   const int D = m.num_offsets;
   float4* c_s = wmax_s + static_cast<std::size_t>(D) * P * 2 * Q * LPK;
 
-  const int L = m.num_layers, Hq = m.num_q_heads, Hkv = m.num_kv_heads;
-  const int G = Hq / Hkv;
-  const int HC = (G + GMAX - 1) / GMAX;
-  const int tiles_per_row = (a.max_len + Shape::kTile - 1) / Shape::kTile;
-  const long long total = static_cast<long long>(a.batch) * L * Hkv * HC * tiles_per_row;
-  long long it, end;
-  detail::cta_item_range(total, it, end);
+  const detail::ScoreWork work(m, a, GMAX, Shape::kTile);
+  const int L = work.L, Hq = work.Hq, Hkv = work.Hkv, G = work.G, HC = work.HC, tiles_per_row = work.tiles_per_row;
+  long long it = work.begin, end = work.end;
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int li = lane % LPK, kg = lane / LPK;
@@ -916,13 +916,9 @@ __global__ void __launch_bounds__(detail::MmaMaxShape<T, HD>::kThreads, 2)
   const int NT = (D + 1) / 2;
   float4* c_s = reinterpret_cast<float4*>(bfrag_s + static_cast<std::size_t>(NT) * KS * SP * 32);
 
-  const int L = m.num_layers, Hq = m.num_q_heads, Hkv = m.num_kv_heads;
-  const int G = Hq / Hkv;
-  const int HC = (G + GH - 1) / GH;
-  const int tiles_per_row = (a.max_len + Shape::kTile - 1) / Shape::kTile;
-  const long long total = static_cast<long long>(a.batch) * L * Hkv * HC * tiles_per_row;
-  long long it, end;
-  detail::cta_item_range(total, it, end);
+  const detail::ScoreWork work(m, a, GH, Shape::kTile);
+  const int L = work.L, Hq = work.Hq, Hkv = work.Hkv, G = work.G, HC = work.HC, tiles_per_row = work.tiles_per_row;
+  long long it = work.begin, end = work.end;
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g4 = lane >> 2, c4 = lane & 3;
@@ -1754,13 +1750,9 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
     return bars + static_cast<std::uint32_t>(((kWarps + w) * kStages + st) * 8);
   };
 
-  const int L = m.num_layers, Hq = m.num_q_heads, Hkv = m.num_kv_heads;
-  const int G = Hq / Hkv;
-  const int HC = (G + GH - 1) / GH;
-  const int tiles_per_row = (a.max_len + Shape::kTile - 1) / Shape::kTile;
-  const long long total = static_cast<long long>(a.batch) * L * Hkv * HC * tiles_per_row;
-  long long it0, it_end;
-  detail::cta_item_range(total, it0, it_end);
+  const detail::ScoreWork work(m, a, GH, Shape::kTile);
+  const int L = work.L, Hq = work.Hq, Hkv = work.Hkv, G = work.G, HC = work.HC, tiles_per_row = work.tiles_per_row;
+  long long it0 = work.begin, it_end = work.end;
   const int n_items = static_cast<int>(it_end - it0);
   if (n_items <= 0) return;  // uniform across the CTA
 
@@ -2014,6 +2006,19 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
 /// |D| <= 18 offsets (columns past |D| are zero weights); more offsets take the mma.sync kernel.
 inline constexpr int kWgmmaMaxNTiles = 9;
 
+namespace detail {
+/// Stores the SP 16-bit terms of weight element e of B column n of n-tile nt into the warpgroup-MMA
+/// B tiles: K-major core matrices [k-step e/16][term][n-tile][k-chunk (e%16)/8][column][e%8]
+/// (NT n-tiles per tile).
+template <int SP>
+__device__ __forceinline__ void store_wgmma_b_terms(std::uint16_t* b16, const std::uint16_t (&sp)[SP], int e, int nt,
+                                                    int n, int NT) {
+#pragma unroll
+  for (int x = 0; x < SP; ++x)
+    b16[((((static_cast<std::size_t>(e >> 4) * SP + x) * NT + nt) * 2 + ((e >> 3) & 1)) * 8 + n) * 8 + (e & 7)] = sp[x];
+}
+}  // namespace detail
+
 /// Dynamic shared memory of score_max_mma_pipe_kernel: rings, c [slot] float4, cos/sin [|D|][F]
 /// double, B fragments (mma.sync: [ceil(|D|/2)][k-step][split][lane] uint2; wgmma: [k-step][split]
 /// x kWgmmaMaxNTiles core-matrix pairs of 256 bytes, the same size at |D| = 17, 18), table slots
@@ -2066,13 +2071,9 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
   double* const sn_s = cs_s + static_cast<std::size_t>(D) * F;
   uint2* const bfrag_s = reinterpret_cast<uint2*>(sn_s + static_cast<std::size_t>(D) * F);
 
-  const int L = m.num_layers, Hq = m.num_q_heads, Hkv = m.num_kv_heads;
-  const int G = Hq / Hkv;
-  const int HC = (G + GH - 1) / GH;
-  const int tiles_per_row = (a.max_len + Shape::kTile - 1) / Shape::kTile;
-  const long long total = static_cast<long long>(a.batch) * L * Hkv * HC * tiles_per_row;
-  long long it0, it_end;
-  detail::cta_item_range(total, it0, it_end);
+  const detail::ScoreWork work(m, a, GH, Shape::kTile);
+  const int L = work.L, Hq = work.Hq, Hkv = work.Hkv, G = work.G, HC = work.HC, tiles_per_row = work.tiles_per_row;
+  long long it0 = work.begin, it_end = work.end;
   const int n_items = static_cast<int>(it_end - it0);
   if (n_items <= 0 || D <= 0) return;  // uniform across the CTA
 
@@ -2191,11 +2192,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
             std::uint16_t sp[SP];
             Tr::template split<SP>(part == 0 ? wr : wi, sp);
             if constexpr (kUseWgmma) {
-              // K-major core matrices: [k-step][split][n-tile][k-chunk (e%16)/8][column n][e%8]
-#pragma unroll
-              for (int x = 0; x < SP; ++x)
-                b16[((((static_cast<std::size_t>(e >> 4) * SP + x) * NT + (o >> 1)) * 2 + ((e >> 3) & 1)) * 8 + n) * 8 +
-                    (e & 7)] = sp[x];
+              detail::store_wgmma_b_terms<SP>(b16, sp, e, o >> 1, n, NT);
             } else {
               const detail::BFragmentSlot b = detail::b_fragment_slot(e);
               const int ln = n * 4 + b.quad_lane;

@@ -266,13 +266,9 @@ __global__ void __launch_bounds__(detail::MaxWsShape<T, HD, kStages, kMmaGroups>
   const int D = m.num_offsets;
   double* const sn_s = cs_s + static_cast<std::size_t>(D) * F;
 
-  const int L = m.num_layers, Hq = m.num_q_heads, Hkv = m.num_kv_heads;
-  const int G = Hq / Hkv;
-  const int HC = (G + GH - 1) / GH;
-  const int tiles_per_row = (a.max_len + Shape::kTile - 1) / Shape::kTile;
-  const long long total = static_cast<long long>(a.batch) * L * Hkv * HC * tiles_per_row;
-  long long it0, it_end;
-  detail::cta_item_range(total, it0, it_end);
+  const detail::ScoreWork work(m, a, GH, Shape::kTile);
+  const int L = work.L, Hq = work.Hq, Hkv = work.Hkv, G = work.G, HC = work.HC, tiles_per_row = work.tiles_per_row;
+  long long it0 = work.begin, it_end = work.end;
   if (it_end <= it0 || D <= 0) return;  // uniform across the CTA
   const long long row0 = it0 / tiles_per_row, last_row = (it_end - 1) / tiles_per_row;
   const int tile0 = static_cast<int>(it0 - row0 * tiles_per_row);
@@ -442,10 +438,7 @@ __global__ void __launch_bounds__(detail::MaxWsShape<T, HD, kStages, kMmaGroups>
           const int e = part == 0 ? e_re : e_im;
           std::uint16_t sp[SP];
           Tr::template split<SP>(part == 0 ? wr : wi, sp);
-#pragma unroll
-          for (int x = 0; x < SP; ++x)
-            b16[((((static_cast<std::size_t>(e >> 4) * SP + x) * NT + (o >> 1)) * 2 + ((e >> 3) & 1)) * 8 + n) * 8 +
-                (e & 7)] = sp[x];
+          detail::store_wgmma_b_terms<SP>(b16, sp, e, o >> 1, n, NT);
         }
       }
     }
