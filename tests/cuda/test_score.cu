@@ -317,8 +317,12 @@ TEST_SUITE("gpu") {
               c.d = d;
               c.style = style;
               c.agg = agg;
-              c.no_mlr = combo % 4 == 1 || combo % 4 == 3;  // cycle the variants across the grid
-              c.no_trig = combo % 4 == 2 || combo % 4 == 3;
+              // Cycle the variants across the grid so that every (pairing, aggregation) meets all
+              // four: combo % 4 is that pair, combo / 4 the (page size, layout, head dim) block.
+              // (combo % 4 alone gave interleaved pairing the trig term off in every case.)
+              const int v = (combo % 4 + combo / 4) % 4;
+              c.no_mlr = v == 1 || v == 3;
+              c.no_trig = v == 2 || v == 3;
               check_case<T>(c, seed + static_cast<std::uint32_t>(combo));
               ++combo;
             }
