@@ -315,8 +315,8 @@ template <class T, class Id, int HD, RopeStyle S, int GMAX>
   return check_launch(stream);
 }
 
-/// Warp-specialized max scorer (max_variant 5): one CTA per SM; |D| > 18 offsets, or shared
-/// memory beyond the device's limit, run as max_variant 4.
+/// Warp-specialized max scorer (max_variant 5; 6 with kMmaGroups = 2): one CTA per SM; |D| > 18
+/// offsets, or shared memory beyond the device's limit, run as max_variant 4.
 template <class T, class Id, int HD, RopeStyle S, int kMmaGroups = 1, class Cfg = tuning::sm90::ScoreMaxWs>
 [[nodiscard]] inline cudaError_t launch_score_max_ws(const KvCacheView<T, Id>& view, const ScoreModelView& m,
                                                      const ScoreBatch& a, float* scores, cudaStream_t stream,

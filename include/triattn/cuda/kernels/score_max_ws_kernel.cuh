@@ -450,13 +450,13 @@ __global__ void __launch_bounds__(detail::MaxWsShape<T, HD, kStages, kMmaGroups>
   };
 
   // Advances `cur` to its next item with keys; returns false when the CTA's range is done. On the
-  // first item of a new row it calls before_fold() (the MMA warps drain their pending tile), then
-  // folds the row's weights (every consumer takes part) and loads the next row's inputs ahead.
+  // first item of a new row it folds the row's weights (every consumer takes part; no MMA is in
+  // flight between items) and loads the next row's inputs ahead.
   Cursor cur{row0, tile0, it_end - it0};
   int live = 0;
   detail::ScoreRow row{};
   int len = 0;
-  const auto next_item = [&](int& tile, auto&& before_fold) -> bool {
+  const auto next_item = [&](int& tile) -> bool {
     while (cur.n > 0) {
       const long long rid = cur.rid;
       tile = cur.tile;
@@ -471,7 +471,6 @@ __global__ void __launch_bounds__(detail::MaxWsShape<T, HD, kStages, kMmaGroups>
         continue;  // no keys in this item (every role skips it)
       }
       if (rid != w_row) {
-        before_fold();
         fold_row();
         w_row = rid;
         row = pre.row;  // what the stores of this row need
@@ -532,7 +531,7 @@ __global__ void __launch_bounds__(detail::MaxWsShape<T, HD, kStages, kMmaGroups>
     constexpr int kTilesPerWg = Shape::kGroups / kMmaGroups;
     float d[kTilesPerWg][36];
     int tile = 0;
-    while (next_item(tile, [] {})) {
+    while (next_item(tile)) {
       Pending pd[kTilesPerWg];
 #pragma unroll
       for (int j = 0; j < kTilesPerWg; ++j) {
@@ -562,7 +561,7 @@ __global__ void __launch_bounds__(detail::MaxWsShape<T, HD, kStages, kMmaGroups>
     const int nw = warp - Shape::kMmaWarps, grp = nw >> 1;
     const int r = 32 * (nw & 1) + lane;
     int tile = 0;
-    while (next_item(tile, [] {})) {
+    while (next_item(tile)) {
       const int stg = live % kStages;
       const unsigned par = static_cast<unsigned>((live / kStages) & 1);
       ++live;
