@@ -89,6 +89,15 @@ inline int resident_ctas(Kernel kernel, int threads, std::size_t smem) noexcept 
   return n;
 }
 
+/// Prefers the largest shared-memory carveout for `kernel`, then returns the CTAs per SM it gives
+/// (callers cache it: no attribute call or occupancy query inside a graph capture later).
+template <class Kernel>
+inline int prefer_max_shared_then_occupancy(Kernel kernel, int threads, std::size_t smem) noexcept {
+  (void)cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+  (void)cudaGetLastError();
+  return resident_ctas(kernel, threads, smem);
+}
+
 /// Raises `kernel`'s dynamic shared-memory limit to `smem` once per device (tracked in
 /// `granted`), so steady-state launches (e.g. inside a graph capture) make no attribute call.
 template <class Kernel>
@@ -168,12 +177,7 @@ template <class T, class Id, int HD, RopeStyle S, class Cfg>
     TRIATTN_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem(kernel, smem, granted));
     // Once per instantiation (no attribute call or occupancy query inside a graph capture later):
     // the carveout that fits kMinCtas rings per SM, then the occupancy it gives.
-    static const int per_sm = [&] {
-      (void)cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                 cudaSharedmemCarveoutMaxShared);
-      (void)cudaGetLastError();
-      return resident_ctas(kernel, threads, smem);
-    }();
+    static const int per_sm = prefer_max_shared_then_occupancy(kernel, threads, smem);
     const long long items = rows * ((a.max_len + Shape::kTile - 1) / Shape::kTile);
     kernel<<<score_grid(items, sms, per_sm, opt), threads, smem, stream>>>(view, m, a, scores, fd);
     return check_launch(stream);
@@ -254,11 +258,8 @@ template <class T, class Id, int HD, RopeStyle S, bool kWgmma, int kSplits = 0, 
     static std::atomic<unsigned long long> cached{0};  // (smem << 16 | CTAs per SM), as launch_score_max_mma
     unsigned long long c = cached.load(std::memory_order_relaxed);
     if ((c >> 16) != smem || c == 0) {
-      (void)cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                 cudaSharedmemCarveoutMaxShared);
-      (void)cudaGetLastError();
       c = (static_cast<unsigned long long>(smem) << 16) |
-          static_cast<unsigned long long>(resident_ctas(kernel, Shape::kThreads, smem) & 0xffff);
+          static_cast<unsigned long long>(prefer_max_shared_then_occupancy(kernel, Shape::kThreads, smem) & 0xffff);
       cached.store(c, std::memory_order_relaxed);
     }
     const int per_sm = static_cast<int>(c & 0xffff) > 0 ? static_cast<int>(c & 0xffff) : 1;
@@ -333,15 +334,10 @@ template <class T, class Id, int HD, RopeStyle S, int kMmaGroups = 1, class Cfg 
     auto kernel = score_max_ws_kernel<T, Id, HD, S, Cfg::kStages, kMmaGroups>;
     static DynamicSmemGrant granted;
     TRIATTN_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem(kernel, smem, granted));
-    static const bool carveout = [&] {
-      (void)cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                 cudaSharedmemCarveoutMaxShared);
-      (void)cudaGetLastError();
-      return true;
-    }();
-    (void)carveout;
+    // 1 for every |D|: its 10 (14) warps at 168 (128) registers fill the register file
+    static const int per_sm = prefer_max_shared_then_occupancy(kernel, Shape::kThreads, smem);
     const long long items = rows * ((a.max_len + Shape::kTile - 1) / Shape::kTile);
-    kernel<<<score_grid(items, sms, 1, opt), Shape::kThreads, smem, stream>>>(view, m, a, scores, fd);
+    kernel<<<score_grid(items, sms, per_sm, opt), Shape::kThreads, smem, stream>>>(view, m, a, scores, fd);
     return check_launch(stream);
   } else {
     return cudaErrorNotSupported;

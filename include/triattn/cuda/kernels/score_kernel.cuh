@@ -1251,6 +1251,11 @@ __device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&r)[4], std::uint32_t
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
 }
+/// ldmatrix.x2: lanes 0-15 give the row addresses of two 8x8 matrices; word i = matrix i's row
+/// lane/4, elements 2·(lane%4), +1 (the B fragment of mma.m16n8k16 from two K-major core matrices).
+__device__ __forceinline__ void ldmatrix_x2(std::uint32_t (&r)[2], std::uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+}
 /// The TF32 head of x (low 13 mantissa bits cleared); x - head is exact in fp32.
 __device__ __forceinline__ std::uint32_t tf32_head(float x) { return __float_as_uint(x) & 0xffffe000u; }
 /// x - tf32_head(x), as the bits of a TF32 operand.

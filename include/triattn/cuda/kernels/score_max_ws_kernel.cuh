@@ -92,37 +92,7 @@ __device__ __forceinline__ std::uint32_t ws_chunk_offset(int r, int c) {
   return static_cast<std::uint32_t>((c >> 3) * 8192 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
 }
 
-#ifdef TRIATTN_WGMMA_ENABLED
-/// d (+)= A·B for one m64n72k16 step with both operands in shared memory (descriptors).
-template <bool kF16>
-__device__ __forceinline__ void wgmma_m64n72k16_ss(float (&d)[36], std::uint64_t a_desc, std::uint64_t b_desc,
-                                                   int accumulate) {
-#define TRIATTN_WGMMA_N72_SS_ASM(TY)                                                                                \
-  asm volatile(                                                                                                     \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"                                                                 \
-      "wgmma.mma_async.sync.aligned.m64n72k16.f32." TY "." TY " "                                                  \
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "                          \
-      "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35}, "                \
-      "%36, %37, p, 1, 1, 0, 0;\n}\n"                                                                               \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), \
-        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),       \
-        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),      \
-        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),      \
-        "+f"(d[33]), "+f"(d[34]), "+f"(d[35])                                                                        \
-      : "l"(a_desc), "l"(b_desc), "r"(accumulate))
-  if constexpr (kF16)
-    TRIATTN_WGMMA_N72_SS_ASM("f16");
-  else
-    TRIATTN_WGMMA_N72_SS_ASM("bf16");
-#undef TRIATTN_WGMMA_N72_SS_ASM
-}
-#endif
 
-/// ldmatrix.x2: lanes 0-15 give the row addresses of two 8x8 matrices; word i = matrix i's row
-/// lane/4, elements 2·(lane%4), +1 (the B fragment of mma.m16n8k16 from two K-major core matrices).
-__device__ __forceinline__ void ldmatrix_x2(std::uint32_t (&r)[2], std::uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
-}
 
 /// The dot products of one A tile, d[4·nt + v] in the wgmma accumulator layout (column
 /// 8·nt + 2·(lane%4) + (v&1) of the warp's row 16·(warp%4) + lane/4 + 8·(v>>1)).
@@ -224,13 +194,6 @@ __device__ __forceinline__ float4 ws_key_norm(std::uint32_t a_tile, int r, const
   return make_float4(acc[0].x + acc[1].x, acc[0].y + acc[1].y, acc[0].z + acc[1].z, acc[0].w + acc[1].w);
 }
 
-/// Length of batch entry b's sequence, clamped to [0, max_len].
-template <class T, class Id>
-__device__ __forceinline__ int ws_row_length(const KvCacheView<T, Id>& view, const ScoreBatch& a, int b) {
-  const int len = static_cast<int>(view.seq_lens[a.seq_ids[b]]);
-  return len < a.max_len ? (len > 0 ? len : 0) : a.max_len;
-}
-
 }  // namespace detail
 
 /// Warp-specialized tensor-core max-aggregation scorer (see the top of this file); dynamic shared
@@ -276,8 +239,12 @@ __global__ void __launch_bounds__(detail::MaxWsShape<T, HD, kStages, kMmaGroups>
 
   if (threadIdx.x == 0) {
     for (int i = 0; i < Shape::kBarriers; ++i) {
-      const int kind = i / (Shape::kGroups * kStages);  // 0 full (producer lanes), 1 norm-full, 2 empty
-      detail::mbar_init(bars + static_cast<std::uint32_t>(i * 8), kind == 0 ? 32u : kind == 1 ? 64u : 192u);
+      // 0 full: the ring's producer warp; 1 norm-full: the ring's norm warps; 2 empty: both
+      // consumers of the stage (the MMA warpgroup and the norm warps)
+      const int kind = i / (Shape::kGroups * kStages);
+      constexpr unsigned kNormLanes = 32u * Shape::kNormWarps / Shape::kGroups;
+      detail::mbar_init(bars + static_cast<std::uint32_t>(i * 8),
+                        kind == 0 ? 32u * Shape::kProducers / Shape::kGroups : kind == 1 ? kNormLanes : 128u + kNormLanes);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }

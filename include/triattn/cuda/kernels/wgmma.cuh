@@ -55,6 +55,17 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
+// The 36 fp32 accumulators of an m64n72 tile as in-out asm operands %0-%35.
+#define TRIATTN_WGMMA_N72_D_OPERANDS(d)                                                                           \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),     \
+      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),     \
+      "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),    \
+      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),    \
+      "+f"(d[33]), "+f"(d[34]), "+f"(d[35])
+#define TRIATTN_WGMMA_N72_D_LIST                                                                                   \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "                              \
+  "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35}, "
+
 /// d (+)= A·B for one m64n72k16 step, fp32 accumulators. A from registers: this warp's 16 rows
 /// of the warpgroup's 64 in mma.sync m16n8k16 A-fragment order; B (K-major, 72 x 16) from the
 /// shared-memory descriptor b_desc. accumulate = 0 overwrites d. d[4j + v] is column
@@ -64,24 +75,36 @@ template <bool kF16>
 __device__ __forceinline__ void wgmma_m64n72k16_rs(float (&d)[36], const std::uint32_t (&a)[4], std::uint64_t b_desc,
                                                    int accumulate) {
 #define TRIATTN_WGMMA_N72_ASM(TY)                                                                                   \
-  asm volatile(                                                                                                     \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %41, 0;\n"                                                                 \
-      "wgmma.mma_async.sync.aligned.m64n72k16.f32." TY "." TY " "                                                  \
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "                          \
-      "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35}, "                \
-      "{%36, %37, %38, %39}, %40, p, 1, 1, 0;\n}\n"                                                                 \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), \
-        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),       \
-        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),      \
-        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),      \
-        "+f"(d[33]), "+f"(d[34]), "+f"(d[35])                                                                        \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate))
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %41, 0;\n"                                                        \
+               "wgmma.mma_async.sync.aligned.m64n72k16.f32." TY "." TY " " TRIATTN_WGMMA_N72_D_LIST              \
+               "{%36, %37, %38, %39}, %40, p, 1, 1, 0;\n}\n"                                                       \
+               : TRIATTN_WGMMA_N72_D_OPERANDS(d)                                                                    \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate))
   if constexpr (kF16)
     TRIATTN_WGMMA_N72_ASM("f16");
   else
     TRIATTN_WGMMA_N72_ASM("bf16");
 #undef TRIATTN_WGMMA_N72_ASM
 }
+
+/// The same step with A from shared memory too (descriptor a_desc).
+template <bool kF16>
+__device__ __forceinline__ void wgmma_m64n72k16_ss(float (&d)[36], std::uint64_t a_desc, std::uint64_t b_desc,
+                                                   int accumulate) {
+#define TRIATTN_WGMMA_N72_SS_ASM(TY)                                                                                \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %38, 0;\n"                                                        \
+               "wgmma.mma_async.sync.aligned.m64n72k16.f32." TY "." TY " " TRIATTN_WGMMA_N72_D_LIST              \
+               "%36, %37, p, 1, 1, 0, 0;\n}\n"                                                                     \
+               : TRIATTN_WGMMA_N72_D_OPERANDS(d)                                                                    \
+               : "l"(a_desc), "l"(b_desc), "r"(accumulate))
+  if constexpr (kF16)
+    TRIATTN_WGMMA_N72_SS_ASM("f16");
+  else
+    TRIATTN_WGMMA_N72_SS_ASM("bf16");
+#undef TRIATTN_WGMMA_N72_SS_ASM
+}
+#undef TRIATTN_WGMMA_N72_D_LIST
+#undef TRIATTN_WGMMA_N72_D_OPERANDS
 #endif  // TRIATTN_WGMMA_ENABLED
 
 }  // namespace triattn::cuda::detail
