@@ -49,14 +49,15 @@ struct ScoreOptions {
   /// of 2^-25, a third fewer MMAs; fp16 caches: as 2; without sm_90a or for |D| > 18 the mma.sync
   /// kernel with two terms), 4 as 3 with the norm term Σ_f c_f·|K_f| as fp32 FMAs on the CUDA
   /// cores instead of TF32 MMAs on the tensor pipe (which the other warpgroup's MMAs hold), 5 and
-  /// 6 score_max_ws_kernel (warp-specialized: producer warps, one or two MMA warpgroups with both
-  /// operands in shared memory, norm warps; |D| > 18 or too little shared memory run as 4; without
-  /// sm_90a the same kernel on mma.sync). 0-2 within fp32 rounding of each other.
+  /// 6 score_max_ws_kernel (warp-specialized: a producer warpgroup, one MMA warpgroup with both
+  /// operands in shared memory, norm warps; 5 with two accumulator chains per tile and setmaxnreg,
+  /// 6 with one; |D| > 18 or too little shared memory run as 4; without sm_90a the same kernel on
+  /// mma.sync). 0-2 within fp32 rounding of each other.
   /// Default 4. H200, 2026-12-01, one 32K layer (8 KV heads, |D| = 17): 36.8-37.0 µs vs 37.6-37.8
   /// (3, same run), 44.5 (2), 53.6 (1). Largest normalised error against the CPU reference in
   /// test_score's GQA case: 3.2e-7 (4) vs 9.3e-7 (3), 9.1e-7 (2), 8.8e-7 (1), 1.5e-7 (0): the TF32
   /// products of the norm term (~21 bits), not the weights' third term, set the error of 1-3.
-  /// Variants 5 / 6 (tenth session, same run as 4's 37.1 µs): 43.5 / 53 µs, error 3.2e-7.
+  /// Variants 5 / 6 (eleventh session, same run as 4's 37.0 µs): 42.0-42.4 / 41.2-41.4 µs, error 3.4e-7.
   int max_variant = 4;
   /// Upper bound of the grid (0: one wave of resident CTAs). Tests lower it so that every CTA
   /// walks many items across rows and sequences.
@@ -316,14 +317,14 @@ template <class T, class Id, int HD, RopeStyle S, int GMAX>
   return check_launch(stream);
 }
 
-/// Warp-specialized max scorer (max_variant 5; 6 with kMmaGroups = 2): one CTA per SM; |D| > 18
-/// offsets, or shared memory beyond the device's limit, run as max_variant 4.
-template <class T, class Id, int HD, RopeStyle S, int kMmaGroups = 1, class Cfg = tuning::sm90::ScoreMaxWs>
+/// Warp-specialized max scorer (max_variant 5: two accumulator chains per tile, 6: one): one CTA
+/// per SM; |D| > 18 offsets, or shared memory beyond the device's limit, run as max_variant 4.
+template <class T, class Id, int HD, RopeStyle S, int kChains, class Cfg = tuning::sm90::ScoreMaxWs>
 [[nodiscard]] inline cudaError_t launch_score_max_ws(const KvCacheView<T, Id>& view, const ScoreModelView& m,
                                                      const ScoreBatch& a, float* scores, cudaStream_t stream,
                                                      const ScoreOptions& opt) noexcept {
   if constexpr (sizeof(T) == 2) {
-    using Shape = MaxWsShape<T, HD, Cfg::kStages, kMmaGroups>;
+    using Shape = MaxWsShape<T, HD, Cfg::kStages>;
     const std::size_t smem = Shape::smem_bytes(m.num_offsets);
     if (m.num_offsets > 2 * kWgmmaMaxNTiles || smem > smem_optin_limit())
       return launch_score_max_mma_pipe<T, Id, HD, S, true, 2, true>(view, m, a, scores, stream, opt);
@@ -331,10 +332,19 @@ template <class T, class Id, int HD, RopeStyle S, int kMmaGroups = 1, class Cfg 
     const long long rows = score_rows(m, a, Shape::kHeads);
     int sms = 0;
     TRIATTN_CUDA_RETURN_IF_ERROR(current_device_sm_count(&sms));
-    auto kernel = score_max_ws_kernel<T, Id, HD, S, Cfg::kStages, kMmaGroups>;
+    auto kernel = score_max_ws_kernel<T, Id, HD, S, Cfg::kStages, kChains>;
+    if constexpr (kChains > 1) {
+      // setmaxnreg's targets balance the registers of a launch at Shape::kLaunchRegs; a build
+      // whose kernel got fewer would hang in setmaxnreg.inc, so it runs as max_variant 4
+      static const bool regs_match = [&] {
+        cudaFuncAttributes attr{};
+        return cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.numRegs == Shape::kLaunchRegs;
+      }();
+      if (!regs_match) return launch_score_max_mma_pipe<T, Id, HD, S, true, 2, true>(view, m, a, scores, stream, opt);
+    }
     static DynamicSmemGrant granted;
     TRIATTN_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem(kernel, smem, granted));
-    // 1 for every |D|: its 10 (14) warps at 168 (128) registers fill the register file
+    // 1 for every |D|: its 12 warps at 168 registers fill the register file
     static const int per_sm = prefer_max_shared_then_occupancy(kernel, Shape::kThreads, smem);
     const long long items = rows * ((a.max_len + Shape::kTile - 1) / Shape::kTile);
     kernel<<<score_grid(items, sms, per_sm, opt), Shape::kThreads, smem, stream>>>(view, m, a, scores, fd);
@@ -376,9 +386,9 @@ template <class T, class Id>
       constexpr RopeStyle S = decltype(style)::value;
       using Tune = tuning::sm90::ScoreMeanMma;
       if (mma && options.max_variant == 5 && ring_ok)
-        return detail::launch_score_max_ws<T, Id, HD, S>(view, model, batch, scores, stream, options);
-      if (mma && options.max_variant == 6 && ring_ok)
         return detail::launch_score_max_ws<T, Id, HD, S, 2>(view, model, batch, scores, stream, options);
+      if (mma && options.max_variant == 6 && ring_ok)
+        return detail::launch_score_max_ws<T, Id, HD, S, 1>(view, model, batch, scores, stream, options);
       if (mma && options.max_variant == 2 && ring_ok)
         return detail::launch_score_max_mma_pipe<T, Id, HD, S, true>(view, model, batch, scores, stream, options);
       if (mma && options.max_variant == 3 && ring_ok)

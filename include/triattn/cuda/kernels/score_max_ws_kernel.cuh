@@ -1,26 +1,21 @@
 // SPDX-License-Identifier: Apache-2.0
-// Warp-specialized tensor-core max scorer (ScoreOptions::max_variant 5 with one MMA warpgroup, 6
-// with two; 16-bit caches, |D| <= 18). Same contract as score_max_mma_pipe_kernel. The idea: in
-// the pipelined kernel (max_variant 4) every warp streams its own keys, runs its MMAs, the norm
-// term Σ_f c_f·|K_f| and the max in one instruction stream (~1,375 instructions per 32 keys, two
-// warps per scheduler), so the tensor pipe, the CUDA cores and HBM take turns. Here each role has
-// its own warps:
-//   producer warps  copy each 64-key tile into a shared-memory ring stage (cp.async), one warp
-//                   and ring per tile of a 128-key item, and signal a full mbarrier per stage;
-//   MMA warpgroup   runs each tile's [64 x d]·[d x (|D|·4 heads)] product as warpgroup MMAs with
-//                   both operands in shared memory (keys as A, the folded weights as B: bf16 hi +
-//                   mid or fp16 hi + lo), takes the max over δ, adds the norm term, stores;
+// Warp-specialized tensor-core max scorer (16-bit caches, |D| <= 18). Same contract as
+// score_max_mma_pipe_kernel.
+// Two variants (ScoreOptions::max_variant): 6 keeps one accumulator chain per tile; 5 keeps two
+// (four MMA chains in flight per item), which needs more registers than the 168 each of the 12
+// warps starts with, so setmaxnreg moves them: the MMA warpgroup to 240, the producer warpgroup to
+// 104, the norm warps to 160 (the three must balance: 240 against the producers' registers alone
+// waited forever). A new sequence's phases (sincos, whose slow path is a call) are computed by the
+// norm warps only: with a call in the MMA warpgroup's code ptxas 13.0 ignored setmaxnreg and
+// crashed. H200, 2026-12-01, one 32K layer: 41.2-41.4 µs (6), 42.0-42.4 (5), 37.0 (max_variant 4).
+// Roles:
+//   producer warps  copy each 64-key tile into a shared-memory ring stage (cp.async), two warps
+//                   per ring (one ring per tile of a 128-key item), and signal a full mbarrier;
+//   MMA warpgroup   runs each tile's [64 x d]·[d x (|D|·4 heads)] product as warpgroup MMAs with both
+//                   operands in shared memory (keys as A, the folded weights as B: bf16 hi + mid or
+//                   fp16 hi + lo), take the max over δ, add the norm term and store the scores;
 //   norm warps      compute the norm term of every key of the tile (one key per lane, all pairs and
 //                   the 4 heads) into a small per-stage buffer, next to the MMAs.
-// Measured (H200, 2026-12-01, one 32K layer, 8 KV heads, |D| = 17): 43.5 µs (variant 5) and 53 µs
-// (6) against 37.1 µs for max_variant 4, which stays the default; correct to 3.3e-7 normalised
-// error, compute-sanitizer racecheck and memcheck clean. What holds it back: the MMA warpgroup
-// waits for each item's products before the next item (a product left in flight across the
-// item loop made ptxas serialize every wgmma: C7518), so the tensor pipe idles while the last
-// tile's scores are stored; four accumulator sets (two chains per tile) need more than the 168
-// registers a 10-warp CTA gets: 400 bytes of spills, and ptxas (CUDA 13.0) serialized the wgmmas
-// for lack of registers; moving registers to the MMA warpgroup with setmaxnreg (producers a full
-// warpgroup) made ptxas ignore it and then crash. See docs/performance.md (tenth session).
 // A stage is handed back (empty mbarrier) when the MMA warpgroup has stored its scores and the
 // norm warps are done reading it. Items are (row, 128-key tile) as in the other ring scorers; each
 // CTA walks a contiguous range of them, all roles in the same order (rows without keys skipped).
@@ -35,6 +30,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include <triattn/cuda/kernels/score_kernel.cuh>
 #include <triattn/cuda/kernels/wgmma.cuh>
@@ -44,7 +40,7 @@ namespace triattn::cuda {
 namespace detail {
 
 /// Shape and shared-memory map of score_max_ws_kernel.
-template <class T, int HD, int kStages_, int kMmaGroups_ = 1>
+template <class T, int HD, int kStages_>
 struct MaxWsShape {
   static_assert(HD % 32 == 0, "head_dim must be a multiple of 32");
   static constexpr int kF = HD / 2;
@@ -53,15 +49,22 @@ struct MaxWsShape {
   static constexpr int kSplits = 2;       // 16-bit weight terms (bf16 hi + mid, fp16 hi + lo)
   static constexpr int kStages = kStages_;
   static constexpr int kGroups = 2;     // tiles per item, each with its own ring
-  static constexpr int kMmaGroups = kMmaGroups_;  // MMA warpgroups; group w runs rings w, w + kMmaGroups, ...
-  static_assert(kGroups % kMmaGroups == 0 && kGroups / kMmaGroups <= 2, "every MMA warpgroup takes the same rings, at most 2");
-  static constexpr int kMmaWarps = 4 * kMmaGroups;
+  static constexpr int kMmaWarps = 4;   // one warpgroup runs the MMAs of every ring's tile
   static constexpr int kNormWarps = 4;  // two per tile (32 keys each)
-  static constexpr int kProducers = kGroups;  // one per ring
+  static constexpr int kProducers = 2 * kGroups;  // two per ring, 32 keys of each tile each (a whole warpgroup)
   static constexpr int kConsumerThreads = 32 * (kMmaWarps + kNormWarps);
-  // 10 warps (one MMA warpgroup): up to 168 registers per thread (warps go to the 4 schedulers'
-  // register files in turn, so 3 share one); 14 warps: 128.
   static constexpr int kThreads = kConsumerThreads + 32 * kProducers;
+  // 12 warps at one CTA per SM: 168 registers per thread at launch (the register file over the
+  // threads, in steps of 8); with two chains setmaxnreg moves them to the MMA warpgroup (240), taking
+  // them from the producers (104) and the norm warps (what balances the pool: 160).
+  static constexpr int kLaunchRegs = (65536 / kThreads) / 8 * 8;
+  static constexpr int kMmaRegs = 240, kProducerRegs = 104;
+  static constexpr int kNormRegs =
+      kLaunchRegs - ((kMmaRegs - kLaunchRegs) * kMmaWarps - (kLaunchRegs - kProducerRegs) * kProducers) / kNormWarps;
+  static_assert(kNormRegs % 8 == 0 && kNormRegs <= kLaunchRegs &&
+                    (kMmaRegs - kLaunchRegs) * kMmaWarps <=
+                        (kLaunchRegs - kProducerRegs) * kProducers + (kLaunchRegs - kNormRegs) * kNormWarps,
+                "setmaxnreg targets must fit the registers the CTA was launched with");
   static constexpr int kRows = 64;                 // keys per tile (one m64 wgmma tile)
   static constexpr int kTile = kGroups * kRows;    // keys per item
   static constexpr int kHeads = 4;
@@ -78,7 +81,8 @@ struct MaxWsShape {
   static constexpr std::size_t kBOff = kNormOff + kNormBytes * kGroups * kStages;
   static constexpr std::size_t kCOff = kBOff + kBBytes;
   static constexpr std::size_t kBarOff = kCOff + kCBytes;
-  static constexpr std::size_t kTablesOff = kBarOff + static_cast<std::size_t>(kBarriers) * 8;
+  static constexpr std::size_t kPhaseOff = kBarOff + static_cast<std::size_t>(kBarriers) * 8;  // cos, sin(t0·ω_f) [F] double
+  static constexpr std::size_t kTablesOff = kPhaseOff + static_cast<std::size_t>(kF) * 2 * sizeof(double);
   static_assert(kNormOff % 128 == 0 && kBOff % 128 == 0 && kBarOff % 8 == 0 && kTablesOff % 16 == 0, "alignment");
   /// Dynamic shared memory for |D| offsets (+1 KB: the A tiles start at a 1,024-byte aligned
   /// address, which the swizzle needs).
@@ -94,12 +98,15 @@ __device__ __forceinline__ std::uint32_t ws_chunk_offset(int r, int c) {
 
 
 
-/// The dot products of one A tile, d[4·nt + v] in the wgmma accumulator layout (column
-/// 8·nt + 2·(lane%4) + (v&1) of the warp's row 16·(warp%4) + lane/4 + 8·(v>>1)).
+/// The dot products of one A tile into kChains accumulator sets (weight term x goes to set
+/// x % kChains; their sum is the product), d[c][4·nt + v] in the wgmma accumulator layout (column
+/// 8·nt + 2·(lane%4) + (v&1) of the warp's row 16·(warp%4) + lane/4 + 8·(v>>1)). Two sets make two
+/// independent MMA chains per tile.
 /// a_tile / b_base: shared addresses of the stage's A tile and of the B tiles [k-step][split].
-template <class T, int KS, int SP>
-__device__ __forceinline__ void ws_tile_products(float (&d)[36], std::uint32_t a_tile, std::uint32_t b_base,
+template <class T, int KS, int SP, int kChains>
+__device__ __forceinline__ void ws_tile_products(float (&d)[kChains][36], std::uint32_t a_tile, std::uint32_t b_base,
                                                  int warp_in_group, int lane) {
+  static_assert(SP % kChains == 0, "each chain takes the same weight terms");
   constexpr std::uint32_t kBTile = kWgmmaMaxNTiles * 256;
 #ifdef TRIATTN_WGMMA_ENABLED
   (void)warp_in_group;
@@ -110,14 +117,17 @@ __device__ __forceinline__ void ws_tile_products(float (&d)[36], std::uint32_t a
 #pragma unroll
     for (int x = 0; x < SP; ++x)
       wgmma_m64n72k16_ss<std::is_same_v<T, f16_storage>>(
-          d, wgmma_desc_kmajor_sw128(a_tile + static_cast<std::uint32_t>((s >> 2) * 8192 + (s & 3) * 32), 1024u),
-          wgmma_desc_kmajor(b_base + static_cast<std::uint32_t>(s * SP + x) * kBTile, 128u, 256u), s + x);
+          d[x % kChains], wgmma_desc_kmajor_sw128(a_tile + static_cast<std::uint32_t>((s >> 2) * 8192 + (s & 3) * 32), 1024u),
+          wgmma_desc_kmajor(b_base + static_cast<std::uint32_t>(s * SP + x) * kBTile, 128u, 256u),
+          s * (SP / kChains) + x / kChains);
   wgmma_commit();
 #else
   // mma.sync: the warp's 16 rows (row groups 2w, 2w + 1) against each n-tile of 8 columns
   using Tr = MmaMaxTraits<T>;
 #pragma unroll
-  for (int v = 0; v < 36; ++v) d[v] = 0.0f;
+  for (int c = 0; c < kChains; ++c)
+#pragma unroll
+    for (int v = 0; v < 36; ++v) d[c][v] = 0.0f;
   const int mrow = lane & 7, mat = lane >> 3;  // ldmatrix: this lane's row address in matrix `mat`
 #pragma unroll
   for (int s = 0; s < KS; ++s) {
@@ -130,10 +140,11 @@ __device__ __forceinline__ void ws_tile_products(float (&d)[36], std::uint32_t a
         std::uint32_t b[2];  // the n-tile's two k-chunk core matrices, 128 bytes apart
         ldmatrix_x2(b, b_base + static_cast<std::uint32_t>(s * SP + x) * kBTile +
                            static_cast<std::uint32_t>(nt * 256 + ((lane >> 3) & 1) * 128 + mrow * 16));
-        float acc[4] = {d[4 * nt], d[4 * nt + 1], d[4 * nt + 2], d[4 * nt + 3]};
+        float* dc = d[x % kChains];
+        float acc[4] = {dc[4 * nt], dc[4 * nt + 1], dc[4 * nt + 2], dc[4 * nt + 3]};
         Tr::mma(acc, a, b[0], b[1]);
 #pragma unroll
-        for (int v = 0; v < 4; ++v) d[4 * nt + v] = acc[v];
+        for (int v = 0; v < 4; ++v) dc[4 * nt + v] = acc[v];
       }
   }
 #endif
@@ -141,12 +152,35 @@ __device__ __forceinline__ void ws_tile_products(float (&d)[36], std::uint32_t a
 
 /// Pins the accumulators at this point of the instruction stream (the compiler sees no register
 /// dependency between an asynchronous wgmma and its wait, so reads of d could move above it).
-__device__ __forceinline__ void ws_fence_operands(float (&d)[36]) {
+template <int kChains>
+__device__ __forceinline__ void ws_fence_operands(float (&d)[kChains][36]) {
 #ifdef TRIATTN_WGMMA_ENABLED
 #pragma unroll
-  for (int v = 0; v < 36; ++v) asm volatile("" : "+f"(d[v])::"memory");
+  for (int c = 0; c < kChains; ++c)
+#pragma unroll
+    for (int v = 0; v < 36; ++v) asm volatile("" : "+f"(d[c][v])::"memory");
 #else
   (void)d;
+#endif
+}
+
+/// Register reallocation between warpgroups (setmaxnreg, sm_90a) for two chains per tile: the
+/// MMA warpgroup's 2 x 2 accumulator sets (144 registers) need more than the kLaunchRegs every
+/// thread starts with, which the producer and norm warpgroups give up. setmaxnreg.inc blocks until
+/// the CTA's pool holds the registers asked for, so the three targets must balance exactly (an
+/// MMA target beyond what the others release hangs the kernel). One chain keeps the launch split.
+enum class WsRole { kMma, kNorm, kProducer };
+template <class Shape, int kChains, WsRole kRole>
+__device__ __forceinline__ void ws_set_max_registers() {
+#ifdef TRIATTN_WGMMA_ENABLED
+  if constexpr (kChains > 1) {
+    if constexpr (kRole == WsRole::kMma)
+      asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(Shape::kMmaRegs) : "memory");
+    else if constexpr (kRole == WsRole::kNorm)
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Shape::kNormRegs) : "memory");
+    else
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Shape::kProducerRegs) : "memory");
+  }
 #endif
 }
 
@@ -198,12 +232,12 @@ __device__ __forceinline__ float4 ws_key_norm(std::uint32_t a_tile, int r, const
 
 /// Warp-specialized tensor-core max-aggregation scorer (see the top of this file); dynamic shared
 /// memory MaxWsShape<T, HD, kStages>::smem_bytes(|D|), |D| <= 2·kWgmmaMaxNTiles.
-template <class T, class Id, int HD, RopeStyle S, int kStages, int kMmaGroups = 1>
-__global__ void __launch_bounds__(detail::MaxWsShape<T, HD, kStages, kMmaGroups>::kThreads, 1)
+template <class T, class Id, int HD, RopeStyle S, int kStages, int kChains = 1>
+__global__ void __launch_bounds__(detail::MaxWsShape<T, HD, kStages>::kThreads, 1)
     score_max_ws_kernel(KvCacheView<T, Id> view, ScoreModelView m, ScoreBatch a, float* __restrict__ scores,
                         detail::FastDiv fd) {
   detail::griddep_launch_dependents();  // the round's next kernel waits for this grid's completion
-  using Shape = detail::MaxWsShape<T, HD, kStages, kMmaGroups>;
+  using Shape = detail::MaxWsShape<T, HD, kStages>;
   using Tr = detail::MmaMaxTraits<T>;
   constexpr int F = Shape::kF, KS = Shape::kSteps, SP = Shape::kSplits, GH = Shape::kHeads, CPR = Shape::kCPR;
   constexpr int NT = kWgmmaMaxNTiles;
@@ -257,22 +291,23 @@ __global__ void __launch_bounds__(detail::MaxWsShape<T, HD, kStages, kMmaGroups>
     long long n;  // items left
   };
 
-  if (threadIdx.x >= Shape::kConsumerThreads) {  // ---- producer warp p fills ring p (tile p of each item) ----
-    const int p = warp - Shape::kConsumerThreads / 32;
+  if (threadIdx.x >= Shape::kConsumerThreads) {  // ---- producer warp: keys 32·half .. +32 of ring p's tiles ----
+    detail::ws_set_max_registers<Shape, kChains, detail::WsRole::kProducer>();
+    const int pw = warp - Shape::kConsumerThreads / 32, p = pw % Shape::kGroups, half = pw / Shape::kGroups;
     Cursor cur{row0, tile0, it_end - it0};
     long long kr_row = -1;
     detail::KeyRowAddr<T, Id> kr{};
-    // The next live item's tile, row addresses and block ids (keys lane and lane + 32 of tile p),
-    // their loads issued two items before the copies that need them, so that a table lookup is
-    // not in line with the copies (measured without effect while the copies were uncoalesced, 62
-    // µs both ways; kept: it costs a few registers of an otherwise idle warp).
+    // The next live item's tile, row addresses and block id (key 32·half + lane of tile p),
+    // their loads issued kAhead items before the copies that need them: a table lookup per item
+    // in line with the copies left the producers waiting on it (ncu, 2026-12-01: long-scoreboard
+    // stalls the top reason, 1.15 TB/s).
     struct Ahead {
       bool valid;
       int tile;
       const T* range;
       std::int64_t block_elems, token_stride, head_off;
       int len;
-      Id blk[2];
+      Id blk;
     };
     const auto gen = [&]() -> Ahead {
       Ahead q{};
@@ -297,12 +332,9 @@ __global__ void __launch_bounds__(detail::MaxWsShape<T, HD, kStages, kMmaGroups>
         q.token_stride = kr.token_stride;
         q.head_off = kr.head_off;
         q.len = kr.len;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int t = tile * Shape::kTile + p * Shape::kRows + 32 * h + lane;
-          const int page = static_cast<int>(fd.div(static_cast<std::uint32_t>(t)));
-          q.blk[h] = t < kr.len && page < view.max_blocks_per_seq ? kr.table[page] : Id(0);
-        }
+        const int t = tile * Shape::kTile + p * Shape::kRows + 32 * half + lane;
+        const int page = static_cast<int>(fd.div(static_cast<std::uint32_t>(t)));
+        q.blk = t < kr.len && page < view.max_blocks_per_seq ? kr.table[page] : Id(0);
         return q;
       }
       return q;
@@ -314,15 +346,12 @@ __global__ void __launch_bounds__(detail::MaxWsShape<T, HD, kStages, kMmaGroups>
       ka.block_elems = q0.block_elems;
       ka.token_stride = q0.token_stride;
       ka.head_off = q0.head_off;
-      const int t_first = q0.tile * Shape::kTile + p * Shape::kRows;
+      const int t_first = q0.tile * Shape::kTile + p * Shape::kRows + 32 * half;  // this warp's first key
       const int n_valid = q0.len - t_first;  // keys r >= n_valid are zero-filled
-      std::uint32_t mine[2];                  // chunk offsets of keys lane and lane + 32
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int t = t_first + 32 * h + lane;
-        const int page = static_cast<int>(fd.div(static_cast<std::uint32_t>(t)));
-        mine[h] = 32 * h + lane < n_valid ? detail::key_chunk_offset(ka, q0.blk[h], t - page * view.block.block_size) : 0u;
-      }
+      const int t = t_first + lane;
+      const int page = static_cast<int>(fd.div(static_cast<std::uint32_t>(t)));
+      const std::uint32_t mine =  // chunk offset of key 32·half + lane
+          lane < n_valid ? detail::key_chunk_offset(ka, q0.blk, t - page * view.block.block_size) : 0u;
       const int st = live % kStages;
       if (live >= kStages) detail::mbar_wait(empty_bar(p, st), static_cast<unsigned>(((live / kStages) & 1) ^ 1));
       // copy i: chunk lane % CPR of key i·(32 / CPR) + lane / CPR (whole keys per instruction)
@@ -331,11 +360,11 @@ __global__ void __launch_bounds__(detail::MaxWsShape<T, HD, kStages, kMmaGroups>
       const std::uint32_t dst0 = a_tile(p, st);
       const unsigned long long base = reinterpret_cast<unsigned long long>(q0.range) + static_cast<unsigned>(cc) * 16u;
 #pragma unroll
-      for (int i = 0; i < Shape::kRows / kKeysPerCopy; ++i) {
-        const int r = i * kKeysPerCopy + sub;
-        const std::uint32_t o = __shfl_sync(0xffffffffu, mine[(i * kKeysPerCopy) >> 5], r & 31);
-        detail::score_cp_async_16_or_zero(dst0 + detail::ws_chunk_offset(r, cc), detail::chunk_address(base, o),
-                                          r >= n_valid);
+      for (int i = 0; i < 32 / kKeysPerCopy; ++i) {
+        const int r = i * kKeysPerCopy + sub;  // key of this warp's 32
+        const std::uint32_t o = __shfl_sync(0xffffffffu, mine, r);
+        detail::score_cp_async_16_or_zero(dst0 + detail::ws_chunk_offset(32 * half + r, cc),
+                                          detail::chunk_address(base, o), r >= n_valid);
       }
       detail::mbar_arrive_on_cp_async(full_bar(p, st));
       ++live;
@@ -371,16 +400,34 @@ __global__ void __launch_bounds__(detail::MaxWsShape<T, HD, kStages, kMmaGroups>
   // Row change (uniform across the consumers): once every consumer is done with the old weights,
   // the MMA threads write the new row's B tiles (K-major core matrices [k-step][split][n-tile]
   // [k-chunk][column][8], column n of n-tile nt = (δ = 2·nt + n/4, head n%4)) and c.
+  // A new sequence's phases come from the norm warps: sincos has a slow path that is a call, and
+  // ptxas (CUDA 13.0) cannot apply setmaxnreg to a warpgroup whose code calls (it crashed).
   int w_b = -1;
-  double ct = 1.0, st = 0.0;  // cos/sin(t0·ω_f) of this thread's fold frequency (angle tables)
+  double* const ph_c = reinterpret_cast<double*>(ws_smem + Shape::kPhaseOff);  // cos(t0·ω_f) [F]
+  double* const ph_s = ph_c + F;                                                 // sin(t0·ω_f) [F]
   long long w_row = -1;
-  const auto fold_row = [&]() {
+  // is_norm: std::true_type in the norm warps' copy, false_type in the MMA warpgroup's (which then
+  // holds no sincos code at all).
+  const auto fold_row = [&](auto is_norm) {
     consumers_sync();
+    if (pre.row.b != w_b) {  // uniform across the consumers
+      if constexpr (decltype(is_norm)::value) {
+        const int i = static_cast<int>(threadIdx.x) - 32 * Shape::kMmaWarps;
+        constexpr int kNormThreads = 32 * Shape::kNormWarps;
+        if (angle_tables) {
+          for (int f = i; f < F; f += kNormThreads) detail::rope_cos_sin(pre.t0, m.omega[f], ph_c[f], ph_s[f]);
+        } else {  // the whole (t0 + δ)·ω_f table into cs_s / sn_s
+          for (int it = i; it < D * F; it += kNormThreads)
+            detail::rope_cos_sin(pre.t0 + static_cast<long long>(m.offsets[it / F]), m.omega[it % F], cs_s[it], sn_s[it]);
+        }
+      }
+      consumers_sync();
+    }
     const int item = static_cast<int>(threadIdx.x);
     if (item < GH * F) {
       int h, f;
       Pre::item_hf(item, h, f);
-      if (angle_tables && pre.row.b != w_b) detail::rope_cos_sin(pre.t0, m.omega[f], ct, st);
+      const double ct = ph_c[f], st = ph_s[f];
       const int hg = pre.row.hc * GH + h;
       const float c = pre.c[0];  // 0 past the group
       reinterpret_cast<float*>(c_s)[(f + f / 8) * 4 + h] = c;
@@ -389,13 +436,11 @@ __global__ void __launch_bounds__(detail::MaxWsShape<T, HD, kStages, kMmaGroups>
       for (int o = 0; o < 2 * NT; ++o) {
         float wr = 0.0f, wi = 0.0f;
         if (o < D && hg < G) {
-          double cs, sn;
-          if (angle_tables) {
-            const double cd = cs_s[o * F + f], sd = sn_s[o * F + f];
+          double cs = cs_s[o * F + f], sn = sn_s[o * F + f];
+          if (angle_tables) {  // cs_s / sn_s: the per-model cos/sin(δω_f)
+            const double cd = cs, sd = sn;
             cs = ct * cd - st * sd;
             sn = st * cd + ct * sd;
-          } else {
-            detail::rope_cos_sin(pre.t0 + static_cast<long long>(m.offsets[o]), m.omega[f], cs, sn);
           }
           fold_weight_from_phase(pre.q_re[0], pre.q_im[0], 1.0, 0.0, cs, sn, m.s2, &wr, &wi);
         }
@@ -423,7 +468,7 @@ __global__ void __launch_bounds__(detail::MaxWsShape<T, HD, kStages, kMmaGroups>
   int live = 0;
   detail::ScoreRow row{};
   int len = 0;
-  const auto next_item = [&](int& tile) -> bool {
+  const auto next_item = [&](int& tile, auto is_norm) -> bool {
     while (cur.n > 0) {
       const long long rid = cur.rid;
       tile = cur.tile;
@@ -438,7 +483,7 @@ __global__ void __launch_bounds__(detail::MaxWsShape<T, HD, kStages, kMmaGroups>
         continue;  // no keys in this item (every role skips it)
       }
       if (rid != w_row) {
-        fold_row();
+        fold_row(is_norm);
         w_row = rid;
         row = pre.row;  // what the stores of this row need
         len = pre.len;
@@ -449,8 +494,9 @@ __global__ void __launch_bounds__(detail::MaxWsShape<T, HD, kStages, kMmaGroups>
     return false;
   };
 
-  if (warp < Shape::kMmaWarps) {  // ---- MMA warpgroup mg: rings mg, mg + kMmaGroups, ... in turn ----
-    const int mg = warp >> 2, wig = warp & 3;
+  if (warp < Shape::kMmaWarps) {  // ---- the MMA warpgroup: each item's tiles ----
+    detail::ws_set_max_registers<Shape, kChains, detail::WsRole::kMma>();
+    const int wig = warp;
     const int g4 = lane >> 2, c4 = lane & 3;
     struct Pending {
       int grp;  // ring (tile of the item)
@@ -459,7 +505,12 @@ __global__ void __launch_bounds__(detail::MaxWsShape<T, HD, kStages, kMmaGroups>
       int key0;  // the tile's first key
     };
     // Max over δ (lane c4 holds δ parity c4/2 of heads 2(c4 & 1) + i), plus the norm term, stored.
-    const auto finish = [&](const float (&d)[36], const Pending& pd) {
+    const auto finish = [&](float (&dc)[kChains][36], const Pending& pd) {
+      float(&d)[36] = dc[0];
+#pragma unroll
+      for (int c = 1; c < kChains; ++c)
+#pragma unroll
+        for (int v = 0; v < 36; ++v) d[v] += dc[c][v];
       float best[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};  // [2·q + i]: row g4 + 8q, head 2(c4 & 1) + i
       const int my_delta_odd = c4 >> 1;
 #pragma unroll
@@ -490,19 +541,19 @@ __global__ void __launch_bounds__(detail::MaxWsShape<T, HD, kStages, kMmaGroups>
       }
       detail::mbar_arrive(empty_bar(pd.grp, pd.stage));  // this lane is done with the stage
     };
-    // Per item: the products of this warpgroup's tiles (rings mg, mg + kMmaGroups, ...) issued
-    // back to back, then each tile's max and stores while the later tiles' MMAs run. Every
+    // Per item: the products of the item's tiles issued back to back, then each tile's max and stores while the later tiles' MMAs run. Every
     // accumulator is waited for within its item, so the loop's data-dependent control flow holds
     // no MMA in flight (ptxas serialized every wgmma of a variant that kept one pending across
     // items: C7518, WG.DP in a divergent path).
-    constexpr int kTilesPerWg = Shape::kGroups / kMmaGroups;
-    float d[kTilesPerWg][36];
+    constexpr int kTilesPerWg = Shape::kGroups;
+    static_assert(kTilesPerWg == 2, "the waits below assume two tiles per item");
+    float d[kTilesPerWg][kChains][36];
     int tile = 0;
-    while (next_item(tile)) {
+    while (next_item(tile, std::false_type{})) {
       Pending pd[kTilesPerWg];
 #pragma unroll
       for (int j = 0; j < kTilesPerWg; ++j) {
-        pd[j].grp = mg + j * kMmaGroups;
+        pd[j].grp = j;
         pd[j].stage = live % kStages;
         pd[j].parity = static_cast<unsigned>((live / kStages) & 1);
         pd[j].key0 = tile * Shape::kTile + pd[j].grp * Shape::kRows;
@@ -511,13 +562,13 @@ __global__ void __launch_bounds__(detail::MaxWsShape<T, HD, kStages, kMmaGroups>
         detail::fence_proxy_async_smem();  // the producer's cp.async writes, read by wgmma (async proxy)
 #endif
         detail::ws_fence_operands(d[j]);
-        detail::ws_tile_products<T, KS, SP>(d[j], a_tile(pd[j].grp, pd[j].stage), b_base, wig, lane);
+        detail::ws_tile_products<T, KS, SP, kChains>(d[j], a_tile(pd[j].grp, pd[j].stage), b_base, wig, lane);
       }
       ++live;
 #pragma unroll
       for (int j = 0; j < kTilesPerWg; ++j) {
         if (j + 1 < kTilesPerWg)
-          detail::ws_wait_products<1>();  // kTilesPerWg <= 2
+          detail::ws_wait_products<1>();
         else
           detail::ws_wait_products<0>();
         detail::ws_fence_operands(d[j]);
@@ -525,10 +576,11 @@ __global__ void __launch_bounds__(detail::MaxWsShape<T, HD, kStages, kMmaGroups>
       }
     }
   } else {  // ---- norm warp nw: key 32·(nw % 2) + lane of MMA warpgroup nw / 2's tiles ----
+    detail::ws_set_max_registers<Shape, kChains, detail::WsRole::kNorm>();
     const int nw = warp - Shape::kMmaWarps, grp = nw >> 1;
     const int r = 32 * (nw & 1) + lane;
     int tile = 0;
-    while (next_item(tile)) {
+    while (next_item(tile, std::true_type{})) {
       const int stg = live % kStages;
       const unsigned par = static_cast<unsigned>((live / kStages) & 1);
       ++live;
