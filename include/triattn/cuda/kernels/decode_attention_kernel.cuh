@@ -387,6 +387,23 @@ __device__ __forceinline__ void store_empty(int nh, int b, int first_q_head, con
     store_f32(p.out + (static_cast<std::int64_t>(b) * p.num_q_heads + first_q_head + idx / D) * D + idx % D, 0.f);
 }
 
+/// This CTA's share of the split-K decode grid (x: token split, y: KV head x head pass, z: entry of
+/// the batch): kHP query heads from head0 of KV head kvh's group, nh of them real.
+template <int kHP>
+struct DecodeCtaHeads {
+  int b, kvh, head0, nh, first_q_head, seq;
+  template <class Params>
+  __device__ __forceinline__ explicit DecodeCtaHeads(const Params& p) {
+    b = static_cast<int>(blockIdx.z);
+    const int passes = (p.group_size + kHP - 1) / kHP;
+    kvh = static_cast<int>(blockIdx.y) / passes;
+    head0 = (static_cast<int>(blockIdx.y) % passes) * kHP;
+    nh = min(kHP, p.group_size - head0);
+    first_q_head = kvh * p.group_size + head0;
+    seq = p.seq_ids != nullptr ? p.seq_ids[b] : b;
+  }
+};
+
 }  // namespace detail
 
 /// 16-bit caches. Grid: [num_splits, num_kv_heads * passes, batch], tuning::DecodeAttention::kThreads.
@@ -414,13 +431,8 @@ __global__ void __launch_bounds__(tuning::sm90::DecodeAttention::kThreads, tunin
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const int g = lane >> 2;  // MMA group id
   const int q4 = lane & 3;  // thread in group
-  const int b = static_cast<int>(blockIdx.z);
-  const int passes = (p.group_size + kHP - 1) / kHP;
-  const int kvh = static_cast<int>(blockIdx.y) / passes;
-  const int head0 = (static_cast<int>(blockIdx.y) % passes) * kHP;
-  const int nh = min(kHP, p.group_size - head0);
-  const int first_q_head = kvh * p.group_size + head0;
-  const int seq = p.seq_ids != nullptr ? p.seq_ids[b] : b;
+  const detail::DecodeCtaHeads<kHP> cta(p);
+  const int b = cta.b, kvh = cta.kvh, nh = cta.nh, first_q_head = cta.first_q_head, seq = cta.seq;
   const int len = static_cast<int>(view.seq_lens[seq]);
   const int start = static_cast<int>(blockIdx.x) * p.tokens_per_split;
   const int end = min(len, start + p.tokens_per_split);
@@ -554,13 +566,8 @@ __global__ void __launch_bounds__(tuning::sm90::DecodeAttention::kThreads, tunin
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const int g = lane >> 2;
   const int q4 = lane & 3;
-  const int b = static_cast<int>(blockIdx.z);
-  const int passes = (p.group_size + kHP - 1) / kHP;
-  const int kvh = static_cast<int>(blockIdx.y) / passes;
-  const int head0 = (static_cast<int>(blockIdx.y) % passes) * kHP;
-  const int nh = min(kHP, p.group_size - head0);
-  const int first_q_head = kvh * p.group_size + head0;
-  const int seq = p.seq_ids != nullptr ? p.seq_ids[b] : b;
+  const detail::DecodeCtaHeads<kHP> cta(p);
+  const int b = cta.b, kvh = cta.kvh, nh = cta.nh, first_q_head = cta.first_q_head, seq = cta.seq;
   const Id* table = view.block_tables + static_cast<std::int64_t>(seq) * view.max_blocks_per_seq;
   const int bs = view.block.block_size;
   const int start = static_cast<int>(blockIdx.x) * p.tokens_per_split;
@@ -736,13 +743,8 @@ __global__ void __launch_bounds__(tuning::sm90::DecodeAttention::kThreads)
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const int half = lane >> 4;
   const int hl = lane & 15;
-  const int b = static_cast<int>(blockIdx.z);
-  const int passes = (p.group_size + kHP - 1) / kHP;
-  const int kvh = static_cast<int>(blockIdx.y) / passes;
-  const int head0 = (static_cast<int>(blockIdx.y) % passes) * kHP;
-  const int nh = min(kHP, p.group_size - head0);
-  const int first_q_head = kvh * p.group_size + head0;
-  const int seq = p.seq_ids != nullptr ? p.seq_ids[b] : b;
+  const detail::DecodeCtaHeads<kHP> cta(p);
+  const int b = cta.b, kvh = cta.kvh, nh = cta.nh, first_q_head = cta.first_q_head, seq = cta.seq;
   const int len = static_cast<int>(view.seq_lens[seq]);
   const int start = static_cast<int>(blockIdx.x) * p.tokens_per_split;
   const int end = min(len, start + p.tokens_per_split);

@@ -331,6 +331,112 @@ struct ScoreWork {
   }
 };
 
+/// The lane's U keys of one tile of the CUDA-core mean scorers (keys key0 + u·KPW, zeros past the
+/// row's length), as load_key orders their words.
+/// raw: [U][kWords] words of the lane's share of each key.
+template <class T, RopeStyle S, class Shape, class Id>
+__device__ __forceinline__ void load_tile_keys(const KeyRowAddr<T, Id>& kr, int key0, const FastDiv& fd,
+                                               int block_size, int li,
+                                               std::uint32_t (&raw)[Shape::kUnroll][Shape::kWords]) {
+#pragma unroll
+  for (int u = 0; u < Shape::kUnroll; ++u) {
+    const int t = key0 + u * Shape::kKPW;
+    if (t < kr.len) {
+      load_key<T, S, Shape>(kr.key(t, fd, block_size), li, raw[u]);
+    } else {
+#pragma unroll
+      for (int w = 0; w < Shape::kWords; ++w) raw[u][w] = 0u;
+    }
+  }
+}
+
+/// A row's weights for the CUDA-core mean scorers, written by the whole CTA (the caller
+/// synchronises before and after): W_re, W_im (the mean fold at the sequence's t0) and c of each
+/// pair and head of the row's chunk, 0 past the group.
+/// w_s: [pair j][kind: W_re, W_im, c][q][lane_in_key] float4, the order the lanes read them in
+/// (the LPK lanes of a key group read LPK consecutive float4: conflict-free, broadcast across groups).
+template <class Shape, int GMAX>
+__device__ __forceinline__ void fold_mean_weights(float4* w_s, const ScoreModelView& m, const ScoreBatch& a,
+                                                  const ScoreRow& row, int Hq, int G) {
+  constexpr int F = Shape::kF, P = Shape::kP, LPK = Shape::kLPK, Q = Shape::kQ;
+  const long long t0 = a.t0[row.b];
+  for (int f = threadIdx.x; f < F; f += blockDim.x) {
+    double cs = 1.0, sn = 0.0;
+    if (!m.disable_trig) rope_cos_sin(t0, m.omega[f], cs, sn);
+    const int i = f / P, j = f % P;
+#pragma unroll
+    for (int k = 0; k < GMAX; ++k) {
+      const int hg = row.hc * GMAX + k;  // head within the group
+      float wr = 0.0f, wi = 0.0f, c = 0.0f;
+      if (hg < G) {
+        const std::int64_t idx = (static_cast<std::int64_t>(row.l) * Hq + row.g * G + hg) * F + f;
+        if (!m.disable_trig)
+          fold_weight_from_phase(m.q_re[idx], m.q_im[idx], m.cmean_re[f], m.cmean_im[f], cs, sn, m.s2, &wr, &wi);
+        c = m.c[idx];
+      }
+      float* base = reinterpret_cast<float*>(w_s);
+      base[(((j * 3 + 0) * Q + k / 4) * LPK + i) * 4 + k % 4] = wr;
+      base[(((j * 3 + 1) * Q + k / 4) * LPK + i) * 4 + k % 4] = wi;
+      base[(((j * 3 + 2) * Q + k / 4) * LPK + i) * 4 + k % 4] = c;
+    }
+  }
+}
+
+/// Scores of the lane's U keys of one tile (CUDA-core mean scorers): per key Σ_j W_re·k_re +
+/// W_im·k_im + c·|k_j| over the lane's pairs, reduce-scattered over the key's lanes; `writer` lanes
+/// store head my_head's score of keys below `len`. Both scorers share it, so their scores are
+/// bitwise the same.
+/// w_s: fold_mean_weights' layout. raw: [U][kWords] (load_tile_keys).
+/// scores: [batch, L, Hq, max_len].
+template <class T, RopeStyle S, class Shape, int GMAX>
+__device__ __forceinline__ void mean_tile_scores(const float4* w_s, const std::uint32_t (&raw)[Shape::kUnroll][Shape::kWords],
+                                                 int lane, int li, int my_head, bool writer, int key0, int len,
+                                                 const ScoreRow& row, int L, int Hq, int G, const ScoreBatch& a,
+                                                 float* __restrict__ scores) {
+  constexpr int P = Shape::kP, LPK = Shape::kLPK, KPW = Shape::kKPW, U = Shape::kUnroll, Q = Shape::kQ;
+  float acc[U][GMAX];
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+#pragma unroll
+    for (int k = 0; k < GMAX; ++k) acc[u][k] = 0.0f;
+#pragma unroll
+  for (int j = 0; j < P; ++j) {
+    float4 wre[Q], wim[Q], wc[Q];
+#pragma unroll
+    for (int q = 0; q < Q; ++q) {
+      wre[q] = w_s[((j * 3 + 0) * Q + q) * LPK + li];
+      wim[q] = w_s[((j * 3 + 1) * Q + q) * LPK + li];
+      wc[q] = w_s[((j * 3 + 2) * Q + q) * LPK + li];
+    }
+    const float* fre = reinterpret_cast<const float*>(wre);
+    const float* fim = reinterpret_cast<const float*>(wim);
+    const float* fc = reinterpret_cast<const float*>(wc);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float re, im;
+      pair_of<T, S, P>(raw[u], j, re, im);
+      const float sq = fmaf(re, re, fmaf(im, im, 1e-8f));
+      const float nrm = pair_norm(sq);
+#pragma unroll
+      for (int k = 0; k < GMAX; ++k) {
+        acc[u][k] = fmaf(fre[k], re, acc[u][k]);
+        acc[u][k] = fmaf(fim[k], im, acc[u][k]);
+        acc[u][k] = fmaf(fc[k], nrm, acc[u][k]);
+      }
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    reduce_scatter<LPK, GMAX>(acc[u], lane);
+    const int t = key0 + u * KPW;
+    const int hg = row.hc * GMAX + my_head;
+    if (writer && t < len && hg < G) {
+      const std::int64_t o = ((static_cast<std::int64_t>(row.b) * L + row.l) * Hq + row.g * G + hg) * a.max_len + t;
+      scores[o] = acc[u][0];
+    }
+  }
+}
+
 }  // namespace detail
 
 /// Mean-aggregation (and disable_trig) scorer.
@@ -344,11 +450,9 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 8>::kThreads, 
     score_mean_kernel(KvCacheView<T, Id> view, ScoreModelView m, ScoreBatch a, float* __restrict__ scores,
                       detail::FastDiv fd) {
   using Shape = detail::ScoreShape<T, HD, GMAX, 8>;
-  constexpr int F = Shape::kF, P = Shape::kP, LPK = Shape::kLPK, KPW = Shape::kKPW, U = Shape::kUnroll;
+  constexpr int P = Shape::kP, LPK = Shape::kLPK, KPW = Shape::kKPW, U = Shape::kUnroll;
   constexpr int Q = Shape::kQ, W = Shape::kWords;
-  // Weights in the order lanes read them: [pair j][kind: W_re, W_im, c][q][lane_in_key] float4, so
-  // the LPK lanes of a key group read LPK consecutive float4 (conflict-free, broadcast across groups).
-  __shared__ float4 w_s[P * 3 * Q * LPK];
+  __shared__ float4 w_s[P * 3 * Q * LPK];  // the row's weights (fold_mean_weights' layout)
 
   const detail::ScoreWork work(m, a, GMAX, Shape::kTile);
   const int L = work.L, Hq = work.Hq, Hkv = work.Hkv, G = work.G, HC = work.HC, tiles_per_row = work.tiles_per_row;
@@ -380,85 +484,17 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 8>::kThreads, 
     // warp w scores keys tile_start + w·KPW·U + u·KPW + kg, u < U
     const int key0 = tile * Shape::kTile + warp * KPW * U + kg;
     std::uint32_t raw[U][W];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int t = key0 + u * KPW;
-      if (t < kr.len) {
-        detail::load_key<T, S, Shape>(kr.key(t, fd, block_size), li, raw[u]);
-      } else {
-#pragma unroll
-        for (int w = 0; w < W; ++w) raw[u][w] = 0u;
-      }
-    }
+    detail::load_tile_keys<T, S, Shape>(kr, key0, fd, block_size, li, raw);
 
     if (new_row) {
       __syncthreads();  // every warp is done with the previous row's weights
-      const long long t0 = a.t0[row.b];
-      for (int f = threadIdx.x; f < F; f += blockDim.x) {
-        double cs = 1.0, sn = 0.0;
-        if (!m.disable_trig) detail::rope_cos_sin(t0, m.omega[f], cs, sn);
-        const int i = f / P, j = f % P;
-#pragma unroll
-        for (int k = 0; k < GMAX; ++k) {
-          const int hg = row.hc * GMAX + k;  // head within the group
-          float wr = 0.0f, wi = 0.0f, c = 0.0f;
-          if (hg < G) {
-            const std::int64_t idx = (static_cast<std::int64_t>(row.l) * Hq + row.g * G + hg) * F + f;
-            if (!m.disable_trig)
-              fold_weight_from_phase(m.q_re[idx], m.q_im[idx], m.cmean_re[f], m.cmean_im[f], cs, sn, m.s2, &wr, &wi);
-            c = m.c[idx];
-          }
-          float* base = reinterpret_cast<float*>(w_s);
-          base[(((j * 3 + 0) * Q + k / 4) * LPK + i) * 4 + k % 4] = wr;
-          base[(((j * 3 + 1) * Q + k / 4) * LPK + i) * 4 + k % 4] = wi;
-          base[(((j * 3 + 2) * Q + k / 4) * LPK + i) * 4 + k % 4] = c;
-        }
-      }
+      detail::fold_mean_weights<Shape, GMAX>(w_s, m, a, row, Hq, G);
       __syncthreads();
       cur_row = row_id;
     }
 
-    float acc[U][GMAX];
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int k = 0; k < GMAX; ++k) acc[u][k] = 0.0f;
-#pragma unroll
-    for (int j = 0; j < P; ++j) {
-      float4 wre[Q], wim[Q], wc[Q];
-#pragma unroll
-      for (int q = 0; q < Q; ++q) {
-        wre[q] = w_s[((j * 3 + 0) * Q + q) * LPK + li];
-        wim[q] = w_s[((j * 3 + 1) * Q + q) * LPK + li];
-        wc[q] = w_s[((j * 3 + 2) * Q + q) * LPK + li];
-      }
-      const float* fre = reinterpret_cast<const float*>(wre);
-      const float* fim = reinterpret_cast<const float*>(wim);
-      const float* fc = reinterpret_cast<const float*>(wc);
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        float re, im;
-        detail::pair_of<T, S, P>(raw[u], j, re, im);
-        const float sq = fmaf(re, re, fmaf(im, im, 1e-8f));
-        const float nrm = detail::pair_norm(sq);
-#pragma unroll
-        for (int k = 0; k < GMAX; ++k) {
-          acc[u][k] = fmaf(fre[k], re, acc[u][k]);
-          acc[u][k] = fmaf(fim[k], im, acc[u][k]);
-          acc[u][k] = fmaf(fc[k], nrm, acc[u][k]);
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      detail::reduce_scatter<LPK, GMAX>(acc[u], lane);
-      const int t = key0 + u * KPW;
-      const int hg = row.hc * GMAX + my_head;
-      if (writer && t < kr.len && hg < G) {
-        const std::int64_t o = ((static_cast<std::int64_t>(row.b) * L + row.l) * Hq + row.g * G + hg) * a.max_len + t;
-        scores[o] = acc[u][0];
-      }
-    }
+    detail::mean_tile_scores<T, S, Shape, GMAX>(w_s, raw, lane, li, my_head, writer, key0, kr.len, row, L, Hq, G, a,
+                                                scores);
     ++it;
   }
 }
@@ -473,9 +509,9 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 4>::kThreads, 
     score_mean_pipe_kernel(KvCacheView<T, Id> view, ScoreModelView m, ScoreBatch a, float* __restrict__ scores,
                            detail::FastDiv fd) {
   using Shape = detail::ScoreShape<T, HD, GMAX, 4>;
-  constexpr int F = Shape::kF, P = Shape::kP, LPK = Shape::kLPK, KPW = Shape::kKPW, U = Shape::kUnroll;
+  constexpr int P = Shape::kP, LPK = Shape::kLPK, KPW = Shape::kKPW, U = Shape::kUnroll;
   constexpr int Q = Shape::kQ, W = Shape::kWords;
-  __shared__ float4 w_s[P * 3 * Q * LPK];
+  __shared__ float4 w_s[P * 3 * Q * LPK];  // the row's weights (fold_mean_weights' layout)
 
   const detail::ScoreWork work(m, a, GMAX, Shape::kTile);
   const int L = work.L, Hq = work.Hq, Hkv = work.Hkv, G = work.G, HC = work.HC, tiles_per_row = work.tiles_per_row;
@@ -508,90 +544,20 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 4>::kThreads, 
   };
   const auto load = [&](long long i, std::uint32_t (&raw)[U][W]) {
     const int tile = static_cast<int>(i - rid_n * tiles_per_row);
-    const int key0 = tile * Shape::kTile + warp * KPW * U + kg;
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int t = key0 + u * KPW;
-      if (t < kr_n.len) {
-        detail::load_key<T, S, Shape>(kr_n.key(t, fd, block_size), li, raw[u]);
-      } else {
-#pragma unroll
-        for (int w = 0; w < W; ++w) raw[u][w] = 0u;
-      }
-    }
+    detail::load_tile_keys<T, S, Shape>(kr_n, tile * Shape::kTile + warp * KPW * U + kg, fd, block_size, li, raw);
   };
   long long cur_row = -1;
   const auto compute = [&](const std::uint32_t (&raw)[U][W], long long i, long long rid, const detail::ScoreRow& row,
                            int len) {
     if (rid != cur_row) {
       __syncthreads();  // every warp is done with the previous row's weights
-      const long long t0 = a.t0[row.b];
-      for (int f = threadIdx.x; f < F; f += blockDim.x) {
-        double cs = 1.0, sn = 0.0;
-        if (!m.disable_trig) detail::rope_cos_sin(t0, m.omega[f], cs, sn);
-        const int ii = f / P, j = f % P;
-#pragma unroll
-        for (int k = 0; k < GMAX; ++k) {
-          const int hg = row.hc * GMAX + k;
-          float wr = 0.0f, wi = 0.0f, c = 0.0f;
-          if (hg < G) {
-            const std::int64_t idx = (static_cast<std::int64_t>(row.l) * Hq + row.g * G + hg) * F + f;
-            if (!m.disable_trig)
-              fold_weight_from_phase(m.q_re[idx], m.q_im[idx], m.cmean_re[f], m.cmean_im[f], cs, sn, m.s2, &wr, &wi);
-            c = m.c[idx];
-          }
-          float* base = reinterpret_cast<float*>(w_s);
-          base[(((j * 3 + 0) * Q + k / 4) * LPK + ii) * 4 + k % 4] = wr;
-          base[(((j * 3 + 1) * Q + k / 4) * LPK + ii) * 4 + k % 4] = wi;
-          base[(((j * 3 + 2) * Q + k / 4) * LPK + ii) * 4 + k % 4] = c;
-        }
-      }
+      detail::fold_mean_weights<Shape, GMAX>(w_s, m, a, row, Hq, G);
       __syncthreads();
       cur_row = rid;
     }
     const int tile = static_cast<int>(i - rid * tiles_per_row);
     const int key0 = tile * Shape::kTile + warp * KPW * U + kg;
-    float acc[U][GMAX];
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int k = 0; k < GMAX; ++k) acc[u][k] = 0.0f;
-#pragma unroll
-    for (int j = 0; j < P; ++j) {
-      float4 wre[Q], wim[Q], wc[Q];
-#pragma unroll
-      for (int q = 0; q < Q; ++q) {
-        wre[q] = w_s[((j * 3 + 0) * Q + q) * LPK + li];
-        wim[q] = w_s[((j * 3 + 1) * Q + q) * LPK + li];
-        wc[q] = w_s[((j * 3 + 2) * Q + q) * LPK + li];
-      }
-      const float* fre = reinterpret_cast<const float*>(wre);
-      const float* fim = reinterpret_cast<const float*>(wim);
-      const float* fc = reinterpret_cast<const float*>(wc);
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        float re, im;
-        detail::pair_of<T, S, P>(raw[u], j, re, im);
-        const float sq = fmaf(re, re, fmaf(im, im, 1e-8f));
-        const float nrm = detail::pair_norm(sq);
-#pragma unroll
-        for (int k = 0; k < GMAX; ++k) {
-          acc[u][k] = fmaf(fre[k], re, acc[u][k]);
-          acc[u][k] = fmaf(fim[k], im, acc[u][k]);
-          acc[u][k] = fmaf(fc[k], nrm, acc[u][k]);
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      detail::reduce_scatter<LPK, GMAX>(acc[u], lane);
-      const int t = key0 + u * KPW;
-      const int hg = row.hc * GMAX + my_head;
-      if (writer && t < len && hg < G) {
-        const std::int64_t o = ((static_cast<std::int64_t>(row.b) * L + row.l) * Hq + row.g * G + hg) * a.max_len + t;
-        scores[o] = acc[u][0];
-      }
-    }
+    detail::mean_tile_scores<T, S, Shape, GMAX>(w_s, raw, lane, li, my_head, writer, key0, len, row, L, Hq, G, a, scores);
   };
 
   if (!find(it)) return;
