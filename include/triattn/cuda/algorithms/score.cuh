@@ -99,6 +99,20 @@ inline int prefer_max_shared_then_occupancy(Kernel kernel, int threads, std::siz
   return resident_ctas(kernel, threads, smem);
 }
 
+/// CTAs per SM of a kernel whose dynamic shared memory depends on |D|: `query()` (one of the two
+/// above) runs when `smem` differs from the last call's, and the answer is kept in `cache` as
+/// (smem << 16 | CTAs), so a round captured in a graph makes no occupancy query. At least 1.
+template <class Query>
+inline int ctas_per_sm_cached(std::atomic<unsigned long long>& cache, std::size_t smem, Query&& query) noexcept {
+  unsigned long long c = cache.load(std::memory_order_relaxed);
+  if ((c >> 16) != smem || c == 0) {
+    c = (static_cast<unsigned long long>(smem) << 16) | static_cast<unsigned long long>(query() & 0xffff);
+    cache.store(c, std::memory_order_relaxed);
+  }
+  const int n = static_cast<int>(c & 0xffff);
+  return n > 0 ? n : 1;
+}
+
 /// Raises `kernel`'s dynamic shared-memory limit to `smem` once per device (tracked in
 /// `granted`), so steady-state launches (e.g. inside a graph capture) make no attribute call.
 template <class Kernel>
@@ -201,14 +215,8 @@ template <class T, class Id, int HD, RopeStyle S>
     const std::size_t smem = score_max_mma_smem_bytes<T, HD>(m.num_offsets);
     static DynamicSmemGrant granted;
     TRIATTN_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem(kernel, smem, granted));
-    static std::atomic<unsigned long long> cached{0};  // (smem << 16 | CTAs per SM), see below
-    unsigned long long c = cached.load(std::memory_order_relaxed);
-    if ((c >> 16) != smem || c == 0) {
-      c = (static_cast<unsigned long long>(smem) << 16) |
-          static_cast<unsigned long long>(resident_ctas(kernel, Shape::kThreads, smem) & 0xffff);
-      cached.store(c, std::memory_order_relaxed);
-    }
-    const int per_sm = static_cast<int>(c & 0xffff) > 0 ? static_cast<int>(c & 0xffff) : 1;
+    static std::atomic<unsigned long long> cached{0};
+    const int per_sm = ctas_per_sm_cached(cached, smem, [&] { return resident_ctas(kernel, Shape::kThreads, smem); });
     const long long items = rows * ((a.max_len + Shape::kTile - 1) / Shape::kTile);
     kernel<<<score_grid(items, sms, per_sm, opt), Shape::kThreads, smem, stream>>>(view, m, a, scores, fd);
     return check_launch(stream);
@@ -256,14 +264,9 @@ template <class T, class Id, int HD, RopeStyle S, bool kWgmma, int kSplits = 0, 
                                             Cfg::kKeys, kNormFfma>;
     static DynamicSmemGrant granted;
     TRIATTN_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem(kernel, smem, granted));
-    static std::atomic<unsigned long long> cached{0};  // (smem << 16 | CTAs per SM), as launch_score_max_mma
-    unsigned long long c = cached.load(std::memory_order_relaxed);
-    if ((c >> 16) != smem || c == 0) {
-      c = (static_cast<unsigned long long>(smem) << 16) |
-          static_cast<unsigned long long>(prefer_max_shared_then_occupancy(kernel, Shape::kThreads, smem) & 0xffff);
-      cached.store(c, std::memory_order_relaxed);
-    }
-    const int per_sm = static_cast<int>(c & 0xffff) > 0 ? static_cast<int>(c & 0xffff) : 1;
+    static std::atomic<unsigned long long> cached{0};
+    const int per_sm = ctas_per_sm_cached(
+        cached, smem, [&] { return prefer_max_shared_then_occupancy(kernel, Shape::kThreads, smem); });
     const long long items = rows * ((a.max_len + Shape::kTile - 1) / Shape::kTile);
     kernel<<<score_grid(items, sms, per_sm, opt), Shape::kThreads, smem, stream>>>(view, m, a, scores, fd);
     return check_launch(stream);
@@ -302,16 +305,8 @@ template <class T, class Id, int HD, RopeStyle S, int GMAX>
   const std::size_t smem = score_max_smem_bytes<HD, GMAX>(m.num_offsets);
   static DynamicSmemGrant granted;
   TRIATTN_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem(kernel, smem, granted));
-  // Occupancy depends on |D| (shared memory): cached per instantiation as (smem << 16 | CTAs),
-  // so a round captured in a graph makes no occupancy query.
-  static std::atomic<unsigned long long> cached{0};
-  unsigned long long c = cached.load(std::memory_order_relaxed);
-  if ((c >> 16) != smem || c == 0) {
-    c = (static_cast<unsigned long long>(smem) << 16) |
-        static_cast<unsigned long long>(resident_ctas(kernel, Shape::kThreads, smem) & 0xffff);
-    cached.store(c, std::memory_order_relaxed);
-  }
-  const int per_sm = static_cast<int>(c & 0xffff) > 0 ? static_cast<int>(c & 0xffff) : 1;
+  static std::atomic<unsigned long long> cached{0};  // occupancy depends on |D| (shared memory)
+  const int per_sm = ctas_per_sm_cached(cached, smem, [&] { return resident_ctas(kernel, Shape::kThreads, smem); });
   const long long items = rows * ((a.max_len + Shape::kTile - 1) / Shape::kTile);
   kernel<<<score_grid(items, sms, per_sm, opt), Shape::kThreads, smem, stream>>>(view, m, a, scores, fd);
   return check_launch(stream);
