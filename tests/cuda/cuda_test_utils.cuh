@@ -48,6 +48,18 @@ inline std::uint64_t test_seed() {
   return seed;
 }
 
+/// The grid issue #4 asks every copying and attention kernel to pass: page sizes, both layouts,
+/// head dims (every dtype comes from the test's template list).
+constexpr int kPageSizes[] = {1, 7, 16, 64};
+constexpr KvLayout kLayouts[] = {KvLayout::kNHD, KvLayout::kHND};
+constexpr int kHeadDims[] = {64, 128};
+
+/// Per-dtype salt of a seed, so the dtypes of one run draw different data.
+template <class T>
+std::uint64_t dtype_salt() {
+  return static_cast<std::uint64_t>(dtype_of<T>) * 0x9E3779B97F4A7C15ull;
+}
+
 /// Seed of one case for a 32-bit std::mt19937: TRIATTN_TEST_SEED if set, else a fresh one on
 /// every call.
 inline std::uint32_t fresh_seed32() {

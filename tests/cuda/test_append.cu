@@ -14,15 +14,6 @@ using namespace triattn;
 using test::DeviceBuffer;
 using test::PagedFixture;
 
-constexpr int kPageSizes[] = {1, 7, 16, 64};
-constexpr KvLayout kLayouts[] = {KvLayout::kNHD, KvLayout::kHND};
-constexpr int kHeadDims[] = {64, 128};
-
-template <class T>
-std::uint64_t salt() {
-  return static_cast<std::uint64_t>(dtype_of<T>) * 0x9E3779B97F4A7C15ull;
-}
-
 }  // namespace
 
 TEST_CASE("append: argument checks (no device needed)") {
@@ -56,10 +47,10 @@ TEST_SUITE("gpu") {
     test::require_device();
     const std::uint64_t seed = test::test_seed();
     MESSAGE("seed = ", seed, " (set TRIATTN_TEST_SEED to replay)");
-    std::mt19937_64 rng(seed ^ salt<T>());
-    for (int bs : kPageSizes)
-      for (KvLayout layout : kLayouts)
-        for (int d : kHeadDims) {
+    std::mt19937_64 rng(seed ^ test::dtype_salt<T>());
+    for (int bs : test::kPageSizes)
+      for (KvLayout layout : test::kLayouts)
+        for (int d : test::kHeadDims) {
           CAPTURE(seed);
           CAPTURE(bs);
           CAPTURE(layout_name(layout));
@@ -121,10 +112,10 @@ TEST_SUITE("gpu") {
     test::require_device();
     const std::uint64_t seed = test::test_seed();
     MESSAGE("seed = ", seed);
-    std::mt19937_64 rng(seed ^ salt<T>() ^ 1);
-    for (int bs : kPageSizes)
-      for (KvLayout layout : kLayouts)
-        for (int d : kHeadDims) {
+    std::mt19937_64 rng(seed ^ test::dtype_salt<T>() ^ 1);
+    for (int bs : test::kPageSizes)
+      for (KvLayout layout : test::kLayouts)
+        for (int d : test::kHeadDims) {
           CAPTURE(seed);
           CAPTURE(bs);
           CAPTURE(layout_name(layout));
@@ -168,10 +159,10 @@ TEST_SUITE("gpu") {
     test::require_device();
     const std::uint64_t seed = test::test_seed();
     MESSAGE("seed = ", seed);
-    std::mt19937_64 rng(seed ^ salt<T>() ^ 2);
-    for (int bs : kPageSizes)
-      for (KvLayout layout : kLayouts)
-        for (int d : kHeadDims) {
+    std::mt19937_64 rng(seed ^ test::dtype_salt<T>() ^ 2);
+    for (int bs : test::kPageSizes)
+      for (KvLayout layout : test::kLayouts)
+        for (int d : test::kHeadDims) {
           CAPTURE(seed);
           CAPTURE(bs);
           CAPTURE(layout_name(layout));

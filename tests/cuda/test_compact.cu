@@ -19,9 +19,6 @@ using namespace triattn;
 using test::DeviceBuffer;
 using test::PagedFixture;
 
-constexpr int kPageSizes[] = {1, 7, 16, 64};
-constexpr KvLayout kLayouts[] = {KvLayout::kNHD, KvLayout::kHND};
-constexpr int kHeadDims[] = {64, 128};
 // {parts, vecs_per_thread}: the automatic choice first, then every compiled split.
 constexpr cuda::CompactOptions kSplits[] = {{0, 0}, {1, 4}, {1, 8}, {2, 4}, {2, 8}};
 
@@ -109,11 +106,6 @@ struct DevicePlan {
   [[nodiscard]] cuda::CompactParams params() const { return {kept.get(), keep.get(), seq_ids.get(), max_keep}; }
 };
 
-template <class T>
-std::uint64_t salt() {
-  return static_cast<std::uint64_t>(dtype_of<T>) * 0x9E3779B97F4A7C15ull;
-}
-
 }  // namespace
 
 TEST_CASE("compact: argument checks (no device needed)") {
@@ -133,10 +125,10 @@ TEST_SUITE("gpu") {
     test::require_device();
     const std::uint64_t seed = test::test_seed();
     MESSAGE("seed = ", seed, " (set TRIATTN_TEST_SEED to replay)");
-    std::mt19937_64 rng(seed ^ salt<T>());
-    for (int bs : kPageSizes)
-      for (KvLayout layout : kLayouts)
-        for (int d : kHeadDims) {
+    std::mt19937_64 rng(seed ^ test::dtype_salt<T>());
+    for (int bs : test::kPageSizes)
+      for (KvLayout layout : test::kLayouts)
+        for (int d : test::kHeadDims) {
           CAPTURE(seed);
           CAPTURE(bs);
           CAPTURE(layout_name(layout));

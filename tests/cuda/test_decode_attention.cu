@@ -22,16 +22,8 @@ using namespace triattn;
 using test::DeviceBuffer;
 using test::PagedFixture;
 
-constexpr int kPageSizes[] = {1, 7, 16, 64};
-constexpr KvLayout kLayouts[] = {KvLayout::kNHD, KvLayout::kHND};
-constexpr int kHeadDims[] = {64, 128};
 constexpr int kGroups[] = {1, 4, 12};
 constexpr int kVariants = cuda::tuning::sm90::DecodeAttention::kNumVariants;
-
-template <class T>
-std::uint64_t salt() {
-  return static_cast<std::uint64_t>(dtype_of<T>) * 0x9E3779B97F4A7C15ull;
-}
 
 /// ||got - want|| / ||want||; every element must be finite (the output was poisoned with NaN).
 template <class O>
@@ -144,10 +136,10 @@ TEST_SUITE("gpu") {
     test::require_device();
     const std::uint64_t seed = test::test_seed();
     MESSAGE("seed = ", seed, " (set TRIATTN_TEST_SEED to replay)");
-    std::mt19937_64 rng(seed ^ salt<T>());
-    for (int bs : kPageSizes)
-      for (KvLayout layout : kLayouts)
-        for (int d : kHeadDims)
+    std::mt19937_64 rng(seed ^ test::dtype_salt<T>());
+    for (int bs : test::kPageSizes)
+      for (KvLayout layout : test::kLayouts)
+        for (int d : test::kHeadDims)
           for (int group : kGroups) {
             CAPTURE(seed);
             CAPTURE(bs);
@@ -204,7 +196,7 @@ TEST_SUITE("gpu") {
     test::require_device();
     const std::uint64_t seed = test::test_seed();
     MESSAGE("seed = ", seed);
-    std::mt19937_64 rng(seed ^ salt<T>() ^ 5);
+    std::mt19937_64 rng(seed ^ test::dtype_salt<T>() ^ 5);
     const int hkv = 8, group = 4, hq = 32, d = 128;
     const std::vector<int> lens{5000, 3, 1200};
     PagedFixture<T> f(rng, KvLayout::kNHD, 16, hkv, d, 1, lens, lens);
@@ -233,7 +225,7 @@ TEST_SUITE("gpu") {
     using T = bf16_storage;
     const std::uint64_t seed = test::test_seed();
     MESSAGE("seed = ", seed);
-    std::mt19937_64 rng(seed ^ salt<T>() ^ 7);
+    std::mt19937_64 rng(seed ^ test::dtype_salt<T>() ^ 7);
     const int hkv = 8, group = 4, hq = 32, d = 128, batch = 2;
     const std::vector<int> lens{3000, 777};
     PagedFixture<T> f(rng, KvLayout::kHND, 16, hkv, d, 1, lens, lens);

@@ -114,11 +114,6 @@ KeepPlan random_plan(std::mt19937_64& rng, const ModelGeometry& g, int len, int 
   return p;
 }
 
-template <class T>
-std::uint64_t salt() {
-  return static_cast<std::uint64_t>(dtype_of<T>) * 0x9E3779B97F4A7C15ull;
-}
-
 }  // namespace
 
 TEST_CASE("device kv cache: policy types compose (no device needed)") {
@@ -185,7 +180,7 @@ TEST_SUITE("gpu") {
     for (KvLayout layout : {KvLayout::kNHD, KvLayout::kHND}) {
       CAPTURE(seed);
       CAPTURE(layout_name(layout));
-      std::mt19937_64 rng(seed ^ salt<T>() ^ static_cast<std::uint64_t>(layout));
+      std::mt19937_64 rng(seed ^ test::dtype_salt<T>() ^ static_cast<std::uint64_t>(layout));
       const CacheConfig cfg = make_config(dtype_of<T>, layout);
       HostCache host(cfg);
       cudaStream_t stream = nullptr;
@@ -239,7 +234,7 @@ TEST_SUITE("gpu") {
     test::require_device();
     const std::uint64_t seed = test::test_seed();
     MESSAGE("seed = ", seed);
-    std::mt19937_64 rng(seed ^ salt<T>() ^ 99);
+    std::mt19937_64 rng(seed ^ test::dtype_salt<T>() ^ 99);
     const CacheConfig cfg = make_config(dtype_of<T>, KvLayout::kNHD);
     HostCache host(cfg);
     cuda::DeviceKvCache<> dev(cfg);
