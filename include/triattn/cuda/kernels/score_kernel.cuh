@@ -383,17 +383,20 @@ __device__ __forceinline__ void fold_mean_weights(float4* w_s, const ScoreModelV
 }
 
 /// Scores of the lane's U keys of one tile (CUDA-core mean scorers): per key Σ_j W_re·k_re +
-/// W_im·k_im + c·|k_j| over the lane's pairs, reduce-scattered over the key's lanes; `writer` lanes
-/// store head my_head's score of keys below `len`. Both scorers share it, so their scores are
+/// W_im·k_im + c·|k_j| over the lane's pairs, reduce-scattered over the key's lanes; one lane per
+/// (key, head) stores the score of keys below `len`. Both scorers share it, so their scores are
 /// bitwise the same.
 /// w_s: fold_mean_weights' layout. raw: [U][kWords] (load_tile_keys).
 /// scores: [batch, L, Hq, max_len].
 template <class T, RopeStyle S, class Shape, int GMAX>
-__device__ __forceinline__ void mean_tile_scores(const float4* w_s, const std::uint32_t (&raw)[Shape::kUnroll][Shape::kWords],
-                                                 int lane, int li, int my_head, bool writer, int key0, int len,
-                                                 const ScoreRow& row, int L, int Hq, int G, const ScoreBatch& a,
-                                                 float* __restrict__ scores) {
+__device__ __forceinline__ void mean_tile_scores(const float4* w_s,
+                                                 const std::uint32_t (&raw)[Shape::kUnroll][Shape::kWords], int lane,
+                                                 int key0, int len, const ScoreRow& row, int L, int Hq, int G,
+                                                 const ScoreBatch& a, float* __restrict__ scores) {
   constexpr int P = Shape::kP, LPK = Shape::kLPK, KPW = Shape::kKPW, U = Shape::kUnroll, Q = Shape::kQ;
+  const int li = lane % LPK;                                   // lane within the key
+  const int my_head = reduce_scatter_head<LPK, GMAX>(lane);    // whose sum reduce_scatter leaves here
+  const bool writer = (lane & (LPK / GMAX - 1)) == 0;          // one lane per (key, head) stores
   float acc[U][GMAX];
 #pragma unroll
   for (int u = 0; u < U; ++u)
@@ -460,8 +463,6 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 8>::kThreads, 
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int li = lane % LPK, kg = lane / LPK;
-  const int my_head = detail::reduce_scatter_head<LPK, GMAX>(lane);
-  const bool writer = (lane & (LPK / GMAX - 1)) == 0;
   const int block_size = view.block.block_size;
 
   long long cur_row = -1;
@@ -493,8 +494,7 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 8>::kThreads, 
       cur_row = row_id;
     }
 
-    detail::mean_tile_scores<T, S, Shape, GMAX>(w_s, raw, lane, li, my_head, writer, key0, kr.len, row, L, Hq, G, a,
-                                                scores);
+    detail::mean_tile_scores<T, S, Shape, GMAX>(w_s, raw, lane, key0, kr.len, row, L, Hq, G, a, scores);
     ++it;
   }
 }
@@ -519,8 +519,6 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 4>::kThreads, 
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int li = lane % LPK, kg = lane / LPK;
-  const int my_head = detail::reduce_scatter_head<LPK, GMAX>(lane);
-  const bool writer = (lane & (LPK / GMAX - 1)) == 0;
   const int block_size = view.block.block_size;
 
   // Row of the next item (the one being prefetched).
@@ -557,7 +555,7 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 4>::kThreads, 
     }
     const int tile = static_cast<int>(i - rid * tiles_per_row);
     const int key0 = tile * Shape::kTile + warp * KPW * U + kg;
-    detail::mean_tile_scores<T, S, Shape, GMAX>(w_s, raw, lane, li, my_head, writer, key0, len, row, L, Hq, G, a, scores);
+    detail::mean_tile_scores<T, S, Shape, GMAX>(w_s, raw, lane, key0, len, row, L, Hq, G, a, scores);
   };
 
   if (!find(it)) return;

@@ -176,10 +176,10 @@ __device__ __forceinline__ void ws_set_max_registers() {
   if constexpr (kChains > 1) {
     if constexpr (kRole == WsRole::kMma)
       asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(Shape::kMmaRegs) : "memory");
-    else if constexpr (kRole == WsRole::kNorm)
-      asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Shape::kNormRegs) : "memory");
     else
-      asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(Shape::kProducerRegs) : "memory");
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRole == WsRole::kNorm ? Shape::kNormRegs
+                                                                                     : Shape::kProducerRegs)
+                   : "memory");
   }
 #endif
 }
@@ -541,10 +541,10 @@ __global__ void __launch_bounds__(detail::MaxWsShape<T, HD, kStages>::kThreads, 
       }
       detail::mbar_arrive(empty_bar(pd.grp, pd.stage));  // this lane is done with the stage
     };
-    // Per item: the products of the item's tiles issued back to back, then each tile's max and stores while the later tiles' MMAs run. Every
-    // accumulator is waited for within its item, so the loop's data-dependent control flow holds
-    // no MMA in flight (ptxas serialized every wgmma of a variant that kept one pending across
-    // items: C7518, WG.DP in a divergent path).
+    // Per item: the products of the item's tiles issued back to back, then each tile's max and
+    // stores while the later tiles' MMAs run. Every accumulator is waited for within its item, so
+    // the loop's data-dependent control flow holds no MMA in flight (ptxas serialized every wgmma
+    // of a variant that kept one pending across items: C7518, WG.DP in a divergent path).
     constexpr int kTilesPerWg = Shape::kGroups;
     static_assert(kTilesPerWg == 2, "the waits below assume two tiles per item");
     float d[kTilesPerWg][kChains][36];
