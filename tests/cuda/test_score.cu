@@ -283,6 +283,26 @@ TEST_CASE("FastDiv divides exactly for every n < 2^31 (host twin of the device c
   }
 }
 
+TEST_CASE("wgmma descriptors advanced in place equal descriptors rebuilt at the later address (host twin)") {
+  // The max scorers build one descriptor per operand and advance its low word per k-step; that is
+  // exact while the operand stays inside the 227 KB of shared memory a CTA can have.
+  constexpr std::uint32_t kSmem = 227u * 1024u;
+  int checked = 0;
+  for (std::uint32_t base = 0; base < kSmem; base += 1024u)
+    for (std::uint32_t off = 0; base + off < kSmem; off += 16u * 37u) {  // 16-byte steps, all residues of 2^k
+      REQUIRE_EQ(cuda::detail::wgmma_desc_advance(cuda::detail::wgmma_desc_kmajor_sw128(base, 1024u), off),
+                 cuda::detail::wgmma_desc_kmajor_sw128(base + off, 1024u));
+      REQUIRE_EQ(cuda::detail::wgmma_desc_advance(cuda::detail::wgmma_desc_kmajor(base, 128u, 256u), off),
+                 cuda::detail::wgmma_desc_kmajor(base + off, 128u, 256u));
+      ++checked;
+    }
+  CHECK_EQ(checked, 44872);  // 227 bases x every 592-byte step below 227 KB
+  // past the 14-bit address field (256 KB) the advance would carry into the next field: the
+  // precondition is real, and the check above would catch a descriptor layout that broke it
+  CHECK_NE(cuda::detail::wgmma_desc_advance(cuda::detail::wgmma_desc_kmajor(0x3FFF0u, 128u, 256u), 16u),
+           cuda::detail::wgmma_desc_kmajor(0x40000u, 128u, 256u));
+}
+
 TEST_CASE("ring scorers take K ranges below 64 GiB only (32-bit chunk offsets - host routing rule)") {
   // KeySliceFeed::issue addresses a key as a uint32 count of 16-byte chunks from its layer's K
   // range; cuda::score routes larger ranges to the non-ring kernels.

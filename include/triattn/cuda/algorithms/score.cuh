@@ -57,7 +57,9 @@ struct ScoreOptions {
   /// (3, same run), 44.5 (2), 53.6 (1). Largest normalised error against the CPU reference in
   /// test_score's GQA case: 3.2e-7 (4) vs 9.3e-7 (3), 9.1e-7 (2), 8.8e-7 (1), 1.5e-7 (0): the TF32
   /// products of the norm term (~21 bits), not the weights' third term, set the error of 1-3.
-  /// Variants 5 / 6 (eleventh session, same run as 4's 37.0 µs): 42.0-42.4 / 41.2-41.4 µs, error 3.4e-7.
+  /// Variants 5 / 6 (eleventh session, same run as 4's 37.0 µs): 42.0-42.4 / 41.2-41.4 µs, error 3.4e-7;
+  /// twelfth session (descriptors advanced in uniform registers, no selects in the max over δ;
+  /// same run as 4's 36.8-36.9 µs): 40.4-40.6 / 39.5-39.7 µs.
   int max_variant = 4;
   /// Upper bound of the grid (0: one wave of resident CTAs). Tests lower it so that every CTA
   /// walks many items across rows and sequences.

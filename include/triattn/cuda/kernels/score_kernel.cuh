@@ -2151,9 +2151,11 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
         cf[(f + f / 8) * 4 + h] = c;
         const int e_re = rope_pair_re(S, f, HD), e_im = rope_pair_im(S, f, HD);
         for (int o = 0; o < 2 * NT; ++o) {
+          // columns past |D| repeat offset D - 1's weights: their products equal that column's, so
+          // the wgmma path takes the max over every column without a test per n-tile
+          const int od = o < D ? o : D - 1;
           float wr = 0.0f, wi = 0.0f;
-          if (o < D && hg < G)
-            fold_weight_from_phase(qr, qi, 1.0, 0.0, cs_s[o * F + f], sn_s[o * F + f], m.s2, &wr, &wi);
+          if (hg < G) fold_weight_from_phase(qr, qi, 1.0, 0.0, cs_s[od * F + f], sn_s[od * F + f], m.s2, &wr, &wi);
           const int n = (o & 1) * 4 + h;  // column within n-tile o/2
 #pragma unroll
           for (int part = 0; part < 2; ++part) {
@@ -2233,7 +2235,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
       // while m-tile 0's MMAs are in the tensor cores, m-tile 0's max while m-tile 1's are (a
       // wgmma's A registers are not touched until it is waited for).
       constexpr std::uint32_t kTileBytes = kWgmmaMaxNTiles * 256;  // one (k-step, split) B tile
-      const std::uint32_t b_addr = detail::score_smem_addr(bfrag_s);
+      const std::uint64_t b_desc = detail::wgmma_desc_kmajor(detail::score_smem_addr(bfrag_s), 128u, 256u);
       float d[MT][4 * kWgmmaMaxNTiles];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
@@ -2245,8 +2247,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
           for (int x = 0; x < SP; ++x)
             detail::wgmma_m64n72k16_rs<std::is_same_v<T, f16_storage>>(
                 d[mt], fr[mt][s],
-                detail::wgmma_desc_kmajor(b_addr + static_cast<std::uint32_t>(s * SP + x) * kTileBytes, 128u, 256u),
-                s + x);
+                detail::wgmma_desc_advance(b_desc, static_cast<std::uint32_t>(s * SP + x) * kTileBytes), s + x);
         detail::wgmma_commit();
       }
 #pragma unroll
@@ -2256,11 +2257,9 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
         else
           detail::wgmma_wait<0>();
 #pragma unroll
-        for (int nt = 0; nt < kWgmmaMaxNTiles; ++nt)
-          if (2 * nt + my_delta_odd < D) {
+        for (int nt = 0; nt < kWgmmaMaxNTiles; ++nt)  // every column: those past |D| repeat offset D - 1
 #pragma unroll
-            for (int v = 0; v < 4; ++v) best[mt][v] = fmaxf(best[mt][v], d[mt][4 * nt + v]);
-          }
+          for (int v = 0; v < 4; ++v) best[mt][v] = fmaxf(best[mt][v], d[mt][4 * nt + v]);
       }
     }
 #endif

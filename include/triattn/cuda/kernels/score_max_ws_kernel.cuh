@@ -1,13 +1,19 @@
 // SPDX-License-Identifier: Apache-2.0
 // Warp-specialized tensor-core max scorer (16-bit caches, |D| <= 18). Same contract as
 // score_max_mma_pipe_kernel.
+// The MMA warpgroup's instruction stream is this kernel's limit (ncu, 2026-12-01: ~354
+// instructions per 64-key tile, 3.5% of its samples waiting on mbarriers), so it is kept thin: the
+// warp index is broadcast so that the role branches are warp-uniform (descriptors in uniform
+// registers), one descriptor per operand is advanced per k-step, and B's columns past |D| repeat
+// offset D - 1's weights so that the max over δ needs no selects (ptxas 13.0: the MMA role's SASS
+// 1,067 -> 849 instructions; H200: 41.5 -> 39.6 µs at one 32K layer with max_variant 6).
 // Two variants (ScoreOptions::max_variant): 6 keeps one accumulator chain per tile; 5 keeps two
 // (four MMA chains in flight per item), which needs more registers than the 168 each of the 12
 // warps starts with, so setmaxnreg moves them: the MMA warpgroup to 240, the producer warpgroup to
 // 104, the norm warps to 160 (the three must balance: 240 against the producers' registers alone
 // waited forever). A new sequence's phases (sincos, whose slow path is a call) are computed by the
 // norm warps only: with a call in the MMA warpgroup's code ptxas 13.0 ignored setmaxnreg and
-// crashed. H200, 2026-12-01, one 32K layer: 41.2-41.4 µs (6), 42.0-42.4 (5), 37.0 (max_variant 4).
+// crashed. H200, 2026-12-02, one 32K layer: 39.5-39.7 µs (6), 40.4-40.6 (5), 36.8-36.9 (max_variant 4).
 // Roles:
 //   producer warps  copy each 64-key tile into a shared-memory ring stage (cp.async), two warps
 //                   per ring (one ring per tile of a 128-key item), and signal a full mbarrier;
@@ -111,15 +117,17 @@ __device__ __forceinline__ void ws_tile_products(float (&d)[kChains][36], std::u
 #ifdef TRIATTN_WGMMA_ENABLED
   (void)warp_in_group;
   (void)lane;
+  // one descriptor per operand, advanced per k-step (rebuilding each cost ~6 instructions per MMA)
+  const std::uint64_t a_desc = wgmma_desc_kmajor_sw128(a_tile, 1024u);
+  const std::uint64_t b_desc = wgmma_desc_kmajor(b_base, 128u, 256u);
   wgmma_fence();
 #pragma unroll
   for (int s = 0; s < KS; ++s)
 #pragma unroll
     for (int x = 0; x < SP; ++x)
       wgmma_m64n72k16_ss<std::is_same_v<T, f16_storage>>(
-          d[x % kChains], wgmma_desc_kmajor_sw128(a_tile + static_cast<std::uint32_t>((s >> 2) * 8192 + (s & 3) * 32), 1024u),
-          wgmma_desc_kmajor(b_base + static_cast<std::uint32_t>(s * SP + x) * kBTile, 128u, 256u),
-          s * (SP / kChains) + x / kChains);
+          d[x % kChains], wgmma_desc_advance(a_desc, static_cast<std::uint32_t>((s >> 2) * 8192 + (s & 3) * 32)),
+          wgmma_desc_advance(b_desc, static_cast<std::uint32_t>(s * SP + x) * kBTile), s * (SP / kChains) + x / kChains);
   wgmma_commit();
 #else
   // mma.sync: the warp's 16 rows (row groups 2w, 2w + 1) against each n-tile of 8 columns
@@ -269,7 +277,10 @@ __global__ void __launch_bounds__(detail::MaxWsShape<T, HD, kStages>::kThreads, 
   if (it_end <= it0 || D <= 0) return;  // uniform across the CTA
   const long long row0 = it0 / tiles_per_row, last_row = (it_end - 1) / tiles_per_row;
   const int tile0 = static_cast<int>(it0 - row0 * tiles_per_row);
-  const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
+  // The warp index broadcast from lane 0: the compiler then knows it is warp-uniform, so the role
+  // branches are uniform and the MMA warpgroup's descriptors can live in uniform registers.
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const int warp = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) >> 5, 0);
 
   if (threadIdx.x == 0) {
     for (int i = 0; i < Shape::kBarriers; ++i) {
@@ -291,7 +302,7 @@ __global__ void __launch_bounds__(detail::MaxWsShape<T, HD, kStages>::kThreads, 
     long long n;  // items left
   };
 
-  if (threadIdx.x >= Shape::kConsumerThreads) {  // ---- producer warp: keys 32·half .. +32 of ring p's tiles ----
+  if (warp >= Shape::kConsumerThreads / 32) {  // ---- producer warp: keys 32·half .. +32 of ring p's tiles ----
     detail::ws_set_max_registers<Shape, kChains, detail::WsRole::kProducer>();
     const int pw = warp - Shape::kConsumerThreads / 32, p = pw % Shape::kGroups, half = pw / Shape::kGroups;
     Cursor cur{row0, tile0, it_end - it0};
@@ -434,9 +445,12 @@ __global__ void __launch_bounds__(detail::MaxWsShape<T, HD, kStages>::kThreads, 
       auto* b16 = reinterpret_cast<std::uint16_t*>(ws_smem + Shape::kBOff);
       const int e_re = rope_pair_re(S, f, HD), e_im = rope_pair_im(S, f, HD);
       for (int o = 0; o < 2 * NT; ++o) {
+        // columns past |D| repeat offset D - 1's weights: their products equal that column's, so
+        // the max over every column is the max over D and the MMA warpgroup needs no selects
+        const int od = o < D ? o : D - 1;
         float wr = 0.0f, wi = 0.0f;
-        if (o < D && hg < G) {
-          double cs = cs_s[o * F + f], sn = sn_s[o * F + f];
+        if (hg < G) {
+          double cs = cs_s[od * F + f], sn = sn_s[od * F + f];
           if (angle_tables) {  // cs_s / sn_s: the per-model cos/sin(δω_f)
             const double cd = cs, sd = sn;
             cs = ct * cd - st * sd;
@@ -512,13 +526,10 @@ __global__ void __launch_bounds__(detail::MaxWsShape<T, HD, kStages>::kThreads, 
 #pragma unroll
         for (int v = 0; v < 36; ++v) d[v] += dc[c][v];
       float best[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};  // [2·q + i]: row g4 + 8q, head 2(c4 & 1) + i
-      const int my_delta_odd = c4 >> 1;
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {  // selects, not branches: accumulators are read in convergent code
-        const bool in = 2 * nt + my_delta_odd < D;
+      for (int nt = 0; nt < NT; ++nt)  // every column: those past |D| repeat offset D - 1 (fold_row)
 #pragma unroll
-        for (int v = 0; v < 4; ++v) best[v] = fmaxf(best[v], in ? d[4 * nt + v] : -INFINITY);
-      }
+        for (int v = 0; v < 4; ++v) best[v] = fmaxf(best[v], d[4 * nt + v]);
 #pragma unroll
       for (int v = 0; v < 4; ++v) best[v] = fmaxf(best[v], __shfl_xor_sync(0xffffffffu, best[v], 2));
       detail::mbar_wait(nfull_bar(pd.grp, pd.stage), pd.parity);

@@ -21,7 +21,7 @@ namespace triattn::cuda::detail {
 /// core matrices of 8 rows x 16 bytes (8 16-bit elements of K), each 128 contiguous bytes.
 /// k_chunk_stride: bytes between the two core matrices of a k16 step (the leading dimension);
 /// row_group_stride: bytes between core matrices 8 rows (N) apart. All multiples of 16.
-__device__ __forceinline__ std::uint64_t wgmma_desc_kmajor(std::uint32_t smem_addr, std::uint32_t k_chunk_stride,
+__host__ __device__ __forceinline__ std::uint64_t wgmma_desc_kmajor(std::uint32_t smem_addr, std::uint32_t k_chunk_stride,
                                                            std::uint32_t row_group_stride) {
   return static_cast<std::uint64_t>((smem_addr >> 4) & 0x3FFFu) |
          (static_cast<std::uint64_t>((k_chunk_stride >> 4) & 0x3FFFu) << 16) |
@@ -33,11 +33,18 @@ __device__ __forceinline__ std::uint64_t wgmma_desc_kmajor(std::uint32_t smem_ad
 /// at chunk c ^ (r % 8); the atom must start at a 1,024-byte aligned address. A k16 step at
 /// element offset 16·j inside the row starts 32·j bytes later (the swizzle applies to the
 /// address the hardware forms). row_group_stride: bytes between 8-row atoms.
-__device__ __forceinline__ std::uint64_t wgmma_desc_kmajor_sw128(std::uint32_t smem_addr,
+__host__ __device__ __forceinline__ std::uint64_t wgmma_desc_kmajor_sw128(std::uint32_t smem_addr,
                                                                  std::uint32_t row_group_stride) {
   return static_cast<std::uint64_t>((smem_addr >> 4) & 0x3FFFu) | (static_cast<std::uint64_t>(1u) << 16) |
          (static_cast<std::uint64_t>((row_group_stride >> 4) & 0x3FFFu) << 32) |
          (static_cast<std::uint64_t>(1u) << 62);  // layout type 1: 128-byte swizzle
+}
+
+/// `desc` with its start address `bytes` later (a multiple of 16). Only the low word changes: the
+/// operand stays inside shared memory (< 256 KB), so the 14-bit address field cannot carry, and a
+/// loop of MMAs keeps one descriptor's high word in place (one add per MMA instead of a rebuild).
+__host__ __device__ __forceinline__ std::uint64_t wgmma_desc_advance(std::uint64_t desc, std::uint32_t bytes) {
+  return (desc & 0xFFFFFFFF00000000ull) | static_cast<std::uint32_t>(static_cast<std::uint32_t>(desc) + (bytes >> 4));
 }
 
 #ifdef TRIATTN_WGMMA_ENABLED
