@@ -370,12 +370,13 @@ __global__ void __launch_bounds__(detail::MaxWsShape<T, HD, kStages>::kThreads, 
       const int cc = lane % CPR, sub = lane / CPR;
       const std::uint32_t dst0 = a_tile(p, st);
       const unsigned long long base = reinterpret_cast<unsigned long long>(q0.range) + static_cast<unsigned>(cc) * 16u;
+      const std::uint64_t policy = detail::l2_stream_policy();
 #pragma unroll
       for (int i = 0; i < 32 / kKeysPerCopy; ++i) {
         const int r = i * kKeysPerCopy + sub;  // key of this warp's 32
         const std::uint32_t o = __shfl_sync(0xffffffffu, mine, r);
         detail::score_cp_async_16_or_zero(dst0 + detail::ws_chunk_offset(32 * half + r, cc),
-                                          detail::chunk_address(base, o), r >= n_valid);
+                                          detail::chunk_address(base, o), r >= n_valid, policy);
       }
       detail::mbar_arrive_on_cp_async(full_bar(p, st));
       ++live;
