@@ -34,8 +34,9 @@ struct ScoreOptions {
   /// products on the tensor cores; tuning::sm90::ScoreMeanMma::Variant2-5; 16-bit caches, else
   /// variant 0; within fp32 rounding of 0, not bitwise): 2, 3 and 4 with per-warp cp.async rings,
   /// 5 with 8 computing warps fed by 2 producer warps.
-  /// Default 5. H200, 2026-12-01, on one machine: one Qwen3-8B layer at 32K 25.8 µs (2:
-  /// 25.8-26.1); a whole 36-layer round's scores 62.5-62.7 vs 65.6-65.7 µs at batch 1, 391-392 vs
+  /// Default 5. H200, 2026-12-02: one Qwen3-8B layer at 32K 23.5-23.7 µs with the keys copied
+  /// L2 evict-first (25.8-26.1 before: the scores written during the stream were evicted by the
+  /// keys behind them). 2026-12-01, on one machine: 25.8 µs (2: 25.8-26.1); a whole 36-layer round's scores 62.5-62.7 vs 65.6-65.7 µs at batch 1, 391-392 vs
   /// 398 at batch 8; the batch-1 round from a CUDA graph 246-247 vs 248-250 µs. Its computing
   /// warps' lanes each arrive on the stage's empty mbarrier (compute-sanitizer racecheck clean on
   /// test_score's GQA case; with one lane after a __syncwarp it reported 80 hazards).
@@ -53,7 +54,8 @@ struct ScoreOptions {
   /// operands in shared memory, norm warps; 5 with two accumulator chains per tile and setmaxnreg,
   /// 6 with one; |D| > 18 or too little shared memory run as 4; without sm_90a the same kernel on
   /// mma.sync). 0-2 within fp32 rounding of each other.
-  /// Default 4. H200, 2026-12-01, one 32K layer (8 KV heads, |D| = 17): 36.8-37.0 µs vs 37.6-37.8
+  /// Default 4. H200, 2026-12-02, one 32K layer (8 KV heads, |D| = 17): 35.4-35.5 µs (keys copied
+  /// L2 evict-first, the row fold batched; 36.6-36.8 before). 2026-12-01: 36.8-37.0 µs vs 37.6-37.8
   /// (3, same run), 44.5 (2), 53.6 (1). Largest normalised error against the CPU reference in
   /// test_score's GQA case: 3.2e-7 (4) vs 9.3e-7 (3), 9.1e-7 (2), 8.8e-7 (1), 1.5e-7 (0): the TF32
   /// products of the norm term (~21 bits), not the weights' third term, set the error of 1-3.
