@@ -36,10 +36,11 @@ struct ScoreOptions {
   /// 5 with 8 computing warps fed by 2 producer warps.
   /// Default 5. H200, 2026-12-02: one Qwen3-8B layer at 32K 23.5-23.7 µs with the keys copied
   /// L2 evict-first (25.8-26.1 before: the scores written during the stream were evicted by the
-  /// keys behind them). 2026-12-01, on one machine: 25.8 µs (2: 25.8-26.1); a whole 36-layer round's scores 62.5-62.7 vs 65.6-65.7 µs at batch 1, 391-392 vs
-  /// 398 at batch 8; the batch-1 round from a CUDA graph 246-247 vs 248-250 µs. Its computing
-  /// warps' lanes each arrive on the stage's empty mbarrier (compute-sanitizer racecheck clean on
-  /// test_score's GQA case; with one lane after a __syncwarp it reported 80 hazards).
+  /// keys behind them). 2026-12-01, on one machine: 25.8 µs (2: 25.8-26.1); a whole 36-layer
+  /// round's scores 62.5-62.7 vs 65.6-65.7 µs at batch 1, 391-392 vs 398 at batch 8; the batch-1
+  /// round from a CUDA graph 246-247 vs 248-250 µs. Its computing warps' lanes each arrive on the
+  /// stage's empty mbarrier (compute-sanitizer racecheck clean on test_score's GQA case; with one
+  /// lane after a __syncwarp it reported 80 hazards).
   int mean_variant = 5;
   /// Tensor-core max kernel (16-bit caches, tensor_core_max): 0 score_max_mma_kernel (load a
   /// tile, then compute it), 1 score_max_mma_pipe_kernel (per-warp cp.async rings, cos/sin once

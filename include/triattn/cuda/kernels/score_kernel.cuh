@@ -1344,7 +1344,8 @@ __device__ __forceinline__ void norm_tile_ffma(float (&out)[4], const std::uint3
 __device__ __forceinline__ void score_cp_async_16_or_zero(std::uint32_t dst, unsigned long long src, bool zero,
                                                           std::uint64_t policy) {
   asm volatile(
-      "{\n .reg .pred z;\n setp.ne.b32 z, %2, 0;\n cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, z, %3;\n}" ::"r"(dst),
+      "{\n .reg .pred z;\n setp.ne.b32 z, %2, 0;\n"
+      " cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, z, %3;\n}" ::"r"(dst),
       "l"(src), "r"(static_cast<int>(zero)), "l"(policy)
       : "memory");
 }

@@ -127,7 +127,8 @@ __device__ __forceinline__ void ws_tile_products(float (&d)[kChains][36], std::u
     for (int x = 0; x < SP; ++x)
       wgmma_m64n72k16_ss<std::is_same_v<T, f16_storage>>(
           d[x % kChains], wgmma_desc_advance(a_desc, static_cast<std::uint32_t>((s >> 2) * 8192 + (s & 3) * 32)),
-          wgmma_desc_advance(b_desc, static_cast<std::uint32_t>(s * SP + x) * kBTile), s * (SP / kChains) + x / kChains);
+          wgmma_desc_advance(b_desc, static_cast<std::uint32_t>(s * SP + x) * kBTile),
+          s * (SP / kChains) + x / kChains);
   wgmma_commit();
 #else
   // mma.sync: the warp's 16 rows (row groups 2w, 2w + 1) against each n-tile of 8 columns

@@ -64,7 +64,7 @@ struct ScoreMeanMma {
   /// only the producers. H200, 2026-12-01: one producer warp could not keep 8 rings full
   /// (29.8 µs at one layer), one bulk copy per key (TMA) ran at ~0.9 TB/s, 4 producers 26.6 µs;
   /// 2 producers 26.0 µs at one layer (variant 2: 26.2), 63.0 / 393 µs for a round's scores at
-  /// batch 1 / 8 (66.2 / 399).
+  /// batch 1 / 8 (66.2 / 399). 2026-12-02, keys copied L2 evict-first (KeySliceFeed): 23.5-23.7 µs.
   struct Variant5 {
     static constexpr int kWarps = 8, kStages = 3, kMinCtas = 1, kKeys = 32;
     static constexpr bool kLoadAhead = true;
