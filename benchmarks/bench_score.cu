@@ -67,6 +67,39 @@ void BM_score(benchmark::State& state) {
   time_one_layer(state, s, opt, state.range(4) != 0);
 }
 
+/// BM_score's queued default rows (page 16, NHD; agg 0 mean_variant 5, agg 1 max_variant 4) with
+/// the scores written to `buffers` buffers in rotation. With one buffer (BM_score) the score lines
+/// a launch writes are overwritten in L2 by the next launch, so with the keys copied L2
+/// evict-first they are never written back to HBM inside the timed kernels; 16 buffers (64 MiB of
+/// scores, more than the 50 MB L2 holds) leave no steady state without write-backs inside the
+/// timed launches, so this row charges the scorer for its output the way a stream of rounds
+/// would.
+void BM_score_rotated_scores(benchmark::State& state) {
+  const bool max = state.range(0) != 0;
+  const int buffers = static_cast<int>(state.range(1));
+  cuda::ScoreOptions opt;
+  opt.mean_variant = 5;
+  opt.max_variant = 4;
+  constexpr int kSeqs = 4;
+  Setup s(1, 32, 8, 32768, kSeqs, 16, KvLayout::kNHD, max ? Aggregation::kMax : Aggregation::kMean, 1);
+  const std::size_t per = static_cast<std::size_t>(s.L) * s.Hq * s.len;  // floats per buffer
+  float* rot = device_alloc<float>(per * static_cast<std::size_t>(buffers));
+  cudaStream_t stream;
+  TRIATTN_BENCH_CUDA(cudaStreamCreate(&stream));
+  const auto view = s.view();
+  int k = 0;
+  for (int w = 0; w < buffers + 3; ++w, k = (k + 1) % buffers)  // every buffer written once before timing
+    TRIATTN_BENCH_CUDA(s.scorer->score_async(view, cuda::ScoreBatch{s.seq_ids, s.t0, 1, s.len},
+                                             rot + per * static_cast<std::size_t>(k), stream, opt));
+  s.time_rotating(state, stream, true, [&](const cuda::ScoreBatch& batch) {
+    TRIATTN_BENCH_CUDA(s.scorer->score_async(view, batch, rot + per * static_cast<std::size_t>(k), stream, opt));
+    k = (k + 1) % buffers;
+  });
+  report(state, s.bytes(1));
+  cudaStreamDestroy(stream);
+  cudaFree(rot);
+}
+
 /// Grid waves (ScoreOptions::grid_waves): BM_score's queued row (page 16, NHD) for mean (agg 0)
 /// or tensor-core max (agg 1) kernel `variant`, launched as `waves` waves of shorter CTAs.
 void BM_score_waves(benchmark::State& state) {
@@ -281,6 +314,11 @@ BENCHMARK(BM_score)
                 if (agg == 0 || variant == 0 || (agg == 1 && variant <= 6))
                   b->Args({agg, page, hnd, variant, queued});
     })
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_score_rotated_scores)
+    ->ArgNames({"agg", "buffers"})
+    ->ArgsProduct({{0, 1}, {1, 16}})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_score_waves)
