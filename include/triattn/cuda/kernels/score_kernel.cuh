@@ -1998,6 +1998,19 @@ __device__ __forceinline__ void store_wgmma_b_terms(std::uint16_t* b16, const st
   for (int x = 0; x < SP; ++x)
     b16[((((static_cast<std::size_t>(e >> 4) * SP + x) * NT + nt) * 2 + ((e >> 3) & 1)) * 8 + n) * 8 + (e & 7)] = sp[x];
 }
+/// The folded weight (wr, wi) of offset column o and head h as SP 16-bit terms each (Tr::split),
+/// stored at its pair's elements e_re, e_im of B column (o & 1)·4 + h of n-tile o / 2.
+template <class Tr, int SP>
+__device__ __forceinline__ void store_wgmma_b_weight(std::uint16_t* b16, float wr, float wi, int e_re, int e_im, int o,
+                                                     int h, int NT) {
+  const int n = (o & 1) * 4 + h;  // column within n-tile o/2
+#pragma unroll
+  for (int part = 0; part < 2; ++part) {
+    std::uint16_t sp[SP];
+    Tr::template split<SP>(part == 0 ? wr : wi, sp);
+    store_wgmma_b_terms<SP>(b16, sp, part == 0 ? e_re : e_im, o >> 1, n, NT);
+  }
+}
 }  // namespace detail
 
 /// Dynamic shared memory of score_max_mma_pipe_kernel: rings, c [slot] float4, cos/sin [|D|][F]
@@ -2184,15 +2197,15 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
             if (o >= 2 * NT) break;
             float wr = 0.0f, wi = 0.0f;
             if (hg < G) fold_weight_from_phase(qr, qi, 1.0, 0.0, cs_b[u], sn_b[u], m.s2, &wr, &wi);
-            const int n = (o & 1) * 4 + h;  // column within n-tile o/2
+            if constexpr (kUseWgmma) {
+              detail::store_wgmma_b_weight<Tr, SP>(b16, wr, wi, e_re, e_im, o, h, NT);
+            } else {
+              const int n = (o & 1) * 4 + h;  // column within n-tile o/2
 #pragma unroll
-            for (int part = 0; part < 2; ++part) {
-              const int e = part == 0 ? e_re : e_im;
-              std::uint16_t sp[SP];
-              Tr::template split<SP>(part == 0 ? wr : wi, sp);
-              if constexpr (kUseWgmma) {
-                detail::store_wgmma_b_terms<SP>(b16, sp, e, o >> 1, n, NT);
-              } else {
+              for (int part = 0; part < 2; ++part) {
+                const int e = part == 0 ? e_re : e_im;
+                std::uint16_t sp[SP];
+                Tr::template split<SP>(part == 0 ? wr : wi, sp);
                 const detail::BFragmentSlot b = detail::b_fragment_slot(e);
                 const int ln = n * 4 + b.quad_lane;
 #pragma unroll

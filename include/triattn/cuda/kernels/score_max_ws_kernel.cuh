@@ -460,14 +460,7 @@ __global__ void __launch_bounds__(detail::MaxWsShape<T, HD, kStages>::kThreads, 
           }
           fold_weight_from_phase(pre.q_re[0], pre.q_im[0], 1.0, 0.0, cs, sn, m.s2, &wr, &wi);
         }
-        const int n = (o & 1) * 4 + h;  // column within n-tile o/2
-#pragma unroll
-        for (int part = 0; part < 2; ++part) {
-          const int e = part == 0 ? e_re : e_im;
-          std::uint16_t sp[SP];
-          Tr::template split<SP>(part == 0 ? wr : wi, sp);
-          detail::store_wgmma_b_terms<SP>(b16, sp, e, o >> 1, n, NT);
-        }
+        detail::store_wgmma_b_weight<Tr, SP>(b16, wr, wi, e_re, e_im, o, h, NT);
       }
     }
 #ifdef TRIATTN_WGMMA_ENABLED
