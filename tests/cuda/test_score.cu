@@ -180,8 +180,8 @@ void check_case(const Case& c, std::uint32_t seed) {
   // Mean aggregation has six kernels: mean_variant 0 and 1 (bitwise the same scores), 2, 3, 4, 5
   // (tensor cores; 16-bit caches, else variant 0; 5 with producer warps). The tensor-core max
   // path has seven (max_variant 0-6; 2-6 on warpgroup MMAs in an sm_90a build, 4 with the norm
-  // term on the CUDA cores, 5 and 6 warp-specialized: two accumulator chains per tile with
-  // setmaxnreg, one). The ring kernels (mean_variant 2-5, max_variant 1-6) run three times: with
+  // term on the CUDA cores, 5 and 6 warp-specialized: two accumulator sets per tile from m64n144
+  // steps with setmaxnreg, one m64n72 chain). The ring kernels (mean_variant 2-5, max_variant 1-6) run three times: with
   // the default grid, with at most 3 CTAs (each CTA streams many items across rows and sequences)
   // and with two waves of CTAs (grid_waves).
   const bool mean_paths = c.agg == Aggregation::kMean || c.no_trig;

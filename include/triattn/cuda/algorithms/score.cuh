@@ -52,8 +52,9 @@ struct ScoreOptions {
   /// kernel with two terms), 4 as 3 with the norm term Σ_f c_f·|K_f| as fp32 FMAs on the CUDA
   /// cores instead of TF32 MMAs on the tensor pipe (which the other warpgroup's MMAs hold), 5 and
   /// 6 score_max_ws_kernel (warp-specialized: a producer warpgroup, one MMA warpgroup with both
-  /// operands in shared memory, norm warps; 5 with two accumulator chains per tile and setmaxnreg,
-  /// 6 with one; |D| > 18 or too little shared memory run as 4; without sm_90a the same kernel on
+  /// operands in shared memory, norm warps; 5 with two accumulator sets per tile (the two weight
+  /// terms, one m64n144 step per k-step) and setmaxnreg, 6 with one m64n72 chain; |D| > 18 or too
+  /// little shared memory run as 4; without sm_90a the same kernel on
   /// mma.sync). 0-2 within fp32 rounding of each other.
   /// Default 4. H200, 2026-12-02, one 32K layer (8 KV heads, |D| = 17): 35.4-35.5 µs (keys copied
   /// L2 evict-first, the row fold batched; 36.6-36.8 before). 2026-12-01: 36.8-37.0 µs vs 37.6-37.8
@@ -62,7 +63,8 @@ struct ScoreOptions {
   /// products of the norm term (~21 bits), not the weights' third term, set the error of 1-3.
   /// Variants 5 / 6 (eleventh session, same run as 4's 37.0 µs): 42.0-42.4 / 41.2-41.4 µs, error 3.4e-7;
   /// twelfth session (descriptors advanced in uniform registers, no selects in the max over δ;
-  /// same run as 4's 36.8-36.9 µs): 40.4-40.6 / 39.5-39.7 µs.
+  /// same run as 4's 36.8-36.9 µs): 40.4-40.6 / 39.5-39.7 µs; thirteenth session (5 with the
+  /// m64n144 step; same run as 4's 35.7 µs): 37.3-37.6 (39.0-39.3 with two m64n72 chains) / 38.7-39.0 µs.
   int max_variant = 4;
   /// Upper bound of the grid (0: one wave of resident CTAs). Tests lower it so that every CTA
   /// walks many items across rows and sequences.
@@ -317,8 +319,9 @@ template <class T, class Id, int HD, RopeStyle S, int GMAX>
   return check_launch(stream);
 }
 
-/// Warp-specialized max scorer (max_variant 5: two accumulator chains per tile, 6: one): one CTA
-/// per SM; |D| > 18 offsets, or shared memory beyond the device's limit, run as max_variant 4.
+/// Warp-specialized max scorer (max_variant 5: two accumulator sets per tile from m64n144 steps,
+/// 6: one m64n72 chain): one CTA per SM; |D| > 18 offsets, or shared memory beyond the device's
+/// limit, run as max_variant 4.
 template <class T, class Id, int HD, RopeStyle S, int kChains, class Cfg = tuning::sm90::ScoreMaxWs>
 [[nodiscard]] inline cudaError_t launch_score_max_ws(const KvCacheView<T, Id>& view, const ScoreModelView& m,
                                                      const ScoreBatch& a, float* scores, cudaStream_t stream,

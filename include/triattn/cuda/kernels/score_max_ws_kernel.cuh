@@ -8,12 +8,18 @@
 // offset D - 1's weights so that the max over δ needs no selects (ptxas 13.0: the MMA role's SASS
 // 1,067 -> 849 instructions; H200: 41.5 -> 39.6 µs at one 32K layer with max_variant 6).
 // Two variants (ScoreOptions::max_variant): 6 keeps one accumulator chain per tile; 5 keeps two
-// (four MMA chains in flight per item), which needs more registers than the 168 each of the 12
-// warps starts with, so setmaxnreg moves them: the MMA warpgroup to 240, the producer warpgroup to
-// 104, the norm warps to 160 (the three must balance: 240 against the producers' registers alone
-// waited forever). A new sequence's phases (sincos, whose slow path is a call) are computed by the
-// norm warps only: with a call in the MMA warpgroup's code ptxas 13.0 ignored setmaxnreg and
-// crashed. H200, 2026-12-02, one 32K layer: 39.5-39.7 µs (6), 40.4-40.6 (5), 36.8-36.9 (max_variant 4).
+// accumulator sets per tile (the two weight terms, filled by one m64n144 step per k-step), which
+// needs more registers than the 168 each of the 12 warps starts with, so setmaxnreg moves them:
+// the MMA warpgroup to 240, the producer warpgroup to 104, the norm warps to 160 (the three must
+// balance: 240 against the producers' registers alone waited forever). A new sequence's phases
+// (sincos, whose slow path is a call) are computed by the norm warps only: with a call in the MMA
+// warpgroup's code ptxas 13.0 ignored setmaxnreg and crashed. H200, 2026-12-02, one 32K layer:
+// 38.7-39.0 µs (6), 37.3-37.6 (5), 35.7 (max_variant 4, the default). What bounds it (same day,
+// timing experiments): without the products 26.6-26.8 µs, without the norm warps' work 32.9-33.2,
+// without both 24.4-24.6 (6): the MMAs cost as much as if they ran after the stream, not under it
+// (the tensor pipe itself runs m64n72k16 at 36 cycles, benchmarks/probe/wgmma_rate_probe.cu); the
+// shared-memory reads of SS-mode MMAs at N = 72 (~118 bytes per cycle at full rate) leave the
+// ring copies and the norm warps little of the 128 bytes per cycle, which the wide step eases.
 // Roles:
 //   producer warps  copy each 64-key tile into a shared-memory ring stage (cp.async), two warps
 //                   per ring (one ring per tile of a 128-key item), and signal a full mbarrier;
@@ -106,8 +112,10 @@ __device__ __forceinline__ std::uint32_t ws_chunk_offset(int r, int c) {
 
 /// The dot products of one A tile into kChains accumulator sets (weight term x goes to set
 /// x % kChains; their sum is the product), d[c][4·nt + v] in the wgmma accumulator layout (column
-/// 8·nt + 2·(lane%4) + (v&1) of the warp's row 16·(warp%4) + lane/4 + 8·(v>>1)). Two sets make two
-/// independent MMA chains per tile.
+/// 8·nt + 2·(lane%4) + (v&1) of the warp's row 16·(warp%4) + lane/4 + 8·(v>>1)). Two sets: one
+/// m64n144k16 per k-step over both terms' columns (B holds a k-step's two terms next to each
+/// other), so A is read from shared memory once per k-step instead of twice (H200, 2026-12-02,
+/// max_variant 5 at one 32K layer: 39.0-39.3 -> 37.3-37.6 µs).
 /// a_tile / b_base: shared addresses of the stage's A tile and of the B tiles [k-step][split].
 template <class T, int KS, int SP, int kChains>
 __device__ __forceinline__ void ws_tile_products(float (&d)[kChains][36], std::uint32_t a_tile, std::uint32_t b_base,
@@ -121,14 +129,22 @@ __device__ __forceinline__ void ws_tile_products(float (&d)[kChains][36], std::u
   const std::uint64_t a_desc = wgmma_desc_kmajor_sw128(a_tile, 1024u);
   const std::uint64_t b_desc = wgmma_desc_kmajor(b_base, 128u, 256u);
   wgmma_fence();
+  if constexpr (kChains == 2 && SP == 2) {
 #pragma unroll
-  for (int s = 0; s < KS; ++s)
+    for (int s = 0; s < KS; ++s)
+      wgmma_m64n144k16_ss<std::is_same_v<T, f16_storage>>(
+          d, wgmma_desc_advance(a_desc, static_cast<std::uint32_t>((s >> 2) * 8192 + (s & 3) * 32)),
+          wgmma_desc_advance(b_desc, static_cast<std::uint32_t>(s * SP) * kBTile), s);
+  } else {
 #pragma unroll
-    for (int x = 0; x < SP; ++x)
-      wgmma_m64n72k16_ss<std::is_same_v<T, f16_storage>>(
-          d[x % kChains], wgmma_desc_advance(a_desc, static_cast<std::uint32_t>((s >> 2) * 8192 + (s & 3) * 32)),
-          wgmma_desc_advance(b_desc, static_cast<std::uint32_t>(s * SP + x) * kBTile),
-          s * (SP / kChains) + x / kChains);
+    for (int s = 0; s < KS; ++s)
+#pragma unroll
+      for (int x = 0; x < SP; ++x)
+        wgmma_m64n72k16_ss<std::is_same_v<T, f16_storage>>(
+            d[x % kChains], wgmma_desc_advance(a_desc, static_cast<std::uint32_t>((s >> 2) * 8192 + (s & 3) * 32)),
+            wgmma_desc_advance(b_desc, static_cast<std::uint32_t>(s * SP + x) * kBTile),
+            s * (SP / kChains) + x / kChains);
+  }
   wgmma_commit();
 #else
   // mma.sync: the warp's 16 rows (row groups 2w, 2w + 1) against each n-tile of 8 columns

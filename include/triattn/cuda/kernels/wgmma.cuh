@@ -110,6 +110,49 @@ __device__ __forceinline__ void wgmma_m64n72k16_ss(float (&d)[36], std::uint64_t
     TRIATTN_WGMMA_N72_SS_ASM("bf16");
 #undef TRIATTN_WGMMA_N72_SS_ASM
 }
+
+// The 72 fp32 accumulators of an m64n144 tile, as two 36-register sets, as in-out asm operands %0-%71.
+#define TRIATTN_WGMMA_N144_D_OPERANDS(d)                                                                              \
+  "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[0][4]), "+f"(d[0][5]),                           \
+      "+f"(d[0][6]), "+f"(d[0][7]), "+f"(d[0][8]), "+f"(d[0][9]), "+f"(d[0][10]), "+f"(d[0][11]),                     \
+      "+f"(d[0][12]), "+f"(d[0][13]), "+f"(d[0][14]), "+f"(d[0][15]), "+f"(d[0][16]), "+f"(d[0][17]),                 \
+      "+f"(d[0][18]), "+f"(d[0][19]), "+f"(d[0][20]), "+f"(d[0][21]), "+f"(d[0][22]), "+f"(d[0][23]),                 \
+      "+f"(d[0][24]), "+f"(d[0][25]), "+f"(d[0][26]), "+f"(d[0][27]), "+f"(d[0][28]), "+f"(d[0][29]),                 \
+      "+f"(d[0][30]), "+f"(d[0][31]), "+f"(d[0][32]), "+f"(d[0][33]), "+f"(d[0][34]), "+f"(d[0][35]),                 \
+      "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[1][4]), "+f"(d[1][5]),                       \
+      "+f"(d[1][6]), "+f"(d[1][7]), "+f"(d[1][8]), "+f"(d[1][9]), "+f"(d[1][10]), "+f"(d[1][11]),                     \
+      "+f"(d[1][12]), "+f"(d[1][13]), "+f"(d[1][14]), "+f"(d[1][15]), "+f"(d[1][16]), "+f"(d[1][17]),                 \
+      "+f"(d[1][18]), "+f"(d[1][19]), "+f"(d[1][20]), "+f"(d[1][21]), "+f"(d[1][22]), "+f"(d[1][23]),                 \
+      "+f"(d[1][24]), "+f"(d[1][25]), "+f"(d[1][26]), "+f"(d[1][27]), "+f"(d[1][28]), "+f"(d[1][29]),                 \
+      "+f"(d[1][30]), "+f"(d[1][31]), "+f"(d[1][32]), "+f"(d[1][33]), "+f"(d[1][34]), "+f"(d[1][35])
+#define TRIATTN_WGMMA_N144_D_LIST                                                                                     \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, "                                 \
+  "%18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "                        \
+  "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, "                        \
+  "%54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71}, "
+
+/// One m64n144k16 step with both operands in shared memory: B's 144 columns are the two 72-column
+/// halves that the two 16-bit terms of each weight occupy next to each other per k-step; they
+/// accumulate into d[0] (columns 0-71) and d[1] (72-143), each in the layout of
+/// wgmma_m64n72k16_rs. One A read from shared memory serves both terms (two m64n72 steps read it
+/// twice).
+template <bool kF16>
+__device__ __forceinline__ void wgmma_m64n144k16_ss(float (&d)[2][36], std::uint64_t a_desc, std::uint64_t b_desc,
+                                                    int accumulate) {
+#define TRIATTN_WGMMA_N144_SS_ASM(TY)                                                                               \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %74, 0;\n"                                                        \
+               "wgmma.mma_async.sync.aligned.m64n144k16.f32." TY "." TY " " TRIATTN_WGMMA_N144_D_LIST            \
+               "%72, %73, p, 1, 1, 0, 0;\n}\n"                                                                     \
+               : TRIATTN_WGMMA_N144_D_OPERANDS(d)                                                                   \
+               : "l"(a_desc), "l"(b_desc), "r"(accumulate))
+  if constexpr (kF16)
+    TRIATTN_WGMMA_N144_SS_ASM("f16");
+  else
+    TRIATTN_WGMMA_N144_SS_ASM("bf16");
+#undef TRIATTN_WGMMA_N144_SS_ASM
+}
+#undef TRIATTN_WGMMA_N144_D_LIST
+#undef TRIATTN_WGMMA_N144_D_OPERANDS
 #undef TRIATTN_WGMMA_N72_D_LIST
 #undef TRIATTN_WGMMA_N72_D_OPERANDS
 #endif  // TRIATTN_WGMMA_ENABLED
