@@ -2011,6 +2011,23 @@ __device__ __forceinline__ void store_wgmma_b_weight(std::uint16_t* b16, float w
     store_wgmma_b_terms<SP>(b16, sp, part == 0 ? e_re : e_im, o >> 1, n, NT);
   }
 }
+/// The same weight into the mma.sync B fragments of the pipelined max scorer without wgmma:
+/// [n-tile o/2][k-step][term][lane][word][half] (BFragmentSlot), KS k-steps.
+template <class Tr, int SP, int KS>
+__device__ __forceinline__ void store_mma_b_weight(std::uint16_t* b16, float wr, float wi, int e_re, int e_im, int o,
+                                                   int h) {
+  const int n = (o & 1) * 4 + h;  // column within n-tile o/2
+#pragma unroll
+  for (int part = 0; part < 2; ++part) {
+    std::uint16_t sp[SP];
+    Tr::template split<SP>(part == 0 ? wr : wi, sp);
+    const BFragmentSlot b = b_fragment_slot(part == 0 ? e_re : e_im);
+    const int ln = n * 4 + b.quad_lane;
+#pragma unroll
+    for (int x = 0; x < SP; ++x)
+      b16[((((static_cast<std::size_t>(o >> 1) * KS + b.step) * SP + x) * 32 + ln) * 2 + b.word) * 2 + b.half] = sp[x];
+  }
+}
 }  // namespace detail
 
 /// Dynamic shared memory of score_max_mma_pipe_kernel: rings, c [slot] float4, cos/sin [|D|][F]
@@ -2197,23 +2214,10 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
             if (o >= 2 * NT) break;
             float wr = 0.0f, wi = 0.0f;
             if (hg < G) fold_weight_from_phase(qr, qi, 1.0, 0.0, cs_b[u], sn_b[u], m.s2, &wr, &wi);
-            if constexpr (kUseWgmma) {
+            if constexpr (kUseWgmma)
               detail::store_wgmma_b_weight<Tr, SP>(b16, wr, wi, e_re, e_im, o, h, NT);
-            } else {
-              const int n = (o & 1) * 4 + h;  // column within n-tile o/2
-#pragma unroll
-              for (int part = 0; part < 2; ++part) {
-                const int e = part == 0 ? e_re : e_im;
-                std::uint16_t sp[SP];
-                Tr::template split<SP>(part == 0 ? wr : wi, sp);
-                const detail::BFragmentSlot b = detail::b_fragment_slot(e);
-                const int ln = n * 4 + b.quad_lane;
-#pragma unroll
-                for (int x = 0; x < SP; ++x)
-                  b16[((((static_cast<std::size_t>(o >> 1) * KS + b.step) * SP + x) * 32 + ln) * 2 + b.word) * 2 +
-                      b.half] = sp[x];
-              }
-            }
+            else
+              detail::store_mma_b_weight<Tr, SP, KS>(b16, wr, wi, e_re, e_im, o, h);
           }
         }
       }
