@@ -145,7 +145,7 @@ double compare(const Case& c, const std::vector<float>& got, const std::vector<s
 
 // Largest normalised error and number of runs per tensor-core max_variant (16-bit caches) since
 // the last reset (the GQA case reports them).
-constexpr int kMaxVariants = 7;  // ScoreOptions::max_variant 0-6
+constexpr int kMaxVariants = 9;  // ScoreOptions::max_variant 0-8
 double g_max_nerr[kMaxVariants] = {};
 int g_max_runs[kMaxVariants] = {};
 
@@ -179,9 +179,10 @@ void check_case(const Case& c, std::uint32_t seed) {
   const bool two_paths = c.agg == Aggregation::kMax && !c.no_trig && sizeof(T) == 2;
   // Mean aggregation has six kernels: mean_variant 0 and 1 (bitwise the same scores), 2, 3, 4, 5
   // (tensor cores; 16-bit caches, else variant 0; 5 with producer warps). The tensor-core max
-  // path has seven (max_variant 0-6; 2-6 on warpgroup MMAs in an sm_90a build, 4 with the norm
+  // path has nine (max_variant 0-8; 2-8 on warpgroup MMAs in an sm_90a build, 4 with the norm
   // term on the CUDA cores, 5 and 6 warp-specialized: two accumulator sets per tile from m64n144
-  // steps with setmaxnreg, one m64n72 chain). The ring kernels (mean_variant 2-5, max_variant 1-6) run three times: with
+  // steps with setmaxnreg, one m64n72 chain; 7 and 8 the direct kernel with thread-private key
+  // slots). The ring and direct kernels (mean_variant 2-5, max_variant 1-8) run three times: with
   // the default grid, with at most 3 CTAs (each CTA streams many items across rows and sequences)
   // and with two waves of CTAs (grid_waves).
   const bool mean_paths = c.agg == Aggregation::kMean || c.no_trig;
@@ -301,6 +302,43 @@ TEST_CASE("wgmma descriptors advanced in place equal descriptors rebuilt at the 
   // precondition is real, and the check above would catch a descriptor layout that broke it
   CHECK_NE(cuda::detail::wgmma_desc_advance(cuda::detail::wgmma_desc_kmajor(0x3FFF0u, 128u, 256u), 16u),
            cuda::detail::wgmma_desc_kmajor(0x40000u, 128u, 256u));
+}
+
+TEST_CASE("the direct max scorer's permuted k order pairs each key element with its weight (host twin)") {
+  // score_max_direct_kernel: lane c of a quad loads 16-byte chunks j of its key rows (elements
+  // 32j + 8c .. +8) and passes words 2h, 2h + 1 of chunk j as the A fragment registers a0 / a2 of
+  // k-step 2j + h; B holds weight element e at k index direct_k_index(e). Emulate the MMA's
+  // fragment semantics (a0: k = 2c, 2c + 1; a2: k = 2c + 8, 2c + 9) over the quad and check that
+  // Σ_k A·B is the plain dot product, and that the map is a bijection.
+  for (const int hd : {64, 128}) {
+    std::vector<int> seen(static_cast<std::size_t>(hd), 0);
+    for (int e = 0; e < hd; ++e) {
+      const int k = cuda::detail::direct_k_index(e);
+      REQUIRE(k >= 0);
+      REQUIRE(k < hd);
+      ++seen[static_cast<std::size_t>(k)];
+    }
+    CHECK(std::all_of(seen.begin(), seen.end(), [](int n) { return n == 1; }));
+    std::mt19937 rng(7u + static_cast<unsigned>(hd));
+    std::uniform_int_distribution<int> val(-1000, 1000);
+    std::vector<long long> key(static_cast<std::size_t>(hd)), w(static_cast<std::size_t>(hd)), b(static_cast<std::size_t>(hd));
+    for (int e = 0; e < hd; ++e) {
+      key[static_cast<std::size_t>(e)] = val(rng);
+      w[static_cast<std::size_t>(e)] = val(rng);
+      b[static_cast<std::size_t>(cuda::detail::direct_k_index(e))] = w[static_cast<std::size_t>(e)];  // B column
+    }
+    long long plain = 0, mma = 0;
+    for (int e = 0; e < hd; ++e) plain += key[static_cast<std::size_t>(e)] * w[static_cast<std::size_t>(e)];
+    for (int s = 0; s < hd / 16; ++s)
+      for (int c = 0; c < 4; ++c)
+        for (int reg = 0; reg < 2; ++reg)   // a0 (reg 0) or a2 (reg 1): word 2(s % 2) + reg of chunk s / 2
+          for (int half = 0; half < 2; ++half) {
+            const int e = 32 * (s / 2) + 8 * c + 2 * (2 * (s % 2) + reg) + half;  // the loaded element
+            const int kk = 2 * c + half + 8 * reg;                                 // its k in the fragment
+            mma += key[static_cast<std::size_t>(e)] * b[static_cast<std::size_t>(16 * s + kk)];
+          }
+    CHECK_EQ(mma, plain);
+  }
 }
 
 TEST_CASE("ring scorers take K ranges below 64 GiB only (32-bit chunk offsets - host routing rule)") {

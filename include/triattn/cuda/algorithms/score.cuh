@@ -17,6 +17,7 @@
 #include <triattn/cuda/dispatch.cuh>
 #include <triattn/cuda/error.cuh>
 #include <triattn/cuda/kernels/score_kernel.cuh>
+#include <triattn/cuda/kernels/score_max_direct_kernel.cuh>
 #include <triattn/cuda/kernels/score_max_ws_kernel.cuh>
 #include <triattn/cuda/launch.cuh>
 #include <triattn/cuda/tuning/sm90.cuh>
@@ -55,7 +56,13 @@ struct ScoreOptions {
   /// operands in shared memory, norm warps; 5 with two accumulator sets per tile (the two weight
   /// terms, one m64n144 step per k-step) and setmaxnreg, 6 with one m64n72 chain; |D| > 18 or too
   /// little shared memory run as 4; without sm_90a the same kernel on
-  /// mma.sync). 0-2 within fp32 rounding of each other.
+  /// mma.sync), 7 and 8 score_max_direct_kernel (one warpgroup per CTA; each thread copies its
+  /// share of the keys into shared-memory slots of its own and reads them back as the warpgroup
+  /// MMA's A fragments, no ring handshake, no ldmatrix; the norm term from the same registers
+  /// while the MMAs run; 7: 2 slots, 2 CTAs per SM, 8: 1 slot, 3 CTAs per SM; |D| > 18 or too
+  /// little shared memory run as 0; without sm_90a on mma.sync; tuning::sm90::ScoreMaxDirect has
+  /// the measurements: ~4% faster than 4 from a batch-8 round's shape up, slower at one layer).
+  /// 0-2 within fp32 rounding of each other.
   /// Default 4. H200, 2026-12-02, one 32K layer (8 KV heads, |D| = 17): 35.4-35.5 µs (keys copied
   /// L2 evict-first, the row fold batched; 36.6-36.8 before). 2026-12-01: 36.8-37.0 µs vs 37.6-37.8
   /// (3, same run), 44.5 (2), 53.6 (1). Largest normalised error against the CPU reference in
@@ -357,6 +364,35 @@ template <class T, class Id, int HD, RopeStyle S, int kChains, class Cfg = tunin
   }
 }
 
+/// Direct max scorer (max_variant 7; 8 with Cfg ScoreMaxDirectWide): |D| > 18 offsets, or shared
+/// memory beyond the device's limit, run as score_max_mma_kernel.
+template <class T, class Id, int HD, RopeStyle S, class Cfg = tuning::sm90::ScoreMaxDirect>
+[[nodiscard]] inline cudaError_t launch_score_max_direct(const KvCacheView<T, Id>& view, const ScoreModelView& m,
+                                                         const ScoreBatch& a, float* scores, cudaStream_t stream,
+                                                         const ScoreOptions& opt) noexcept {
+  if constexpr (sizeof(T) == 2) {
+    using Shape = MaxDirectShape<T, HD, Cfg::kBufs>;
+    const std::size_t smem = Shape::smem_bytes(m.num_offsets);
+    if (m.num_offsets > 2 * kWgmmaMaxNTiles || smem > smem_optin_limit())
+      return launch_score_max_mma<T, Id, HD, S>(view, m, a, scores, stream, opt);
+    const FastDiv fd(view.block.block_size);
+    const long long rows = score_rows(m, a, Shape::kHeads);
+    int sms = 0;
+    TRIATTN_CUDA_RETURN_IF_ERROR(current_device_sm_count(&sms));
+    auto kernel = score_max_direct_kernel<T, Id, HD, S, Cfg::kBufs, Cfg::kMinCtas>;
+    static DynamicSmemGrant granted;
+    TRIATTN_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem(kernel, smem, granted));
+    static std::atomic<unsigned long long> cached{0};
+    const int per_sm = ctas_per_sm_cached(
+        cached, smem, [&] { return prefer_max_shared_then_occupancy(kernel, Shape::kThreads, smem); });
+    const long long items = rows * ((a.max_len + Shape::kTile - 1) / Shape::kTile);
+    kernel<<<score_grid(items, sms, per_sm, opt), Shape::kThreads, smem, stream>>>(view, m, a, scores, fd);
+    return check_launch(stream);
+  } else {
+    return cudaErrorNotSupported;
+  }
+}
+
 }  // namespace detail
 
 /// Scores slots [0, length) of every sequence of the batch for every (layer, query head).
@@ -388,6 +424,11 @@ template <class T, class Id>
     const auto by_group = [&](auto style) -> cudaError_t {
       constexpr RopeStyle S = decltype(style)::value;
       using Tune = tuning::sm90::ScoreMeanMma;
+      if (mma && options.max_variant == 7)
+        return detail::launch_score_max_direct<T, Id, HD, S>(view, model, batch, scores, stream, options);
+      if (mma && options.max_variant == 8)
+        return detail::launch_score_max_direct<T, Id, HD, S, tuning::sm90::ScoreMaxDirectWide>(
+            view, model, batch, scores, stream, options);
       if (mma && options.max_variant == 5 && ring_ok)
         return detail::launch_score_max_ws<T, Id, HD, S, 2>(view, model, batch, scores, stream, options);
       if (mma && options.max_variant == 6 && ring_ok)

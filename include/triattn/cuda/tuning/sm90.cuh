@@ -92,6 +92,20 @@ struct ScoreMaxWs {
   static constexpr int kStages = 4;
 };
 
+/// Direct max scorer (score_max_direct_kernel; ScoreOptions::max_variant 7 and 8): key slots per
+/// thread (kBufs tiles in flight while one is multiplied) and CTAs (one warpgroup each) per SM.
+/// H200, 2026-12-02, one 32K layer / Qwen3-8B round shape at batch 8 and 32 (max_variant 4 in the
+/// same run: 35.5 / 719 / 2,863 µs): 2 slots at 2 CTAs (7) 38.0 / 714 / 2,833 µs; 1 slot at 3
+/// CTAs (8, 167 registers) 42.1 / 691 / 2,752 µs; 3 slots at 2 CTAs 39.3 / 730 / 2,898 µs. One
+/// CTA per SM (4 warps) ran at half the speed: the steps are latency-bound, so warps per SM count
+/// more than bytes in flight.
+struct ScoreMaxDirect {
+  static constexpr int kBufs = 2, kMinCtas = 2;
+};
+struct ScoreMaxDirectWide {
+  static constexpr int kBufs = 1, kMinCtas = 3;
+};
+
 /// Paged decode attention (split-K / flash decoding).
 /// 16-bit caches use mma.sync m16n8k16: a warp takes 16-token tiles, 8 query heads per pass
 /// (the MMA's N); fp32 caches use CUDA cores, 4 query heads per pass. kWarps warps per CTA share
