@@ -97,7 +97,8 @@ struct ScoreMaxWs {
 /// H200, 2026-12-02, one 32K layer / Qwen3-8B round shape at batch 8 and 32 (max_variant 4 in the
 /// same run: 35.5 / 719 / 2,863 µs): 2 slots at 2 CTAs (7) 38.0 / 714 / 2,833 µs; 1 slot at 3
 /// CTAs (8, 167 registers) 42.1 / 691 / 2,752 µs; 3 slots at 2 CTAs 39.3 / 730 / 2,898 µs. One
-/// CTA per SM (4 warps) ran at half the speed: the steps are latency-bound, so warps per SM count
+/// CTA per SM (4 warps, 6 slots) took 65 µs at one layer against 38-39 at two (an earlier build
+/// whose scores were still wrong: indicative): the steps are latency-bound, so warps per SM count
 /// more than bytes in flight.
 struct ScoreMaxDirect {
   static constexpr int kBufs = 2, kMinCtas = 2;
