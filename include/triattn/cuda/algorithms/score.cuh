@@ -253,6 +253,28 @@ inline std::size_t smem_optin_limit() noexcept {
   return static_cast<std::size_t>(optin);
 }
 
+/// Launches a ring or direct scorer: `threads` threads and `smem` bytes of dynamic shared memory
+/// per CTA, one wave of resident CTAs (score_grid) over the rows of `heads` query heads cut into
+/// `tile`-key items. granted / cached: the caller's statics for this kernel (its shared-memory
+/// grant, and its CTAs per SM for the last smem size asked).
+template <class Kernel, class T, class Id>
+[[nodiscard]] inline cudaError_t launch_smem_scorer(Kernel kernel, int threads, std::size_t smem, int heads, int tile,
+                                                    DynamicSmemGrant& granted, std::atomic<unsigned long long>& cached,
+                                                    const KvCacheView<T, Id>& view, const ScoreModelView& m,
+                                                    const ScoreBatch& a, float* scores, cudaStream_t stream,
+                                                    const ScoreOptions& opt) noexcept {
+  const FastDiv fd(view.block.block_size);
+  const long long rows = score_rows(m, a, heads);
+  int sms = 0;
+  TRIATTN_CUDA_RETURN_IF_ERROR(current_device_sm_count(&sms));
+  TRIATTN_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem(kernel, smem, granted));
+  const int per_sm =
+      ctas_per_sm_cached(cached, smem, [&] { return prefer_max_shared_then_occupancy(kernel, threads, smem); });
+  const long long items = rows * ((a.max_len + tile - 1) / tile);
+  kernel<<<score_grid(items, sms, per_sm, opt), threads, smem, stream>>>(view, m, a, scores, fd);
+  return check_launch(stream);
+}
+
 /// Pipelined tensor-core max scorer (max_variant 1; 2, 3, 4 with kWgmma; 4 with kNormFfma); the
 /// kernel without wgmma when |D| > 18 (one m64n72 covers 18 offsets), score_max_mma_kernel when
 /// its shared memory does not fit.
@@ -270,20 +292,12 @@ template <class T, class Id, int HD, RopeStyle S, bool kWgmma, int kSplits = 0, 
         score_max_mma_pipe_smem_bytes<T, HD, Cfg::kWarps, Cfg::kStages, kWgmma, kSplits, Cfg::kKeys>(m.num_offsets);
     if (smem > smem_optin_limit())
       return launch_score_max_mma<T, Id, HD, S>(view, m, a, scores, stream, opt);
-    const FastDiv fd(view.block.block_size);
-    const long long rows = score_rows(m, a, Shape::kHeads);
-    int sms = 0;
-    TRIATTN_CUDA_RETURN_IF_ERROR(current_device_sm_count(&sms));
     auto kernel = score_max_mma_pipe_kernel<T, Id, HD, S, Cfg::kWarps, Cfg::kStages, Cfg::kMinCtas, kWgmma, kSplits,
                                             Cfg::kKeys, kNormFfma>;
     static DynamicSmemGrant granted;
-    TRIATTN_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem(kernel, smem, granted));
     static std::atomic<unsigned long long> cached{0};
-    const int per_sm = ctas_per_sm_cached(
-        cached, smem, [&] { return prefer_max_shared_then_occupancy(kernel, Shape::kThreads, smem); });
-    const long long items = rows * ((a.max_len + Shape::kTile - 1) / Shape::kTile);
-    kernel<<<score_grid(items, sms, per_sm, opt), Shape::kThreads, smem, stream>>>(view, m, a, scores, fd);
-    return check_launch(stream);
+    return launch_smem_scorer(kernel, Shape::kThreads, smem, Shape::kHeads, Shape::kTile, granted, cached, view, m, a,
+                              scores, stream, opt);
   } else {
     return cudaErrorNotSupported;
   }
@@ -375,19 +389,11 @@ template <class T, class Id, int HD, RopeStyle S, class Cfg = tuning::sm90::Scor
     const std::size_t smem = Shape::smem_bytes(m.num_offsets);
     if (m.num_offsets > 2 * kWgmmaMaxNTiles || smem > smem_optin_limit())
       return launch_score_max_mma<T, Id, HD, S>(view, m, a, scores, stream, opt);
-    const FastDiv fd(view.block.block_size);
-    const long long rows = score_rows(m, a, Shape::kHeads);
-    int sms = 0;
-    TRIATTN_CUDA_RETURN_IF_ERROR(current_device_sm_count(&sms));
     auto kernel = score_max_direct_kernel<T, Id, HD, S, Cfg::kBufs, Cfg::kMinCtas>;
     static DynamicSmemGrant granted;
-    TRIATTN_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem(kernel, smem, granted));
     static std::atomic<unsigned long long> cached{0};
-    const int per_sm = ctas_per_sm_cached(
-        cached, smem, [&] { return prefer_max_shared_then_occupancy(kernel, Shape::kThreads, smem); });
-    const long long items = rows * ((a.max_len + Shape::kTile - 1) / Shape::kTile);
-    kernel<<<score_grid(items, sms, per_sm, opt), Shape::kThreads, smem, stream>>>(view, m, a, scores, fd);
-    return check_launch(stream);
+    return launch_smem_scorer(kernel, Shape::kThreads, smem, Shape::kHeads, Shape::kTile, granted, cached, view, m, a,
+                              scores, stream, opt);
   } else {
     return cudaErrorNotSupported;
   }

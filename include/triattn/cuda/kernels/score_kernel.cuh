@@ -2028,6 +2028,21 @@ __device__ __forceinline__ void store_mma_b_weight(std::uint16_t* b16, float wr,
       b16[((((static_cast<std::size_t>(o >> 1) * KS + b.step) * SP + x) * 32 + ln) * 2 + b.word) * 2 + b.half] = sp[x];
   }
 }
+/// cos and sin of offsets o0 .. o0 + kBatch - 1 at frequency f from the [|D|][F] tables, loaded
+/// before any of them is used (the max scorers' folds take them in batches: the float64 folds of
+/// a batch are independent, so their chains overlap). Offsets past |D| repeat offset D - 1: their
+/// weights, hence their products, equal that column's, so a max over every column is the max
+/// over D without a select.
+template <int kBatch>
+__device__ __forceinline__ void load_offset_phases(double (&cs_b)[kBatch], double (&sn_b)[kBatch], const double* cs_s,
+                                                   const double* sn_s, int o0, int D, int F, int f) {
+#pragma unroll
+  for (int u = 0; u < kBatch; ++u) {
+    const int od = o0 + u < D ? o0 + u : D - 1;
+    cs_b[u] = cs_s[od * F + f];
+    sn_b[u] = sn_s[od * F + f];
+  }
+}
 }  // namespace detail
 
 /// Dynamic shared memory of score_max_mma_pipe_kernel: rings, c [slot] float4, cos/sin [|D|][F]
@@ -2200,14 +2215,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
         constexpr int kFoldBatch = 6;
         for (int o0 = 0; o0 < 2 * NT; o0 += kFoldBatch) {
           double cs_b[kFoldBatch], sn_b[kFoldBatch];
-#pragma unroll
-          for (int u = 0; u < kFoldBatch; ++u) {
-            // columns past |D| repeat offset D - 1's weights: their products equal that column's,
-            // so the wgmma path takes the max over every column without a test per n-tile
-            const int od = o0 + u < D ? o0 + u : D - 1;
-            cs_b[u] = cs_s[od * F + f];
-            sn_b[u] = sn_s[od * F + f];
-          }
+          detail::load_offset_phases<kFoldBatch>(cs_b, sn_b, cs_s, sn_s, o0, D, F, f);
 #pragma unroll
           for (int u = 0; u < kFoldBatch; ++u) {
             const int o = o0 + u;

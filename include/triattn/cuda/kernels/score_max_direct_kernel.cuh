@@ -384,14 +384,7 @@ __global__ void __launch_bounds__(detail::MaxDirectShape<T, HD, kBufs>::kThreads
 #pragma unroll 1
       for (int o0 = 0; o0 < 2 * NT; o0 += kFoldBatch) {
         double cs_b[kFoldBatch], sn_b[kFoldBatch];
-#pragma unroll
-        for (int u = 0; u < kFoldBatch; ++u) {
-          // columns past |D| repeat offset D - 1's weights: their products equal that column's,
-          // so the max over every column is the max over D without a select
-          const int od = o0 + u < D ? o0 + u : D - 1;
-          cs_b[u] = cs_s[od * F + f];
-          sn_b[u] = sn_s[od * F + f];
-        }
+        detail::load_offset_phases<kFoldBatch>(cs_b, sn_b, cs_s, sn_s, o0, D, F, f);
 #pragma unroll
         for (int u = 0; u < kFoldBatch; ++u) {
           const int o = o0 + u;
