@@ -60,7 +60,7 @@ struct ScoreOptions {
   /// share of the keys into shared-memory slots of its own and reads them back as the warpgroup
   /// MMA's A fragments, no ring handshake, no ldmatrix; the norm term from the same registers
   /// while the MMAs run; 7: 2 slots, 2 CTAs per SM, 8: 1 slot, 3 CTAs per SM; |D| > 18 or too
-  /// little shared memory run as 0; without sm_90a on mma.sync; tuning::sm90::ScoreMaxDirect has
+  /// little shared memory run as 0; without sm_90a as 4; tuning::sm90::ScoreMaxDirect has
   /// the measurements: ~4% faster than 4 from a batch-8 round's shape up, slower at one layer).
   /// 0-2 within fp32 rounding of each other.
   /// Default 4. H200, 2026-12-02, one 32K layer (8 KV heads, |D| = 17): 35.4-35.5 µs (keys copied
@@ -379,7 +379,8 @@ template <class T, class Id, int HD, RopeStyle S, int kChains, class Cfg = tunin
 }
 
 /// Direct max scorer (max_variant 7; 8 with Cfg ScoreMaxDirectWide): |D| > 18 offsets, or shared
-/// memory beyond the device's limit, run as score_max_mma_kernel.
+/// memory beyond the device's limit, run as score_max_mma_kernel; builds without sm_90a as
+/// max_variant 4.
 template <class T, class Id, int HD, RopeStyle S, class Cfg = tuning::sm90::ScoreMaxDirect>
 [[nodiscard]] inline cudaError_t launch_score_max_direct(const KvCacheView<T, Id>& view, const ScoreModelView& m,
                                                          const ScoreBatch& a, float* scores, cudaStream_t stream,
@@ -390,6 +391,14 @@ template <class T, class Id, int HD, RopeStyle S, class Cfg = tuning::sm90::Scor
     if (m.num_offsets > 2 * kWgmmaMaxNTiles || smem > smem_optin_limit())
       return launch_score_max_mma<T, Id, HD, S>(view, m, a, scores, stream, opt);
     auto kernel = score_max_direct_kernel<T, Id, HD, S, Cfg::kBufs, Cfg::kMinCtas>;
+    // A build without sm_90a compiles the kernel as an empty marker with static shared memory
+    // (the kernel's first lines): run max_variant 4 there
+    static const bool wgmma_build = [&] {
+      cudaFuncAttributes attr{};
+      return cudaFuncGetAttributes(&attr, kernel) == cudaSuccess &&
+             attr.sharedSizeBytes < static_cast<std::size_t>(kDirectNoWgmmaMarkerBytes);
+    }();
+    if (!wgmma_build) return launch_score_max_mma_pipe<T, Id, HD, S, true, 2, true>(view, m, a, scores, stream, opt);
     static DynamicSmemGrant granted;
     static std::atomic<unsigned long long> cached{0};
     return launch_smem_scorer(kernel, Shape::kThreads, smem, Shape::kHeads, Shape::kTile, granted, cached, view, m, a,

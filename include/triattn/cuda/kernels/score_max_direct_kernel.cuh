@@ -24,7 +24,7 @@
 // layer (H200, 2026-12-02): every wgmma.fence waited for the newest of those loads too.
 // Each CTA (one warpgroup) walks a contiguous range of (row, 64-key tile) items; a row change
 // re-folds the weights (cos/sin(δω_f) tables in shared memory, angle addition per sequence).
-// Builds without sm_90a run the same products as mma.sync from the same layouts.
+// sm_90a only: in builds without it max_variant 7 and 8 run as 4 (see the kernel's first lines).
 #pragma once
 
 #include <cmath>
@@ -67,6 +67,9 @@ struct MaxDirectShape {
     return kTablesOff + static_cast<std::size_t>(num_offsets) * kF * 2 * sizeof(double);
   }
 };
+
+/// Static shared memory of score_max_direct_kernel in builds without sm_90a (a marker; see there).
+inline constexpr int kDirectNoWgmmaMarkerBytes = 8192;
 
 /// Position of key element e in the permuted k order of the A fragments above: 16·(k-step) + k.
 /// Element e = 32j + 8c + 2w + b sits in chunk j of lane c, word w: k-step 2j + w/2, fragment
@@ -135,13 +138,12 @@ __device__ __forceinline__ void direct_tile_norms(float (&out)[2], const DirectK
 
 /// The tile's [64 x HD]·[HD x 72] products into d (wgmma accumulator layout: d[4·nt + v] = column
 /// 8·nt + 2·c4 + (v & 1) of row 16w + g4 + 8·(v >> 1)), both weight terms into the same
-/// accumulators. b_base: shared address of the B tiles [k-step][term].
+/// accumulators. b_base: shared address of the B tiles [k-step][term]. sm_90a only (the kernel
+/// has no other path).
 template <class T, int KS, int SP, int NC>
-__device__ __forceinline__ void direct_tile_products(float (&d)[36], const DirectKeyWords<NC>& k, std::uint32_t b_base,
-                                                     int lane) {
-  constexpr std::uint32_t kBTile = kWgmmaMaxNTiles * 256;
+__device__ __forceinline__ void direct_tile_products(float (&d)[36], const DirectKeyWords<NC>& k, std::uint32_t b_base) {
 #ifdef TRIATTN_WGMMA_ENABLED
-  (void)lane;
+  constexpr std::uint32_t kBTile = kWgmmaMaxNTiles * 256;
   const std::uint64_t b_desc = wgmma_desc_kmajor(b_base, 128u, 256u);
   wgmma_fence();
 #pragma unroll
@@ -155,27 +157,7 @@ __device__ __forceinline__ void direct_tile_products(float (&d)[36], const Direc
   }
   wgmma_commit();
 #else
-  using Tr = MmaMaxTraits<T>;
-#pragma unroll
-  for (int v = 0; v < 36; ++v) d[v] = 0.0f;
-  const int mrow = lane & 7;
-#pragma unroll
-  for (int s = 0; s < KS; ++s) {
-    const int j = s >> 1, h2 = (s & 1) * 2;
-    const std::uint32_t a[4] = {k[0][j][h2], k[1][j][h2], k[0][j][h2 + 1], k[1][j][h2 + 1]};
-#pragma unroll
-    for (int x = 0; x < SP; ++x)
-#pragma unroll
-      for (int nt = 0; nt < kWgmmaMaxNTiles; ++nt) {
-        std::uint32_t b[2];  // the n-tile's two k-chunk core matrices, 128 bytes apart
-        ldmatrix_x2(b, b_base + static_cast<std::uint32_t>(s * SP + x) * kBTile +
-                           static_cast<std::uint32_t>(nt * 256 + ((lane >> 3) & 1) * 128 + mrow * 16));
-        float acc[4] = {d[4 * nt], d[4 * nt + 1], d[4 * nt + 2], d[4 * nt + 3]};
-        Tr::mma(acc, a, b[0], b[1]);
-#pragma unroll
-        for (int v = 0; v < 4; ++v) d[4 * nt + v] = acc[v];
-      }
-  }
+  (void)d, (void)k, (void)b_base;
 #endif
 }
 
@@ -212,6 +194,17 @@ __global__ void __launch_bounds__(detail::MaxDirectShape<T, HD, kBufs>::kThreads
                             detail::FastDiv fd) {
   detail::griddep_launch_dependents();  // the round's next kernel waits for this grid's completion
   static_assert(kBufs >= 1, "at least one tile in flight");
+#ifndef TRIATTN_WGMMA_ENABLED
+  // Builds without sm_90a: never launched. The static shared memory of this marker is how
+  // launch_score_max_direct tells such a build (cudaFuncAttributes::sharedSizeBytes >=
+  // kDirectNoWgmmaMarkerBytes; the sm_90a kernel has none, whether or not the 1 KB the system
+  // reserves per CTA is counted) and runs max_variant 4 instead: this kernel's mma.sync twin
+  // stopped with an illegal instruction on the H200 (2026-12-02, test_cuda_test_score_sm_90) and
+  // was removed rather than shipped unexplained.
+  volatile __shared__ int direct_kernel_without_wgmma[detail::kDirectNoWgmmaMarkerBytes / 4];
+  if (threadIdx.x == 0) direct_kernel_without_wgmma[0] = 0;
+  (void)view, (void)m, (void)a, (void)scores, (void)fd;
+#else
   using Shape = detail::MaxDirectShape<T, HD, kBufs>;
   using Tr = detail::MmaMaxTraits<T>;
   constexpr int F = Shape::kF, KS = Shape::kSteps, SP = Shape::kSplits, GH = Shape::kHeads, NC = Shape::kChunks;
@@ -446,7 +439,7 @@ __global__ void __launch_bounds__(detail::MaxDirectShape<T, HD, kBufs>::kThreads
     read_slot(j, k);
     if (b_rid[j] != w_row) fold_row(b_rid[j]);
     const int tile = b_tile[j];
-    detail::direct_tile_products<T, KS, SP, NC>(d, k, b_base, lane);
+    detail::direct_tile_products<T, KS, SP, NC>(d, k, b_base);
     // The slot's words are in registers (the wgmma fence waited for them): refill it with the
     // item kBufs ahead.
     issue(nxt, j);
@@ -480,6 +473,7 @@ __global__ void __launch_bounds__(detail::MaxDirectShape<T, HD, kBufs>::kThreads
     }
   };
   all_steps(std::make_integer_sequence<int, kBufs>{});
+#endif
 }
 
 }  // namespace triattn::cuda
