@@ -185,9 +185,9 @@ __device__ __forceinline__ void direct_wait_products(float (&d)[36], DirectKeyWo
 
 }  // namespace detail
 
-/// Tensor-core max-aggregation scorer with register-direct key loads (see the top of this file);
+/// Tensor-core max-aggregation scorer with thread-private key slots (see the top of this file);
 /// dynamic shared memory MaxDirectShape<T, HD, kBufs>::smem_bytes(|D|), |D| <= 2·kWgmmaMaxNTiles.
-/// kBufs (>= 2): key slots per thread (kBufs - 1 tiles in flight while one is used).
+/// kBufs (>= 1): key slots per thread (kBufs tiles in flight while one is multiplied).
 template <class T, class Id, int HD, RopeStyle S, int kBufs, int kMinCtas>
 __global__ void __launch_bounds__(detail::MaxDirectShape<T, HD, kBufs>::kThreads, kMinCtas)
     score_max_direct_kernel(KvCacheView<T, Id> view, ScoreModelView m, ScoreBatch a, float* __restrict__ scores,
