@@ -61,7 +61,8 @@ struct ScoreOptions {
   /// MMA's A fragments, no ring handshake, no ldmatrix; the norm term from the same registers
   /// while the MMAs run; 7: 2 slots, 2 CTAs per SM, 8: 1 slot, 3 CTAs per SM; |D| > 18 or too
   /// little shared memory run as 0; without sm_90a as 4; tuning::sm90::ScoreMaxDirect has
-  /// the measurements: ~4% faster than 4 from a batch-8 round's shape up, slower at one layer).
+  /// the measurements: 8 ~4% faster than 4 from a batch-8 round's shape up, both slower at one
+  /// layer).
   /// 0-2 within fp32 rounding of each other.
   /// Default 4. H200, 2026-12-02, one 32K layer (8 KV heads, |D| = 17): 35.4-35.5 µs (keys copied
   /// L2 evict-first, the row fold batched; 36.6-36.8 before). 2026-12-01: 36.8-37.0 µs vs 37.6-37.8
