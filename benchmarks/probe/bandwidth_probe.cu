@@ -8,14 +8,7 @@
 #include <cstdio>
 #include <vector>
 
-#define CHECK(x)                                                                   \
-  do {                                                                             \
-    cudaError_t err_ = (x);                                                           \
-    if (err_ != cudaSuccess) {                                                      \
-      std::printf("%s: %s\n", #x, cudaGetErrorString(err_));                        \
-      return 1;                                                                    \
-    }                                                                              \
-  } while (0)
+#include "probe_check.cuh"
 
 __global__ void read_kernel(const int4* __restrict__ p, size_t n, int* out) {
   int acc = 0;

@@ -16,14 +16,7 @@
 
 #include <triattn/cuda/kernels/wgmma.cuh>
 
-#define CHECK(x)                                                      \
-  do {                                                                \
-    cudaError_t err_ = (x);                                           \
-    if (err_ != cudaSuccess) {                                        \
-      std::printf("%s: %s\n", #x, cudaGetErrorString(err_));          \
-      return 1;                                                       \
-    }                                                                 \
-  } while (0)
+#include "probe_check.cuh"
 
 namespace {
 

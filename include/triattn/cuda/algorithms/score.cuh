@@ -254,7 +254,7 @@ inline std::size_t smem_optin_limit() noexcept {
   return static_cast<std::size_t>(optin);
 }
 
-/// Launches a ring or direct scorer: `threads` threads and `smem` bytes of dynamic shared memory
+/// Launches a ring, warp-specialized or direct scorer: `threads` threads and `smem` bytes of dynamic shared memory
 /// per CTA, one wave of resident CTAs (score_grid) over the rows of `heads` query heads cut into
 /// `tile`-key items. granted / cached: the caller's statics for this kernel (its shared-memory
 /// grant, and its CTAs per SM for the last smem size asked).
@@ -353,10 +353,6 @@ template <class T, class Id, int HD, RopeStyle S, int kChains, class Cfg = tunin
     const std::size_t smem = Shape::smem_bytes(m.num_offsets);
     if (m.num_offsets > 2 * kWgmmaMaxNTiles || smem > smem_optin_limit())
       return launch_score_max_mma_pipe<T, Id, HD, S, true, 2, true>(view, m, a, scores, stream, opt);
-    const FastDiv fd(view.block.block_size);
-    const long long rows = score_rows(m, a, Shape::kHeads);
-    int sms = 0;
-    TRIATTN_CUDA_RETURN_IF_ERROR(current_device_sm_count(&sms));
     auto kernel = score_max_ws_kernel<T, Id, HD, S, Cfg::kStages, kChains>;
     if constexpr (kChains > 1) {
       // setmaxnreg's targets balance the registers of a launch at Shape::kLaunchRegs; a build
@@ -368,12 +364,9 @@ template <class T, class Id, int HD, RopeStyle S, int kChains, class Cfg = tunin
       if (!regs_match) return launch_score_max_mma_pipe<T, Id, HD, S, true, 2, true>(view, m, a, scores, stream, opt);
     }
     static DynamicSmemGrant granted;
-    TRIATTN_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem(kernel, smem, granted));
-    // 1 for every |D|: its 12 warps at 168 registers fill the register file
-    static const int per_sm = prefer_max_shared_then_occupancy(kernel, Shape::kThreads, smem);
-    const long long items = rows * ((a.max_len + Shape::kTile - 1) / Shape::kTile);
-    kernel<<<score_grid(items, sms, per_sm, opt), Shape::kThreads, smem, stream>>>(view, m, a, scores, fd);
-    return check_launch(stream);
+    static std::atomic<unsigned long long> cached{0};  // 1 CTA per SM for every |D|: its 12 warps fill the registers
+    return launch_smem_scorer(kernel, Shape::kThreads, smem, Shape::kHeads, Shape::kTile, granted, cached, view, m, a,
+                              scores, stream, opt);
   } else {
     return cudaErrorNotSupported;
   }

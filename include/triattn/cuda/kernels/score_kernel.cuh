@@ -1149,6 +1149,19 @@ __device__ __forceinline__ void score_cp_async_16(std::uint32_t dst, const void*
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 __device__ __forceinline__ void score_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+/// Issues the copies of the per-model cos/sin(δω_f) tables ([|D|][F] double each, from
+/// m.offset_cos / m.offset_sin) into cs_s / sn_s, 16 bytes per copy, thread `tid` of `threads`
+/// (the caller commits the group and waits for it before the tables are read).
+__device__ __forceinline__ void copy_offset_tables_async(double* cs_s, double* sn_s, const ScoreModelView& m, int D,
+                                                         int F, int tid, int threads) {
+  const int chunks = D * F / 2;  // 16-byte chunks per table
+  for (int i = tid; i < 2 * chunks; i += threads) {
+    const bool sn = i >= chunks;
+    const int ci = sn ? i - chunks : i;
+    score_cp_async_16(score_smem_addr((sn ? sn_s : cs_s) + 2 * ci), (sn ? m.offset_sin : m.offset_cos) + 2 * ci, 16);
+  }
+}
+
 /// Waits until at most N of this thread's committed groups are pending.
 template <int N>
 __device__ __forceinline__ void score_cp_async_wait() {
@@ -2043,6 +2056,31 @@ __device__ __forceinline__ void load_offset_phases(double (&cs_b)[kBatch], doubl
     sn_b[u] = sn_s[od * F + f];
   }
 }
+/// The cos/sin of a sequence's phases for the max scorers' folds, by threads i = tid, tid +
+/// threads, ...: with the per-model cos/sin(δω_f) tables (angle_tables), cos/sin(t0·ω_f) into
+/// ph_c / ph_s [F] (offset_weight adds the angles); without them the whole (t0 + δ)·ω_f table into
+/// cs_s / sn_s [|D|][F].
+__device__ __forceinline__ void sequence_phases(bool angle_tables, long long t0, const ScoreModelView& m, int D, int F,
+                                                int tid, int threads, double* ph_c, double* ph_s, double* cs_s,
+                                                double* sn_s) {
+  if (angle_tables) {
+    for (int f = tid; f < F; f += threads) rope_cos_sin(t0, m.omega[f], ph_c[f], ph_s[f]);
+  } else {
+    for (int it = tid; it < D * F; it += threads)
+      rope_cos_sin(t0 + static_cast<long long>(m.offsets[it / F]), m.omega[it % F], cs_s[it], sn_s[it]);
+  }
+}
+/// The folded weight of one offset: its phase (cs, sn) from the tables, advanced by the sequence's
+/// (ct, st) = cos/sin(t0·ω_f) when the tables hold cos/sin(δω_f) (angle_tables), folded with q̄.
+__device__ __forceinline__ void offset_weight(double q_re, double q_im, double cs, double sn, bool angle_tables,
+                                              double ct, double st, double s2, float* wr, float* wi) {
+  if (angle_tables) {  // cos/sin((t0 + δ)ω) by angle addition
+    const double cd = cs, sd = sn;
+    cs = ct * cd - st * sd;
+    sn = st * cd + ct * sd;
+  }
+  fold_weight_from_phase(q_re, q_im, 1.0, 0.0, cs, sn, s2, wr, wi);
+}
 }  // namespace detail
 
 /// Dynamic shared memory of score_max_mma_pipe_kernel: rings, c [slot] float4, cos/sin [|D|][F]
@@ -2143,13 +2181,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
     if (angle_tables) {
       static_assert(Shape::kThreads % F == 0, "every item of a thread has the same frequency");
       omega_f = m.omega[threadIdx.x % F];
-      const int chunks = D * F / 2;  // 16-byte chunks per table
-      for (int i = static_cast<int>(threadIdx.x); i < 2 * chunks; i += Shape::kThreads) {
-        const bool sn = i >= chunks;
-        const int ci = sn ? i - chunks : i;
-        detail::score_cp_async_16(detail::score_smem_addr((sn ? sn_s : cs_s) + 2 * ci), (sn ? m.offset_sin : m.offset_cos) + 2 * ci,
-                                  16);
-      }
+      detail::copy_offset_tables_async(cs_s, sn_s, m, D, F, static_cast<int>(threadIdx.x), Shape::kThreads);
       detail::score_cp_async_commit();  // run_key_ring waits for it right after start()
       tables_in_smem = true;              // visible to all after the first fold's barrier
     }

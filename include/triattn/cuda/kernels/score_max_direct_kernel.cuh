@@ -136,13 +136,12 @@ __device__ __forceinline__ void direct_tile_norms(float (&out)[2], const DirectK
   }
 }
 
+#ifdef TRIATTN_WGMMA_ENABLED  // the kernel has no other path (see its first lines)
 /// The tile's [64 x HD]·[HD x 72] products into d (wgmma accumulator layout: d[4·nt + v] = column
 /// 8·nt + 2·c4 + (v & 1) of row 16w + g4 + 8·(v >> 1)), both weight terms into the same
-/// accumulators. b_base: shared address of the B tiles [k-step][term]. sm_90a only (the kernel
-/// has no other path).
+/// accumulators. b_base: shared address of the B tiles [k-step][term].
 template <class T, int KS, int SP, int NC>
 __device__ __forceinline__ void direct_tile_products(float (&d)[36], const DirectKeyWords<NC>& k, std::uint32_t b_base) {
-#ifdef TRIATTN_WGMMA_ENABLED
   constexpr std::uint32_t kBTile = kWgmmaMaxNTiles * 256;
   const std::uint64_t b_desc = wgmma_desc_kmajor(b_base, 128u, 256u);
   wgmma_fence();
@@ -156,18 +155,16 @@ __device__ __forceinline__ void direct_tile_products(float (&d)[36], const Direc
           d, a, wgmma_desc_advance(b_desc, static_cast<std::uint32_t>(s * SP + x) * kBTile), s + x);
   }
   wgmma_commit();
-#else
-  (void)d, (void)k, (void)b_base;
-#endif
 }
 
 /// Waits for the tile's products, then pins the accumulators and the A registers after the wait:
 /// the compiler sees no register dependency between an asynchronous wgmma and its wait, so it
 /// could otherwise read d early, or reuse A's registers while the tensor cores still read them
-/// (without the A fence every max_variant 7 score was wrong).
+/// (CUTLASS fences register operands of RS-mode wgmma the same way; a precaution here: no build
+/// without the A fence was measured correct or wrong, the wrong scores of runs 2-3 had another
+/// cause).
 template <int NC>
 __device__ __forceinline__ void direct_wait_products(float (&d)[36], DirectKeyWords<NC>& k) {
-#ifdef TRIATTN_WGMMA_ENABLED
   wgmma_wait<0>();
 #pragma unroll
   for (int v = 0; v < 36; ++v) asm volatile("" : "+f"(d[v])::"memory");
@@ -177,11 +174,8 @@ __device__ __forceinline__ void direct_wait_products(float (&d)[36], DirectKeyWo
     for (int j = 0; j < NC; ++j)
 #pragma unroll
       for (int w = 0; w < 4; ++w) asm volatile("" : "+r"(k[i][j][w])::"memory");
-#else
-  (void)d;
-  (void)k;
-#endif
 }
+#endif
 
 }  // namespace detail
 
@@ -236,15 +230,8 @@ __global__ void __launch_bounds__(detail::MaxDirectShape<T, HD, kBufs>::kThreads
   Pre pre;
   const auto load_pre = [&](long long r) { pre.load(m, a, view.seq_lens, r, L, Hkv, HC); };
   const bool angle_tables = m.offset_cos != nullptr;
-  if (angle_tables) {
-    const int chunks = D * F / 2;  // 16-byte chunks per table
-    for (int i = static_cast<int>(threadIdx.x); i < 2 * chunks; i += Shape::kThreads) {
-      const bool sn = i >= chunks;
-      const int ci = sn ? i - chunks : i;
-      detail::score_cp_async_16(detail::score_smem_addr((sn ? sn_s : cs_s) + 2 * ci),
-                                (sn ? m.offset_sin : m.offset_cos) + 2 * ci, 16);
-    }
-  }
+  if (angle_tables)
+    detail::copy_offset_tables_async(cs_s, sn_s, m, D, F, static_cast<int>(threadIdx.x), Shape::kThreads);
   detail::score_cp_async_commit();
   load_pre(row0);
 
@@ -349,13 +336,8 @@ __global__ void __launch_bounds__(detail::MaxDirectShape<T, HD, kBufs>::kThreads
     __syncthreads();  // every warp is done with the previous row's weights (and the first step
                       // waited for the angle tables' copies, the oldest group)
     if (pre.row.b != w_b) {  // a new sequence: its phases
-      if (angle_tables) {
-        for (int f = static_cast<int>(threadIdx.x); f < F; f += Shape::kThreads)
-          detail::rope_cos_sin(pre.t0, m.omega[f], ph_c[f], ph_s[f]);
-      } else {  // the whole (t0 + δ)·ω_f table into cs_s / sn_s
-        for (int it = static_cast<int>(threadIdx.x); it < D * F; it += Shape::kThreads)
-          detail::rope_cos_sin(pre.t0 + static_cast<long long>(m.offsets[it / F]), m.omega[it % F], cs_s[it], sn_s[it]);
-      }
+      detail::sequence_phases(angle_tables, pre.t0, m, D, F, static_cast<int>(threadIdx.x), Shape::kThreads, ph_c, ph_s,
+                              cs_s, sn_s);
       __syncthreads();
     }
     auto* b16 = reinterpret_cast<std::uint16_t*>(direct_smem + Shape::kBOff);
@@ -382,15 +364,8 @@ __global__ void __launch_bounds__(detail::MaxDirectShape<T, HD, kBufs>::kThreads
         for (int u = 0; u < kFoldBatch; ++u) {
           const int o = o0 + u;
           float wr = 0.0f, wi = 0.0f;
-          if (hg < G) {
-            double cs = cs_b[u], sn = sn_b[u];
-            if (angle_tables) {  // cos/sin((t0 + δ)ω) by angle addition
-              const double cd = cs, sd = sn;
-              cs = ct * cd - st * sd;
-              sn = st * cd + ct * sd;
-            }
-            fold_weight_from_phase(pre.q_re[j], pre.q_im[j], 1.0, 0.0, cs, sn, m.s2, &wr, &wi);
-          }
+          if (hg < G)
+            detail::offset_weight(pre.q_re[j], pre.q_im[j], cs_b[u], sn_b[u], angle_tables, ct, st, m.s2, &wr, &wi);
           const int n = 2 * h + (o & 1);  // column of n-tile o / 2: lane h's accumulators
 #pragma unroll
           for (int part = 0; part < 2; ++part) {
@@ -401,9 +376,7 @@ __global__ void __launch_bounds__(detail::MaxDirectShape<T, HD, kBufs>::kThreads
         }
       }
     }
-#ifdef TRIATTN_WGMMA_ENABLED
     detail::fence_proxy_async_smem();  // the B tiles are read by wgmma
-#endif
     __syncthreads();
     row = pre.row;
     len = pre.len;

@@ -414,13 +414,7 @@ __global__ void __launch_bounds__(detail::MaxWsShape<T, HD, kStages>::kThreads, 
   // of the thread's fold frequency.
   const bool angle_tables = m.offset_cos != nullptr;
   if (angle_tables) {
-    const int chunks = D * F / 2;  // 16-byte chunks per table
-    for (int i = static_cast<int>(threadIdx.x); i < 2 * chunks; i += Shape::kConsumerThreads) {
-      const bool sn = i >= chunks;
-      const int ci = sn ? i - chunks : i;
-      detail::score_cp_async_16(detail::score_smem_addr((sn ? sn_s : cs_s) + 2 * ci),
-                                (sn ? m.offset_sin : m.offset_cos) + 2 * ci, 16);
-    }
+    detail::copy_offset_tables_async(cs_s, sn_s, m, D, F, static_cast<int>(threadIdx.x), Shape::kConsumerThreads);
   }
   detail::score_cp_async_commit();
   load_pre(row0);
@@ -441,14 +435,8 @@ __global__ void __launch_bounds__(detail::MaxWsShape<T, HD, kStages>::kThreads, 
     consumers_sync();
     if (pre.row.b != w_b) {  // uniform across the consumers
       if constexpr (decltype(is_norm)::value) {
-        const int i = static_cast<int>(threadIdx.x) - 32 * Shape::kMmaWarps;
-        constexpr int kNormThreads = 32 * Shape::kNormWarps;
-        if (angle_tables) {
-          for (int f = i; f < F; f += kNormThreads) detail::rope_cos_sin(pre.t0, m.omega[f], ph_c[f], ph_s[f]);
-        } else {  // the whole (t0 + δ)·ω_f table into cs_s / sn_s
-          for (int it = i; it < D * F; it += kNormThreads)
-            detail::rope_cos_sin(pre.t0 + static_cast<long long>(m.offsets[it / F]), m.omega[it % F], cs_s[it], sn_s[it]);
-        }
+        detail::sequence_phases(angle_tables, pre.t0, m, D, F, static_cast<int>(threadIdx.x) - 32 * Shape::kMmaWarps,
+                                32 * Shape::kNormWarps, ph_c, ph_s, cs_s, sn_s);
       }
       consumers_sync();
     }
@@ -467,15 +455,9 @@ __global__ void __launch_bounds__(detail::MaxWsShape<T, HD, kStages>::kThreads, 
         // the max over every column is the max over D and the MMA warpgroup needs no selects
         const int od = o < D ? o : D - 1;
         float wr = 0.0f, wi = 0.0f;
-        if (hg < G) {
-          double cs = cs_s[od * F + f], sn = sn_s[od * F + f];
-          if (angle_tables) {  // cs_s / sn_s: the per-model cos/sin(δω_f)
-            const double cd = cs, sd = sn;
-            cs = ct * cd - st * sd;
-            sn = st * cd + ct * sd;
-          }
-          fold_weight_from_phase(pre.q_re[0], pre.q_im[0], 1.0, 0.0, cs, sn, m.s2, &wr, &wi);
-        }
+        if (hg < G)
+          detail::offset_weight(pre.q_re[0], pre.q_im[0], cs_s[od * F + f], sn_s[od * F + f], angle_tables, ct, st, m.s2,
+                                &wr, &wi);
         detail::store_wgmma_b_weight<Tr, SP>(b16, wr, wi, e_re, e_im, o, h, NT);
       }
     }
