@@ -96,8 +96,12 @@ class DeviceBuffer {
     TRIATTN_TEST_CUDA(cudaMemcpy(h.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost));
     return h;
   }
-  /// 0xFF bytes: NaN for every float type, -1 for integers.
-  void poison() { TRIATTN_TEST_CUDA(cudaMemset(p_, 0xFF, n_ * sizeof(T))); }
+  /// 0xFF bytes: NaN for every float type, -1 for integers. Waits for the memset: it runs on the
+  /// legacy default stream, which a non-blocking stream's work would not wait for.
+  void poison() {
+    TRIATTN_TEST_CUDA(cudaMemset(p_, 0xFF, n_ * sizeof(T)));
+    TRIATTN_TEST_CUDA(cudaDeviceSynchronize());
+  }
   [[nodiscard]] T* get() const noexcept { return p_; }
   [[nodiscard]] std::size_t size() const noexcept { return n_; }
 

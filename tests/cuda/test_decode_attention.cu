@@ -246,6 +246,7 @@ TEST_SUITE("gpu") {
       const std::size_t ws_bytes = cuda::decode_attention::workspace_size(plan, batch, hq, d);
       DeviceBuffer<unsigned char> ws(ws_bytes);
       TRIATTN_TEST_CUDA(cudaMemset(ws.get(), variant == 4 ? 0 : 0xFF, ws.size()));
+      TRIATTN_TEST_CUDA(cudaDeviceSynchronize());  // the memset ran on the legacy stream: `stream` would not wait
       DeviceBuffer<float> out(q.size());
       cudaGraph_t graph;
       cudaGraphExec_t exec;

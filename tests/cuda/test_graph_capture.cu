@@ -63,9 +63,13 @@ void check_graph(const RoundCase& rc, std::uint32_t seed) {
   INFO("seed ", seed, " (set TRIATTN_TEST_SEED to replay): ", rc.name());
   RoundFixture<T> f(rc, seed);
   test::DeviceBuffer<T> pristine(f.d_data.size());
-  TRIATTN_TEST_CUDA(cudaMemcpy(pristine.get(), f.d_data.get(), pristine.size() * sizeof(T), cudaMemcpyDeviceToDevice));
   cudaStream_t s = nullptr;
   TRIATTN_TEST_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  // On s and waited for: a device-to-device cudaMemcpy returns before the copy ends, and s does
+  // not wait for the legacy stream (the first eager round once read a half-copied original).
+  TRIATTN_TEST_CUDA(
+      cudaMemcpyAsync(pristine.get(), f.d_data.get(), pristine.size() * sizeof(T), cudaMemcpyDeviceToDevice, s));
+  TRIATTN_TEST_CUDA(cudaStreamSynchronize(s));
 
   reset_state(f, pristine, s);
   TRIATTN_TEST_CUDA(eager_round(f, s));

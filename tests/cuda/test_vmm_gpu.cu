@@ -8,6 +8,7 @@
 //  * lowering the memory limit returns free pages and refuses growth beyond it;
 //  * blocks larger than a page.
 // Where no driver/GPU exists these tests FAIL (construction throws cuda_error), never skip.
+// ctest: RUN_SERIAL (free memory is device-wide: another test process would move it)
 #include "cuda_test_utils.cuh"
 
 #include <algorithm>

@@ -70,7 +70,12 @@ struct Dev {
     h.resize(n);
     return cudaMemcpy(h.data(), p, n * sizeof(U), cudaMemcpyDeviceToHost);
   }
-  cudaError_t poison() { return cudaMemset(p, 0xff, n * sizeof(U)); }  // NaN floats, -1 ints
+  /// 0xFF bytes (NaN floats, -1 ints), waited for: the memset runs on the legacy default stream,
+  /// which the tests' non-blocking streams do not wait for.
+  cudaError_t poison() {
+    const cudaError_t e = cudaMemset(p, 0xff, n * sizeof(U));
+    return e != cudaSuccess ? e : cudaDeviceSynchronize();
+  }
 };
 
 struct TpCase {
