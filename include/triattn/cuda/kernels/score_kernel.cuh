@@ -589,7 +589,7 @@ constexpr std::size_t score_max_smem_bytes(int num_offsets) {
 }
 
 /// Max-aggregation scorer: comb(δ) = Σ_f W_re,f(δ)·k_re + W_im,f(δ)·k_im + Σ_f c_f·|K_f| for every δ
-/// in D, max over δ. Weights W_f(δ) = s²·q̄_f·e^{i(t0+δ)ω_f} (fold_weight_from_phase with C = 1).
+/// in D, max over δ. Weights W_f(δ) = s²·q̄_f·e^{i(t0+δ)ω_f} (fold_weight_from_phase_unit).
 /// Same parameters as score_mean_kernel; dynamic shared memory score_max_smem_bytes<HD, GMAX>(|D|).
 template <class T, class Id, int HD, RopeStyle S, int GMAX>
 __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 4>::kThreads, 2)
@@ -655,7 +655,7 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 4>::kThreads, 
           float wr = 0.0f, wi = 0.0f;
           if (hg < G) {
             const std::int64_t idx = (static_cast<std::int64_t>(row.l) * Hq + row.g * G + hg) * F + f;
-            fold_weight_from_phase(m.q_re[idx], m.q_im[idx], 1.0, 0.0, cs, sn, m.s2, &wr, &wi);
+            fold_weight_from_phase_unit(m.q_re[idx], m.q_im[idx], cs, sn, m.s2, &wr, &wi);
           }
           wbase[((((static_cast<std::size_t>(o) * P + j) * 2 + 0) * Q + k / 4) * LPK + i) * 4 + k % 4] = wr;
           wbase[((((static_cast<std::size_t>(o) * P + j) * 2 + 1) * Q + k / 4) * LPK + i) * 4 + k % 4] = wi;
@@ -943,7 +943,7 @@ __global__ void __launch_bounds__(detail::MmaMaxShape<T, HD>::kThreads, 2)
           float wr = 0.0f, wi = 0.0f;
           if (o < D && hg < G) {
             const std::int64_t idx = (static_cast<std::int64_t>(row.l) * Hq + row.g * G + hg) * F + f;
-            fold_weight_from_phase(m.q_re[idx], m.q_im[idx], 1.0, 0.0, cs, sn, m.s2, &wr, &wi);
+            fold_weight_from_phase_unit(m.q_re[idx], m.q_im[idx], cs, sn, m.s2, &wr, &wi);
           }
           const int n = (o & 1) * 4 + h;  // column within n-tile o/2
 #pragma unroll
@@ -2079,7 +2079,7 @@ __device__ __forceinline__ void offset_weight(double q_re, double q_im, double c
     cs = ct * cd - st * sd;
     sn = st * cd + ct * sd;
   }
-  fold_weight_from_phase(q_re, q_im, 1.0, 0.0, cs, sn, s2, wr, wi);
+  fold_weight_from_phase_unit(q_re, q_im, cs, sn, s2, wr, wi);
 }
 }  // namespace detail
 
@@ -2235,7 +2235,6 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
         if (item >= GH * F) break;
         int h, f;
         Pre::item_hf(item, h, f);
-        const int hg = row.hc * GH + h;
         const double qr = pre.q_re[j], qi = pre.q_im[j];  // 0 past the group
         const float c = pre.c[j];
         cf[(f + f / 8) * 4 + h] = c;
@@ -2243,7 +2242,9 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
         // kFoldBatch offsets at a time, their cos/sin loaded before any of their stores: the
         // float64 folds of a batch are independent (one offset at a time, each waited for its
         // loads and its ~6-deep float64 chain, and the fold of the 18 columns ran ~4 µs of a
-        // 32K layer's 36.6 µs on the H200).
+        // 32K layer's 36.6 µs on the H200). Not unrolled further: all 18 columns at once took
+        // ptxas to 255 registers with spills in the key loop. No branch past the group: its q̄
+        // is 0, so are its weights.
         constexpr int kFoldBatch = 6;
         for (int o0 = 0; o0 < 2 * NT; o0 += kFoldBatch) {
           double cs_b[kFoldBatch], sn_b[kFoldBatch];
@@ -2252,8 +2253,8 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
           for (int u = 0; u < kFoldBatch; ++u) {
             const int o = o0 + u;
             if (o >= 2 * NT) break;
-            float wr = 0.0f, wi = 0.0f;
-            if (hg < G) fold_weight_from_phase(qr, qi, 1.0, 0.0, cs_b[u], sn_b[u], m.s2, &wr, &wi);
+            float wr, wi;
+            fold_weight_from_phase_unit(qr, qi, cs_b[u], sn_b[u], m.s2, &wr, &wi);
             if constexpr (kUseWgmma)
               detail::store_wgmma_b_weight<Tr, SP>(b16, wr, wi, e_re, e_im, o, h, NT);
             else
