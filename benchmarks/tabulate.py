@@ -4,7 +4,9 @@
     python3 benchmarks/tabulate.py benchmarks/results/<run> [--only bench_score,bench_compact]
 
 One table per file: benchmark name, time, and every user counter (bytes_per_second and
-items_per_second are left out: the GB/s or TB/s counters say the same in readable units)."""
+items_per_second are left out: the GB/s or TB/s counters say the same in readable units). Every
+repetition is a row; a file that holds only aggregates (--benchmark_report_aggregates_only) gives
+its medians (names end in _median)."""
 import json
 import re
 import pathlib
@@ -29,6 +31,8 @@ def table(path):
     d = json.loads(path.read_text())
     ctx = d.get("context", {})
     rows = [b for b in d["benchmarks"] if b.get("run_type") != "aggregate"]
+    if not rows:  # a run with --benchmark_report_aggregates_only: its medians
+        rows = [b for b in d["benchmarks"] if b.get("aggregate_name") == "median"]
     if not rows:
         return ""
     keys = []
