@@ -463,7 +463,7 @@ TEST_CASE("TriAttentionModel rejects malformed input") {
 }
 }
 
-TEST_CASE("fold_weight_from_phase_unit is fold_weight_from_phase with C = 1, bit for bit") {
+TEST_CASE("fold_weight_from_phase_unit is fold_weight_from_phase with C = 1 bit for bit") {
   // The max scorers' folds call the unit form (8 float64 operations instead of 14); the CPU
   // reference calls the general one. Their floats must be the same bits (a zero may differ in sign).
   std::mt19937_64 rng(20261202);
