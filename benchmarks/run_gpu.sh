@@ -7,7 +7,9 @@
 # Env: BUILD (build dir, default build-gpu), BENCH_FILTER (regex of benchmark binaries to run),
 #      BENCH_MIN_TIME (default 0.2), SANITIZE=1 (run compute-sanitizer memcheck+racecheck on the
 #      gpu tests), DEPS (a prefix with doctest and Google Benchmark, if the machine lacks them),
-#      SKIP_TESTS=1 (benchmarks only, e.g. a second call after the tests; the build is reused).
+#      SKIP_TESTS=1 (benchmarks only, e.g. a second call after the tests; the build is reused),
+#      CTEST_JOBS (default 1: tests that share the GPU; 3 measured fine on one H200, the tests that
+#      read device-wide free memory run alone either way).
 set -uo pipefail
 # NVLink multicast stays off: a program that uses it can put a shared host's GPUs out of service.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -46,7 +48,7 @@ LABEL='^gpu$'; [ "$NGPU" -ge 2 ] && LABEL='gpu'
 echo "GPUs: $NGPU, ctest -L '$LABEL'" | tee -a "$OUT_DIR/device.txt"
 GPU_RC=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  ctest --test-dir "$BUILD" -L "$LABEL" --output-on-failure --timeout 600 >"$OUT_DIR/ctest_gpu.log" 2>&1
+  ctest --test-dir "$BUILD" -L "$LABEL" -j "${CTEST_JOBS:-1}" --output-on-failure --timeout 600 >"$OUT_DIR/ctest_gpu.log" 2>&1
   GPU_RC=$?
   tail -15 "$OUT_DIR/ctest_gpu.log"
 fi
