@@ -95,6 +95,19 @@ inline long long score_rows(const ScoreModelView& m, const ScoreBatch& a, int he
   return static_cast<long long>(a.batch) * m.num_layers * m.num_kv_heads * ((G + heads - 1) / heads);
 }
 
+/// Whether `kernel`'s compiled attributes (registers, static shared memory) satisfy `pred`; false
+/// where they cannot be read. Callers keep the answer in a static (no attribute call inside a
+/// graph capture later).
+template <class Kernel, class Pred>
+inline bool kernel_attributes_satisfy(Kernel kernel, Pred pred) noexcept {
+  cudaFuncAttributes attr{};
+  if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return pred(attr);
+}
+
 /// CTAs of `kernel` that fit on one multiprocessor (at least 1).
 template <class Kernel>
 inline int resident_ctas(Kernel kernel, int threads, std::size_t smem) noexcept {
@@ -358,10 +371,8 @@ template <class T, class Id, int HD, RopeStyle S, int kChains, class Cfg = tunin
     if constexpr (kChains > 1) {
       // setmaxnreg's targets balance the registers of a launch at Shape::kLaunchRegs; a build
       // whose kernel got fewer would hang in setmaxnreg.inc, so it runs as max_variant 4
-      static const bool regs_match = [&] {
-        cudaFuncAttributes attr{};
-        return cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.numRegs == Shape::kLaunchRegs;
-      }();
+      static const bool regs_match =
+          kernel_attributes_satisfy(kernel, [](const cudaFuncAttributes& f) { return f.numRegs == Shape::kLaunchRegs; });
       if (!regs_match) return launch_score_max_mma_pipe<T, Id, HD, S, true, 2, true>(view, m, a, scores, stream, opt);
     }
     static DynamicSmemGrant granted;
@@ -388,11 +399,9 @@ template <class T, class Id, int HD, RopeStyle S, class Cfg = tuning::sm90::Scor
     auto kernel = score_max_direct_kernel<T, Id, HD, S, Cfg::kBufs, Cfg::kMinCtas>;
     // A build without sm_90a compiles the kernel as an empty marker with static shared memory
     // (the kernel's first lines): run max_variant 4 there
-    static const bool wgmma_build = [&] {
-      cudaFuncAttributes attr{};
-      return cudaFuncGetAttributes(&attr, kernel) == cudaSuccess &&
-             attr.sharedSizeBytes < static_cast<std::size_t>(kDirectNoWgmmaMarkerBytes);
-    }();
+    static const bool wgmma_build = kernel_attributes_satisfy(kernel, [](const cudaFuncAttributes& f) {
+      return f.sharedSizeBytes < static_cast<std::size_t>(kDirectNoWgmmaMarkerBytes);
+    });
     if (!wgmma_build) return launch_score_max_mma_pipe<T, Id, HD, S, true, 2, true>(view, m, a, scores, stream, opt);
     static DynamicSmemGrant granted;
     static std::atomic<unsigned long long> cached{0};

@@ -41,26 +41,19 @@ namespace detail {
 
 /// Shape and shared-memory map of score_max_direct_kernel.
 template <class T, int HD, int kBufs>
-struct MaxDirectShape {
-  static_assert(HD % 32 == 0, "head_dim must be a multiple of 32");
-  static constexpr int kF = HD / 2;
-  static constexpr int kSteps = HD / 16;   // k16 steps
+struct MaxDirectShape : MaxWeightTiles<HD> {
+  using W = MaxWeightTiles<HD>;
+  using W::kBBytes, W::kCBytes, W::kF;
   static constexpr int kChunks = HD / 32;  // 16-byte chunks a thread loads per key row
-  static constexpr int kSplits = 2;        // 16-bit weight terms
   static constexpr int kThreads = 128;     // one warpgroup
   static constexpr int kTile = 64;         // keys per item (one m64 tile)
-  static constexpr int kHeads = 4;
-  static constexpr int kNT = kWgmmaMaxNTiles;
   // a key slot: one tile's words, [chunk j][row i][thread] 16 bytes (each thread's own chunks)
   static constexpr std::size_t kSlotBytes = static_cast<std::size_t>(kChunks) * 2 * kThreads * 16;
-  static constexpr std::size_t kBTileBytes = static_cast<std::size_t>(kNT) * 256;  // one (k-step, term)
-  static constexpr std::size_t kBBytes = static_cast<std::size_t>(kSteps) * kSplits * kBTileBytes;
-  static constexpr int kCSlots = kF + kF / 8;
   // [key slots] | [B: k-step][term] | c [slot f + f/8] float4 | cos, sin(t0·ω_f) [F] double |
   // cos, sin [|D|][F] double
   static constexpr std::size_t kBOff = kSlotBytes * kBufs;
   static constexpr std::size_t kCOff = kBOff + kBBytes;
-  static constexpr std::size_t kPhaseOff = kCOff + static_cast<std::size_t>(kCSlots) * 16;
+  static constexpr std::size_t kPhaseOff = kCOff + kCBytes;
   static constexpr std::size_t kTablesOff = kPhaseOff + static_cast<std::size_t>(kF) * 2 * sizeof(double);
   static_assert(kBOff % 128 == 0 && kCOff % 16 == 0 && kTablesOff % 16 == 0, "alignment");
   static constexpr std::size_t smem_bytes(int num_offsets) {

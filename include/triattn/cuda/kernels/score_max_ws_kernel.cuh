@@ -53,12 +53,10 @@ namespace detail {
 
 /// Shape and shared-memory map of score_max_ws_kernel.
 template <class T, int HD, int kStages_>
-struct MaxWsShape {
-  static_assert(HD % 32 == 0, "head_dim must be a multiple of 32");
-  static constexpr int kF = HD / 2;
-  static constexpr int kSteps = HD / 16;  // k16 steps
-  static constexpr int kCPR = HD / 8;     // 16-byte chunks per key
-  static constexpr int kSplits = 2;       // 16-bit weight terms (bf16 hi + mid, fp16 hi + lo)
+struct MaxWsShape : MaxWeightTiles<HD> {
+  using W = MaxWeightTiles<HD>;
+  using W::kBBytes, W::kCBytes, W::kF, W::kHeads;
+  static constexpr int kCPR = HD / 8;  // 16-byte chunks per key
   static constexpr int kStages = kStages_;
   static constexpr int kGroups = 2;     // tiles per item, each with its own ring
   static constexpr int kMmaWarps = 4;   // one warpgroup runs the MMAs of every ring's tile
@@ -79,13 +77,8 @@ struct MaxWsShape {
                 "setmaxnreg targets must fit the registers the CTA was launched with");
   static constexpr int kRows = 64;                 // keys per tile (one m64 wgmma tile)
   static constexpr int kTile = kGroups * kRows;    // keys per item
-  static constexpr int kHeads = 4;
   static constexpr std::size_t kATileBytes = static_cast<std::size_t>(kRows) * HD * 2;
   static constexpr std::size_t kNormBytes = static_cast<std::size_t>(kRows) * kHeads * 4;  // float4 per key
-  static constexpr std::size_t kBTileBytes = static_cast<std::size_t>(kWgmmaMaxNTiles) * 256;  // one (k-step, split)
-  static constexpr std::size_t kBBytes = static_cast<std::size_t>(kSteps) * kSplits * kBTileBytes;
-  static constexpr int kCSlots = kF + kF / 8;
-  static constexpr std::size_t kCBytes = static_cast<std::size_t>(kCSlots) * 16;
   static constexpr int kBarriers = 3 * kGroups * kStages;  // full, norm-full, empty per (group, stage)
   // [A tiles: group][stage] | [norm terms: group][stage] | B | c | barriers | cos, sin [|D|][F] double
   static constexpr std::size_t kAOff = 0;
