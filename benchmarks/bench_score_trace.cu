@@ -3,13 +3,13 @@
 // clock reads to every item). Built with TRIATTN_RING_TRACE, so run_key_ring records per warp the
 // %globaltimer at entry, after the first table wait, at its first compute and at exit, and the
 // clock64 cycles it spent in the slice waits, prepare() (and the first one alone), compute() and
-// issue() + fetch(). One traced launch of the mean scorer (mean_variant 2) and of the pipelined
-// max scorer (max_variant 1) on BM_score's shape (one sequence, 8 KV heads, 32 query heads,
+// issue() + fetch(). One traced launch of the mean scorer (mean_variant 2) or of the pipelined
+// max scorer (max_variant 1-4, argument `variant`) on BM_score's shape (one sequence, 8 KV heads, 32 query heads,
 // d = 128, bf16, page 16), after warm-up, with L2 holding none of the keys. Counters (µs from the
 // earliest warp's entry; percentiles over warps): tables_*, first_*, end_*; cycle sums as
 // fractions of the warp's loop: wait, prepare, compute, issue; first_prepare_us. With
 // TRIATTN_TRACE_DIR set, the last iteration's per-warp rows go to
-// $TRIATTN_TRACE_DIR/ring_trace_max<0|1>_<tokens>.csv.
+// $TRIATTN_TRACE_DIR/ring_trace_max<0|1>_v<variant>_<tokens>.csv.
 #define TRIATTN_RING_TRACE 1
 
 #include <benchmark/benchmark.h>
@@ -34,15 +34,16 @@ double percentile(std::vector<double> v, double p) {
   return v[static_cast<std::size_t>(p * static_cast<double>(v.size() - 1))];
 }
 
-/// args: aggregation (0 mean variant 2, 1 max variant 1), tokens
+/// args: aggregation (0 mean, 1 max), the variant (mean 2; max 1-4: those run_key_ring runs), tokens
 void BM_ring_trace(benchmark::State& state) {
   const bool max = state.range(0) != 0;
-  const int tokens = static_cast<int>(state.range(1));
+  const int variant = static_cast<int>(state.range(1));
+  const int tokens = static_cast<int>(state.range(2));
   constexpr int kSeqs = 4;
   Setup s(1, 32, 8, tokens, kSeqs, 16, KvLayout::kNHD, max ? Aggregation::kMax : Aggregation::kMean, 1);
   cuda::ScoreOptions opt;
-  opt.mean_variant = 2;
-  opt.max_variant = 1;
+  opt.mean_variant = max ? 2 : variant;
+  opt.max_variant = max ? variant : 1;
   int sms = 0;
   TRIATTN_BENCH_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const std::size_t words = static_cast<std::size_t>(sms) * 16 * 32 * cuda::detail::kRingTraceWords;  // >= every warp
@@ -80,8 +81,8 @@ void BM_ring_trace(benchmark::State& state) {
     }
   }
   if (const char* dir = std::getenv("TRIATTN_TRACE_DIR")) {
-    const std::string path = std::string(dir) + "/ring_trace_max" + std::to_string(max ? 1 : 0) + "_" +
-                             std::to_string(tokens) + ".csv";
+    const std::string path = std::string(dir) + "/ring_trace_max" + std::to_string(max ? 1 : 0) + "_v" +
+                             std::to_string(variant) + "_" + std::to_string(tokens) + ".csv";
     if (FILE* f = std::fopen(path.c_str(), "w")) {
       std::fprintf(f, "warp_global,entry_ns,tables_ns,first_ns,end_ns,wait_clk,prepare_clk,compute_clk,issue_clk,"
                       "first_prepare_clk,items,sm\n");
@@ -123,8 +124,9 @@ void BM_ring_trace(benchmark::State& state) {
 }  // namespace
 
 BENCHMARK(BM_ring_trace)
-    ->ArgNames({"max", "tokens"})
-    ->ArgsProduct({{0, 1}, {32768, 131072}})
+    ->ArgNames({"max", "variant", "tokens"})
+    ->ArgsProduct({{0}, {2}, {32768, 131072}})
+    ->ArgsProduct({{1}, {1, 4}, {32768, 131072}})
     ->Iterations(20)
     ->Unit(benchmark::kMicrosecond);
 
