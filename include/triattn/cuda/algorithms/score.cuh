@@ -62,9 +62,7 @@ struct ScoreOptions {
   /// while the MMAs run; 7: 2 slots, 2 CTAs per SM, 8: 1 slot, 3 CTAs per SM; |D| > 18 or too
   /// little shared memory run as 0; without sm_90a as 4; tuning::sm90::ScoreMaxDirect has
   /// the measurements: 8 ~4% faster than 4 from a batch-8 round's shape up, both slower at one
-  /// layer), 9 as 4 with each warp's key slices copied by TMA (one lane issues 16-key x 128-byte
-  /// boxes of a tensor map over the cache, completing on an mbarrier per stage) instead of every
-  /// lane's 16-byte cp.async; pages not a multiple of 16 tokens, or a device before sm_90, run as 4.
+  /// layer).
   /// 0-2 within fp32 rounding of each other.
   /// Default 4. H200, 2026-12-02, one 32K layer (8 KV heads, |D| = 17): 34.5 µs with the unit
   /// fold (5777ce8); 35.4-35.5 µs before (keys copied L2 evict-first, the row fold batched;
@@ -273,14 +271,13 @@ inline std::size_t smem_optin_limit() noexcept {
 /// Launches a ring, warp-specialized or direct scorer: `threads` threads and `smem` bytes of dynamic shared memory
 /// per CTA, one wave of resident CTAs (score_grid) over the rows of `heads` query heads cut into
 /// `tile`-key items. granted / cached: the caller's statics for this kernel (its shared-memory
-/// grant, and its CTAs per SM for the last smem size asked). extra: kernel arguments after the
-/// common five (the pipelined max scorer's tensor map).
-template <class Kernel, class T, class Id, class... Extra>
+/// grant, and its CTAs per SM for the last smem size asked).
+template <class Kernel, class T, class Id>
 [[nodiscard]] inline cudaError_t launch_smem_scorer(Kernel kernel, int threads, std::size_t smem, int heads, int tile,
                                                     DynamicSmemGrant& granted, std::atomic<unsigned long long>& cached,
                                                     const KvCacheView<T, Id>& view, const ScoreModelView& m,
                                                     const ScoreBatch& a, float* scores, cudaStream_t stream,
-                                                    const ScoreOptions& opt, const Extra&... extra) noexcept {
+                                                    const ScoreOptions& opt) noexcept {
   const FastDiv fd(view.block.block_size);
   const long long rows = score_rows(m, a, heads);
   int sms = 0;
@@ -289,82 +286,33 @@ template <class Kernel, class T, class Id, class... Extra>
   const int per_sm =
       ctas_per_sm_cached(cached, smem, [&] { return prefer_max_shared_then_occupancy(kernel, threads, smem); });
   const long long items = rows * ((a.max_len + tile - 1) / tile);
-  kernel<<<score_grid(items, sms, per_sm, opt), threads, smem, stream>>>(view, m, a, scores, fd, extra...);
+  kernel<<<score_grid(items, sms, per_sm, opt), threads, smem, stream>>>(view, m, a, scores, fd);
   return check_launch(stream);
-}
-
-/// The K tensor map of `view` for the TMA key copies (max_variant 9), encoded once per distinct
-/// cache description per host thread (a host call of ~µs; the map travels by value as a kernel
-/// argument, so a captured graph keeps the one it was captured with). Not valid on devices
-/// before sm_90 or where make_key_tensor_map cannot describe the cache.
-template <class T, class Id>
-[[nodiscard]] inline KeyTensorMap key_tensor_map_cached(const KvCacheView<T, Id>& view) noexcept {
-  static const bool sm90 = [] {
-    int dev = 0, major = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return false;
-    }
-    return major >= 9;
-  }();
-  if (!sm90) return KeyTensorMap{};
-  struct Entry {
-    const void* data = nullptr;
-    std::int64_t range_stride = 0;
-    BlockLayout block{};
-    int num_layers = 0, num_blocks = 0;
-    KeyTensorMap map{};
-  };
-  thread_local Entry last;
-  const BlockLayout& b = view.block;
-  if (last.data != view.data || last.range_stride != view.range_stride || last.block.layout != b.layout ||
-      last.block.block_size != b.block_size || last.block.num_kv_heads != b.num_kv_heads ||
-      last.block.head_dim != b.head_dim || last.num_layers != view.num_layers || last.num_blocks != view.num_blocks) {
-    last.data = view.data;
-    last.range_stride = view.range_stride;
-    last.block = b;
-    last.num_layers = view.num_layers;
-    last.num_blocks = view.num_blocks;
-    last.map = make_key_tensor_map(view);
-  }
-  return last.map;
 }
 
 /// Pipelined tensor-core max scorer (max_variant 1; 2, 3, 4 with kWgmma; 4 with kNormFfma); the
 /// kernel without wgmma when |D| > 18 (one m64n72 covers 18 offsets), score_max_mma_kernel when
 /// its shared memory does not fit.
-/// kTmaKeys (max_variant 9): key slices by TMA (key_tensor_map_cached); where the map is not
-/// valid (pages not a multiple of 16 tokens, a device before sm_90, ...) the same kernel with
-/// cp.async, i.e. max_variant 4.
 template <class T, class Id, int HD, RopeStyle S, bool kWgmma, int kSplits = 0, bool kNormFfma = false,
-          class Cfg = tuning::sm90::ScoreMaxMma, bool kTmaKeys = false>
+          class Cfg = tuning::sm90::ScoreMaxMma>
 [[nodiscard]] inline cudaError_t launch_score_max_mma_pipe(const KvCacheView<T, Id>& view, const ScoreModelView& m,
                                                            const ScoreBatch& a, float* scores, cudaStream_t stream,
                                                            const ScoreOptions& opt) noexcept {
   if constexpr (sizeof(T) == 2) {
     if constexpr (kWgmma)
       if (m.num_offsets > 2 * kWgmmaMaxNTiles)
-        return launch_score_max_mma_pipe<T, Id, HD, S, false, kSplits, kNormFfma, Cfg, kTmaKeys>(view, m, a, scores,
-                                                                                                stream, opt);
-    KeyTensorMap kmap{};
-    if constexpr (kTmaKeys) {
-      kmap = key_tensor_map_cached(view);
-      if (!kmap.valid)
-        return launch_score_max_mma_pipe<T, Id, HD, S, kWgmma, kSplits, kNormFfma, Cfg>(view, m, a, scores, stream, opt);
-    }
+        return launch_score_max_mma_pipe<T, Id, HD, S, false, kSplits, kNormFfma, Cfg>(view, m, a, scores, stream, opt);
     using Shape = MmaMeanShape<T, HD, Cfg::kWarps, Cfg::kStages, Cfg::kKeys>;
     const std::size_t smem =
-        score_max_mma_pipe_smem_bytes<T, HD, Cfg::kWarps, Cfg::kStages, kWgmma, kSplits, Cfg::kKeys, kTmaKeys>(
-            m.num_offsets);
+        score_max_mma_pipe_smem_bytes<T, HD, Cfg::kWarps, Cfg::kStages, kWgmma, kSplits, Cfg::kKeys>(m.num_offsets);
     if (smem > smem_optin_limit())
       return launch_score_max_mma<T, Id, HD, S>(view, m, a, scores, stream, opt);
     auto kernel = score_max_mma_pipe_kernel<T, Id, HD, S, Cfg::kWarps, Cfg::kStages, Cfg::kMinCtas, kWgmma, kSplits,
-                                            Cfg::kKeys, kNormFfma, kTmaKeys>;
+                                            Cfg::kKeys, kNormFfma>;
     static DynamicSmemGrant granted;
     static std::atomic<unsigned long long> cached{0};
     return launch_smem_scorer(kernel, Shape::kThreads, smem, Shape::kHeads, Shape::kTile, granted, cached, view, m, a,
-                              scores, stream, opt, kmap);
+                              scores, stream, opt);
   } else {
     return cudaErrorNotSupported;
   }
@@ -511,9 +459,6 @@ template <class T, class Id>
       if (mma && options.max_variant == 4 && ring_ok)
         return detail::launch_score_max_mma_pipe<T, Id, HD, S, true, 2, true>(view, model, batch, scores, stream,
                                                                              options);
-      if (mma && options.max_variant == 9 && ring_ok)
-        return detail::launch_score_max_mma_pipe<T, Id, HD, S, true, 2, true, tuning::sm90::ScoreMaxMma, true>(
-            view, model, batch, scores, stream, options);
       if (mma && options.max_variant >= 1 && ring_ok)
         return detail::launch_score_max_mma_pipe<T, Id, HD, S, false>(view, model, batch, scores, stream, options);
       if (mma) return detail::launch_score_max_mma<T, Id, HD, S>(view, model, batch, scores, stream, options);

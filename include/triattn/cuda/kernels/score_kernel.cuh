@@ -43,7 +43,6 @@
 #include <triattn/cuda/config.cuh>
 #include <triattn/cuda/griddep.cuh>
 #include <triattn/cuda/kernels/wgmma.cuh>
-#include <triattn/cuda/tma.cuh>
 #include <triattn/cuda/types.cuh>
 
 namespace triattn::cuda {
@@ -1260,20 +1259,6 @@ __device__ __forceinline__ void load_tile_fragments(std::uint32_t (&fr)[KS][4], 
 #pragma unroll
   for (int s = 0; s < KS; ++s) ldmatrix_x4(fr[s], row_addr + static_cast<std::uint32_t>(((2 * s + half) ^ swz) * 16));
 }
-/// load_tile_fragments for a stage filled by KeySliceFeed::issue_pages: [CPR / 8 column blocks]
-/// [kKeys rows][128 bytes], chunk c of a row at c ^ (row & 7) within its 128 bytes (the TMA's
-/// 128-byte swizzle). tile_addr: the stage address plus the tile's first row x 128.
-template <int KS, int CPR, int kKeys>
-__device__ __forceinline__ void load_tile_fragments_colblocks(std::uint32_t (&fr)[KS][4], std::uint32_t tile_addr,
-                                                              int lane) {
-  const std::uint32_t row_addr = tile_addr + static_cast<std::uint32_t>(((lane & 7) + 8 * ((lane >> 3) & 1)) * 128);
-  const int half = lane >> 4, swz = lane & 7;
-#pragma unroll
-  for (int s = 0; s < KS; ++s) {
-    const int c = 2 * s + half;  // the 16-byte chunk of the row; column block c / 8
-    ldmatrix_x4(fr[s], row_addr + static_cast<std::uint32_t>((2 * s / 8) * kKeys * 128 + (((c & 7) ^ swz) * 16)));
-  }
-}
 /// mbarrier primitives (shared::cta addresses) for the producer-warp rings.
 __device__ __forceinline__ void mbar_init(std::uint32_t bar, unsigned count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
@@ -1442,7 +1427,6 @@ struct KeySliceFeed {
   int i_tile;
   long long kr_row = -1;  // row whose addresses kr holds
   KeyRowAddr<T, Id> kr{};
-  int kr_l = 0, kr_g = 0;  // its layer and KV head (the tensor-map coordinates of issue_pages)
   int i_slot = 0;
   std::uint32_t slots_addr;  // this warp's [kSlots][32] Id slots (shared memory)
   const Id* slots;           // ... the same as a pointer
@@ -1456,8 +1440,6 @@ struct KeySliceFeed {
                                            int Hkv, int HC) {
     const ScoreRow sr = decode_score_row(row, L, Hkv, HC);
     kr = key_row(view, a, sr.b, sr.l, sr.g);
-    kr_l = sr.l;
-    kr_g = sr.g;
     kr_row = row;
   }
   /// Starts the loads of the first row's addresses, so that they overlap the first table fetch
@@ -1513,53 +1495,6 @@ struct KeySliceFeed {
     if (++i_slot == Slots::kSlots) i_slot = 0;
     copy_slice(stage_addr, kr.range, lane < n_valid && lane < kKeys ? chunk_offset(kr, blk, r) : 0u, n_valid, lane);
   }
-
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  /// issue() through the tensor map `km` (valid; pages of a multiple of kKeyTmaRows tokens): lane
-  /// 0 copies the slice's kKeys / kKeyTmaRows key groups (each inside one page) as HD /
-  /// kKeyTmaCols boxes each, completing on mbarrier `bar`. The stage then holds [HD / 64 column
-  /// blocks][kKeys keys][128 bytes], 128-byte swizzled (load_tile_fragments_colblocks). Groups
-  /// past the length are not copied: their rows keep what the stage held and are never stored.
-  /// One lane, a few instructions per box, instead of every lane's kCPR·kKeys/32 cp.async and
-  /// their addresses.
-  __device__ __forceinline__ void issue_pages(const KvCacheView<T, Id>& view, const ScoreBatch& a, const FastDiv& fd,
-                                              int tiles_per_row, int L, int Hkv, int HC, int warp, int lane,
-                                              std::uint32_t stage_addr, std::uint32_t bar, const KeyTensorMap& km,
-                                              std::uint64_t policy) {
-    static_assert(kKeys % kKeyTmaRows == 0 && HD % kKeyTmaCols == 0, "whole boxes per slice");
-    constexpr int kGroups = kKeys / kKeyTmaRows, kColBlocks = HD / kKeyTmaCols;
-    constexpr std::uint32_t kBoxBytes = kKeyTmaRows * kKeyTmaCols * sizeof(T);
-    const long long row = i_rid;
-    const int tl = i_tile;
-    if (++i_tile == tiles_per_row) {
-      i_tile = 0;
-      ++i_rid;
-    }
-    if (row != kr_row) load_row(view, a, row, L, Hkv, HC);
-    __syncwarp();  // lane 0 reads the table entries lane 16 copied (run_key_ring's first issues follow no __syncwarp)
-    if (lane == 0) {
-      const int t_first = tl * kTile + warp * kKeys;
-      const int n_valid = kr.len - t_first;
-      const int groups = n_valid <= 0 ? 0 : (n_valid >= kKeys ? kGroups : (n_valid + kKeyTmaRows - 1) / kKeyTmaRows);
-      fence_proxy_async_shared();  // the warp's reads of this stage (the item before) come first
-      mbar_arrive_expect_tx(bar, static_cast<std::uint32_t>(groups * kColBlocks) * kBoxBytes);
-      const bool nhd = view.block.layout == KvLayout::kNHD;
-#pragma unroll
-      for (int g = 0; g < kGroups; ++g) {
-        if (g >= groups) break;
-        const int t = t_first + g * kKeyTmaRows;
-        const int page = static_cast<int>(fd.div(static_cast<std::uint32_t>(t)));
-        const int r = t - page * view.block.block_size;
-        const int blk = static_cast<int>(slots[i_slot * 32 + g * kKeyTmaRows]);  // lane g·16's entry: key t's page
-#pragma unroll
-        for (int cb = 0; cb < kColBlocks; ++cb)
-          tma_load_key_box(stage_addr + static_cast<std::uint32_t>(cb * kKeys * 128 + g * kKeyTmaRows * 128), km,
-                           cb * kKeyTmaCols, nhd ? kr_g : r, nhd ? r : kr_g, blk, kr_l, bar, policy);
-      }
-    }
-    if (++i_slot == Slots::kSlots) i_slot = 0;
-  }
-#endif
 
   static __device__ __forceinline__ std::uint32_t chunk_offset(const KeyRowAddr<T, Id>& k, Id blk, int r) {
     return key_chunk_offset(k, blk, r);
@@ -1691,12 +1626,9 @@ __device__ __forceinline__ unsigned long long ring_trace_ns() {
 /// its branches being uniform across the CTA) and returns whether the warp has keys in it; it
 /// runs before the wait, so that a row change's loads and weight folding overlap the slices in
 /// flight instead of following them.
-/// landed(k) runs for every item once its table entries are in and before compute: where
-/// issue() copies the slice by TMA it waits for the stage's mbarrier (each phase waited for, live
-/// item or not, so that a stage is never refilled under a copy still in flight).
-template <int kStages, class Fetch, class Start, class Issue, class Prepare, class Compute, class Landed>
+template <int kStages, class Fetch, class Start, class Issue, class Prepare, class Compute>
 __device__ __forceinline__ void run_key_ring(int n_items, Fetch&& fetch, Start&& start, Issue&& issue,
-                                             Prepare&& prepare, Compute&& compute, Landed&& landed) {
+                                             Prepare&& prepare, Compute&& compute) {
   constexpr int kAhead = KeyTableSlots<kStages>::kAhead;
   static_assert(kAhead >= kStages, "a table entry must land before its slice is issued");
   TRIATTN_RING_TRACE_NS(g_entry);
@@ -1728,7 +1660,6 @@ __device__ __forceinline__ void run_key_ring(int n_items, Fetch&& fetch, Start&&
     TRIATTN_RING_TRACE_CLK(c2);
     score_cp_async_wait<kStages - 1>();  // this lane's copies of item k have landed
     __syncwarp();                          // ... and every lane's
-    landed(k);
     TRIATTN_RING_TRACE_CLK(c3);
 #ifdef TRIATTN_RING_TRACE
     if (k == 0) {
@@ -1766,12 +1697,6 @@ __device__ __forceinline__ void run_key_ring(int n_items, Fetch&& fetch, Start&&
     w[10] = smid;
   }
 #endif
-}
-/// run_key_ring for slices copied with cp.async only (landed: nothing to wait for).
-template <int kStages, class Fetch, class Start, class Issue, class Prepare, class Compute>
-__device__ __forceinline__ void run_key_ring(int n_items, Fetch&& fetch, Start&& start, Issue&& issue,
-                                             Prepare&& prepare, Compute&& compute) {
-  run_key_ring<kStages>(n_items, fetch, start, issue, prepare, compute, [](int) {});
 }
 
 }  // namespace detail
@@ -2178,17 +2103,14 @@ __device__ __forceinline__ void offset_weight(double q_re, double q_im, double c
 /// Dynamic shared memory of score_max_mma_pipe_kernel: rings, c [slot] float4, cos/sin [|D|][F]
 /// double, B fragments (mma.sync: [ceil(|D|/2)][k-step][split][lane] uint2; wgmma: [k-step][split]
 /// x kWgmmaMaxNTiles core-matrix pairs of 256 bytes, the same size at |D| = 17, 18), table slots
-/// [warp][kStages + 1][32]; with kTmaKeys also the ring stages' mbarriers [warp][stage] and up to
-/// 1,024 bytes to align the ring for the TMA's swizzle.
-template <class T, int HD, int kWarps, int kStages, bool kWgmma = false, int kSplits = 0, int kKeys = 32,
-          bool kTmaKeys = false>
+/// [warp][kStages + 1][32].
+template <class T, int HD, int kWarps, int kStages, bool kWgmma = false, int kSplits = 0, int kKeys = 32>
 constexpr std::size_t score_max_mma_pipe_smem_bytes(int num_offsets) {
   using Shape = detail::MmaMeanShape<T, HD, kWarps, kStages, kKeys>;
   const int n_tiles = kWgmma ? kWgmmaMaxNTiles : (num_offsets + 1) / 2;
   const int splits = kSplits > 0 ? kSplits : Shape::kSplits;
   return Shape::kRingBytes + Shape::kCBytes + static_cast<std::size_t>(num_offsets) * Shape::kF * 2 * sizeof(double) +
-         static_cast<std::size_t>(n_tiles) * Shape::kSteps * splits * 32 * 8 + Shape::kTableBytes +
-         (kTmaKeys ? 1024 + static_cast<std::size_t>(kWarps) * kStages * 8 : 0);
+         static_cast<std::size_t>(n_tiles) * Shape::kSteps * splits * 32 * 8 + Shape::kTableBytes;
 }
 
 /// Pipelined tensor-core max-aggregation scorer for 16-bit caches (same contract as
@@ -2202,14 +2124,11 @@ constexpr std::size_t score_max_mma_pipe_smem_bytes(int num_offsets) {
 /// kNormFfma (max_variant 4): the norm term Σ_f c_f·|K_f| as fp32 FMAs on the CUDA cores
 /// (norm_tile_ffma) instead of TF32 MMAs (norm_tile_mma): off the tensor pipe that the other
 /// warpgroup's MMAs hold, and exact to fp32 rounding instead of ~21-bit products.
-/// kTmaKeys (max_variant 9; sm_90 and kmap valid, which the launcher checks): each warp's slices
-/// arrive by TMA (KeySliceFeed::issue_pages, one lane, completing on a per-stage mbarrier)
-/// instead of every lane's cp.async; kmap is ignored otherwise.
 template <class T, class Id, int HD, RopeStyle S, int kWarps, int kStages, int kMinCtas, bool kWgmma = false,
-          int kSplits = 0, int kKeys = 32, bool kNormFfma = false, bool kTmaKeys = false>
+          int kSplits = 0, int kKeys = 32, bool kNormFfma = false>
 __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
     score_max_mma_pipe_kernel(KvCacheView<T, Id> view, ScoreModelView m, ScoreBatch a, float* __restrict__ scores,
-                              detail::FastDiv fd, const __grid_constant__ detail::KeyTensorMap kmap) {
+                              detail::FastDiv fd) {
   // The round's next kernel (row statistics) is launched dependent: it may be scheduled now and
   // waits for this grid's completion before it reads the scores.
   detail::griddep_launch_dependents();
@@ -2224,17 +2143,9 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
   constexpr bool kUseWgmma = false;
 #endif
   static_assert(!kWgmma || kWarps % 4 == 0, "warpgroups of 4 warps");
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr bool kTma = kTmaKeys;
-#else
-  constexpr bool kTma = false;
-#endif
   const int D = m.num_offsets;
   const int NT = kUseWgmma ? kWgmmaMaxNTiles : (D + 1) / 2;  // n-tiles of B in shared memory
-  extern __shared__ __align__(16) unsigned char max_pipe_smem_raw[];
-  // TMA: the ring 1,024-byte aligned (the 128-byte swizzle's pattern repeats every 1,024 bytes)
-  unsigned char* const max_pipe_smem =
-      max_pipe_smem_raw + (kTma ? (1024u - (detail::score_smem_addr(max_pipe_smem_raw) & 1023u)) & 1023u : 0u);
+  extern __shared__ __align__(16) unsigned char max_pipe_smem[];
   uint4* const ring = reinterpret_cast<uint4*>(max_pipe_smem);
   float4* const c_s = reinterpret_cast<float4*>(max_pipe_smem + Shape::kRingBytes);
   double* const cs_s = reinterpret_cast<double*>(max_pipe_smem + Shape::kRingBytes + Shape::kCBytes);  // [D][F]
@@ -2258,37 +2169,9 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
                          static_cast<std::size_t>(warp) * (kStages + 1) * 32;
   detail::KeySliceFeed<T, Id, HD, Shape::kTile, kKeys, kStages> feed(row0, tile0, warp_slots);
   const auto fetch = [&]() { feed.fetch(view, a, fd, tiles_per_row, L, Hkv, HC, warp, lane); };
-  // TMA: this warp's full mbarriers [stage], after the table slots
-  const std::uint32_t stage_bars =
-      detail::score_smem_addr(reinterpret_cast<Id*>(bfrag_s + static_cast<std::size_t>(NT) * KS * SP * 32) +
-                              static_cast<std::size_t>(kWarps) * (kStages + 1) * 32) +
-      static_cast<std::uint32_t>(warp * kStages * 8);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  std::uint64_t tma_policy = 0;
-  if constexpr (kTma) {
-    tma_policy = detail::l2_stream_policy();
-    if (lane == 0) {
-      for (int st = 0; st < kStages; ++st) detail::mbar_init(stage_bars + static_cast<std::uint32_t>(st * 8), 1);
-      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // visible to the async proxy
-    }
-    __syncwarp();
-  }
-#endif
   const auto issue = [&](int stage) {
-    const std::uint32_t stage_addr = ring_addr + static_cast<std::uint32_t>(stage * Shape::kSliceVecs * 16);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if constexpr (kTma) {
-      feed.issue_pages(view, a, fd, tiles_per_row, L, Hkv, HC, warp, lane, stage_addr,
-                       stage_bars + static_cast<std::uint32_t>(stage * 8), kmap, tma_policy);
-      return;
-    }
-#endif
-    feed.issue(view, a, fd, tiles_per_row, L, Hkv, HC, warp, lane, stage_addr);
-  };
-  const auto landed = [&](int k) {
-    if constexpr (kTma)
-      detail::mbar_wait(stage_bars + static_cast<std::uint32_t>((k % kStages) * 8),
-                        static_cast<unsigned>((k / kStages) & 1));
+    feed.issue(view, a, fd, tiles_per_row, L, Hkv, HC, warp, lane,
+               ring_addr + static_cast<std::uint32_t>(stage * Shape::kSliceVecs * 16));
   };
 
   long long seen_row = -1, w_row = -1, c_rid = row0;
@@ -2423,14 +2306,9 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
     const std::uint32_t st_addr = ring_addr + static_cast<std::uint32_t>(stage * Shape::kSliceVecs * 16);
     std::uint32_t fr[MT][KS][4];
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      if constexpr (kTma)
-        detail::load_tile_fragments_colblocks<KS, Shape::kCPR, kKeys>(
-            fr[mt], st_addr + static_cast<std::uint32_t>(16 * mt * 128), lane);
-      else
-        detail::load_tile_fragments<KS, Shape::kCPR>(
-            fr[mt], st_addr + static_cast<std::uint32_t>(16 * mt * Shape::kCPR * 16), lane);
-    }
+    for (int mt = 0; mt < MT; ++mt)
+      detail::load_tile_fragments<KS, Shape::kCPR>(fr[mt], st_addr + static_cast<std::uint32_t>(16 * mt * Shape::kCPR * 16),
+                                                   lane);
 
     // ---- norm term of heads 2(c4 & 1) + i: FMAs (kNormFfma), or TF32 MMAs where lane c4 gets the
     // head (c4 < 2) or the rest (c4 >= 2) and the other part from lane c4 ^ 2 ----
@@ -2548,7 +2426,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
     }
   };
 
-  detail::run_key_ring<kStages>(n_items, fetch, start, issue, prepare, compute, landed);
+  detail::run_key_ring<kStages>(n_items, fetch, start, issue, prepare, compute);
 }
 
 }  // namespace triattn::cuda
