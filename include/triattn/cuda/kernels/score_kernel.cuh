@@ -2339,13 +2339,17 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
     if constexpr (kUseWgmma) {
       // Per m-tile one chain of KS·SP warpgroup MMAs over all 72 columns. m-tile 1's norm runs
       // while m-tile 0's MMAs are in the tensor cores, m-tile 0's max while m-tile 1's are (a
-      // wgmma's A registers are not touched until it is waited for).
+      // wgmma's A registers are not read before it is waited for). With the norm on the CUDA
+      // cores (kNormFfma) m-tile 0's MMAs also go first and its norm follows wgmma_wait<1>, under
+      // m-tile 1's MMAs (H200, 2026-12-02: 34.4 -> 34.2 µs at one 32K layer, a round's max
+      // scores 85.1-85.4 -> 84.2-84.6 µs at batch 1, 677-678 -> 671-673 at batch 8, against its
+      // norm before its MMAs; the TF32 norm of max_variant 2 / 3 shares the tensor pipe).
       constexpr std::uint32_t kTileBytes = kWgmmaMaxNTiles * 256;  // one (k-step, split) B tile
       const std::uint64_t b_desc = detail::wgmma_desc_kmajor(detail::score_smem_addr(bfrag_s), 128u, 256u);
       float d[MT][4 * kWgmmaMaxNTiles];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        norm_tile(mt);
+        if (!kNormFfma || mt > 0) norm_tile(mt);
         detail::wgmma_fence();
 #pragma unroll
         for (int s = 0; s < KS; ++s)
@@ -2362,6 +2366,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
           detail::wgmma_wait<1>();  // MT <= 2
         else
           detail::wgmma_wait<0>();
+        if (kNormFfma && mt == 0) norm_tile(0);
 #pragma unroll
         for (int nt = 0; nt < kWgmmaMaxNTiles; ++nt)  // every column: those past |D| repeat offset D - 1
 #pragma unroll
