@@ -4,8 +4,8 @@
 // %globaltimer at entry, after the first table wait, at its first compute and at exit, and the
 // clock64 cycles it spent in the slice waits, prepare() (and the first one alone), compute() and
 // issue() + fetch(). One traced launch of the mean scorer (mean_variant 2) or of the pipelined
-// max scorer (max_variant 1-4, argument `variant`) on BM_score's shape (one sequence, 8 KV heads, 32 query heads,
-// d = 128, bf16, page 16), after warm-up, with L2 holding none of the keys. Counters (µs from the
+// max scorer (max_variant 1-4, argument `variant`) on BM_score's shape (one sequence, 8 KV
+// heads, 32 query heads, d = 128, bf16, page 16), after warm-up, with L2 holding none of the keys. Counters (µs from the
 // earliest warp's entry; percentiles over warps): tables_*, first_*, end_*; cycle sums as
 // fractions of the warp's loop: wait, prepare, compute, issue; first_prepare_us. With
 // TRIATTN_TRACE_DIR set, the last iteration's per-warp rows go to

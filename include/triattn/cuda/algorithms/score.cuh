@@ -65,7 +65,8 @@ struct ScoreOptions {
   /// layer).
   /// 0-2 within fp32 rounding of each other.
   /// Default 4. H200, 2026-12-02, one 32K layer (8 KV heads, |D| = 17): 34.0-34.2 µs with m-tile
-  /// 0's norm term under m-tile 1's MMAs (sixteenth session), 34.5 µs with the unit fold (5777ce8); 35.4-35.5 µs before (keys copied L2 evict-first, the row fold batched;
+  /// 0's norm term under m-tile 1's MMAs (sixteenth session), 34.5 µs with the unit fold
+  /// (5777ce8); 35.4-35.5 µs before (keys copied L2 evict-first, the row fold batched;
   /// 36.6-36.8 before that). 2026-12-01: 36.8-37.0 µs vs 37.6-37.8
   /// (3, same run), 44.5 (2), 53.6 (1). Largest normalised error against the CPU reference in
   /// test_score's GQA case: 3.2e-7 (4) vs 9.3e-7 (3), 9.1e-7 (2), 8.8e-7 (1), 1.5e-7 (0): the TF32

@@ -2343,7 +2343,8 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
       // cores (kNormFfma) m-tile 0's MMAs also go first and its norm follows wgmma_wait<1>, under
       // m-tile 1's MMAs (H200, 2026-12-02: 34.4 -> 34.2 µs at one 32K layer, a round's max
       // scores 85.1-85.4 -> 84.2-84.6 µs at batch 1, 677-678 -> 671-673 at batch 8, against its
-      // norm before its MMAs; the TF32 norm of max_variant 2 / 3 shares the tensor pipe).
+      // norm before its MMAs). max_variant 2 / 3, whose TF32 norm runs on the tensor pipe, keep
+      // the first order (the second not measured there).
       constexpr std::uint32_t kTileBytes = kWgmmaMaxNTiles * 256;  // one (k-step, split) B tile
       const std::uint64_t b_desc = detail::wgmma_desc_kmajor(detail::score_smem_addr(bfrag_s), 128u, 256u);
       float d[MT][4 * kWgmmaMaxNTiles];
