@@ -12,7 +12,7 @@
 // into a per-CTA ring of 4 KB stages (one producer warp, kConsumers consumer warps that XOR the
 // stage into a checksum and hand it back on an empty mbarrier), and compared with a plain
 // 16-byte streaming read of the same number of bytes. The checksums are compared with the CPU's.
-// Standalone: nvcc -std=c++20 -arch=sm_90 -O3 page_tma_probe.cu -o page_tma_probe && ./page_tma_probe
+// Standalone: nvcc -std=c++20 -arch=sm_90 -O3 -I../../include page_tma_probe.cu -o page_tma_probe && ./page_tma_probe
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
@@ -23,6 +23,8 @@
 #include <numeric>
 #include <random>
 #include <vector>
+
+#include <triattn/cuda/kernels/score_kernel.cuh>
 
 #include "probe_check.cuh"
 
@@ -35,23 +37,12 @@ constexpr std::size_t kBlockBytes = std::size_t(kPage) * kHkv * kD * 2;  // 32 K
 constexpr int kStageBytes = kPage * kD * 2;                       // one (page, head): 4 KB
 constexpr int kItems = kHkv * kPagesPerSeq;                       // (head, page) items per launch
 
-__device__ __forceinline__ std::uint32_t smem_u32(const void* p) {
-  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void bar_init(std::uint32_t bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void bar_arrive(std::uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
+using triattn::cuda::detail::mbar_arrive;  // the ring scorers' mbarrier primitives
+using triattn::cuda::detail::mbar_init;
+using triattn::cuda::detail::mbar_wait;
+using triattn::cuda::detail::score_smem_addr;
 __device__ __forceinline__ void bar_expect_tx(std::uint32_t bar, unsigned bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bar_wait(std::uint32_t bar, unsigned parity) {
-  asm volatile(
-      "{\n .reg .pred p;\n W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra W;\n}" ::"r"(bar),
-      "r"(parity)
-      : "memory");
 }
 
 enum Mode { kTensor128 = 0, kTensor2x64 = 1, kBulkHnd = 2 };
@@ -68,20 +59,19 @@ __global__ void __launch_bounds__(32 * (kConsumers + 1)) page_stream(const __gri
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int per = (kItems + gridDim.x - 1) / gridDim.x;
   const int begin = min(kItems, per * static_cast<int>(blockIdx.x)), end = min(kItems, begin + per);
-  const std::uint32_t full0 = smem_u32(bars), empty0 = full0 + 8 * kStages;
+  const std::uint32_t full0 = score_smem_addr(bars), empty0 = full0 + 8 * kStages;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      bar_init(full0 + 8 * s, 1);
-      bar_init(empty0 + 8 * s, kConsumers);
+      mbar_init(full0 + 8 * s, 1);
+      mbar_init(empty0 + 8 * s, kConsumers);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  const std::uint32_t ring = smem_u32(smem);
+  const std::uint32_t ring = score_smem_addr(smem);
   const int* tab = table + seq * kPagesPerSeq;
   if (warp == 0) {
-    std::uint64_t policy;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    const std::uint64_t policy = triattn::cuda::detail::l2_stream_policy();
     // lane j holds the block of item base + j, loaded one batch of 32 ahead
     int next = begin + lane < end ? tab[(begin + lane) % kPagesPerSeq] : 0;
     for (int base = begin; base < end; base += 32) {
@@ -92,7 +82,7 @@ __global__ void __launch_bounds__(32 * (kConsumers + 1)) page_stream(const __gri
         const int blk = __shfl_sync(0xffffffffu, cur, j);
         if (lane == 0) {
           const int k = base + j - begin, s = k % kStages;
-          if (k >= kStages) bar_wait(empty0 + 8 * s, ((k / kStages) - 1) & 1);
+          if (k >= kStages) mbar_wait(empty0 + 8 * s, ((k / kStages) - 1) & 1);
           const std::uint32_t full = full0 + 8 * s, dst = ring + s * kStageBytes;
           const int head = (base + j) / kPagesPerSeq;
           bar_expect_tx(full, kStageBytes);
@@ -122,14 +112,14 @@ __global__ void __launch_bounds__(32 * (kConsumers + 1)) page_stream(const __gri
     const int t = threadIdx.x - 32;
     for (int k = 0; k < end - begin; ++k) {
       const int s = k % kStages;
-      bar_wait(full0 + 8 * s, (k / kStages) & 1);
+      mbar_wait(full0 + 8 * s, (k / kStages) & 1);
       const uint4* st = reinterpret_cast<const uint4*>(smem + s * kStageBytes);
       for (int i = t; i < kStageBytes / 16; i += 32 * kConsumers) {
         const uint4 v = st[i];
         acc ^= v.x ^ v.y ^ v.z ^ v.w;
       }
       __syncwarp();
-      if (lane == 0) bar_arrive(empty0 + 8 * s);
+      if (lane == 0) mbar_arrive(empty0 + 8 * s);
     }
     acc = __reduce_xor_sync(0xffffffffu, acc);
     if (lane == 0) atomicXor(out + blockIdx.x, acc);

@@ -2345,7 +2345,8 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
       // scores 85.1-85.4 -> 84.2-84.6 µs at batch 1, 677-678 -> 671-673 at batch 8, against its
       // norm before its MMAs). max_variant 2 / 3, whose TF32 norm runs on the tensor pipe, keep
       // the first order (the second not measured there).
-      constexpr std::uint32_t kTileBytes = kWgmmaMaxNTiles * 256;  // one (k-step, split) B tile
+      // one (k-step, split) B tile
+      constexpr auto kTileBytes = static_cast<std::uint32_t>(detail::MaxWeightTiles<HD>::kBTileBytes);
       const std::uint64_t b_desc = detail::wgmma_desc_kmajor(detail::score_smem_addr(bfrag_s), 128u, 256u);
       float d[MT][4 * kWgmmaMaxNTiles];
 #pragma unroll
