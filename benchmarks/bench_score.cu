@@ -36,6 +36,22 @@ void report(benchmark::State& state, double bytes) {
       benchmark::Counter(bytes / kReadRoofline * 100.0, benchmark::Counter::kIsIterationInvariantRate);
 }
 
+/// ScoreOptions::work_counter for mean_variant 6 (zeroed once; every launch leaves it zero).
+struct WorkCounter {
+  unsigned int* p = nullptr;
+  explicit WorkCounter(cuda::ScoreOptions& opt) {
+    if (opt.mean_variant != 6) return;
+    p = device_alloc<unsigned int>(cuda::score_work_counter_bytes / sizeof(unsigned int));
+    TRIATTN_BENCH_CUDA(cudaMemset(p, 0, cuda::score_work_counter_bytes));
+    opt.work_counter = p;
+  }
+  ~WorkCounter() {
+    if (p != nullptr) cudaFree(p);
+  }
+  WorkCounter(const WorkCounter&) = delete;
+  WorkCounter& operator=(const WorkCounter&) = delete;
+};
+
 /// One layer's scores timed over the rotating sequences of `s` (warm-up first: module load,
 /// occupancy queries); queued: launches back to back (launch overhead hidden).
 void time_one_layer(benchmark::State& state, Setup& s, const cuda::ScoreOptions& opt, bool queued) {
@@ -64,10 +80,11 @@ void BM_score(benchmark::State& state) {
   const KvLayout layout = state.range(2) ? KvLayout::kHND : KvLayout::kNHD;
   constexpr int kSeqs = 4;  // 4 x 64 MiB of K in rotation: more than 5x the L2
   Setup s(1, 32, 8, 32768, kSeqs, bs, layout, agg, 1);
+  const WorkCounter counter(opt);
   time_one_layer(state, s, opt, state.range(4) != 0);
 }
 
-/// BM_score's queued default rows (page 16, NHD; agg 0 mean_variant 5, agg 1 max_variant 4) with
+/// BM_score's queued rows (page 16, NHD; agg 0 mean_variant `variant`, agg 1 max_variant 4) with
 /// the scores written to `buffers` buffers in rotation. With one buffer (BM_score) the score lines
 /// a launch writes are overwritten in L2 by the next launch, so with the keys copied L2
 /// evict-first they are never written back to HBM inside the timed kernels; 16 buffers (64 MiB of
@@ -78,8 +95,9 @@ void BM_score_rotated_scores(benchmark::State& state) {
   const bool max = state.range(0) != 0;
   const int buffers = static_cast<int>(state.range(1));
   cuda::ScoreOptions opt;
-  opt.mean_variant = 5;
+  opt.mean_variant = static_cast<int>(state.range(2));
   opt.max_variant = 4;
+  const WorkCounter counter(opt);
   constexpr int kSeqs = 4;
   Setup s(1, 32, 8, 32768, kSeqs, 16, KvLayout::kNHD, max ? Aggregation::kMax : Aggregation::kMean, 1);
   const std::size_t per = static_cast<std::size_t>(s.L) * s.Hq * s.len;  // floats per buffer
@@ -287,6 +305,7 @@ void BM_score_round_shape(benchmark::State& state) {
   opt.mean_variant = state.range(1) == 0 ? static_cast<int>(state.range(2)) : 0;
   opt.max_variant = state.range(1) == 1 ? static_cast<int>(state.range(2)) : 0;
   Setup s(36, 32, 8, 2560, batch, 16, KvLayout::kNHD, agg, batch);
+  const WorkCounter counter(opt);
   cudaStream_t stream;
   TRIATTN_BENCH_CUDA(cudaStreamCreate(&stream));
   const auto view = s.view();
@@ -317,8 +336,13 @@ BENCHMARK(BM_score)
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_score_rotated_scores)
-    ->ArgNames({"agg", "buffers"})
-    ->ArgsProduct({{0, 1}, {1, 16}})
+    ->ArgNames({"agg", "buffers", "mean_variant"})
+    ->Apply([](benchmark::internal::Benchmark* b) {
+      for (int buffers : {1, 16}) {
+        for (int variant : {5, 6}) b->Args({0, buffers, variant});
+        b->Args({1, buffers, 5});
+      }
+    })
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_score_waves)

@@ -43,6 +43,12 @@ struct ScoreOptions {
   /// stage's empty mbarrier (compute-sanitizer racecheck clean on test_score's GQA case; with one
   /// lane after a __syncwarp it reported 80 hazards).
   int mean_variant = 5;
+  /// Work counter of mean_variant 6 (5 with a dynamic tail: the CTAs split three quarters of the
+  /// items statically and claim the rest one 256-key tile at a time, so that multiprocessors with
+  /// a faster memory path take more of it): score_work_counter_bytes of device memory, zero
+  /// before its first launch; every completed launch leaves it zero again. One launch at a time
+  /// per counter (launches on concurrent streams need one each). nullptr: mean_variant 6 runs as 5.
+  unsigned int* work_counter = nullptr;
   /// Tensor-core max kernel (16-bit caches, tensor_core_max): 0 score_max_mma_kernel (load a
   /// tile, then compute it), 1 score_max_mma_pipe_kernel (per-warp cp.async rings, cos/sin once
   /// per CTA and sequence; falls back to 0 when its shared memory exceeds the device's limit,
@@ -87,6 +93,9 @@ struct ScoreOptions {
   /// max_variant 2 49.0 at 1, 56.8 at 2 (each CTA's start-up is not hidden): keep 1.
   int grid_waves = 1;
 };
+
+/// Bytes of device memory ScoreOptions::work_counter points at (two 32-bit counters).
+inline constexpr std::size_t score_work_counter_bytes = 2 * sizeof(unsigned int);
 
 namespace detail {
 
@@ -197,7 +206,7 @@ template <class T, class Id>
 /// Tensor-core mean path (mean_variant 2-5): 16-bit caches; fp16 weights far from fp16's range limit.
 template <class T>
 [[nodiscard]] inline bool use_mma_mean(const ScoreModelView& m, const ScoreOptions& opt) noexcept {
-  if (opt.mean_variant < 2 || opt.mean_variant > 5) return false;
+  if (opt.mean_variant < 2 || opt.mean_variant > 6) return false;
   if (m.aggregation != Aggregation::kMean && !m.disable_trig) return false;
   if constexpr (std::is_same_v<T, bf16_storage>) return true;
   else if constexpr (std::is_same_v<T, f16_storage>) return m.max_abs_weight < 16384.0;  // |W_f| <= s²|q̄_f|
@@ -215,8 +224,11 @@ template <class T, class Id, int HD, RopeStyle S, class Cfg>
     int sms = 0;
     TRIATTN_CUDA_RETURN_IF_ERROR(current_device_sm_count(&sms));
     auto kernel = score_mean_mma_kernel<T, Id, HD, S, Cfg::kWarps, Cfg::kStages, Cfg::kMinCtas, Cfg::kKeys,
-                                        Cfg::kLoadAhead, Cfg::kProducers>;
-    constexpr std::size_t smem = Cfg::kProducers > 0 ? Shape::kSmemBytesProducer : Shape::kSmemBytes;
+                                        Cfg::kLoadAhead, Cfg::kProducers, Cfg::kStaticEighths>;
+    constexpr bool dynamic_tail = Cfg::kProducers > 0 && Cfg::kStaticEighths < 8;
+    constexpr std::size_t smem = dynamic_tail         ? Shape::kSmemBytesDynamic
+                                 : Cfg::kProducers > 0 ? Shape::kSmemBytesProducer
+                                                       : Shape::kSmemBytes;
     constexpr int threads = Shape::kThreads + 32 * Cfg::kProducers;
     static DynamicSmemGrant granted;
     TRIATTN_CUDA_RETURN_IF_ERROR(ensure_dynamic_smem(kernel, smem, granted));
@@ -224,7 +236,9 @@ template <class T, class Id, int HD, RopeStyle S, class Cfg>
     // the carveout that fits kMinCtas rings per SM, then the occupancy it gives.
     static const int per_sm = prefer_max_shared_then_occupancy(kernel, threads, smem);
     const long long items = rows * ((a.max_len + Shape::kTile - 1) / Shape::kTile);
-    kernel<<<score_grid(items, sms, per_sm, opt), threads, smem, stream>>>(view, m, a, scores, fd);
+    // the claim counter counts the tail's items plus one empty claim per CTA in 32 bits
+    unsigned int* const claims = dynamic_tail && items < (1ll << 31) ? opt.work_counter : nullptr;
+    kernel<<<score_grid(items, sms, per_sm, opt), threads, smem, stream>>>(view, m, a, scores, fd, claims);
     return check_launch(stream);
   } else {
     return cudaErrorNotSupported;
@@ -469,6 +483,8 @@ template <class T, class Id>
         return detail::launch_score_mean_mma<T, Id, HD, S, Tune::Variant3>(view, model, batch, scores, stream, options);
       if (mma_mean && options.mean_variant == 5)
         return detail::launch_score_mean_mma<T, Id, HD, S, Tune::Variant5>(view, model, batch, scores, stream, options);
+      if (mma_mean && options.mean_variant == 6)
+        return detail::launch_score_mean_mma<T, Id, HD, S, Tune::Variant6>(view, model, batch, scores, stream, options);
       if (mma_mean)
         return detail::launch_score_mean_mma<T, Id, HD, S, Tune::Variant4>(view, model, batch, scores, stream, options);
       if (G <= 4) return detail::launch_score_kernel<T, Id, HD, S, 4>(view, model, batch, scores, stream, options);

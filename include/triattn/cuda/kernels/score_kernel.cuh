@@ -323,11 +323,13 @@ __device__ __forceinline__ void cta_item_range(long long total, long long& begin
 /// cut into tiles of `tile` keys, and this CTA's contiguous [begin, end) range of (row, tile) items.
 struct ScoreWork {
   int L, Hq, Hkv, G, HC, tiles_per_row;
+  long long total;  ///< items of the launch
   long long begin, end;
   __device__ __forceinline__ ScoreWork(const ScoreModelView& m, const ScoreBatch& a, int heads, int tile)
       : L(m.num_layers), Hq(m.num_q_heads), Hkv(m.num_kv_heads), G(Hq / Hkv), HC((G + heads - 1) / heads),
-        tiles_per_row((a.max_len + tile - 1) / tile) {
-    cta_item_range(static_cast<long long>(a.batch) * L * Hkv * HC * tiles_per_row, begin, end);
+        tiles_per_row((a.max_len + tile - 1) / tile),
+        total(static_cast<long long>(a.batch) * L * Hkv * HC * tiles_per_row) {
+    cta_item_range(total, begin, end);
   }
 };
 
@@ -1139,6 +1141,11 @@ struct MmaMeanShape {
   /// (warp, stage) instead of the per-warp table slots.
   static constexpr std::size_t kBarrierBytes = static_cast<std::size_t>(kWarps) * kStages * 2 * 8;
   static constexpr std::size_t kSmemBytesProducer = kRingBytes + kBfragBytes + kCBytes + kPhaseBytes + kBarrierBytes;
+  /// With producer warps and a dynamic tail (score_mean_mma_kernel's kStaticEighths < 8), after
+  /// the full and empty mbarriers: an item mbarrier and the item id per (warp, stage), then the
+  /// producer warps' two claim slots.
+  static constexpr std::size_t kItemBytes = static_cast<std::size_t>(kWarps) * kStages * 2 * 8 + 2 * 8;
+  static constexpr std::size_t kSmemBytesDynamic = kSmemBytesProducer + kItemBytes;
 };
 
 __device__ __forceinline__ std::uint32_t score_smem_addr(const void* p) {
@@ -1276,6 +1283,16 @@ __device__ __forceinline__ void mbar_wait(std::uint32_t bar, unsigned parity) {
         : "r"(bar), "r"(parity)
         : "memory");
   } while (done == 0);
+}
+/// Whether the phase of parity `parity` has completed (does not wait).
+__device__ __forceinline__ bool mbar_test(std::uint32_t bar, unsigned parity) {
+  unsigned done = 0;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
 }
 /// Arrives on mbarrier `bar` once every cp.async this thread has issued so far has completed
 /// (without raising the pending count: the barrier's init count includes this arrival).
@@ -1713,11 +1730,20 @@ __device__ __forceinline__ void run_key_ring(int n_items, Fetch&& fetch, Start&&
 /// with the slowest memory path spent ~32% of their loop issuing copies (H200 trace, 2026-12-01)
 /// and ended ~5 µs after the median warp.
 /// (One bulk copy (TMA) per 256-byte key instead ran at ~0.9 TB/s.)
+/// kStaticEighths < 8 (producer warps only) with `claims` set: a dynamic tail. The CTAs split
+/// the first kStaticEighths / 8 of the items in contiguous shares as above, then claim the rest
+/// one item at a time from claims[0] (an atomic counter), so that the multiprocessors with the
+/// fastest memory path take more of it instead of the slowest setting the kernel's end. The
+/// producer warps agree on each claim through shared memory and hand every item id to their
+/// computing warps with the item's stage (an item mbarrier per (warp, stage)). The last CTA to
+/// run out of items (claims[1] counts them) zeroes both words, so every completed launch leaves
+/// them as the next needs them. claims: two zeroed 32-bit words of device memory, one launch at a
+/// time; nullptr runs the static split.
 template <class T, class Id, int HD, RopeStyle S, int kWarps, int kStages, int kMinCtas, int kKeys = 32,
-          bool kLoadAhead = true, int kProducers = 0>
+          bool kLoadAhead = true, int kProducers = 0, int kStaticEighths = 8>
 __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
     score_mean_mma_kernel(KvCacheView<T, Id> view, ScoreModelView m, ScoreBatch a, float* __restrict__ scores,
-                          detail::FastDiv fd) {
+                          detail::FastDiv fd, unsigned int* __restrict__ claims) {
   // The round's next kernel (row statistics) is launched dependent: it may be scheduled now and
   // waits for this grid's completion before it reads the scores.
   detail::griddep_launch_dependents();
@@ -1729,6 +1755,8 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
   static_assert(!kProducerWarp || (kKeys == 32 && kWarps % (kProducerWarp ? kProducers : 1) == 0),
                 "producer warps fill 32-key slices (one key per lane), the same number each");
   constexpr int kFed = kProducerWarp ? kWarps / kProducers : 1;  // computing warps per producer warp
+  constexpr bool kDynamicTail = kProducerWarp && kStaticEighths < 8;
+  static_assert(kStaticEighths >= 0 && kStaticEighths <= 8, "a static share of 0-8 eighths");
   constexpr std::size_t kRing = Shape::kRingBytes, kSliceBytes = Shape::kSliceVecs * 16;
   extern __shared__ __align__(16) unsigned char mean_mma_smem[];
   uint4* const ring = reinterpret_cast<uint4*>(mean_mma_smem);
@@ -1744,11 +1772,24 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
     return bars + static_cast<std::uint32_t>(((kWarps + w) * kStages + st) * 8);
   };
 
+  // dynamic tail: item mbarrier and id of (warp, stage), the producers' two claim slots
+  const std::uint32_t item_bars = bars + static_cast<std::uint32_t>(2 * kWarps * kStages * 8);
+  long long* const item_ids =
+      reinterpret_cast<long long*>(mean_mma_smem + Shape::kSmemBytesProducer + kWarps * kStages * 8);
+  long long* const claim_slots = item_ids + kWarps * kStages;
+  const auto item_bar = [&](int w, int st) { return item_bars + static_cast<std::uint32_t>((w * kStages + st) * 8); };
+
   const detail::ScoreWork work(m, a, GH, Shape::kTile);
   const int L = work.L, Hq = work.Hq, Hkv = work.Hkv, G = work.G, HC = work.HC, tiles_per_row = work.tiles_per_row;
   long long it0 = work.begin, it_end = work.end;
-  const int n_items = static_cast<int>(it_end - it0);
-  if (n_items <= 0) return;  // uniform across the CTA
+  const bool dynamic = kDynamicTail && claims != nullptr;  // uniform across the grid
+  const long long n_shared = dynamic ? work.total * kStaticEighths / 8 : work.total;  // items split statically
+  if (dynamic) {
+    it0 = n_shared * blockIdx.x / gridDim.x;
+    it_end = n_shared * (blockIdx.x + 1) / gridDim.x;
+  }
+  const int n_items = static_cast<int>(it_end - it0);  // this CTA's static share
+  if (n_items <= 0 && !dynamic) return;                // uniform across the CTA (a dynamic CTA still claims)
 
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
   const int g4 = lane >> 2, c4 = lane & 3;
@@ -1765,6 +1806,8 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
     // hazards on test_score's GQA case).
     if (threadIdx.x == 0) {
       for (int i = 0; i < 2 * kWarps * kStages; ++i) detail::mbar_init(bars + static_cast<std::uint32_t>(i * 8), 32u);
+      if constexpr (kDynamicTail)  // lane 0 of the feeding producer arrives once it has written the id
+        for (int i = 0; i < kWarps * kStages; ++i) detail::mbar_init(item_bars + static_cast<std::uint32_t>(i * 8), 1u);
       asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
@@ -1772,35 +1815,38 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
       const int p = warp - kWarps;
       // The next item's row addresses and block ids load one item ahead, while this item's copies
       // go out, so the table latency stalls neither the copies nor the computing warps.
-      long long rid_n = row0, kr_row = -1;
-      int tile_n = tile0;
+      long long kr_row = -1;
+      int tile_n = 0;
       detail::KeyRowAddr<T, Id> kr_n{};
       Id blk_n[kFed];
-      const auto load_next = [&]() {
-        if (rid_n != kr_row) {
-          const detail::ScoreRow sr = detail::decode_score_row(rid_n, L, Hkv, HC);
+      const auto load_item = [&](long long rid, int tile) {
+        if (rid != kr_row) {
+          const detail::ScoreRow sr = detail::decode_score_row(rid, L, Hkv, HC);
           kr_n = detail::key_row(view, a, sr.b, sr.l, sr.g);
-          kr_row = rid_n;
+          kr_row = rid;
         }
+        tile_n = tile;
 #pragma unroll
         for (int i = 0; i < kFed; ++i) {
-          const int t = tile_n * Shape::kTile + (p + i * kProducers) * 32 + lane;
+          const int t = tile * Shape::kTile + (p + i * kProducers) * 32 + lane;
           const int page = static_cast<int>(fd.div(static_cast<std::uint32_t>(t)));
           blk_n[i] = t < kr_n.len && page < view.max_blocks_per_seq ? kr_n.table[page] : Id(0);
         }
       };
-      load_next();
-      for (int k = 0; k < n_items; ++k) {
-        const detail::KeyRowAddr<T, Id> kr = kr_n;
-        const int tile = tile_n;
-        Id blk[kFed];
-#pragma unroll
-        for (int i = 0; i < kFed; ++i) blk[i] = blk_n[i];
-        if (++tile_n == tiles_per_row) {
-          tile_n = 0;
-          ++rid_n;
+      // Item k's id (dynamic tail) for computing warp w, in stage st: written by lane 0, which then
+      // arrives on the stage's item mbarrier (release: the id is visible to the warp's waits).
+      const auto publish = [&](int w, int st, long long item) {
+        if constexpr (kDynamicTail) {
+          if (dynamic && lane == 0) {
+            item_ids[w * kStages + st] = item;
+            detail::mbar_arrive(item_bar(w, st));
+          }
         }
-        if (k + 1 < n_items) load_next();
+      };
+      // Item k's slices (row addresses kr, tile, block ids blk) into stage k % kStages of each fed
+      // warp, once that warp has handed the stage back.
+      const auto issue_item = [&](int k, const detail::KeyRowAddr<T, Id>& kr, int tile, const Id(&blk)[kFed],
+                                  long long item) {
         const int st = k % kStages;
 #pragma unroll
         for (int i = 0; i < kFed; ++i) {
@@ -1811,11 +1857,85 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
           const std::uint32_t mine =
               lane < n_valid ? Feed::chunk_offset(kr, blk[i], t - page * view.block.block_size) : 0u;
           if (k >= kStages) detail::mbar_wait(empty_bar(w, st), static_cast<unsigned>(((k / kStages) & 1) ^ 1));
+          publish(w, st, item);
           Feed::copy_slice(ring_of(w) + static_cast<std::uint32_t>(st * kSliceBytes), kr.range, mine, n_valid, lane);
           detail::mbar_arrive_on_cp_async(full_bar(w, st));
         }
+      };
+      const auto row_of = [&](long long item) { return item / tiles_per_row; };
+      const auto tile_of = [&](long long item) { return static_cast<int>(item % tiles_per_row); };
+      if (!dynamic) {
+        long long rid_n = row0;
+        int t_n = static_cast<int>(it0 - row0 * tiles_per_row);
+        load_item(rid_n, t_n);
+        for (int k = 0; k < n_items; ++k) {
+          const detail::KeyRowAddr<T, Id> kr = kr_n;
+          const int tile = tile_n;
+          Id blk[kFed];
+#pragma unroll
+          for (int i = 0; i < kFed; ++i) blk[i] = blk_n[i];
+          if (++t_n == tiles_per_row) {
+            t_n = 0;
+            ++rid_n;
+          }
+          if (k + 1 < n_items) load_item(rid_n, t_n);
+          issue_item(k, kr, tile, blk, it0 + k);
+        }
+        return;  // the copies complete on their own; the computing warps wait for them
       }
-      return;  // the copies complete on their own; the computing warps wait for them
+      if constexpr (kDynamicTail) {
+        // Claim j (j-th item past the static share): producer 0's lane 0 takes the next item of
+        // the tail (or -1 when none is left) into slot j & 1; both producer warps read it after
+        // their barrier (bar 2), and slot j & 1 is rewritten only after the next claim's barrier,
+        // which both pass after this read.
+        const auto claim = [&](int j) -> long long {
+          if (p == 0 && lane == 0) {
+            const long long v = n_shared + static_cast<long long>(atomicAdd(claims, 1u));
+            const bool none = v >= work.total;
+            claim_slots[j & 1] = none ? -1 : v;
+            if (none) {  // this CTA's last claim; the grid's last one resets both counters
+              __threadfence();
+              if (atomicAdd(claims + 1, 1u) == gridDim.x - 1) {
+                atomicExch(claims, 0u);
+                atomicExch(claims + 1, 0u);
+              }
+            }
+          }
+          asm volatile("bar.sync 2, %0;" ::"n"(32 * kProducers) : "memory");
+          return claim_slots[j & 1];
+        };
+        long long cur = n_items > 0 ? it0 : claim(0);
+        if (cur >= 0) load_item(row_of(cur), tile_of(cur));
+        for (int k = 0;; ++k) {
+          if (cur < 0) {  // no item k: the fed warps stop at its stage
+            const int st = k % kStages;
+#pragma unroll
+            for (int i = 0; i < kFed; ++i) {
+              const int w = p + i * kProducers;
+              if (k >= kStages) detail::mbar_wait(empty_bar(w, st), static_cast<unsigned>(((k / kStages) & 1) ^ 1));
+              publish(w, st, -1);
+            }
+            return;
+          }
+          const detail::KeyRowAddr<T, Id> kr = kr_n;
+          const int tile = tile_n;
+          Id blk[kFed];
+#pragma unroll
+          for (int i = 0; i < kFed; ++i) blk[i] = blk_n[i];
+          // static items load ahead of this item's copies; a claim's atomic goes after them (the
+          // producer runs up to kStages items ahead of its warps, which hides the round trip)
+          const bool next_static = k + 1 < n_items;
+          long long nxt = next_static ? it0 + k + 1 : -1;
+          if (next_static) load_item(row_of(nxt), tile_of(nxt));
+          issue_item(k, kr, tile, blk, cur);
+          if (!next_static) {
+            nxt = claim(k + 1 - (n_items > 0 ? n_items : 0));
+            if (nxt >= 0) load_item(row_of(nxt), tile_of(nxt));
+          }
+          cur = nxt;
+        }
+      }
+      return;
     }
   }
 
@@ -1854,7 +1974,8 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
   // when the row begins.
   detail::RowFoldInputs<F, GH, Shape::kThreads, true> pre;
   const auto load_pre = [&](long long r) { pre.load(m, a, view.seq_lens, r, L, Hkv, HC); };
-  const long long last_row = (it_end - 1) / tiles_per_row;
+  // the last row whose inputs may be loaded ahead (a dynamic tail may reach any row)
+  const long long last_row = (dynamic ? work.total - 1 : it_end - 1) / tiles_per_row;
   const auto start = [&]() {  // per-warp rings: the first row's addresses and inputs, during the first table fetch
     feed.prime(view, a, L, Hkv, HC);
     if constexpr (kLoadAhead) load_pre(row0);
@@ -1971,12 +2092,33 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
 
   if constexpr (kProducerWarp) {  // the computing warps: wait for the slice, compute, hand the stage back
     if constexpr (kLoadAhead) load_pre(row0);
-    for (int k = 0; k < n_items; ++k) {
-      const bool live = prepare();
+    const auto run_item = [&](int k, bool live) {
       const int st = k % kStages;
       detail::mbar_wait(full_bar(warp, st), static_cast<unsigned>((k / kStages) & 1));
       if (live) compute(st);
       detail::mbar_arrive(empty_bar(warp, st));  // this lane has read the stage
+    };
+    if (!dynamic) {
+      for (int k = 0; k < n_items; ++k) run_item(k, prepare());
+    } else if constexpr (kDynamicTail) {  // item ids from the producer, until it hands out -1
+      for (int k = 0;; ++k) {
+        const int st = k % kStages;
+        detail::mbar_wait(item_bar(warp, st), static_cast<unsigned>((k / kStages) & 1));
+        const long long item = item_ids[warp * kStages + st];
+        if (item < 0) break;  // uniform across the computing warps: both producers hand out the same ids
+        c_rid = item / tiles_per_row;
+        c_tile = static_cast<int>(item - c_rid * tiles_per_row);
+        const bool live = prepare();
+        if constexpr (kLoadAhead) {  // the next item's row inputs, where its id is out and its row new
+          const int sn = (k + 1) % kStages;
+          if (detail::mbar_test(item_bar(warp, sn), static_cast<unsigned>(((k + 1) / kStages) & 1))) {
+            const long long nx = item_ids[warp * kStages + sn];
+            const long long r = nx >= 0 ? nx / tiles_per_row : seen_row;
+            if (r != seen_row && r != pre.rid) load_pre(r);
+          }
+        }
+        run_item(k, live);
+      }
     }
   } else {  // each warp feeds its own ring (KeySliceFeed)
     detail::run_key_ring<kStages>(n_items, fetch, start, issue, prepare, compute);

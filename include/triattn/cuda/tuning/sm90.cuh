@@ -45,11 +45,13 @@ struct ScoreMeanMma {
     static constexpr int kWarps = 4, kStages = 3, kMinCtas = 2, kKeys = 32;
     static constexpr bool kLoadAhead = true;
     static constexpr int kProducers = 0;
+    static constexpr int kStaticEighths = 8;
   };
   struct Variant3 {  // 3 CTAs x 4 warps, 2 stages: 70 KB per CTA, <= 168 registers
     static constexpr int kWarps = 4, kStages = 2, kMinCtas = 3, kKeys = 32;
     static constexpr bool kLoadAhead = false;
     static constexpr int kProducers = 0;
+    static constexpr int kStaticEighths = 8;
   };
   /// 2 CTAs x 8 warps of 16-key slices (one m16 tile), 3 stages: the same 96 KB of rings per CTA
   /// but twice the warps per scheduler (ncu on variant 2: 2 warps per scheduler, an instruction
@@ -58,6 +60,7 @@ struct ScoreMeanMma {
     static constexpr int kWarps = 8, kStages = 3, kMinCtas = 2, kKeys = 16;
     static constexpr bool kLoadAhead = false;
     static constexpr int kProducers = 0;
+    static constexpr int kStaticEighths = 8;
   };
   /// One CTA per SM: 8 computing warps with 3 stages of 32 keys each (192 KB at d = 128) and
   /// kProducers producer warps that fill them (cp.async), so that memory back-pressure stalls
@@ -69,6 +72,15 @@ struct ScoreMeanMma {
     static constexpr int kWarps = 8, kStages = 3, kMinCtas = 1, kKeys = 32;
     static constexpr bool kLoadAhead = true;
     static constexpr int kProducers = 2;
+    static constexpr int kStaticEighths = 8;  // every item split statically
+  };
+  /// Variant5 with a dynamic tail (ScoreOptions::work_counter): the CTAs split kStaticEighths / 8
+  /// of the items in contiguous shares and claim the rest one tile at a time. Why: with a static
+  /// split every CTA streams the same bytes, and the multiprocessors with the slowest memory path
+  /// set the end (per-item times of 1.9-2.4 µs p10-p90 across SMs in the sixteenth session's trace
+  /// of variant 2; its last warp ended ~5 µs after the median one).
+  struct Variant6 : Variant5 {
+    static constexpr int kStaticEighths = 6;
   };
 
 };
