@@ -31,10 +31,10 @@ struct ScoreOptions {
   bool tensor_core_max = true;
   /// Mean-aggregation (and disable_trig) kernel: 0 score_mean_kernel (8 keys per lane, one tile
   /// in flight per CTA), 1 score_mean_pipe_kernel (4 keys per lane, next tile prefetched into a
-  /// register double buffer; bitwise the same scores as 0), 2-5 score_mean_mma_kernel (dot
+  /// register double buffer; bitwise the same scores as 0), 2-6 score_mean_mma_kernel (dot
   /// products on the tensor cores; tuning::sm90::ScoreMeanMma::Variant2-5; 16-bit caches, else
   /// variant 0; within fp32 rounding of 0, not bitwise): 2, 3 and 4 with per-warp cp.async rings,
-  /// 5 with 8 computing warps fed by 2 producer warps.
+  /// 5 with 8 computing warps fed by 2 producer warps, 6 as 5 with a dynamic tail (work_counter).
   /// Default 5. H200, 2026-12-02: one Qwen3-8B layer at 32K 23.5-23.7 µs with the keys copied
   /// L2 evict-first (25.8-26.1 before: the scores written during the stream were evicted by the
   /// keys behind them). 2026-12-01, on one machine: 25.8 µs (2: 25.8-26.1); a whole 36-layer
@@ -48,6 +48,7 @@ struct ScoreOptions {
   /// a faster memory path take more of it): score_work_counter_bytes of device memory, zero
   /// before its first launch; every completed launch leaves it zero again. One launch at a time
   /// per counter (launches on concurrent streams need one each). nullptr: mean_variant 6 runs as 5.
+  /// H200, 2026-12-03: slower than 5 (one 32K layer 27.9 vs 23.4 µs): see tuning::sm90::ScoreMeanMma.
   unsigned int* work_counter = nullptr;
   /// Tensor-core max kernel (16-bit caches, tensor_core_max): 0 score_max_mma_kernel (load a
   /// tile, then compute it), 1 score_max_mma_pipe_kernel (per-warp cp.async rings, cos/sin once

@@ -79,6 +79,9 @@ struct ScoreMeanMma {
   /// split every CTA streams the same bytes, and the multiprocessors with the slowest memory path
   /// set the end (per-item times of 1.9-2.4 µs p10-p90 across SMs in the sixteenth session's trace
   /// of variant 2; its last warp ended ~5 µs after the median one).
+  /// H200, 2026-12-03: correct but slower (one 32K layer 27.9 vs 23.4 µs; a round's scores 68.8 vs
+  /// 60.6 µs at batch 1, 477 vs 406 at batch 8): the claimed tiles come in global order, so nearly
+  /// every one starts a new row and a weight fold on the computing warps' path. Not the default.
   struct Variant6 : Variant5 {
     static constexpr int kStaticEighths = 6;
   };
