@@ -1788,6 +1788,8 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
     it0 = n_shared * blockIdx.x / gridDim.x;
     it_end = n_shared * (blockIdx.x + 1) / gridDim.x;
   }
+  const auto row_of = [&](long long item) { return item / tiles_per_row; };
+  const auto tile_of = [&](long long item) { return static_cast<int>(item % tiles_per_row); };
   const int n_items = static_cast<int>(it_end - it0);  // this CTA's static share
   if (n_items <= 0 && !dynamic) return;                // uniform across the CTA (a dynamic CTA still claims)
 
@@ -1815,22 +1817,25 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
       const int p = warp - kWarps;
       // The next item's row addresses and block ids load one item ahead, while this item's copies
       // go out, so the table latency stalls neither the copies nor the computing warps.
+      struct ItemInputs {  // an item's row addresses, tile and the fed warps' block ids
+        detail::KeyRowAddr<T, Id> kr;
+        int tile;
+        Id blk[kFed];
+      };
       long long kr_row = -1;
-      int tile_n = 0;
-      detail::KeyRowAddr<T, Id> kr_n{};
-      Id blk_n[kFed];
+      ItemInputs next{};
       const auto load_item = [&](long long rid, int tile) {
         if (rid != kr_row) {
           const detail::ScoreRow sr = detail::decode_score_row(rid, L, Hkv, HC);
-          kr_n = detail::key_row(view, a, sr.b, sr.l, sr.g);
+          next.kr = detail::key_row(view, a, sr.b, sr.l, sr.g);
           kr_row = rid;
         }
-        tile_n = tile;
+        next.tile = tile;
 #pragma unroll
         for (int i = 0; i < kFed; ++i) {
           const int t = tile * Shape::kTile + (p + i * kProducers) * 32 + lane;
           const int page = static_cast<int>(fd.div(static_cast<std::uint32_t>(t)));
-          blk_n[i] = t < kr_n.len && page < view.max_blocks_per_seq ? kr_n.table[page] : Id(0);
+          next.blk[i] = t < next.kr.len && page < view.max_blocks_per_seq ? next.kr.table[page] : Id(0);
         }
       };
       // Item k's id (dynamic tail) for computing warp w, in stage st: written by lane 0, which then
@@ -1845,8 +1850,9 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
       };
       // Item k's slices (row addresses kr, tile, block ids blk) into stage k % kStages of each fed
       // warp, once that warp has handed the stage back.
-      const auto issue_item = [&](int k, const detail::KeyRowAddr<T, Id>& kr, int tile, const Id(&blk)[kFed],
-                                  long long item) {
+      const auto issue_item = [&](int k, const ItemInputs& in, long long item) {
+        const detail::KeyRowAddr<T, Id>& kr = in.kr;
+        const int tile = in.tile;
         const int st = k % kStages;
 #pragma unroll
         for (int i = 0; i < kFed; ++i) {
@@ -1855,31 +1861,25 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
           const int page = static_cast<int>(fd.div(static_cast<std::uint32_t>(t)));
           const int n_valid = kr.len - t_first;
           const std::uint32_t mine =
-              lane < n_valid ? Feed::chunk_offset(kr, blk[i], t - page * view.block.block_size) : 0u;
+              lane < n_valid ? Feed::chunk_offset(kr, in.blk[i], t - page * view.block.block_size) : 0u;
           if (k >= kStages) detail::mbar_wait(empty_bar(w, st), static_cast<unsigned>(((k / kStages) & 1) ^ 1));
           publish(w, st, item);
           Feed::copy_slice(ring_of(w) + static_cast<std::uint32_t>(st * kSliceBytes), kr.range, mine, n_valid, lane);
           detail::mbar_arrive_on_cp_async(full_bar(w, st));
         }
       };
-      const auto row_of = [&](long long item) { return item / tiles_per_row; };
-      const auto tile_of = [&](long long item) { return static_cast<int>(item % tiles_per_row); };
       if (!dynamic) {
         long long rid_n = row0;
         int t_n = static_cast<int>(it0 - row0 * tiles_per_row);
         load_item(rid_n, t_n);
         for (int k = 0; k < n_items; ++k) {
-          const detail::KeyRowAddr<T, Id> kr = kr_n;
-          const int tile = tile_n;
-          Id blk[kFed];
-#pragma unroll
-          for (int i = 0; i < kFed; ++i) blk[i] = blk_n[i];
+          const ItemInputs cur = next;
           if (++t_n == tiles_per_row) {
             t_n = 0;
             ++rid_n;
           }
           if (k + 1 < n_items) load_item(rid_n, t_n);
-          issue_item(k, kr, tile, blk, it0 + k);
+          issue_item(k, cur, it0 + k);
         }
         return;  // the copies complete on their own; the computing warps wait for them
       }
@@ -1917,17 +1917,13 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
             }
             return;
           }
-          const detail::KeyRowAddr<T, Id> kr = kr_n;
-          const int tile = tile_n;
-          Id blk[kFed];
-#pragma unroll
-          for (int i = 0; i < kFed; ++i) blk[i] = blk_n[i];
+          const ItemInputs in = next;
           // static items load ahead of this item's copies; a claim's atomic goes after them (the
           // producer runs up to kStages items ahead of its warps, which hides the round trip)
           const bool next_static = k + 1 < n_items;
           long long nxt = next_static ? it0 + k + 1 : -1;
           if (next_static) load_item(row_of(nxt), tile_of(nxt));
-          issue_item(k, kr, tile, blk, cur);
+          issue_item(k, in, cur);
           if (!next_static) {
             nxt = claim(k + 1 - (n_items > 0 ? n_items : 0));
             if (nxt >= 0) load_item(row_of(nxt), tile_of(nxt));
@@ -2106,14 +2102,14 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
         detail::mbar_wait(item_bar(warp, st), static_cast<unsigned>((k / kStages) & 1));
         const long long item = item_ids[warp * kStages + st];
         if (item < 0) break;  // uniform across the computing warps: both producers hand out the same ids
-        c_rid = item / tiles_per_row;
-        c_tile = static_cast<int>(item - c_rid * tiles_per_row);
+        c_rid = row_of(item);
+        c_tile = tile_of(item);
         const bool live = prepare();
         if constexpr (kLoadAhead) {  // the next item's row inputs, where its id is out and its row new
           const int sn = (k + 1) % kStages;
           if (detail::mbar_test(item_bar(warp, sn), static_cast<unsigned>(((k + 1) / kStages) & 1))) {
             const long long nx = item_ids[warp * kStages + sn];
-            const long long r = nx >= 0 ? nx / tiles_per_row : seen_row;
+            const long long r = nx >= 0 ? row_of(nx) : seen_row;
             if (r != seen_row && r != pre.rid) load_pre(r);
           }
         }
