@@ -1716,6 +1716,87 @@ __device__ __forceinline__ void run_key_ring(int n_items, Fetch&& fetch, Start&&
 #endif
 }
 
+/// Work-stealing shares of a launch's items (score_mean_mma_kernel's kSteal): CTA c owns the
+/// contiguous share [total·c / grid, total·(c + 1) / grid) as cta_item_range splits it. Its
+/// first kOwned items are its own; the rest form a deque in 64-bit word c of `words`, which
+/// counts the items taken from its front (low 32 bits, by the owner, in order) and from its back
+/// (high 32 bits, by thieves). One atomic add per take decides it: a take is valid iff
+/// front + back < the deque's size before it, so owner and thieves never take the same item and
+/// failed takes only push the counts further past the size. words[grid] counts the CTAs done;
+/// the last one zeroes every word, so each completed launch leaves them as the next one needs
+/// them. Why a deque per CTA and not one global counter (mean_variant 6): the owner walks its
+/// share in order, so its rows' weights are folded once, and thieves take a victim's last
+/// items, consecutive tiles of the victim's last row, so a steal rarely folds more than once.
+struct StealingShares {
+  static constexpr int kOwned = 2;  ///< leading items of a share taken without an atomic
+  unsigned long long* words;        ///< [grid + 1]: the deques, then the done count
+  long long total;
+  int grid;
+
+  __device__ __forceinline__ long long share_begin(int c) const { return total * c / grid; }
+  __device__ __forceinline__ long long deque_begin(int c) const {
+    const long long b = share_begin(c), e = share_begin(c + 1);
+    return e - b < kOwned ? e : b + kOwned;
+  }
+  __device__ __forceinline__ long long deque_size(int c) const { return share_begin(c + 1) - deque_begin(c); }
+
+  /// The owner's next item of deque c, or -1 when its deque is empty (one lane).
+  __device__ __forceinline__ long long take_front(int c) const {
+    const unsigned long long old = atomicAdd(words + c, 1ull);
+    const long long front = static_cast<long long>(old & 0xffffffffull), back = static_cast<long long>(old >> 32);
+    return front + back < deque_size(c) ? deque_begin(c) + front : -1;
+  }
+  /// A thief's item from the back of deque c, or -1 when it is empty (one lane).
+  __device__ __forceinline__ long long take_back(int c) const {
+    const unsigned long long old = atomicAdd(words + c, 1ull << 32);
+    const long long front = static_cast<long long>(old & 0xffffffffull), back = static_cast<long long>(old >> 32);
+    return front + back < deque_size(c) ? share_begin(c + 1) - 1 - back : -1;
+  }
+  /// Whole warp (uniform result): an item stolen from the deque with the most items left (ties to
+  /// the nearest CTA after `self`, so that thieves spread over equal victims), or -1 when every
+  /// deque is empty. The counts only grow, so a stale read can only overstate what is left: an
+  /// empty result is final, an overstated one costs a failed take and another look.
+  __device__ long long steal(int self, int lane) const {
+    for (;;) {
+      unsigned long long best = 0;  // (items left << 20) | (grid - distance after self); 0: none
+      for (int c = lane; c < grid; c += 32) {
+        unsigned long long w;
+        asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w) : "l"(words + c) : "memory");
+        const long long left =
+            deque_size(c) - static_cast<long long>(w & 0xffffffffull) - static_cast<long long>(w >> 32);
+        const unsigned long long key =
+            left > 0 ? (static_cast<unsigned long long>(left) << 20) |
+                           static_cast<unsigned long long>(grid - (c - self + grid) % grid)
+                     : 0ull;
+        best = key > best ? key : best;
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        const unsigned long long other = __shfl_xor_sync(0xffffffffu, best, o);
+        best = other > best ? other : best;
+      }
+      if (best == 0) return -1;
+      const int victim = (self + grid - static_cast<int>(best & 0xfffffull)) % grid;
+      long long item = lane == 0 ? take_back(victim) : -1;
+      item = __shfl_sync(0xffffffffu, item, 0);
+      if (item >= 0) return item;
+    }
+  }
+  /// Whole warp, once per CTA after its last take: counts the CTA done; the grid's last CTA zeroes
+  /// every word (release / acquire fences around the done count order the others' takes first).
+  __device__ void finish(int lane) const {
+    unsigned last = 0;
+    if (lane == 0) {
+      __threadfence();
+      last = atomicAdd(words + grid, 1ull) == static_cast<unsigned long long>(grid - 1) ? 1u : 0u;
+      if (last) __threadfence();
+    }
+    if (__shfl_sync(0xffffffffu, last, 0) != 0u) {
+      for (int c = lane; c <= grid; c += 32) atomicExch(words + c, 0ull);
+    }
+  }
+};
+
 }  // namespace detail
 
 /// Tensor-core mean-aggregation (and disable_trig) scorer for 16-bit caches: same contract as
@@ -1739,8 +1820,11 @@ __device__ __forceinline__ void run_key_ring(int n_items, Fetch&& fetch, Start&&
 /// run out of items (claims[1] counts them) zeroes both words, so every completed launch leaves
 /// them as the next needs them. claims: two zeroed 32-bit words of device memory, one launch at a
 /// time; nullptr runs the static split.
+/// kSteal (producer warps only) with `claims` set: work stealing instead (StealingShares; claims
+/// then holds gridDim.x + 1 zeroed 64-bit words, 8-byte aligned): every CTA takes its share's
+/// items in order, then steals single items from the back of the shares with the most left.
 template <class T, class Id, int HD, RopeStyle S, int kWarps, int kStages, int kMinCtas, int kKeys = 32,
-          bool kLoadAhead = true, int kProducers = 0, int kStaticEighths = 8>
+          bool kLoadAhead = true, int kProducers = 0, int kStaticEighths = 8, bool kSteal = false>
 __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
     score_mean_mma_kernel(KvCacheView<T, Id> view, ScoreModelView m, ScoreBatch a, float* __restrict__ scores,
                           detail::FastDiv fd, unsigned int* __restrict__ claims) {
@@ -1755,8 +1839,9 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
   static_assert(!kProducerWarp || (kKeys == 32 && kWarps % (kProducerWarp ? kProducers : 1) == 0),
                 "producer warps fill 32-key slices (one key per lane), the same number each");
   constexpr int kFed = kProducerWarp ? kWarps / kProducers : 1;  // computing warps per producer warp
-  constexpr bool kDynamicTail = kProducerWarp && kStaticEighths < 8;
+  constexpr bool kDynamicTail = kProducerWarp && (kStaticEighths < 8 || kSteal);
   static_assert(kStaticEighths >= 0 && kStaticEighths <= 8, "a static share of 0-8 eighths");
+  static_assert(!kSteal || kStaticEighths == 8, "work stealing splits every item into the shares");
   constexpr std::size_t kRing = Shape::kRingBytes, kSliceBytes = Shape::kSliceVecs * 16;
   extern __shared__ __align__(16) unsigned char mean_mma_smem[];
   uint4* const ring = reinterpret_cast<uint4*>(mean_mma_smem);
@@ -1783,7 +1868,7 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
   const int L = work.L, Hq = work.Hq, Hkv = work.Hkv, G = work.G, HC = work.HC, tiles_per_row = work.tiles_per_row;
   long long it0 = work.begin, it_end = work.end;
   const bool dynamic = kDynamicTail && claims != nullptr;  // uniform across the grid
-  const long long n_shared = dynamic ? work.total * kStaticEighths / 8 : work.total;  // items split statically
+  const long long n_shared = dynamic && !kSteal ? work.total * kStaticEighths / 8 : work.total;  // split statically
   if (dynamic) {
     it0 = n_shared * blockIdx.x / gridDim.x;
     it_end = n_shared * (blockIdx.x + 1) / gridDim.x;
@@ -1792,6 +1877,10 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
   const auto tile_of = [&](long long item) { return static_cast<int>(item % tiles_per_row); };
   const int n_items = static_cast<int>(it_end - it0);  // this CTA's static share
   if (n_items <= 0 && !dynamic) return;                // uniform across the CTA (a dynamic CTA still claims)
+  // items taken without a claim (a stealing CTA claims all but its share's first kOwned)
+  const int n_static = kSteal && dynamic ? (n_items < detail::StealingShares::kOwned ? n_items
+                                                                                     : detail::StealingShares::kOwned)
+                                         : n_items;
 
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
   const int g4 = lane >> 2, c4 = lane & 3;
@@ -1887,9 +1976,26 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
         // Claim j (j-th item past the static share): producer 0's lane 0 takes the next item of
         // the tail (or -1 when none is left) into slot j & 1; both producer warps read it after
         // their barrier (bar 2), and slot j & 1 is rewritten only after the next claim's barrier,
-        // which both pass after this read.
+        // which both pass after this read. With kSteal the whole of producer 0 takes part (its
+        // lane 0 takes from its own deque, the warp looks for a victim once that is empty).
+        const detail::StealingShares shares{reinterpret_cast<unsigned long long*>(claims), work.total,
+                                            static_cast<int>(gridDim.x)};
+        bool own_left = true;  // producer 0: its own deque may still hold items
         const auto claim = [&](int j) -> long long {
-          if (p == 0 && lane == 0) {
+          if constexpr (kSteal) {  // producer 0: own deque's front, else a steal, else done
+            if (p == 0) {
+              const int self = static_cast<int>(blockIdx.x);
+              long long v = -1;
+              if (own_left) {
+                v = lane == 0 ? shares.take_front(self) : -1;
+                v = __shfl_sync(0xffffffffu, v, 0);
+                own_left = v >= 0;
+              }
+              if (v < 0) v = shares.steal(self, lane);
+              if (v < 0) shares.finish(lane);
+              if (lane == 0) claim_slots[j & 1] = v;
+            }
+          } else if (p == 0 && lane == 0) {
             const long long v = n_shared + static_cast<long long>(atomicAdd(claims, 1u));
             const bool none = v >= work.total;
             claim_slots[j & 1] = none ? -1 : v;
@@ -1904,7 +2010,7 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
           asm volatile("bar.sync 2, %0;" ::"n"(32 * kProducers) : "memory");
           return claim_slots[j & 1];
         };
-        long long cur = n_items > 0 ? it0 : claim(0);
+        long long cur = n_static > 0 ? it0 : claim(0);
         if (cur >= 0) load_item(row_of(cur), tile_of(cur));
         for (int k = 0;; ++k) {
           if (cur < 0) {  // no item k: the fed warps stop at its stage
@@ -1920,12 +2026,12 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
           const ItemInputs in = next;
           // static items load ahead of this item's copies; a claim's atomic goes after them (the
           // producer runs up to kStages items ahead of its warps, which hides the round trip)
-          const bool next_static = k + 1 < n_items;
+          const bool next_static = k + 1 < n_static;
           long long nxt = next_static ? it0 + k + 1 : -1;
           if (next_static) load_item(row_of(nxt), tile_of(nxt));
           issue_item(k, in, cur);
           if (!next_static) {
-            nxt = claim(k + 1 - (n_items > 0 ? n_items : 0));
+            nxt = claim(k + 1 - (n_static > 0 ? n_static : 0));
             if (nxt >= 0) load_item(row_of(nxt), tile_of(nxt));
           }
           cur = nxt;
