@@ -36,11 +36,11 @@ void report(benchmark::State& state, double bytes) {
       benchmark::Counter(bytes / kReadRoofline * 100.0, benchmark::Counter::kIsIterationInvariantRate);
 }
 
-/// ScoreOptions::work_counter for mean_variants 6 and 7 (zeroed once; every launch leaves it zero).
+/// ScoreOptions::work_counter for mean_variants 6-8 (zeroed once; every launch leaves it zero).
 struct WorkCounter {
   unsigned int* p = nullptr;
   explicit WorkCounter(cuda::ScoreOptions& opt) {
-    if (opt.mean_variant != 6 && opt.mean_variant != 7) return;
+    if (opt.mean_variant < 6) return;
     p = device_alloc<unsigned int>(cuda::score_work_counter_bytes / sizeof(unsigned int));
     TRIATTN_BENCH_CUDA(cudaMemset(p, 0, cuda::score_work_counter_bytes));
     opt.work_counter = p;
@@ -330,7 +330,7 @@ BENCHMARK(BM_score)
           for (int page : {16, 64})
             for (int hnd : {0, 1})
               for (int variant : {0, 1, 2, 3, 4, 5, 6, 7, 8})
-                if ((agg == 0 && variant <= 7) || variant == 0 || agg == 1)
+                if (agg == 0 || variant == 0 || agg == 1)
                   b->Args({agg, page, hnd, variant, queued});
     })
     ->UseManualTime()
@@ -339,7 +339,7 @@ BENCHMARK(BM_score_rotated_scores)
     ->ArgNames({"agg", "buffers", "mean_variant"})
     ->Apply([](benchmark::internal::Benchmark* b) {
       for (int buffers : {1, 16}) {
-        for (int variant : {5, 6, 7}) b->Args({0, buffers, variant});
+        for (int variant : {5, 6, 7, 8}) b->Args({0, buffers, variant});
         b->Args({1, buffers, 5});
       }
     })
@@ -373,7 +373,7 @@ BENCHMARK(BM_score_round_shape)
       for (int batch : {1, 8, 32})
         for (int max : {0, 1})
           for (int variant : {0, 1, 2, 3, 4, 5, 6, 7, 8})
-            if ((max == 0 && variant != 1 && variant <= 7) || max == 1) b->Args({batch, max, variant});
+            if ((max == 0 && variant != 1) || max == 1) b->Args({batch, max, variant});
     })
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);

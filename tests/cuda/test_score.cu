@@ -177,24 +177,24 @@ void check_case(const Case& c, std::uint32_t seed) {
   for (int b = 0; b < batch; ++b) wants.push_back(ref_scores(p, scorer.model(), b, t0[b]));
   // Max aggregation on 16-bit caches has two kernels (tensor cores, CUDA cores): check both.
   const bool two_paths = c.agg == Aggregation::kMax && !c.no_trig && sizeof(T) == 2;
-  // Mean aggregation has eight kernels: mean_variant 0 and 1 (bitwise the same scores), 2, 3, 4,
-  // 5, 6, 7 (tensor cores; 16-bit caches, else variant 0; 5 with producer warps, 6 as 5 with a
-  // dynamic tail, 7 as 5 with work stealing, both through work_counter). The tensor-core max
+  // Mean aggregation has nine kernels: mean_variant 0 and 1 (bitwise the same scores), 2, 3, 4,
+  // 5, 6, 7, 8 (tensor cores; 16-bit caches, else variant 0; 5 with producer warps, 6 as 5 with a
+  // dynamic tail, 7 and 8 as 5 with work stealing, all through work_counter). The tensor-core max
   // path has nine (max_variant 0-8; 2-8 on warpgroup MMAs in an sm_90a build, 4 with the norm
   // term on the CUDA cores, 5 and 6 warp-specialized: two accumulator sets per tile from m64n144
   // steps with setmaxnreg, one m64n72 chain; 7 and 8 the direct kernel with thread-private key
-  // slots, run as 4 in builds without sm_90a). The ring and direct kernels (mean_variant 2-7, max_variant 1-8) run three times: with
+  // slots, run as 4 in builds without sm_90a). The ring and direct kernels (mean_variant 2-8, max_variant 1-8) run three times: with
   // the default grid, with at most 3 CTAs (each CTA streams many items across rows and sequences)
   // and with two waves of CTAs (grid_waves).
   const bool mean_paths = c.agg == Aggregation::kMean || c.no_trig;
-  // mean_variants 6 and 7 claim items through this counter; each launch must
+  // mean_variants 6-8 claim items through this counter; each launch must
   // leave it zero for the next (the three grids below reuse it, with different CTA counts).
   test::DeviceBuffer<unsigned int> work_counter(cuda::score_work_counter_bytes / sizeof(unsigned int));
   work_counter.upload(std::vector<unsigned int>(cuda::score_work_counter_bytes / sizeof(unsigned int), 0u));
   std::vector<float> variant0;
   for (const bool tensor_cores : {true, false}) {
     if (!tensor_cores && !two_paths) break;
-    for (const int variant : {0, 1, 2, 3, 4, 5, 6, 7}) {
+    for (const int variant : {0, 1, 2, 3, 4, 5, 6, 7, 8}) {
       if (variant >= 1 && !mean_paths) break;
       for (int max_variant = 0; max_variant < kMaxVariants; ++max_variant) {
         if (max_variant >= 1 && !(two_paths && tensor_cores)) break;
@@ -216,7 +216,7 @@ void check_case(const Case& c, std::uint32_t seed) {
           TRIATTN_TEST_CUDA(cuda::score(p.device_view(), scorer.device_model(), sb, scores.get(), nullptr, opt));
           TRIATTN_TEST_CUDA(cudaDeviceSynchronize());
           std::vector<float> got = scores.download();
-          if (variant == 6 || variant == 7)
+          if (variant >= 6)
             for (const unsigned int w : work_counter.download()) CHECK_MESSAGE(w == 0u, "work counter left at ", w);
           const double nerr = compare(c, got, wants, max_len);
           if (two_paths && tensor_cores) {

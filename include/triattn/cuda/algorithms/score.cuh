@@ -35,7 +35,7 @@ struct ScoreOptions {
   /// products on the tensor cores; tuning::sm90::ScoreMeanMma::Variant2-5; 16-bit caches, else
   /// variant 0; within fp32 rounding of 0, not bitwise): 2, 3 and 4 with per-warp cp.async rings,
   /// 5 with 8 computing warps fed by 2 producer warps, 6 as 5 with a dynamic tail (work_counter),
-  /// 7 as 5 with work stealing (work_counter).
+  /// 7 and 8 as 5 with work stealing (work_counter; the last 2 or 4 items of each CTA's share).
   /// Default 5. H200, 2026-12-02: one Qwen3-8B layer at 32K 23.5-23.7 µs with the keys copied
   /// L2 evict-first (25.8-26.1 before: the scores written during the stream were evicted by the
   /// keys behind them). 2026-12-01, on one machine: 25.8 µs (2: 25.8-26.1); a whole 36-layer
@@ -46,11 +46,11 @@ struct ScoreOptions {
   int mean_variant = 5;
   /// Work counter of mean_variant 6 (5 with a dynamic tail: the CTAs split three quarters of the
   /// items statically and claim the rest one 256-key tile at a time, so that multiprocessors with
-  /// a faster memory path take more of it) and 7 (5 with work stealing: each CTA walks its share,
-  /// then takes single tiles from the back of the shares with the most left):
+  /// a faster memory path take more of it), 7 and 8 (5 with work stealing: each CTA walks its
+  /// share, then takes single tiles from the last 2 (7) or 4 (8) of the shares with the most left):
   /// score_work_counter_bytes of device memory, zero before its first launch; every completed
   /// launch leaves it zero again. One launch at a time per counter (launches on concurrent streams
-  /// need one each). nullptr: mean_variants 6 and 7 run as 5.
+  /// need one each). nullptr: mean_variants 6-8 run as 5.
   /// H200, 2026-12-03: slower than 5 (one 32K layer 27.9 vs 23.4 µs): see tuning::sm90::ScoreMeanMma.
   unsigned int* work_counter = nullptr;
   /// Tensor-core max kernel (16-bit caches, tensor_core_max): 0 score_max_mma_kernel (load a
@@ -99,7 +99,7 @@ struct ScoreOptions {
 };
 
 /// 64-bit words of ScoreOptions::work_counter: mean_variant 6 uses its first two 32-bit halves,
-/// mean_variant 7 one word per CTA plus a done count (larger grids run mean_variant 7 as 5).
+/// mean_variants 7 and 8 one word per CTA plus a done count (larger grids run them as 5).
 inline constexpr std::size_t score_work_counter_words = 1024;
 /// Bytes of device memory ScoreOptions::work_counter points at (8-byte aligned, as cudaMalloc's).
 inline constexpr std::size_t score_work_counter_bytes = score_work_counter_words * sizeof(unsigned long long);
@@ -210,10 +210,10 @@ template <class T, class Id>
   return static_cast<unsigned long long>(view.range_stride) * sizeof(T) < (1ull << 36);
 }
 
-/// Tensor-core mean path (mean_variant 2-7): 16-bit caches; fp16 weights far from fp16's range limit.
+/// Tensor-core mean path (mean_variant 2-8): 16-bit caches; fp16 weights far from fp16's range limit.
 template <class T>
 [[nodiscard]] inline bool use_mma_mean(const ScoreModelView& m, const ScoreOptions& opt) noexcept {
-  if (opt.mean_variant < 2 || opt.mean_variant > 7) return false;
+  if (opt.mean_variant < 2 || opt.mean_variant > 8) return false;
   if (m.aggregation != Aggregation::kMean && !m.disable_trig) return false;
   if constexpr (std::is_same_v<T, bf16_storage>) return true;
   else if constexpr (std::is_same_v<T, f16_storage>) return m.max_abs_weight < 16384.0;  // |W_f| <= s²|q̄_f|
@@ -231,8 +231,8 @@ template <class T, class Id, int HD, RopeStyle S, class Cfg>
     int sms = 0;
     TRIATTN_CUDA_RETURN_IF_ERROR(current_device_sm_count(&sms));
     auto kernel = score_mean_mma_kernel<T, Id, HD, S, Cfg::kWarps, Cfg::kStages, Cfg::kMinCtas, Cfg::kKeys,
-                                        Cfg::kLoadAhead, Cfg::kProducers, Cfg::kStaticEighths, Cfg::kSteal>;
-    constexpr bool dynamic_tail = Cfg::kProducers > 0 && (Cfg::kStaticEighths < 8 || Cfg::kSteal);
+                                        Cfg::kLoadAhead, Cfg::kProducers, Cfg::kStaticEighths, Cfg::kStealBack>;
+    constexpr bool dynamic_tail = Cfg::kProducers > 0 && (Cfg::kStaticEighths < 8 || Cfg::kStealBack > 0);
     constexpr std::size_t smem = dynamic_tail         ? Shape::kSmemBytesDynamic
                                  : Cfg::kProducers > 0 ? Shape::kSmemBytesProducer
                                                        : Shape::kSmemBytes;
@@ -247,7 +247,7 @@ template <class T, class Id, int HD, RopeStyle S, class Cfg>
     // the claim counter counts the tail's items plus one empty claim per CTA in 32 bits; stealing
     // needs a word per CTA (and the done count) inside the counter, and a share's front and back
     // counts (plus a failed take per CTA) in 32 bits each
-    const bool counter_fits = Cfg::kSteal ? grid < score_work_counter_words && items < (1ll << 31)
+    const bool counter_fits = Cfg::kStealBack > 0 ? grid < score_work_counter_words && items < (1ll << 31)
                                           : items < (1ll << 31);
     unsigned int* const claims = dynamic_tail && counter_fits ? opt.work_counter : nullptr;
     kernel<<<grid, threads, smem, stream>>>(view, m, a, scores, fd, claims);
@@ -499,6 +499,8 @@ template <class T, class Id>
         return detail::launch_score_mean_mma<T, Id, HD, S, Tune::Variant6>(view, model, batch, scores, stream, options);
       if (mma_mean && options.mean_variant == 7)
         return detail::launch_score_mean_mma<T, Id, HD, S, Tune::Variant7>(view, model, batch, scores, stream, options);
+      if (mma_mean && options.mean_variant == 8)
+        return detail::launch_score_mean_mma<T, Id, HD, S, Tune::Variant8>(view, model, batch, scores, stream, options);
       if (mma_mean)
         return detail::launch_score_mean_mma<T, Id, HD, S, Tune::Variant4>(view, model, batch, scores, stream, options);
       if (G <= 4) return detail::launch_score_kernel<T, Id, HD, S, 4>(view, model, batch, scores, stream, options);

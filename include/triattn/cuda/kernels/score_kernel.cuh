@@ -1716,41 +1716,43 @@ __device__ __forceinline__ void run_key_ring(int n_items, Fetch&& fetch, Start&&
 #endif
 }
 
-/// Work-stealing shares of a launch's items (score_mean_mma_kernel's kSteal): CTA c owns the
-/// contiguous share [total·c / grid, total·(c + 1) / grid) as cta_item_range splits it. Its
-/// first kOwned items are its own; the rest form a deque in 64-bit word c of `words`, which
-/// counts the items taken from its front (low 32 bits, by the owner, in order) and from its back
-/// (high 32 bits, by thieves). One atomic add per take decides it: a take is valid iff
-/// front + back < the deque's size before it, so owner and thieves never take the same item and
-/// failed takes only push the counts further past the size. words[grid] counts the CTAs done;
-/// the last one zeroes every word, so each completed launch leaves them as the next one needs
-/// them. Why a deque per CTA and not one global counter (mean_variant 6): the owner walks its
-/// share in order, so its rows' weights are folded once, and thieves take a victim's last
-/// items, consecutive tiles of the victim's last row, so a steal rarely folds more than once.
+/// Work-stealing shares of a launch's items (score_mean_mma_kernel's kStealBack): CTA c owns the
+/// contiguous share [total·c / grid, total·(c + 1) / grid) as cta_item_range splits it. All but
+/// its last `back` items are its own (taken without an atomic); those last ones form a deque in
+/// 64-bit word c of `words`, which counts the items taken from its front (low 32 bits, by the
+/// owner, in order) and from its back (high 32 bits, by thieves). One atomic add per take decides
+/// it: a take is valid iff front + back < the deque's size before it, so owner and thieves never
+/// take the same item and failed takes only push the counts further past the size. words[grid]
+/// counts the CTAs done; the last one zeroes every word, so each completed launch leaves them as
+/// the next one needs them. Why a deque per CTA and not one global counter (mean_variant 6): the
+/// owner walks its share in order, so its rows' weights are folded once, and thieves take a
+/// victim's last items, consecutive tiles of the victim's last row, so a steal rarely folds more
+/// than once. Why only the last few items: every take is an atomic round trip on the producer's
+/// path (H200, 2026-12-03: with all but 2 items of each share in the deques, 34.3 vs 23.3 µs).
 struct StealingShares {
-  static constexpr int kOwned = 2;  ///< leading items of a share taken without an atomic
-  unsigned long long* words;        ///< [grid + 1]: the deques, then the done count
+  unsigned long long* words;  ///< [grid + 1]: the deques, then the done count
   long long total;
   int grid;
+  int back;  ///< items at the end of each share open to thieves
 
   __device__ __forceinline__ long long share_begin(int c) const { return total * c / grid; }
   __device__ __forceinline__ long long deque_begin(int c) const {
     const long long b = share_begin(c), e = share_begin(c + 1);
-    return e - b < kOwned ? e : b + kOwned;
+    return e - b < back ? b : e - back;
   }
   __device__ __forceinline__ long long deque_size(int c) const { return share_begin(c + 1) - deque_begin(c); }
 
   /// The owner's next item of deque c, or -1 when its deque is empty (one lane).
   __device__ __forceinline__ long long take_front(int c) const {
     const unsigned long long old = atomicAdd(words + c, 1ull);
-    const long long front = static_cast<long long>(old & 0xffffffffull), back = static_cast<long long>(old >> 32);
-    return front + back < deque_size(c) ? deque_begin(c) + front : -1;
+    const long long front = static_cast<long long>(old & 0xffffffffull), back_taken = static_cast<long long>(old >> 32);
+    return front + back_taken < deque_size(c) ? deque_begin(c) + front : -1;
   }
   /// A thief's item from the back of deque c, or -1 when it is empty (one lane).
   __device__ __forceinline__ long long take_back(int c) const {
     const unsigned long long old = atomicAdd(words + c, 1ull << 32);
-    const long long front = static_cast<long long>(old & 0xffffffffull), back = static_cast<long long>(old >> 32);
-    return front + back < deque_size(c) ? share_begin(c + 1) - 1 - back : -1;
+    const long long front = static_cast<long long>(old & 0xffffffffull), back_taken = static_cast<long long>(old >> 32);
+    return front + back_taken < deque_size(c) ? share_begin(c + 1) - 1 - back_taken : -1;
   }
   /// Whole warp (uniform result): an item stolen from the deque with the most items left (ties to
   /// the nearest CTA after `self`, so that thieves spread over equal victims), or -1 when every
@@ -1759,16 +1761,28 @@ struct StealingShares {
   __device__ long long steal(int self, int lane) const {
     for (;;) {
       unsigned long long best = 0;  // (items left << 20) | (grid - distance after self); 0: none
-      for (int c = lane; c < grid; c += 32) {
-        unsigned long long w;
-        asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w) : "l"(words + c) : "memory");
-        const long long left =
-            deque_size(c) - static_cast<long long>(w & 0xffffffffull) - static_cast<long long>(w >> 32);
-        const unsigned long long key =
-            left > 0 ? (static_cast<unsigned long long>(left) << 20) |
-                           static_cast<unsigned long long>(grid - (c - self + grid) % grid)
-                     : 0ull;
-        best = key > best ? key : best;
+      // kBatch words per lane in flight at once: one round trip per 32·kBatch deques, not per 32
+      constexpr int kBatch = 8;
+      for (int c0 = lane; c0 < grid; c0 += 32 * kBatch) {
+        unsigned long long w[kBatch];
+#pragma unroll
+        for (int i = 0; i < kBatch; ++i) {
+          w[i] = 0ull;
+          if (c0 + 32 * i < grid)
+            asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w[i]) : "l"(words + c0 + 32 * i));
+        }
+#pragma unroll
+        for (int i = 0; i < kBatch; ++i) {
+          const int c = c0 + 32 * i;
+          const long long left =
+              c < grid ? deque_size(c) - static_cast<long long>(w[i] & 0xffffffffull) - static_cast<long long>(w[i] >> 32)
+                       : 0;
+          const unsigned long long key =
+              left > 0 ? (static_cast<unsigned long long>(left) << 20) |
+                             static_cast<unsigned long long>(grid - (c - self + grid) % grid)
+                       : 0ull;
+          best = key > best ? key : best;
+        }
       }
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) {
@@ -1820,11 +1834,12 @@ struct StealingShares {
 /// run out of items (claims[1] counts them) zeroes both words, so every completed launch leaves
 /// them as the next needs them. claims: two zeroed 32-bit words of device memory, one launch at a
 /// time; nullptr runs the static split.
-/// kSteal (producer warps only) with `claims` set: work stealing instead (StealingShares; claims
-/// then holds gridDim.x + 1 zeroed 64-bit words, 8-byte aligned): every CTA takes its share's
-/// items in order, then steals single items from the back of the shares with the most left.
+/// kStealBack > 0 (producer warps only) with `claims` set: work stealing instead (StealingShares
+/// with back = kStealBack; claims then holds gridDim.x + 1 zeroed 64-bit words, 8-byte aligned):
+/// every CTA takes its share's items in order, then steals single items from the last kStealBack
+/// of the shares with the most left.
 template <class T, class Id, int HD, RopeStyle S, int kWarps, int kStages, int kMinCtas, int kKeys = 32,
-          bool kLoadAhead = true, int kProducers = 0, int kStaticEighths = 8, bool kSteal = false>
+          bool kLoadAhead = true, int kProducers = 0, int kStaticEighths = 8, int kStealBack = 0>
 __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
     score_mean_mma_kernel(KvCacheView<T, Id> view, ScoreModelView m, ScoreBatch a, float* __restrict__ scores,
                           detail::FastDiv fd, unsigned int* __restrict__ claims) {
@@ -1839,6 +1854,7 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
   static_assert(!kProducerWarp || (kKeys == 32 && kWarps % (kProducerWarp ? kProducers : 1) == 0),
                 "producer warps fill 32-key slices (one key per lane), the same number each");
   constexpr int kFed = kProducerWarp ? kWarps / kProducers : 1;  // computing warps per producer warp
+  constexpr bool kSteal = kStealBack > 0;
   constexpr bool kDynamicTail = kProducerWarp && (kStaticEighths < 8 || kSteal);
   static_assert(kStaticEighths >= 0 && kStaticEighths <= 8, "a static share of 0-8 eighths");
   static_assert(!kSteal || kStaticEighths == 8, "work stealing splits every item into the shares");
@@ -1877,10 +1893,8 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
   const auto tile_of = [&](long long item) { return static_cast<int>(item % tiles_per_row); };
   const int n_items = static_cast<int>(it_end - it0);  // this CTA's static share
   if (n_items <= 0 && !dynamic) return;                // uniform across the CTA (a dynamic CTA still claims)
-  // items taken without a claim (a stealing CTA claims all but its share's first kOwned)
-  const int n_static = kSteal && dynamic ? (n_items < detail::StealingShares::kOwned ? n_items
-                                                                                     : detail::StealingShares::kOwned)
-                                         : n_items;
+  // items taken without a claim (a stealing CTA claims the last kStealBack of its share)
+  const int n_static = kSteal && dynamic ? (n_items < kStealBack ? 0 : n_items - kStealBack) : n_items;
 
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
   const int g4 = lane >> 2, c4 = lane & 3;
@@ -1979,7 +1993,7 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
         // which both pass after this read. With kSteal the whole of producer 0 takes part (its
         // lane 0 takes from its own deque, the warp looks for a victim once that is empty).
         const detail::StealingShares shares{reinterpret_cast<unsigned long long*>(claims), work.total,
-                                            static_cast<int>(gridDim.x)};
+                                            static_cast<int>(gridDim.x), kStealBack};
         bool own_left = true;  // producer 0: its own deque may still hold items
         const auto claim = [&](int j) -> long long {
           if constexpr (kSteal) {  // producer 0: own deque's front, else a steal, else done
