@@ -1943,9 +1943,10 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
       };
       // Item k's id (dynamic tail) for computing warp w, in stage st: written by lane 0, which then
       // arrives on the stage's item mbarrier (release: the id is visible to the warp's waits).
-      const auto publish = [&](int w, int st, long long item) {
+      // Items k < n_static are it0 + k, known to the computing warps without it.
+      const auto publish = [&](int k, int w, int st, long long item) {
         if constexpr (kDynamicTail) {
-          if (dynamic && lane == 0) {
+          if (dynamic && k >= n_static && lane == 0) {
             item_ids[w * kStages + st] = item;
             detail::mbar_arrive(item_bar(w, st));
           }
@@ -1966,7 +1967,7 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
           const std::uint32_t mine =
               lane < n_valid ? Feed::chunk_offset(kr, in.blk[i], t - page * view.block.block_size) : 0u;
           if (k >= kStages) detail::mbar_wait(empty_bar(w, st), static_cast<unsigned>(((k / kStages) & 1) ^ 1));
-          publish(w, st, item);
+          publish(k, w, st, item);
           Feed::copy_slice(ring_of(w) + static_cast<std::uint32_t>(st * kSliceBytes), kr.range, mine, n_valid, lane);
           detail::mbar_arrive_on_cp_async(full_bar(w, st));
         }
@@ -2033,7 +2034,7 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
             for (int i = 0; i < kFed; ++i) {
               const int w = p + i * kProducers;
               if (k >= kStages) detail::mbar_wait(empty_bar(w, st), static_cast<unsigned>(((k / kStages) & 1) ^ 1));
-              publish(w, st, -1);
+              publish(k, w, st, -1);
             }
             return;
           }
@@ -2217,17 +2218,23 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
     if (!dynamic) {
       for (int k = 0; k < n_items; ++k) run_item(k, prepare());
     } else if constexpr (kDynamicTail) {  // item ids from the producer, until it hands out -1
+      // Item k < n_static is it0 + k (the static cursor of prepare); later ones come with their
+      // stage's item mbarrier, whose phase counts only those: ((k - n_static) / kStages) & 1.
+      // (The producers publish only those, so the static items wait on nothing but their data.)
+      const auto item_phase = [&](int k) { return static_cast<unsigned>(((k - n_static) / kStages) & 1); };
       for (int k = 0;; ++k) {
         const int st = k % kStages;
-        detail::mbar_wait(item_bar(warp, st), static_cast<unsigned>((k / kStages) & 1));
-        const long long item = item_ids[warp * kStages + st];
-        if (item < 0) break;  // uniform across the computing warps: both producers hand out the same ids
-        c_rid = row_of(item);
-        c_tile = tile_of(item);
+        if (k >= n_static) {
+          detail::mbar_wait(item_bar(warp, st), item_phase(k));
+          const long long item = item_ids[warp * kStages + st];
+          if (item < 0) break;  // uniform across the computing warps: both producers hand out the same ids
+          c_rid = row_of(item);
+          c_tile = tile_of(item);
+        }
         const bool live = prepare();
-        if constexpr (kLoadAhead) {  // the next item's row inputs, where its id is out and its row new
+        if constexpr (kLoadAhead) {  // the next claimed item's row inputs, where its id is out and its row new
           const int sn = (k + 1) % kStages;
-          if (detail::mbar_test(item_bar(warp, sn), static_cast<unsigned>(((k + 1) / kStages) & 1))) {
+          if (k + 1 >= n_static && detail::mbar_test(item_bar(warp, sn), item_phase(k + 1))) {
             const long long nx = item_ids[warp * kStages + sn];
             const long long r = nx >= 0 ? row_of(nx) : seen_row;
             if (r != seen_row && r != pre.rid) load_pre(r);
