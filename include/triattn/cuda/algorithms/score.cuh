@@ -51,7 +51,8 @@ struct ScoreOptions {
   /// score_work_counter_bytes of device memory, zero before its first launch; every completed
   /// launch leaves it zero again. One launch at a time per counter (launches on concurrent streams
   /// need one each). nullptr: mean_variants 6-8 run as 5.
-  /// H200, 2026-12-03: slower than 5 (one 32K layer 27.9 vs 23.4 µs): see tuning::sm90::ScoreMeanMma.
+  /// H200, 2026-12-04: all three slower than 5 (one 32K layer 6 / 7 / 8: 26.6 / 28.5 / 31.2 vs
+  /// 23.5 µs): see tuning::sm90::ScoreMeanMma.
   unsigned int* work_counter = nullptr;
   /// Tensor-core max kernel (16-bit caches, tensor_core_max): 0 score_max_mma_kernel (load a
   /// tile, then compute it), 1 score_max_mma_pipe_kernel (per-warp cp.async rings, cos/sin once

@@ -84,8 +84,9 @@ struct ScoreMeanMma {
   /// set the end (per-item times of 1.9-2.4 µs p10-p90 across SMs in the sixteenth session's trace
   /// of variant 2; its last warp ended ~5 µs after the median one).
   /// H200, 2026-12-03: correct but slower (one 32K layer 27.9 vs 23.4 µs; a round's scores 68.8 vs
-  /// 60.6 µs at batch 1, 477 vs 406 at batch 8): the claimed tiles come in global order, so nearly
-  /// every one starts a new row and a weight fold on the computing warps' path. Not the default.
+  /// 60.6 µs at batch 1, 477 vs 406 at batch 8; 2026-12-04, f22f65b: 26.6 vs 23.5 µs, 69.1 / 484
+  /// µs): the claimed tiles come in global order, so nearly every one starts a new row and a
+  /// weight fold on the computing warps' path. Not the default.
   struct Variant6 : Variant5 {
     static constexpr int kStaticEighths = 6;
   };
@@ -93,12 +94,17 @@ struct ScoreMeanMma {
   /// CTA takes its contiguous share in order, then steals single tiles from the last kStealBack
   /// of the shares with the most left, so that the fast multiprocessors take over the slow ones'
   /// last tiles while each CTA keeps walking one row at a time (Variant6's global claims lost
-  /// that). H200, 2026-12-03, with all but 2 items of each share open to thieves and a steal's
-  /// scan one round trip per 32 deques: 34.3 vs 23.3 µs at one 32K layer.
+  /// that). Correct but slower, not the default. H200, 2026-12-04 (f22f65b): one 32K layer
+  /// 28.5 µs (5: 23.5), write-back charged 30.6 (26.4), a round's scores 65.3 / 440 µs at batch
+  /// 1 / 8 (61.5 / 425). The machinery with nothing to steal costs ~3 µs and each item open to
+  /// thieves ~1 µs more: the producers run kStages items ahead, so owners take their deques and
+  /// thieves start looking ~3 items before they finish, and with ~8 items per CTA the deques are
+  /// empty by then. (2026-12-03, all but 2 items of each share open to thieves: 34.3 µs.)
   struct Variant7 : Variant5 {
     static constexpr int kStealBack = 2;
   };
-  /// Variant7 with the last 4 items of each share open to thieves.
+  /// Variant7 with the last 4 items of each share open to thieves. H200, 2026-12-04: one 32K
+  /// layer 31.2 µs, write-back charged 32.8, a round's scores 66.7 / 440 µs at batch 1 / 8.
   struct Variant8 : Variant5 {
     static constexpr int kStealBack = 4;
   };
