@@ -183,9 +183,9 @@ void check_case(const Case& c, std::uint32_t seed) {
   // path has nine (max_variant 0-8; 2-8 on warpgroup MMAs in an sm_90a build, 4 with the norm
   // term on the CUDA cores, 5 and 6 warp-specialized: two accumulator sets per tile from m64n144
   // steps with setmaxnreg, one m64n72 chain; 7 and 8 the direct kernel with thread-private key
-  // slots, run as 4 in builds without sm_90a). The ring and direct kernels (mean_variant 2-8, max_variant 1-8) run three times: with
-  // the default grid, with at most 3 CTAs (each CTA streams many items across rows and sequences)
-  // and with two waves of CTAs (grid_waves).
+  // slots, run as 4 in builds without sm_90a). The ring and direct kernels (mean_variant 2-8,
+  // max_variant 1-8) run three times: with the default grid, with at most 3 CTAs (each CTA
+  // streams many items across rows and sequences) and with two waves of CTAs (grid_waves).
   const bool mean_paths = c.agg == Aggregation::kMean || c.no_trig;
   // mean_variants 6-8 claim items through this counter; each launch must
   // leave it zero for the next (the three grids below reuse it, with different CTA counts).

@@ -233,7 +233,7 @@ template <class T, class Id, int HD, RopeStyle S, class Cfg>
     TRIATTN_CUDA_RETURN_IF_ERROR(current_device_sm_count(&sms));
     auto kernel = score_mean_mma_kernel<T, Id, HD, S, Cfg::kWarps, Cfg::kStages, Cfg::kMinCtas, Cfg::kKeys,
                                         Cfg::kLoadAhead, Cfg::kProducers, Cfg::kStaticEighths, Cfg::kStealBack>;
-    constexpr bool dynamic_tail = Cfg::kProducers > 0 && (Cfg::kStaticEighths < 8 || Cfg::kStealBack > 0);
+    constexpr bool dynamic_tail = mean_mma_dynamic_tail(Cfg::kProducers, Cfg::kStaticEighths, Cfg::kStealBack);
     constexpr std::size_t smem = dynamic_tail         ? Shape::kSmemBytesDynamic
                                  : Cfg::kProducers > 0 ? Shape::kSmemBytesProducer
                                                        : Shape::kSmemBytes;
@@ -248,8 +248,7 @@ template <class T, class Id, int HD, RopeStyle S, class Cfg>
     // the claim counter counts the tail's items plus one empty claim per CTA in 32 bits; stealing
     // needs a word per CTA (and the done count) inside the counter, and a share's front and back
     // counts (plus a failed take per CTA) in 32 bits each
-    const bool counter_fits = Cfg::kStealBack > 0 ? grid < score_work_counter_words && items < (1ll << 31)
-                                          : items < (1ll << 31);
+    const bool counter_fits = items < (1ll << 31) && (Cfg::kStealBack == 0 || grid < score_work_counter_words);
     unsigned int* const claims = dynamic_tail && counter_fits ? opt.work_counter : nullptr;
     kernel<<<grid, threads, smem, stream>>>(view, m, a, scores, fd, claims);
     return check_launch(stream);

@@ -1716,6 +1716,12 @@ __device__ __forceinline__ void run_key_ring(int n_items, Fetch&& fetch, Start&&
 #endif
 }
 
+/// Whether score_mean_mma_kernel hands items out at run time (a dynamic tail or work stealing;
+/// producer warps only), and so needs MmaMeanShape::kSmemBytesDynamic and a work counter.
+__host__ __device__ constexpr bool mean_mma_dynamic_tail(int producers, int static_eighths, int steal_back) {
+  return producers > 0 && (static_eighths < 8 || steal_back > 0);
+}
+
 /// Work-stealing shares of a launch's items (score_mean_mma_kernel's kStealBack): CTA c owns the
 /// contiguous share [total·c / grid, total·(c + 1) / grid) as cta_item_range splits it. All but
 /// its last `back` items are its own (taken without an atomic); those last ones form a deque in
@@ -1735,24 +1741,34 @@ struct StealingShares {
   int grid;
   int back;  ///< items at the end of each share open to thieves
 
+  /// Items of a share of `size` its owner takes without an atomic (the rest form its deque).
+  __host__ __device__ static constexpr long long owned_items(long long size, int back) {
+    return size < back ? 0 : size - back;
+  }
+  /// Items taken from the front and from the back of a deque, as its word counts them.
+  __device__ static long long front_taken(unsigned long long w) { return static_cast<long long>(w & 0xffffffffull); }
+  __device__ static long long back_taken(unsigned long long w) { return static_cast<long long>(w >> 32); }
+
   __device__ __forceinline__ long long share_begin(int c) const { return total * c / grid; }
   __device__ __forceinline__ long long deque_begin(int c) const {
-    const long long b = share_begin(c), e = share_begin(c + 1);
-    return e - b < back ? b : e - back;
+    const long long b = share_begin(c);
+    return b + owned_items(share_begin(c + 1) - b, back);
   }
   __device__ __forceinline__ long long deque_size(int c) const { return share_begin(c + 1) - deque_begin(c); }
+  /// Items of deque c not yet taken, from its word w (<= 0: none).
+  __device__ __forceinline__ long long deque_left(int c, unsigned long long w) const {
+    return deque_size(c) - front_taken(w) - back_taken(w);
+  }
 
   /// The owner's next item of deque c, or -1 when its deque is empty (one lane).
   __device__ __forceinline__ long long take_front(int c) const {
     const unsigned long long old = atomicAdd(words + c, 1ull);
-    const long long front = static_cast<long long>(old & 0xffffffffull), back_taken = static_cast<long long>(old >> 32);
-    return front + back_taken < deque_size(c) ? deque_begin(c) + front : -1;
+    return deque_left(c, old) > 0 ? deque_begin(c) + front_taken(old) : -1;
   }
   /// A thief's item from the back of deque c, or -1 when it is empty (one lane).
   __device__ __forceinline__ long long take_back(int c) const {
     const unsigned long long old = atomicAdd(words + c, 1ull << 32);
-    const long long front = static_cast<long long>(old & 0xffffffffull), back_taken = static_cast<long long>(old >> 32);
-    return front + back_taken < deque_size(c) ? share_begin(c + 1) - 1 - back_taken : -1;
+    return deque_left(c, old) > 0 ? share_begin(c + 1) - 1 - back_taken(old) : -1;
   }
   /// Whole warp (uniform result): an item stolen from the deque with the most items left (ties to
   /// the nearest CTA after `self`, so that thieves spread over equal victims), or -1 when every
@@ -1774,9 +1790,7 @@ struct StealingShares {
 #pragma unroll
         for (int i = 0; i < kBatch; ++i) {
           const int c = c0 + 32 * i;
-          const long long left =
-              c < grid ? deque_size(c) - static_cast<long long>(w[i] & 0xffffffffull) - static_cast<long long>(w[i] >> 32)
-                       : 0;
+          const long long left = c < grid ? deque_left(c, w[i]) : 0;
           const unsigned long long key =
               left > 0 ? (static_cast<unsigned long long>(left) << 20) |
                              static_cast<unsigned long long>(grid - (c - self + grid) % grid)
@@ -1855,7 +1869,7 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
                 "producer warps fill 32-key slices (one key per lane), the same number each");
   constexpr int kFed = kProducerWarp ? kWarps / kProducers : 1;  // computing warps per producer warp
   constexpr bool kSteal = kStealBack > 0;
-  constexpr bool kDynamicTail = kProducerWarp && (kStaticEighths < 8 || kSteal);
+  constexpr bool kDynamicTail = detail::mean_mma_dynamic_tail(kProducers, kStaticEighths, kStealBack);
   static_assert(kStaticEighths >= 0 && kStaticEighths <= 8, "a static share of 0-8 eighths");
   static_assert(!kSteal || kStaticEighths == 8, "work stealing splits every item into the shares");
   constexpr std::size_t kRing = Shape::kRingBytes, kSliceBytes = Shape::kSliceVecs * 16;
@@ -1894,7 +1908,8 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
   const int n_items = static_cast<int>(it_end - it0);  // this CTA's static share
   if (n_items <= 0 && !dynamic) return;                // uniform across the CTA (a dynamic CTA still claims)
   // items taken without a claim (a stealing CTA claims the last kStealBack of its share)
-  const int n_static = kSteal && dynamic ? (n_items < kStealBack ? 0 : n_items - kStealBack) : n_items;
+  const int n_static =
+      kSteal && dynamic ? static_cast<int>(detail::StealingShares::owned_items(n_items, kStealBack)) : n_items;
 
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
   const int g4 = lane >> 2, c4 = lane & 3;

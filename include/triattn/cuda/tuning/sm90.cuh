@@ -41,29 +41,28 @@ struct Compact {
 /// 2026-12-01: variant 2 27.7 -> 26.7 µs at one layer). Off where the register cap is tight:
 /// variants 3 (168) and 4 (128) spilled with it and ran 33.2 and 39.9 µs.
 struct ScoreMeanMma {
-  struct Variant2 {  // 2 CTAs x 4 warps, 3 stages: 102 KB shared memory per CTA at d = 128
+  /// Every item split statically among the CTAs (no dynamic tail, no work stealing).
+  struct StaticSplit {
+    static constexpr int kStaticEighths = 8;
+    static constexpr int kStealBack = 0;
+  };
+  struct Variant2 : StaticSplit {  // 2 CTAs x 4 warps, 3 stages: 102 KB shared memory per CTA at d = 128
     static constexpr int kWarps = 4, kStages = 3, kMinCtas = 2, kKeys = 32;
     static constexpr bool kLoadAhead = true;
     static constexpr int kProducers = 0;
-    static constexpr int kStaticEighths = 8;
-    static constexpr int kStealBack = 0;  // no work stealing
   };
-  struct Variant3 {  // 3 CTAs x 4 warps, 2 stages: 70 KB per CTA, <= 168 registers
+  struct Variant3 : StaticSplit {  // 3 CTAs x 4 warps, 2 stages: 70 KB per CTA, <= 168 registers
     static constexpr int kWarps = 4, kStages = 2, kMinCtas = 3, kKeys = 32;
     static constexpr bool kLoadAhead = false;
     static constexpr int kProducers = 0;
-    static constexpr int kStaticEighths = 8;
-    static constexpr int kStealBack = 0;  // no work stealing
   };
   /// 2 CTAs x 8 warps of 16-key slices (one m16 tile), 3 stages: the same 96 KB of rings per CTA
   /// but twice the warps per scheduler (ncu on variant 2: 2 warps per scheduler, an instruction
   /// issued only every ~1.9 cycles; <= 128 registers).
-  struct Variant4 {
+  struct Variant4 : StaticSplit {
     static constexpr int kWarps = 8, kStages = 3, kMinCtas = 2, kKeys = 16;
     static constexpr bool kLoadAhead = false;
     static constexpr int kProducers = 0;
-    static constexpr int kStaticEighths = 8;
-    static constexpr int kStealBack = 0;  // no work stealing
   };
   /// One CTA per SM: 8 computing warps with 3 stages of 32 keys each (192 KB at d = 128) and
   /// kProducers producer warps that fill them (cp.async), so that memory back-pressure stalls
@@ -71,12 +70,10 @@ struct ScoreMeanMma {
   /// (29.8 µs at one layer), one bulk copy per key (TMA) ran at ~0.9 TB/s, 4 producers 26.6 µs;
   /// 2 producers 26.0 µs at one layer (variant 2: 26.2), 63.0 / 393 µs for a round's scores at
   /// batch 1 / 8 (66.2 / 399). 2026-12-02, keys copied L2 evict-first (KeySliceFeed): 23.5-23.7 µs.
-  struct Variant5 {
+  struct Variant5 : StaticSplit {
     static constexpr int kWarps = 8, kStages = 3, kMinCtas = 1, kKeys = 32;
     static constexpr bool kLoadAhead = true;
     static constexpr int kProducers = 2;
-    static constexpr int kStaticEighths = 8;  // every item split statically
-    static constexpr int kStealBack = 0;  // no work stealing
   };
   /// Variant5 with a dynamic tail (ScoreOptions::work_counter): the CTAs split kStaticEighths / 8
   /// of the items in contiguous shares and claim the rest one tile at a time. Why: with a static
