@@ -849,6 +849,34 @@ __global__ void __launch_bounds__(tuning::sm90::DecodeAttention::kThreads)
   detail::cta_merge_store<D, kHP, kWarps>(s_o, s_m, s_l, nh, b, first_q_head, p);
 }
 
+namespace detail {
+/// What every combine kernel reads first: its (entry, query head) row, the splits the sequence
+/// filled, and this thread's dimension e of the row's partials.
+struct CombineRow {
+  int e;                // this thread's output dimension
+  int n;                // splits holding tokens of the sequence (0 for an empty one)
+  std::int64_t row;     // b * num_q_heads + hq
+  const float2* ml;     // [n] (max, sum) of the row's splits
+  const float* po;      // [n] strided by HeadDim: dimension e of the row's partial outputs
+  template <int HeadDim, class Id>
+  __device__ __forceinline__ static CombineRow load(const Id* seq_lens, const std::int32_t* seq_ids,
+                                                    const float* partial_o, const float2* partial_ml,
+                                                    int num_q_heads, int num_splits, int tokens_per_split) {
+    CombineRow c;
+    const int hq = static_cast<int>(blockIdx.x);
+    const int b = static_cast<int>(blockIdx.y);
+    c.e = static_cast<int>(threadIdx.x);
+    const int seq = seq_ids != nullptr ? seq_ids[b] : b;
+    const int len = static_cast<int>(seq_lens[seq]);
+    c.n = min(num_splits, (len + tokens_per_split - 1) / tokens_per_split);
+    c.row = static_cast<std::int64_t>(b) * num_q_heads + hq;
+    c.ml = partial_ml + c.row * num_splits;
+    c.po = partial_o + c.row * num_splits * HeadDim + c.e;
+    return c;
+  }
+};
+}  // namespace detail
+
 /// Merges the splits of each (entry, query head). Grid: [num_q_heads, batch], HeadDim threads.
 /// Launched with programmatic dependent launch: waits for the split kernel's results first.
 template <int HeadDim, class Id, class OutT>
@@ -860,15 +888,8 @@ __global__ void __launch_bounds__(HeadDim) decode_attention_combine_kernel(const
                                                                           int num_q_heads, int num_splits,
                                                                           int tokens_per_split) {
   detail::griddep_wait();
-  const int hq = static_cast<int>(blockIdx.x);
-  const int b = static_cast<int>(blockIdx.y);
-  const int e = static_cast<int>(threadIdx.x);
-  const int seq = seq_ids != nullptr ? seq_ids[b] : b;
-  const int len = static_cast<int>(seq_lens[seq]);
-  const int n = min(num_splits, (len + tokens_per_split - 1) / tokens_per_split);
-  const std::int64_t row = static_cast<std::int64_t>(b) * num_q_heads + hq;
-  const float2* ml = partial_ml + row * num_splits;
-  const float* po = partial_o + row * num_splits * HeadDim + e;
+  const auto [e, n, row, ml, po] = detail::CombineRow::load<HeadDim>(seq_lens, seq_ids, partial_o, partial_ml,
+                                                                     num_q_heads, num_splits, tokens_per_split);
   float mx = -INFINITY;
   for (int s = 0; s < n; ++s) mx = fmaxf(mx, ml[s].x);
   float l = 0.f, o = 0.f;
@@ -897,17 +918,10 @@ __global__ void __launch_bounds__(HeadDim) decode_attention_combine_fast_kernel(
   __shared__ float s_w[Tune::kMaxSplits];
   __shared__ float s_red[2][kWarpsC];
   detail::griddep_wait();
-  const int hq = static_cast<int>(blockIdx.x);
-  const int b = static_cast<int>(blockIdx.y);
-  const int e = static_cast<int>(threadIdx.x);
+  const auto [e, n, row, ml, po] = detail::CombineRow::load<HeadDim>(seq_lens, seq_ids, partial_o, partial_ml,
+                                                                     num_q_heads, num_splits, tokens_per_split);
   const int lane = e & 31;
   const int warp = e >> 5;
-  const int seq = seq_ids != nullptr ? seq_ids[b] : b;
-  const int len = static_cast<int>(seq_lens[seq]);
-  const int n = min(num_splits, (len + tokens_per_split - 1) / tokens_per_split);
-  const std::int64_t row = static_cast<std::int64_t>(b) * num_q_heads + hq;
-  const float2* ml = partial_ml + row * num_splits;
-  const float* po = partial_o + row * num_splits * HeadDim + e;
 
   float mx = -INFINITY;
   for (int s = e; s < n; s += HeadDim) mx = fmaxf(mx, ml[s].x);
@@ -959,15 +973,8 @@ __global__ void __launch_bounds__(HeadDim) decode_attention_combine_wide_kernel(
                                                                                int tokens_per_split) {
   constexpr int kWide = tuning::sm90::DecodeAttention::kCombineWide;
   detail::griddep_wait();
-  const int hq = static_cast<int>(blockIdx.x);
-  const int b = static_cast<int>(blockIdx.y);
-  const int e = static_cast<int>(threadIdx.x);
-  const int seq = seq_ids != nullptr ? seq_ids[b] : b;
-  const int len = static_cast<int>(seq_lens[seq]);
-  const int n = min(num_splits, (len + tokens_per_split - 1) / tokens_per_split);
-  const std::int64_t row = static_cast<std::int64_t>(b) * num_q_heads + hq;
-  const float2* ml = partial_ml + row * num_splits;
-  const float* po = partial_o + row * num_splits * HeadDim + e;
+  const auto [e, n, row, ml, po] = detail::CombineRow::load<HeadDim>(seq_lens, seq_ids, partial_o, partial_ml,
+                                                                     num_q_heads, num_splits, tokens_per_split);
   float mx = -INFINITY, l = 0.f, o = 0.f;
   for (int s0 = 0; s0 < n; s0 += kWide) {
     // Unpredicated loads (index clamped to a valid split) so that all of them are in flight.

@@ -333,6 +333,35 @@ struct ScoreWork {
   }
 };
 
+/// The item walk of the CUDA-core scorers: item i of the CTA's range is tile i % tiles_per_row of
+/// row i / tiles_per_row. find() moves i to the next item with keys: a new row's addresses are
+/// loaded, the rest of a row past its length is skipped (uniform across the CTA).
+template <class T, class Id>
+struct ItemWalk {
+  long long rid = -1;  // row whose description and addresses row / kr hold
+  ScoreRow row{};
+  KeyRowAddr<T, Id> kr{};
+  /// false when no item with keys is left in [i, end)
+  __device__ __forceinline__ bool find(long long& i, long long end, const KvCacheView<T, Id>& view, const ScoreBatch& a,
+                                       const ScoreWork& w, int tile_keys) {
+    while (i < end) {
+      const long long r = i / w.tiles_per_row;
+      if (r != rid) {
+        row = decode_score_row(r, w.L, w.Hkv, w.HC);
+        kr = key_row(view, a, row.b, row.l, row.g);
+        rid = r;
+      }
+      if (tile(i, w.tiles_per_row) * tile_keys < kr.len) return true;
+      i = (r + 1) * w.tiles_per_row;
+    }
+    return false;
+  }
+  /// tile of item i, which lies in row rid
+  __device__ __forceinline__ int tile(long long i, int tiles_per_row) const {
+    return static_cast<int>(i - rid * tiles_per_row);
+  }
+};
+
 /// The lane's U keys of one tile of the CUDA-core mean scorers (keys key0 + u·KPW, zeros past the
 /// row's length), as load_key orders their words.
 /// raw: [U][kWords] words of the lane's share of each key.
@@ -460,44 +489,30 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 8>::kThreads, 
   __shared__ float4 w_s[P * 3 * Q * LPK];  // the row's weights (fold_mean_weights' layout)
 
   const detail::ScoreWork work(m, a, GMAX, Shape::kTile);
-  const int L = work.L, Hq = work.Hq, Hkv = work.Hkv, G = work.G, HC = work.HC, tiles_per_row = work.tiles_per_row;
+  const int L = work.L, Hq = work.Hq, G = work.G, tiles_per_row = work.tiles_per_row;
   long long it = work.begin, end = work.end;
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int li = lane % LPK, kg = lane / LPK;
   const int block_size = view.block.block_size;
 
-  long long cur_row = -1;
-  detail::KeyRowAddr<T, Id> kr{};
-  detail::ScoreRow row{};
-  while (it < end) {
-    const long long row_id = it / tiles_per_row;
-    const int tile = static_cast<int>(it - row_id * tiles_per_row);
-    const bool new_row = row_id != cur_row;
-    if (new_row) {
-      row = detail::decode_score_row(row_id, L, Hkv, HC);
-      kr = detail::key_row(view, a, row.b, row.l, row.g);
-      if (tile * Shape::kTile >= kr.len) {  // nothing left in this row (uniform across the CTA)
-        it = (row_id + 1) * tiles_per_row;
-        continue;
-      }
-    }
-
+  long long cur_row = -1;  // row whose weights w_s holds
+  detail::ItemWalk<T, Id> walk;
+  for (; walk.find(it, end, view, a, work, Shape::kTile); ++it) {
     // ---- the tile's loads go out first, so they fly while a new row's weights are computed ----
     // warp w scores keys tile_start + w·KPW·U + u·KPW + kg, u < U
-    const int key0 = tile * Shape::kTile + warp * KPW * U + kg;
+    const int key0 = walk.tile(it, tiles_per_row) * Shape::kTile + warp * KPW * U + kg;
     std::uint32_t raw[U][W];
-    detail::load_tile_keys<T, S, Shape>(kr, key0, fd, block_size, li, raw);
+    detail::load_tile_keys<T, S, Shape>(walk.kr, key0, fd, block_size, li, raw);
 
-    if (new_row) {
+    if (walk.rid != cur_row) {
       __syncthreads();  // every warp is done with the previous row's weights
-      detail::fold_mean_weights<Shape, GMAX>(w_s, m, a, row, Hq, G);
+      detail::fold_mean_weights<Shape, GMAX>(w_s, m, a, walk.row, Hq, G);
       __syncthreads();
-      cur_row = row_id;
+      cur_row = walk.rid;
     }
 
-    detail::mean_tile_scores<T, S, Shape, GMAX>(w_s, raw, lane, key0, kr.len, row, L, Hq, G, a, scores);
-    ++it;
+    detail::mean_tile_scores<T, S, Shape, GMAX>(w_s, raw, lane, key0, walk.kr.len, walk.row, L, Hq, G, a, scores);
   }
 }
 
@@ -516,35 +531,19 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 4>::kThreads, 
   __shared__ float4 w_s[P * 3 * Q * LPK];  // the row's weights (fold_mean_weights' layout)
 
   const detail::ScoreWork work(m, a, GMAX, Shape::kTile);
-  const int L = work.L, Hq = work.Hq, Hkv = work.Hkv, G = work.G, HC = work.HC, tiles_per_row = work.tiles_per_row;
+  const int L = work.L, Hq = work.Hq, G = work.G, tiles_per_row = work.tiles_per_row;
   long long it = work.begin, end = work.end;
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int li = lane % LPK, kg = lane / LPK;
   const int block_size = view.block.block_size;
 
-  // Row of the next item (the one being prefetched).
-  long long rid_n = -1;
-  detail::ScoreRow row_n{};
-  detail::KeyRowAddr<T, Id> kr_n{};
-  // Advances i to the next item with keys (uniform across the CTA); false when none is left.
-  const auto find = [&](long long& i) -> bool {
-    while (i < end) {
-      const long long rid = i / tiles_per_row;
-      if (rid != rid_n) {
-        row_n = detail::decode_score_row(rid, L, Hkv, HC);
-        kr_n = detail::key_row(view, a, row_n.b, row_n.l, row_n.g);
-        rid_n = rid;
-      }
-      const int tile = static_cast<int>(i - rid * tiles_per_row);
-      if (tile * Shape::kTile < kr_n.len) return true;
-      i = (rid + 1) * tiles_per_row;
-    }
-    return false;
-  };
+  // The walk sits at the next item (the one being prefetched).
+  detail::ItemWalk<T, Id> walk;
+  const auto find = [&](long long& i) -> bool { return walk.find(i, end, view, a, work, Shape::kTile); };
   const auto load = [&](long long i, std::uint32_t (&raw)[U][W]) {
-    const int tile = static_cast<int>(i - rid_n * tiles_per_row);
-    detail::load_tile_keys<T, S, Shape>(kr_n, tile * Shape::kTile + warp * KPW * U + kg, fd, block_size, li, raw);
+    detail::load_tile_keys<T, S, Shape>(walk.kr, walk.tile(i, tiles_per_row) * Shape::kTile + warp * KPW * U + kg, fd,
+                                        block_size, li, raw);
   };
   long long cur_row = -1;
   const auto compute = [&](const std::uint32_t (&raw)[U][W], long long i, long long rid, const detail::ScoreRow& row,
@@ -564,18 +563,18 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 4>::kThreads, 
   std::uint32_t ra[U][W], rb[U][W];
   load(it, ra);
   while (true) {
-    long long ic = it, rid_c = rid_n;
-    detail::ScoreRow row_c = row_n;
-    int len_c = kr_n.len;
+    long long ic = it, rid_c = walk.rid;
+    detail::ScoreRow row_c = walk.row;
+    int len_c = walk.kr.len;
     ++it;
     bool more = find(it);
     if (more) load(it, rb);
     compute(ra, ic, rid_c, row_c, len_c);
     if (!more) break;
     ic = it;
-    rid_c = rid_n;
-    row_c = row_n;
-    len_c = kr_n.len;
+    rid_c = walk.rid;
+    row_c = walk.row;
+    len_c = walk.kr.len;
     ++it;
     more = find(it);
     if (more) load(it, ra);
@@ -606,7 +605,7 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 4>::kThreads, 
   float4* c_s = wmax_s + static_cast<std::size_t>(D) * P * 2 * Q * LPK;
 
   const detail::ScoreWork work(m, a, GMAX, Shape::kTile);
-  const int L = work.L, Hq = work.Hq, Hkv = work.Hkv, G = work.G, HC = work.HC, tiles_per_row = work.tiles_per_row;
+  const int L = work.L, Hq = work.Hq, G = work.G, tiles_per_row = work.tiles_per_row;
   long long it = work.begin, end = work.end;
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -615,34 +614,15 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 4>::kThreads, 
   const bool writer = (lane & (LPK / GMAX - 1)) == 0;
   const int block_size = view.block.block_size;
 
-  long long cur_row = -1;
-  detail::KeyRowAddr<T, Id> kr{};
-  detail::ScoreRow row{};
-  while (it < end) {
-    const long long row_id = it / tiles_per_row;
-    const int tile = static_cast<int>(it - row_id * tiles_per_row);
-    const bool new_row = row_id != cur_row;
-    if (new_row) {
-      row = detail::decode_score_row(row_id, L, Hkv, HC);
-      kr = detail::key_row(view, a, row.b, row.l, row.g);
-      if (tile * Shape::kTile >= kr.len) {
-        it = (row_id + 1) * tiles_per_row;
-        continue;
-      }
-    }
-    const int key0 = tile * Shape::kTile + warp * KPW * U + kg;
+  long long cur_row = -1;  // row whose weights wmax_s holds
+  detail::ItemWalk<T, Id> walk;
+  const detail::ScoreRow& row = walk.row;
+  const detail::KeyRowAddr<T, Id>& kr = walk.kr;
+  for (; walk.find(it, end, view, a, work, Shape::kTile); ++it) {
+    const int key0 = walk.tile(it, tiles_per_row) * Shape::kTile + warp * KPW * U + kg;
     std::uint32_t raw[U][W];  // loads first: they fly while a new row's weights are computed
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int t = key0 + u * KPW;
-      if (t < kr.len) {
-        detail::load_key<T, S, Shape>(kr.key(t, fd, block_size), li, raw[u]);
-      } else {
-#pragma unroll
-        for (int w = 0; w < W; ++w) raw[u][w] = 0u;
-      }
-    }
-    if (new_row) {
+    detail::load_tile_keys<T, S, Shape>(kr, key0, fd, block_size, li, raw);
+    if (walk.rid != cur_row) {
       __syncthreads();
       const long long t0 = a.t0[row.b];
       float* wbase = reinterpret_cast<float*>(wmax_s);
@@ -674,7 +654,7 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 4>::kThreads, 
         }
       }
       __syncthreads();
-      cur_row = row_id;
+      cur_row = walk.rid;
     }
 
     float kf[U][2 * P];  // the lane's pairs of U keys, widened once: (re, im) per pair
@@ -750,7 +730,6 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 4>::kThreads, 
         scores[o] = best[u] + mlr[u][0];
       }
     }
-    ++it;
   }
 }
 
