@@ -12,6 +12,8 @@
 // SM sub-partitions (register-file ports, issue slots), and the norm term cannot hide under the
 // products as the scorer intends. The split rows (one warpgroup multiplies, the other computes
 // norms) say whether putting the two in different warpgroups overlaps them instead.
+// H200, 2026-12-04 (benchmarks/results/2026-12-04_session20): they add in every arrangement; with
+// MMAs running, the other warps' FMAs, roots and loads issue at about half their rate.
 // Standalone: nvcc -std=c++20 -gencode=arch=compute_90a,code=sm_90a -O3 -I../../include
 //             mma_overlap_probe.cu -o mma_overlap_probe && ./mma_overlap_probe
 #include <cuda_runtime.h>
@@ -37,7 +39,7 @@ enum class Role {
   kSsOverlap,  // 16 SS MMAs, the norm term, then wait
   kNormRegs,   // the norm term's arithmetic on registers only (no shared-memory loads or stores)
   kFfmaOnly,   // its FMAs alone (6 per pair norm: the squares and the 4 heads), no MUFU, no loads
-  kMufuOnly,   // its MUFU.SQRT alone (one per pair norm), no FMAs beyond one per 4 roots, no loads
+  kMufuOnly,   // its MUFU.SQRT alone (one per pair norm, each summed with one add), no loads
 };
 constexpr const char* name(Role r) {
   switch (r) {
