@@ -68,56 +68,19 @@ constexpr int kOutBytes = 8 * 256 * 4;
 constexpr int kSmem = kABytes + kBBytes + kFragBytes + kCBytes + kOutBytes;
 
 #ifdef TRIATTN_WGMMA_ENABLED
-/// One m-tile's norm term as the scorer computes it: the thread's kWords fragment words are
-/// loaded from shared memory (as ldmatrix would deliver them), unpacked, normed with MUFU.SQRT and
-/// weighted for 4 heads with c from shared memory; the 8 sums go back to shared memory so that the
-/// work stays between the asm statements around it (loads and stores do not cross them).
-__device__ __forceinline__ void norm_work(const std::uint32_t* words, const float4* c_s, float* out, int lane) {
-  std::uint32_t w[kWords];
-#pragma unroll
-  for (int i = 0; i < kWords; i += 4) {
-    const uint4 v = reinterpret_cast<const uint4*>(words)[(i / 4) * 32 + lane];
-    w[i] = v.x;
-    w[i + 1] = v.y;
-    w[i + 2] = v.z;
-    w[i + 3] = v.w;
-  }
-  float acc[2][4] = {};
+/// The norm term's arithmetic over a thread's 16 pairs x 2 rows into acc[row][head], as the scorer
+/// computes it (unpack, two FMAs, MUFU.SQRT, four FMAs per pair and row): word(i, re) gives
+/// fragment word i (as a real or an imaginary part), coef(p) the float4 c of pair p. kR picks all
+/// of it (kNorm, kNormRegs), only its FMAs (kFfmaOnly) or only its roots, each summed with one
+/// add (kMufuOnly).
+template <Role kR, class Word, class Coef>
+__device__ __forceinline__ void pair_norms(float (&acc)[2][4], Word&& word, Coef&& coef) {
 #pragma unroll
   for (int p = 0; p < 16; ++p) {
-    const float4 c = c_s[(p * 4 + (lane & 3)) & 63];
+    const float4 c = coef(p);
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
-      const std::uint32_t re_w = w[p + 16 * q], im_w = w[(p + 8) % 16 + 16 * q];
-      const float re = __uint_as_float(re_w << 16), im = __uint_as_float(im_w & 0xffff0000u);
-      float n;
-      asm("sqrt.approx.ftz.f32 %0, %1;" : "=f"(n) : "f"(fmaf(re, re, fmaf(im, im, 1e-8f))));
-      acc[q][0] = fmaf(c.x, n, acc[q][0]);
-      acc[q][1] = fmaf(c.y, n, acc[q][1]);
-      acc[q][2] = fmaf(c.z, n, acc[q][2]);
-      acc[q][3] = fmaf(c.w, n, acc[q][3]);
-    }
-  }
-#pragma unroll
-  for (int q = 0; q < 2; ++q)
-#pragma unroll
-    for (int h = 0; h < 4; ++h) out[(q * 4 + h) * 256 + threadIdx.x] = acc[q][h];
-}
-
-/// The norm term's arithmetic (or only its FMAs / only its roots) on registers: the thread's
-/// words are mixed with the group index so that nothing is loop-invariant; the sums are folded
-/// into `keep`.
-template <Role kR>
-__device__ __forceinline__ void register_work(const std::uint32_t (&w0)[kWords], const float4 (&c)[4], int g,
-                                              float& keep) {
-  float acc[2][4] = {};
-#pragma unroll
-  for (int p = 0; p < 16; ++p) {
-    const float4 cp = c[p & 3];
-#pragma unroll
-    for (int q = 0; q < 2; ++q) {
-      const std::uint32_t re_w = w0[p + 16 * q] ^ static_cast<std::uint32_t>(g);
-      const std::uint32_t im_w = w0[(p + 8) % 16 + 16 * q];
+      const std::uint32_t re_w = word(p + 16 * q, true), im_w = word((p + 8) % 16 + 16 * q, false);
       const float re = __uint_as_float(re_w << 16), im = __uint_as_float(im_w & 0xffff0000u);
       float n;
       if constexpr (kR == Role::kFfmaOnly) {
@@ -129,12 +92,47 @@ __device__ __forceinline__ void register_work(const std::uint32_t (&w0)[kWords],
       } else {
         asm("sqrt.approx.ftz.f32 %0, %1;" : "=f"(n) : "f"(fmaf(re, re, fmaf(im, im, 1e-8f))));
       }
-      acc[q][0] = fmaf(cp.x, n, acc[q][0]);
-      acc[q][1] = fmaf(cp.y, n, acc[q][1]);
-      acc[q][2] = fmaf(cp.z, n, acc[q][2]);
-      acc[q][3] = fmaf(cp.w, n, acc[q][3]);
+      acc[q][0] = fmaf(c.x, n, acc[q][0]);
+      acc[q][1] = fmaf(c.y, n, acc[q][1]);
+      acc[q][2] = fmaf(c.z, n, acc[q][2]);
+      acc[q][3] = fmaf(c.w, n, acc[q][3]);
     }
   }
+}
+
+/// One m-tile's norm term as the scorer computes it: the thread's kWords fragment words are
+/// loaded from shared memory (as ldmatrix would deliver them) and c comes from shared memory; the
+/// 8 sums go back to shared memory so that the work stays between the asm statements around it
+/// (loads and stores do not cross them).
+__device__ __forceinline__ void norm_work(const std::uint32_t* words, const float4* c_s, float* out, int lane) {
+  std::uint32_t w[kWords];
+#pragma unroll
+  for (int i = 0; i < kWords; i += 4) {
+    const uint4 v = reinterpret_cast<const uint4*>(words)[(i / 4) * 32 + lane];
+    w[i] = v.x;
+    w[i + 1] = v.y;
+    w[i + 2] = v.z;
+    w[i + 3] = v.w;
+  }
+  float acc[2][4] = {};
+  pair_norms<Role::kNorm>(
+      acc, [&](int i, bool) { return w[i]; }, [&](int p) { return c_s[(p * 4 + (lane & 3)) & 63]; });
+#pragma unroll
+  for (int q = 0; q < 2; ++q)
+#pragma unroll
+    for (int h = 0; h < 4; ++h) out[(q * 4 + h) * 256 + threadIdx.x] = acc[q][h];
+}
+
+/// The norm term's arithmetic (or only its FMAs / only its roots) on registers: the real parts
+/// are mixed with the group index so that nothing is loop-invariant; the sums are folded into
+/// `keep`.
+template <Role kR>
+__device__ __forceinline__ void register_work(const std::uint32_t (&w0)[kWords], const float4 (&c)[4], int g,
+                                              float& keep) {
+  float acc[2][4] = {};
+  pair_norms<kR>(
+      acc, [&](int i, bool re) { return re ? w0[i] ^ static_cast<std::uint32_t>(g) : w0[i]; },
+      [&](int p) { return c[p & 3]; });
 #pragma unroll
   for (int q = 0; q < 2; ++q)
 #pragma unroll
