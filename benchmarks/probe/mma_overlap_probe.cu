@@ -209,7 +209,7 @@ __global__ void __launch_bounds__(256, 1) overlap_kernel(int groups, float* sink
   auto* frag = reinterpret_cast<std::uint32_t*>(smem + kABytes + kBBytes);
   auto* c_s = reinterpret_cast<float4*>(smem + kABytes + kBBytes + kFragBytes);
   auto* out = reinterpret_cast<float*>(smem + kABytes + kBBytes + kFragBytes + kCBytes);
-  for (int i = static_cast<int>(threadIdx.x); i < (kSmem - kOutBytes) / 4; i += static_cast<int>(blockDim.x))
+  for (int i = static_cast<int>(threadIdx.x); i < kSmem / 4; i += static_cast<int>(blockDim.x))
     reinterpret_cast<std::uint32_t*>(smem)[i] =
         0x3c003c00u ^ (static_cast<std::uint32_t>(i) * 2654435761u & 0x00ff00ffu);  // bf16 pairs near 1
   fence_proxy_async_smem();
@@ -258,10 +258,10 @@ int run(int sms, float* sink, long long* cyc) {
 int main() {
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  float* sink = nullptr;
-  long long* cyc = nullptr;
-  CHECK(cudaMalloc(&sink, 4));
-  CHECK(cudaMalloc(&cyc, sizeof(long long) * 2));
+  ProbeOutputs out;
+  CHECK(out.allocate(2));
+  float* const sink = out.sink;
+  long long* const cyc = out.cycles;
   using R = Role;
   for (int rep = 0; rep < 2; ++rep) {
     // both warpgroups in one role (the scorer's shape)
@@ -282,7 +282,5 @@ int main() {
         run<R::kSsChain, R::kFfmaOnly>(sms, sink, cyc))
       return 1;
   }
-  cudaFree(sink);
-  cudaFree(cyc);
   return 0;
 }

@@ -110,15 +110,13 @@ int run(int sms, int wgs, float* sink, long long* cyc) {
 int main() {
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  float* sink = nullptr;
-  long long* cyc = nullptr;
-  CHECK(cudaMalloc(&sink, 4));
-  CHECK(cudaMalloc(&cyc, sizeof(long long) * sms));
+  ProbeOutputs out;
+  CHECK(out.allocate(sms));
+  float* const sink = out.sink;
+  long long* const cyc = out.cycles;
   for (int wgs : {1, 2})
     if (run<Shape::kN72Rs>(sms, wgs, sink, cyc) || run<Shape::kN72Ss>(sms, wgs, sink, cyc) ||
         run<Shape::kN144Ss>(sms, wgs, sink, cyc))
       return 1;
-  cudaFree(sink);
-  cudaFree(cyc);
   return 0;
 }
