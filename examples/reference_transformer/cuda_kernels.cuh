@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include <triattn/core/hash.hpp>
 #include <triattn/core/kv_view.hpp>
 #include <triattn/core/rope_types.hpp>
 #include <triattn/cuda/griddep.cuh>
@@ -737,22 +738,15 @@ __global__ void __launch_bounds__(kArgmaxThreads) argmax_kernel(int* ids, const 
 
 // ---- synthetic weights on the device --------------------------------------------------------------
 
-__device__ __forceinline__ std::uint64_t mix64_dev(std::uint64_t z) {
-  z += 0x9e3779b97f4a7c15ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
 /// out[i] = mean + synthetic_uniform(seed, tensor, i) * (√3 · std), bitwise as synthetic.hpp
 /// computes it on the host (no FMA contraction), then rounded to OutT.
 template <class OutT>
 __global__ void synth_fill_kernel(OutT* out, unsigned long long count, unsigned long long seed, unsigned tensor,
                                   float scale /* (float)√3 * std */, float mean) {
-  const std::uint64_t hs = mix64_dev(seed ^ (static_cast<std::uint64_t>(tensor) << 56));
+  const std::uint64_t hs = triattn::mix64(seed ^ (static_cast<std::uint64_t>(tensor) << 56));
   for (unsigned long long i = static_cast<unsigned long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
        i += static_cast<unsigned long long>(gridDim.x) * blockDim.x) {
-    const std::uint64_t h = mix64_dev(hs ^ i);
+    const std::uint64_t h = triattn::mix64(hs ^ i);
     const float u = __fsub_rn(__fmul_rn(static_cast<float>(h >> 40), 2.0f / 16777216.0f), 1.0f);
     out[i] = cvt_from_f32<OutT>(__fadd_rn(mean, __fmul_rn(u, scale)));
   }

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include <triattn/core/error.hpp>
+#include <triattn/core/hash.hpp>
 #include <triattn/core/rope_types.hpp>
 
 #include "model_config.hpp"
@@ -30,13 +31,7 @@ enum class SynthTensor : std::uint32_t {
 
 inline constexpr float kQueryBiasStd = 1.0f;
 
-/// splitmix64 finaliser.
-constexpr std::uint64_t mix64(std::uint64_t z) noexcept {
-  z += 0x9e3779b97f4a7c15ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
+using triattn::mix64;  // the library's seeded hash, shared with the device generators
 
 /// Uniform value in [-1, 1) for (seed, tensor, index), 24 random bits, exact in float.
 constexpr float synthetic_uniform(std::uint64_t seed, SynthTensor tensor, std::uint64_t index) noexcept {

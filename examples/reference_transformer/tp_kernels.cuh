@@ -30,12 +30,12 @@ struct ShardMap {
 template <class OutT>
 __global__ void synth_fill_shard_kernel(OutT* out, ShardMap map, unsigned long long seed, unsigned tensor,
                                         float scale /* (float)√3 * std */, float mean) {
-  const std::uint64_t hs = mix64_dev(seed ^ (static_cast<std::uint64_t>(tensor) << 56));
+  const std::uint64_t hs = triattn::mix64(seed ^ (static_cast<std::uint64_t>(tensor) << 56));
   const unsigned long long n = map.count();
   for (unsigned long long k = static_cast<unsigned long long>(blockIdx.x) * blockDim.x + threadIdx.x; k < n;
        k += static_cast<unsigned long long>(gridDim.x) * blockDim.x) {
     const unsigned long long i = map.base + (k / map.cols) * map.stride + k % map.cols;
-    const std::uint64_t h = mix64_dev(hs ^ i);
+    const std::uint64_t h = triattn::mix64(hs ^ i);
     const float u = __fsub_rn(__fmul_rn(static_cast<float>(h >> 40), 2.0f / 16777216.0f), 1.0f);
     out[k] = cvt_from_f32<OutT>(__fadd_rn(mean, __fmul_rn(u, scale)));
   }

@@ -17,18 +17,12 @@
 #include <string>
 #include <vector>
 
+#include <triattn/core/hash.hpp>
 #include <triattn/core/kv_cache.hpp>
 
 using namespace triattn;
 
 namespace {
-
-constexpr std::uint64_t mix(std::uint64_t x) {  // splitmix64 finaliser
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
 
 /// A cached token: which sequence created it (uid, never reused) and its logical index there.
 struct Tok {
@@ -42,9 +36,9 @@ struct Tok {
 /// never NaN/Inf (so that even a float round trip would keep it), compared bit for bit.
 template <class T>
 T content(Tok t, int layer, int kind, int head, int d) {
-  const std::uint64_t h = mix(mix(mix(t.uid) ^ static_cast<std::uint64_t>(t.idx)) ^
-                              (static_cast<std::uint64_t>(layer) << 40 | static_cast<std::uint64_t>(kind) << 32 |
-                               static_cast<std::uint64_t>(head) << 16 | static_cast<std::uint64_t>(d)));
+  const std::uint64_t h = mix64(mix64(mix64(t.uid) ^ static_cast<std::uint64_t>(t.idx)) ^
+                                (static_cast<std::uint64_t>(layer) << 40 | static_cast<std::uint64_t>(kind) << 32 |
+                                 static_cast<std::uint64_t>(head) << 16 | static_cast<std::uint64_t>(d)));
   if constexpr (std::is_same_v<T, float>) {
     std::uint32_t b = static_cast<std::uint32_t>(h);
     if (((b >> 23) & 0xffu) == 0xffu) b ^= 0x40000000u;

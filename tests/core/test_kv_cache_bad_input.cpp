@@ -18,6 +18,7 @@
 #include <tuple>
 #include <vector>
 
+#include <triattn/core/hash.hpp>
 #include <triattn/core/kv_cache.hpp>
 
 using namespace triattn;
@@ -28,11 +29,7 @@ using T = bf16_storage;
 constexpr int kL = 2, kH = 2, kD = 4, kBs = 4, kBlocks = 12, kMaxSeqs = 5, kRow = 6;
 
 std::uint16_t mix16(std::uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  x ^= x >> 31;
-  std::uint16_t b = static_cast<std::uint16_t>(x);
+  std::uint16_t b = static_cast<std::uint16_t>(mix64(x));
   if ((b & 0x7f80u) == 0x7f80u) b ^= 0x4000u;  // never NaN/Inf
   return b;
 }

@@ -27,18 +27,12 @@
 #include <unordered_map>
 #include <vector>
 
+#include <triattn/core/hash.hpp>
 #include <triattn/core/kv_cache.hpp>
 
 using namespace triattn;
 
 namespace {
-
-constexpr std::uint64_t mix(std::uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
 
 struct Tok {
   std::uint32_t uid;
@@ -47,8 +41,8 @@ struct Tok {
 
 template <class T>
 T content(Tok t, int layer, int kind, int head, int d) {
-  const std::uint64_t h = mix((static_cast<std::uint64_t>(t.uid) << 32 | static_cast<std::uint32_t>(t.idx)) ^
-                              mix(static_cast<std::uint64_t>(((layer * 2 + kind) * 64 + head) * 64 + d)));
+  const std::uint64_t h = mix64((static_cast<std::uint64_t>(t.uid) << 32 | static_cast<std::uint32_t>(t.idx)) ^
+                                mix64(static_cast<std::uint64_t>(((layer * 2 + kind) * 64 + head) * 64 + d)));
   if constexpr (std::is_same_v<T, float>) {
     std::uint32_t b = static_cast<std::uint32_t>(h);
     if (((b >> 23) & 0xffu) == 0xffu) b ^= 0x40000000u;

@@ -59,11 +59,8 @@ struct Shape {
 void fill_bf16(std::vector<bf16_storage>& w, std::uint64_t seed) {
   std::uint64_t z = seed;
   for (std::size_t i = 0; i < w.size(); i += 4) {
+    const std::uint64_t h = triattn::mix64(z);  // splitmix64: mix64 of seed + k * its increment
     z += 0x9e3779b97f4a7c15ull;
-    std::uint64_t h = z;
-    h = (h ^ (h >> 30)) * 0xbf58476d1ce4e5b9ull;
-    h = (h ^ (h >> 27)) * 0x94d049bb133111ebull;
-    h ^= h >> 31;
     for (std::size_t j = 0; j < 4 && i + j < w.size(); ++j) {
       const auto r = static_cast<std::uint16_t>(h >> (16 * j));
       const std::uint16_t exp = static_cast<std::uint16_t>(120 + (r >> 8) % 7);  // 2^-7 .. 2^-1

@@ -16,6 +16,7 @@
 
 #include <triattn/core/config.hpp>
 #include <triattn/core/error.hpp>
+#include <triattn/core/hash.hpp>
 
 namespace triattn::detail {
 /// Query heads of a scorer output [num_layers, Hq, length] of `out_size` floats, checked: Hq
@@ -76,26 +77,15 @@ inline void key_norm_scores(const float* keys, int T, int d, float* out) {
 
 // ---- seeded random ------------------------------------------------------------------------------
 
-namespace detail {
-/// A 64-bit finaliser (xor-shift / multiply rounds with odd constants): a bijection on uint64
-/// whose output bits all depend on every input bit.
-[[nodiscard]] constexpr std::uint64_t mix64(std::uint64_t x) noexcept {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-}  // namespace detail
-
 /// Hash of (seed, round start t0, layer, KV head, slot): chained mix64, so it is deterministic
 /// and every argument changes the result.
 [[nodiscard]] constexpr std::uint64_t random_score_hash(std::uint64_t seed, std::int64_t t0, int layer, int kv_head,
                                                         int slot) noexcept {
-  std::uint64_t h = detail::mix64(seed);
-  h = detail::mix64(h ^ static_cast<std::uint64_t>(t0));
-  h = detail::mix64(h ^ ((static_cast<std::uint64_t>(static_cast<std::uint32_t>(layer)) << 32) |
-                         static_cast<std::uint32_t>(kv_head)));
-  return detail::mix64(h ^ static_cast<std::uint32_t>(slot));
+  std::uint64_t h = mix64(seed);
+  h = mix64(h ^ static_cast<std::uint64_t>(t0));
+  h = mix64(h ^ ((static_cast<std::uint64_t>(static_cast<std::uint32_t>(layer)) << 32) |
+                 static_cast<std::uint32_t>(kv_head)));
+  return mix64(h ^ static_cast<std::uint32_t>(slot));
 }
 
 /// Uniform score in [0, 1) with 24 random bits (exact in float) from random_score_hash.
