@@ -12,9 +12,10 @@
 #include <string>
 #include <vector>
 
-#include <triattn/core/vmm/fake_driver.hpp>
-#include <triattn/core/vmm/testing.hpp>
 #include <triattn/core/vmm/vmm_allocator_core.hpp>
+
+#include "common/vmm/fake_driver.hpp"
+#include "common/vmm/testing.hpp"
 
 namespace {
 

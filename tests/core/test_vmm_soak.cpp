@@ -19,9 +19,10 @@
 #include <vector>
 
 #include <triattn/core/kv_cache.hpp>
-#include <triattn/core/vmm/fake_driver.hpp>
-#include <triattn/core/vmm/testing.hpp>
 #include <triattn/core/vmm/vmm_allocator_core.hpp>
+
+#include "common/vmm/fake_driver.hpp"
+#include "common/vmm/testing.hpp"
 
 namespace {
 

@@ -2,7 +2,7 @@
 // The driver interface of the elastic (VMM) allocator: what VmmAllocatorCore<Driver> needs from
 // "a GPU driver" (reserve address space, create/release physical pages, map/unmap them, grant
 // access, order work with events). Host-only: the real CUDA implementation lives in
-// cuda/backend/vmm_allocator.cuh, a fake with fault and latency injection in core/vmm/fake_driver.hpp.
+// cuda/backend/vmm_allocator.cuh, a fake with fault and latency injection in tests/common/vmm/fake_driver.hpp.
 //
 // Every call but raise() is noexcept and returns a status code: 0 is success, anything else is
 // the driver's own code (CUresult for the cuMem* calls, cudaError_t for the event calls). The

@@ -15,8 +15,8 @@
 //   3. new handles from the driver (cuMemCreate).
 // Placement is best-fit by slab occupancy (see slab_ledger.hpp); growth maps the lowest unmapped
 // slabs; each run of adjacent pages gets one cuMemSetAccess per range (cuMemMap binds exactly one
-// handle, and handles are one page each so any page can go back alone; a map costs 0.7-1.6 us
-// against 25-50 us for the access grant, measured on H200).
+// handle, and handles are one page each so any page can go back alone; the access grant costs
+// far more than a map, see docs/memory.md).
 //
 // Reclaim is GPU-ordered: release() only updates the ledger. trim(stream) records an event on the
 // caller's stream for the empty slabs it gives back and unmaps them once that event completed

@@ -45,7 +45,7 @@
 namespace triattn::vmm {
 
 struct FakeDriverOptions {
-  std::size_t granularity = std::size_t{2} << 20;                     ///< page size (2 MiB like an H200)
+  std::size_t granularity = std::size_t{2} << 20;                     ///< page size (2 MiB, the usual GPU granularity)
   std::size_t physical_bytes = std::numeric_limits<std::size_t>::max();  ///< device memory: create fails with OOM beyond
   bool host_backed = false;     ///< back reserved VA with host memory (needed to run KvCache's CPU path on it)
   bool manual_events = false;   ///< events complete only on signal_events()/event_sync (default: at once)

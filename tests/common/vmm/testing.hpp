@@ -1,15 +1,16 @@
 // SPDX-License-Identifier: Apache-2.0
 // Consistency check between a VmmAllocatorCore<FakeDriver> and the fake device under it: what
 // the allocator's ledger says is mapped, pooled and live must be exactly what the driver holds.
-// For tests (of triattn and of engines that drive the allocator with the fake driver).
+// Test support of triattn (not installed).
 #pragma once
 
 #include <cstddef>
 #include <string>
 
 #include <triattn/core/error.hpp>
-#include <triattn/core/vmm/fake_driver.hpp>
 #include <triattn/core/vmm/vmm_allocator_core.hpp>
+
+#include "fake_driver.hpp"
 
 namespace triattn::vmm {
 
