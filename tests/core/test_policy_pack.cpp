@@ -2,8 +2,8 @@
 // KvCache<Policy...>: defaults, order-free policy packs, configured policy objects passed to the
 // constructor (in any order, by value or by lvalue, which must be copied, not moved from),
 // policies built from the CacheConfig when they can be, and the scorer / selector roles driving
-// needs_compression / compress / compress_if_needed. (The static_assert misuse cases cannot be
-// tested at run time and are not.)
+// needs_compression / compress / compress_if_needed. Misuse (a policy that misses its role's
+// concept or memory space) is checked by test_policy_concepts.cpp and tests/compile_fail.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -37,6 +37,7 @@ struct CountingCompactor {
 /// Scorer: slot t of every (layer, q head) scores 1 when t % period == 0, else 0. Records its calls.
 struct PeriodScorer {
   using policy_role = scorer_role;
+  static constexpr MemorySpace memory_space = MemorySpace::kHost;
   int period = 2;
   struct Call {
     int seq, len;
@@ -73,9 +74,14 @@ struct PositiveSelector {
 /// A scorer that can be built from the cache's configuration.
 struct ConfigAwareScorer {
   using policy_role = scorer_role;
+  static constexpr MemorySpace memory_space = MemorySpace::kHost;
   int block_size_seen = -1;
   ConfigAwareScorer() = default;
   explicit ConfigAwareScorer(const CacheConfig& c) : block_size_seen(c.block_size) {}
+  template <class T, class Id>
+  void score(const KvCacheView<T, Id>&, int, int, std::int64_t, std::span<float> out) const {
+    for (float& x : out) x = 0.0f;
+  }
 };
 
 /// StaticAllocator<HostBackend> that counts allocate() calls and carries a tag.

@@ -96,9 +96,19 @@ class KvCache {
   static_assert(BlockAllocator<allocator_type>,
                 "KvCache<...>: the allocator policy must provide allocate(span)->bool, retain, release->bool, "
                 "num_free, capacity, ref_count, bytes_resident, data, range_stride_bytes and memory_space");
-  static_assert(compactor_type::memory_space == memory_space,
+  static_assert(Compactor<compactor_type>,
+                "KvCache<...>: the compactor policy must provide apply(view, seq, plan) and memory_space");
+  static_assert(std::is_same_v<scorer_type, NoScorer> || Scorer<scorer_type>,
+                "KvCache<...>: the scorer policy must provide score(view, seq, length, t0, span<float>) and memory_space");
+  static_assert(std::is_same_v<selector_type, NoSelector> || Selector<selector_type>,
+                "KvCache<...>: the selector policy must provide should_compress(length, prompt, decoding) and "
+                "select(scores, geometry, length, prompt) -> KeepPlan");
+  static_assert(!Compactor<compactor_type> || serves_memory_space<compactor_type, memory_space>,
                 "KvCache<...>: the compactor works on another memory space than the allocator (device memory needs "
                 "triattn::cuda::DeviceCompactor, host memory HostCompactor)");
+  static_assert(!Scorer<scorer_type> || serves_memory_space<scorer_type, memory_space>,
+                "KvCache<...>: the scorer reads another memory space than the allocator's (device memory needs a "
+                "device scorer such as triattn::cuda::TriAttentionDeviceScorer)");
 
   /// Builds the cache. Policy objects may be passed in any order (e.g. a configured scorer);
   /// roles not passed are constructed from `cfg` when they can be, else default-constructed.
