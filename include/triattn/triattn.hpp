@@ -1,6 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
-// Umbrella header of the host-only core (g++ alone compiles it; never includes a CUDA header).
-// Testing helpers (core/vmm/fake_driver.hpp, core/vmm/testing.hpp) are not included.
+// Umbrella header of the host-only core (g++ alone compiles it; never includes a CUDA header):
+// KvCache, its configuration and policies, the scorers and the CPU reference (triattn::ref).
+// Include on demand, they cost compile time most programs need not pay:
+//   <triattn/core/stats.hpp>                          statistics files (load, write, calibrate)
+//   <triattn/core/policy/tensor_parallel_selector.hpp> tensor parallelism (with core/tp/*.hpp)
+//   <triattn/core/vmm/vmm_allocator_core.hpp>         the VMM allocator's host logic
 #pragma once
 
 #include <triattn/core/block_pool.hpp>
@@ -21,7 +25,6 @@
 #include <triattn/core/policy/recency_scorer.hpp>
 #include <triattn/core/policy/snapkv_scorer.hpp>
 #include <triattn/core/policy/static_allocator.hpp>
-#include <triattn/core/policy/tensor_parallel_selector.hpp>
 #include <triattn/core/policy/topk_selector.hpp>
 #include <triattn/core/policy/triattention_scorer.hpp>
 #include <triattn/core/ref/attention.hpp>
@@ -32,10 +35,4 @@
 #include <triattn/core/rope.hpp>
 #include <triattn/core/rope_types.hpp>
 #include <triattn/core/scoring_params.hpp>
-#include <triattn/core/stats.hpp>
-#include <triattn/core/tp/collective.hpp>
-#include <triattn/core/tp/rank_geometry.hpp>
-#include <triattn/core/tp/select.hpp>
 #include <triattn/core/trigger.hpp>
-#include <triattn/core/vmm/driver_api.hpp>
-#include <triattn/core/vmm/vmm_allocator_core.hpp>

@@ -4,8 +4,8 @@
 
 #include <cstddef>
 #include <cstring>
-#include <memory>
 #include <new>
+#include <utility>
 
 #include <triattn/core/concepts.hpp>
 
@@ -18,16 +18,23 @@ class HostBackend {
   HostBackend() = default;
   explicit HostBackend(std::size_t bytes)
       : data_(static_cast<std::byte*>(::operator new[](bytes == 0 ? 1 : bytes, std::align_val_t{64}))), bytes_(bytes) {
-    std::memset(data_.get(), 0, bytes_);
+    std::memset(data_, 0, bytes_);
   }
-  [[nodiscard]] void* data() const noexcept { return data_.get(); }
+  HostBackend(HostBackend&& o) noexcept
+      : data_(std::exchange(o.data_, nullptr)), bytes_(std::exchange(o.bytes_, std::size_t{0})) {}
+  HostBackend& operator=(HostBackend&& o) noexcept {
+    std::swap(data_, o.data_);
+    std::swap(bytes_, o.bytes_);
+    return *this;
+  }
+  ~HostBackend() {
+    if (data_ != nullptr) ::operator delete[](data_, std::align_val_t{64});
+  }
+  [[nodiscard]] void* data() const noexcept { return data_; }
   [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }
 
  private:
-  struct aligned_delete {
-    void operator()(std::byte* p) const noexcept { ::operator delete[](p, std::align_val_t{64}); }
-  };
-  std::unique_ptr<std::byte, aligned_delete> data_;
+  std::byte* data_ = nullptr;  // owned; a raw pointer keeps <memory> out of every core TU
   std::size_t bytes_ = 0;
 };
 
