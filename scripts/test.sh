@@ -4,9 +4,13 @@
 #   2. full configure (CUDA compiled for sm_90, not run): build tests, benchmarks, examples,
 #      header tests; CPU reference benchmarks run briefly
 #   3. AddressSanitizer + UBSan build of the core tests, run
-#   4. install to a staging prefix; build and run the two downstream consumers
+#   4. install to staging prefixes; build and run the downstream consumers (the README's CMake
+#      block against the CPU-only and the full install, and an add_subdirectory consumer)
 #   5. fuzz each loader for a bounded time (when clang's libFuzzer runtime is available)
 #   6. last: ctest on the full build, everything but the `gpu` label (its summary ends the log)
+# Without a CUDA toolkit (no nvcc), or with TRIATTN_TEST_CUDA=0, the CUDA parts (step 2, the
+# CUDA consumer, step 6) are skipped and listed at the end; the rest must pass.
+# TRIATTN_TEST_STEPS="1 4" runs only the listed steps (default: all).
 # GPU tests (`ctest -L gpu`) and GPU benchmarks run on a GPU machine: benchmarks/run_gpu.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +18,11 @@ ROOT=$PWD
 JOBS=${JOBS:-$(nproc)}
 B=${BUILD_ROOT:-$ROOT/build-ci}
 FUZZ_SECONDS=${FUZZ_SECONDS:-20}
+STEPS=" ${TRIATTN_TEST_STEPS:-1 2 3 4 5 6} "
 step() { printf '\n=== %s [%s] ===\n' "$*" "$(date +%T)"; }
+want() { [[ "$STEPS" == *" $1 "* ]]; }
+skipped=()
+skip() { skipped+=("$*"); echo "skipped: $*" >&2; }
 
 step "dependencies"
 missing=()
@@ -29,52 +37,98 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 HAVE_NVCC=0; command -v nvcc >/dev/null 2>&1 && HAVE_NVCC=1
 [ -x /usr/local/cuda/bin/nvcc ] && { export PATH=/usr/local/cuda/bin:$PATH; HAVE_NVCC=1; }
+[ "${TRIATTN_TEST_CUDA:-1}" = 0 ] && HAVE_NVCC=0
+[ "$HAVE_NVCC" = 1 ] || echo "no nvcc (or TRIATTN_TEST_CUDA=0): the CUDA parts are skipped" >&2
 
-step "1. CPU-only build (TRIATTN_ENABLE_CUDA=OFF)"
-cmake -S . -B "$B/cpu" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTRIATTN_ENABLE_CUDA=OFF >/dev/null
-cmake --build "$B/cpu" -j "$JOBS"
-ctest --test-dir "$B/cpu" -LE gpu -j "$JOBS" --output-on-failure
-
-if [ "$HAVE_NVCC" = 1 ]; then
-  step "2. full build (CUDA compiled for sm_90a and, for test_score, sm_90; not run)"
-  cmake -S . -B "$B/full" -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
-  cmake --build "$B/full" -j "$JOBS"
-else
-  echo "nvcc not found: the full (CUDA) configuration is skipped" >&2
-  exit 1
+if want 1; then
+  step "1. CPU-only build (TRIATTN_ENABLE_CUDA=OFF)"
+  cmake -S . -B "$B/cpu" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTRIATTN_ENABLE_CUDA=OFF >/dev/null
+  cmake --build "$B/cpu" -j "$JOBS"
+  ctest --test-dir "$B/cpu" -LE gpu -j "$JOBS" --output-on-failure
+  for b in "$B"/cpu/benchmarks/bench_ref_*; do
+    [ -x "$b" ] && "$b" --benchmark_min_time=0.01 >/dev/null && echo "ran $(basename "$b")"
+  done
 fi
-for b in "$B"/cpu/benchmarks/bench_ref_*; do
-  [ -x "$b" ] && "$b" --benchmark_min_time=0.01 >/dev/null && echo "ran $(basename "$b")"
-done
 
-step "3. sanitizer build of the host tests (ASan + UBSan)"
-cmake -S . -B "$B/asan" -G Ninja -DCMAKE_BUILD_TYPE=Debug -DTRIATTN_ENABLE_CUDA=OFF -DTRIATTN_SANITIZE=ON \
-      -DTRIATTN_BUILD_BENCHMARKS=OFF -DCMAKE_CXX_FLAGS=-O1 >/dev/null
-cmake --build "$B/asan" -j "$JOBS"
-ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-  ctest --test-dir "$B/asan" -LE gpu -j "$JOBS" --output-on-failure
+if want 2; then
+  if [ "$HAVE_NVCC" = 1 ]; then
+    step "2. full build (CUDA compiled for sm_90a and, for test_score, sm_90; not run)"
+    cmake -S . -B "$B/full" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTRIATTN_ENABLE_CUDA=ON >/dev/null
+    cmake --build "$B/full" -j "$JOBS"
+  else
+    skip "2. full build with the CUDA layer (no nvcc)"
+  fi
+fi
 
-step "4. staged install and downstream consumers"
-STAGE="$B/stage"
-rm -rf "$STAGE"
-cmake --install "$B/full" --prefix "$STAGE" >/dev/null
-cmake -S tests/downstream/cpu -B "$B/downstream-cpu" -G Ninja -DCMAKE_PREFIX_PATH="$STAGE" \
-      -DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=ON >/dev/null
-cmake --build "$B/downstream-cpu" -j "$JOBS"
-"$B/downstream-cpu/consumer_cpu"
-cmake -S tests/downstream/cuda -B "$B/downstream-cuda" -G Ninja -DCMAKE_PREFIX_PATH="$STAGE" \
-      -DCMAKE_CUDA_ARCHITECTURES=90 >/dev/null
-cmake --build "$B/downstream-cuda" -j "$JOBS"
-"$B/downstream-cuda/consumer_cuda"
+if want 3; then
+  step "3. sanitizer build of the host tests (ASan + UBSan)"
+  cmake -S . -B "$B/asan" -G Ninja -DCMAKE_BUILD_TYPE=Debug -DTRIATTN_ENABLE_CUDA=OFF -DTRIATTN_SANITIZE=ON \
+        -DTRIATTN_BUILD_BENCHMARKS=OFF -DCMAKE_CXX_FLAGS=-O1 >/dev/null
+  cmake --build "$B/asan" -j "$JOBS"
+  ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+    ctest --test-dir "$B/asan" -LE gpu -j "$JOBS" --output-on-failure
+fi
 
-if [ -f fuzz/run_fuzzers.sh ] && command -v clang++-14 >/dev/null 2>&1; then
+if want 4; then
+  step "4. staged installs and downstream consumers"
+  # The README's CMake block against a CPU-only install of the library alone (header-only:
+  # configuring is all the build it needs).
+  cmake -S . -B "$B/cpu-lib" -G Ninja -DTRIATTN_ENABLE_CUDA=OFF -DTRIATTN_BUILD_TESTS=OFF \
+        -DTRIATTN_BUILD_BENCHMARKS=OFF -DTRIATTN_BUILD_EXAMPLES=OFF >/dev/null
+  rm -rf "$B/stage-cpu"
+  cmake --install "$B/cpu-lib" --prefix "$B/stage-cpu" >/dev/null
+  if [ -n "$(find "$B/stage-cpu/include" -name '*.cuh' -print -quit)" ]; then
+    echo "the CPU-only install holds CUDA headers" >&2; exit 1
+  fi
+  cmake -S tests/downstream/cpu -B "$B/downstream-cpu-only" -G Ninja -DCMAKE_PREFIX_PATH="$B/stage-cpu" >/dev/null
+  cmake --build "$B/downstream-cpu-only" -j "$JOBS"
+  "$B/downstream-cpu-only/consumer_cpu"
+  # add_subdirectory: no tests, benchmarks, doctest or Google Benchmark for the consumer.
+  subdir_args=(); [ "${TRIATTN_TEST_CUDA:-1}" = 0 ] && subdir_args=(-DTRIATTN_ENABLE_CUDA=OFF)
+  cmake -S tests/downstream/subdir -B "$B/downstream-subdir" -G Ninja "${subdir_args[@]}" >/dev/null
+  cmake --build "$B/downstream-subdir" -j "$JOBS"
+  "$B/downstream-subdir/consumer_subdir"
+  if [ "$HAVE_NVCC" = 1 ]; then
+    STAGE="$B/stage"
+    rm -rf "$STAGE"
+    cmake -S . -B "$B/full" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTRIATTN_ENABLE_CUDA=ON >/dev/null
+    cmake --install "$B/full" --prefix "$STAGE" >/dev/null
+    cmake -S tests/downstream/cpu -B "$B/downstream-cpu" -G Ninja -DCMAKE_PREFIX_PATH="$STAGE" \
+          -DCMAKE_DISABLE_FIND_PACKAGE_CUDAToolkit=ON >/dev/null
+    cmake --build "$B/downstream-cpu" -j "$JOBS"
+    "$B/downstream-cpu/consumer_cpu"
+    cmake -S tests/downstream/cuda -B "$B/downstream-cuda" -G Ninja -DCMAKE_PREFIX_PATH="$STAGE" \
+          -DCMAKE_CUDA_ARCHITECTURES=90 >/dev/null
+    cmake --build "$B/downstream-cuda" -j "$JOBS"
+    "$B/downstream-cuda/consumer_cuda"
+  else
+    skip "4. the CUDA install and its consumers (no nvcc)"
+  fi
+fi
+
+if ! want 5; then
+  :
+elif [ -f fuzz/run_fuzzers.sh ] && command -v clang++-14 >/dev/null 2>&1; then
   step "5. fuzzers (${FUZZ_SECONDS}s each)"
   cmake -S . -B "$B/fuzz" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTRIATTN_ENABLE_CUDA=OFF \
         -DTRIATTN_BUILD_TESTS=OFF -DTRIATTN_BUILD_BENCHMARKS=OFF -DTRIATTN_BUILD_EXAMPLES=OFF \
         -DTRIATTN_BUILD_FUZZERS=ON -DCMAKE_CXX_COMPILER=clang++-14 >/dev/null
   cmake --build "$B/fuzz" -j "$JOBS"
   bash fuzz/run_fuzzers.sh "$B/fuzz" "$FUZZ_SECONDS"
+else
+  skip "5. fuzzers (clang++-14 not found)"
 fi
 
-step "6. all host tests of the full build (ctest -LE gpu)"
-ctest --test-dir "$B/full" -LE gpu -j "$JOBS" --output-on-failure
+if want 6; then
+  if [ "$HAVE_NVCC" = 1 ]; then
+    step "6. all host tests of the full build (ctest -LE gpu)"
+    ctest --test-dir "$B/full" -LE gpu -j "$JOBS" --output-on-failure
+  else
+    skip "6. host tests of the full build (no nvcc; step 1 ran the CPU build's)"
+  fi
+fi
+
+if [ ${#skipped[@]} -gt 0 ]; then
+  printf '\nPassed; skipped:\n' >&2
+  printf '  - %s\n' "${skipped[@]}" >&2
+fi
