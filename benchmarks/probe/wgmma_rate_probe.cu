@@ -5,7 +5,7 @@
 // warp-specialized scorer's one-chain variant) and m64n144k16 SS (its two-term variant), bf16 in,
 // fp32 accumulators, B K-major without swizzle as the scorers' weight tiles; 1 or 2 warpgroups per
 // SM, chains of 16 MMAs (one 64-key tile: 8 k-steps x 2 weight terms) each waited for, as in the
-// scorers. The thirteenth session's first version (results/2026-12-02_session13, run 4) also
+// scorers. The probe's first version (957ef16, in git history) also
 // timed m64n144k16 RS and m64n256k16 with its own PTX.
 // Standalone: nvcc -std=c++20 -gencode=arch=compute_90a,code=sm_90a -O3 -I../../include
 //             wgmma_rate_probe.cu -o wgmma_probe && ./wgmma_probe
