@@ -17,7 +17,6 @@
 #include <cstddef>
 #include <string>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
 #include <triattn/core/config.hpp>

@@ -11,9 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
 #include <fstream>
-#include <limits>
 #include <optional>
 #include <span>
 #include <string>

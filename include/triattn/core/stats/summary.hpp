@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <string>
 #include <vector>
 
 #include <triattn/core/error.hpp>

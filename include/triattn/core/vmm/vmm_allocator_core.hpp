@@ -47,7 +47,6 @@
 #include <functional>
 #include <limits>
 #include <memory>
-#include <optional>
 #include <span>
 #include <string>
 #include <utility>
