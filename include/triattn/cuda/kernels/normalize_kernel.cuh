@@ -129,8 +129,7 @@ inline constexpr int kRowStatsThreads = 128;
 // in independent batches of kRowStatsRestBatch.
 inline constexpr int kRowStatsCache = 20;
 inline constexpr int kRowStatsRestBatch = 8;
-// <= 56 registers: 9 CTAs per SM, so 1,152 rows run in one wave on 132 SMs (at 78 registers,
-// 6 per SM, they took two: 8.9 µs on the H200).
+// <= 56 registers: 9 CTAs per SM, so 1,152 rows run in one wave on 132 SMs (6 per SM take two).
 inline constexpr int kRowStatsMinCtas = 9;
 
 /// One CTA of kRowStatsThreads per (b, l, h) row: mean and population std of the row's selectable
@@ -199,7 +198,7 @@ __global__ void __launch_bounds__(kRowStatsThreads, kRowStatsMinCtas)
 }
 
 // 128 threads, <= 80 registers (kReduceMinCtas per SM): per_head at batch 1 of Qwen3-8B is 80 slot
-// tiles x 8 KV heads = 640 CTAs, one wave on 132 SMs (256-thread CTAs at 3 per SM took two: 15 µs).
+// tiles x 8 KV heads = 640 CTAs, one wave on 132 SMs (256-thread CTAs at 3 per SM take two).
 inline constexpr int kReduceThreads = 128;
 inline constexpr int kReduceMinCtas = 6;
 inline constexpr int kReduceBatch = 16;  // union: loads in flight per thread
