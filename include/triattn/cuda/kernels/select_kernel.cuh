@@ -125,9 +125,9 @@ __global__ void __launch_bounds__(kSelectThreads)
   // compaction down; it starts when select completes.
   const int r = blockIdx.x / splits, split = blockIdx.x % splits, b = blockIdx.y;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const DeviceKeepCounts kc = seqs.counts(b, p);  // round inputs: before the wait
+  const KeepCounts kc = seqs.counts(b, p);  // round inputs: before the wait
   detail::griddep_wait();  // the values to rank come from the kernel before
-  const int T = kc.length, begin = kc.begin, end = kc.end, n = end - begin;
+  const int T = kc.length, begin = kc.selectable_begin, end = kc.selectable_end, n = end - begin;
   const long long ML = seqs.max_len;
 
   // Plan rows this CTA writes: first + q·stride, q < count.
