@@ -1577,23 +1577,6 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
 inline constexpr int kWgmmaMaxNTiles = 9;
 
 namespace detail {
-/// The weight side shared by the warpgroup-MMA max scorers with one-warpgroup tiles
-/// (score_max_ws_kernel, score_max_direct_kernel): B as kSteps x kSplits tiles of kNT core-matrix
-/// pairs, c as [slot f + f/8] float4 (4 heads per pass).
-template <int HD>
-struct MaxWeightTiles {
-  static_assert(HD % 32 == 0, "head_dim must be a multiple of 32");
-  static constexpr int kF = HD / 2;
-  static constexpr int kSteps = HD / 16;  // k16 steps
-  static constexpr int kSplits = 2;       // 16-bit weight terms (bf16 hi + mid, fp16 hi + lo)
-  static constexpr int kHeads = 4;
-  static constexpr int kNT = kWgmmaMaxNTiles;
-  static constexpr std::size_t kBTileBytes = static_cast<std::size_t>(kNT) * 256;  // one (k-step, term)
-  static constexpr std::size_t kBBytes = static_cast<std::size_t>(kSteps) * kSplits * kBTileBytes;
-  static constexpr int kCSlots = kF + kF / 8;
-  static constexpr std::size_t kCBytes = static_cast<std::size_t>(kCSlots) * 16;
-};
-
 /// Stores the SP 16-bit terms of weight element e of B column n of n-tile nt into the warpgroup-MMA
 /// B tiles: K-major core matrices [k-step e/16][term][n-tile][k-chunk (e%16)/8][column][e%8]
 /// (NT n-tiles per tile).
@@ -1888,7 +1871,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
       // first; its norm follows wgmma_wait<1>, under m-tile 1's MMAs, and m-tile 1's norm runs
       // under m-tile 0's (a wgmma's A registers are not read before it is waited for).
       // one (k-step, split) B tile
-      constexpr auto kTileBytes = static_cast<std::uint32_t>(detail::MaxWeightTiles<HD>::kBTileBytes);
+      constexpr auto kTileBytes = static_cast<std::uint32_t>(kWgmmaMaxNTiles * 256);
       const std::uint64_t b_desc = detail::wgmma_desc_kmajor(detail::smem_addr(bfrag_s), 128u, 256u);
       float d[MT][4 * kWgmmaMaxNTiles];
 #pragma unroll
