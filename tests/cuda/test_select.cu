@@ -208,7 +208,7 @@ SelectionParams params(int budget, PruningMode mode, PromptMode prompt, int sink
 
 }  // namespace
 
-TEST_CASE("the device round's keep counts (DeviceSelectParams) equal ref::keep_counts; lengths are clamped") {
+TEST_CASE("the device round's keep counts (DeviceSelectParams) equal ref::keep_counts and clamp lengths") {
   std::mt19937 rng(7);
   std::uniform_int_distribution<int> u(0, 400);
   for (int i = 0; i < 200000; ++i) {
