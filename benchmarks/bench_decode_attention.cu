@@ -5,9 +5,8 @@
 // every iteration, two ways (argument `flush`): 0 memset (L2 left dirty: the timed kernels also pay
 // up to 50 MB of write-back), 1 read (L2 left clean, as after a decode step's GEMVs). For context: BM_read_kernel streams the same bytes through a plain read
 // kernel, BM_memcpy_d2d copies them with cudaMemcpyAsync (counted read + write, vs 4.25 TB/s).
-// Every launcher variant (tuning::sm90::DecodeAttention, argument `variant`) runs at batch 1 and
-// 16. Counters: us_med (median iteration), TB/s (bytes / median). A table in GB/s closes the
-// output. Pick a subset with e.g. --benchmark_filter='decode_attention/batch:1/.*page:16/hnd:0'.
+// Batch 1 and 16. Counters: us_med (median iteration), TB/s (bytes / median). A table in GB/s
+// closes the output. Pick a subset with e.g. --benchmark_filter='decode_attention/batch:1/.*page:16/hnd:0'.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -119,13 +118,12 @@ void report(benchmark::State& state, const std::string& label, double bytes, dou
 L2Flush flush_mode(std::int64_t arg) { return arg ? L2Flush::kClean : L2Flush::kDirty; }
 const char* flush_name(std::int64_t arg) { return arg ? " clean-L2" : " dirty-L2"; }
 
-/// args: batch, seq_len, block_size, layout (0 NHD, 1 HND), launcher variant, flush
+/// args: batch, seq_len, block_size, layout (0 NHD, 1 HND), flush
 void BM_decode_attention(benchmark::State& state) {
   const int batch = static_cast<int>(state.range(0));
   const int len = static_cast<int>(state.range(1));
   const int bs = static_cast<int>(state.range(2));
   const KvLayout layout = state.range(3) ? KvLayout::kHND : KvLayout::kNHD;
-  const int variant = static_cast<int>(state.range(4));
   const int per_seq = (len + bs - 1) / bs;
   const int blocks = batch * per_seq;
   const BlockLayout bl{layout, bs, kKvHeads, kHeadDim};
@@ -148,18 +146,16 @@ void BM_decode_attention(benchmark::State& state) {
   fill_random<<<64, 256>>>(reinterpret_cast<std::uint16_t*>(q), q_elems, 2);
 
   int resident = 0;
-  TRIATTN_BENCH_CUDA(cuda::decode_attention::resident_ctas<T>(kHeadDim, &resident, variant));
-  const auto plan =
-      cuda::decode_attention::make_plan(DType::kBF16, batch, kKvHeads, kQHeads / kKvHeads, len, resident, variant);
+  TRIATTN_BENCH_CUDA(cuda::decode_attention::resident_ctas<T>(kHeadDim, &resident));
+  const auto plan = cuda::decode_attention::make_plan(DType::kBF16, batch, kKvHeads, kQHeads / kKvHeads, len, resident);
   const std::size_t ws_bytes = cuda::decode_attention::workspace_size(plan, batch, kQHeads, kHeadDim);
   void* ws = ws_bytes ? device_alloc<char>(ws_bytes) : nullptr;
-  if (ws) TRIATTN_BENCH_CUDA(cudaMemset(ws, 0, ws_bytes));  // variant 4's contract (harmless for the others)
   const float scale = ref::default_sm_scale(kHeadDim);
 
   cudaStream_t stream;
   TRIATTN_BENCH_CUDA(cudaStreamCreate(&stream));
   TRIATTN_BENCH_CUDA(cudaDeviceSynchronize());
-  L2Flusher flush(flush_mode(state.range(5)));
+  L2Flusher flush(flush_mode(state.range(4)));
   for (int w = 0; w < 3; ++w)  // warm-up: module load, attribute setting
     TRIATTN_BENCH_CUDA(cuda::decode_attention::run(plan, view, 0, q, out, batch, kQHeads, nullptr, scale, ws, ws_bytes,
                                                    stream));
@@ -174,21 +170,19 @@ void BM_decode_attention(benchmark::State& state) {
   TRIATTN_BENCH_CUDA(cudaGetLastError());
   report(state,
          "decode_attention batch " + std::to_string(batch) + " page " + std::to_string(bs) +
-             (layout == KvLayout::kHND ? " HND" : " NHD") + " variant " + std::to_string(variant) +
-             flush_name(state.range(5)),
+             (layout == KvLayout::kHND ? " HND" : " NHD") + flush_name(state.range(4)),
          static_cast<double>(
              cuda::decode_attention::bytes_read(static_cast<std::int64_t>(batch) * len, kKvHeads, kHeadDim, sizeof(T))),
          kReadRoofline, us);
   state.counters["splits"] = plan.num_splits;
   state.counters["resident_ctas"] = resident;
 
-  // Same function as variant 0 (the original kernels) on these inputs: relative L2 difference of
+  // Same function with one split (no combine kernel) on these inputs: relative L2 difference of
   // the bf16 outputs (both rounded to bf16: expect ~1e-3, far under 1e-2).
   {
-    int resident0 = 0;
-    TRIATTN_BENCH_CUDA(cuda::decode_attention::resident_ctas<T>(kHeadDim, &resident0, 0));
-    const auto plan0 =
-        cuda::decode_attention::make_plan(DType::kBF16, batch, kKvHeads, kQHeads / kKvHeads, len, resident0, 0);
+    auto plan0 = plan;
+    plan0.num_splits = 1;
+    plan0.tokens_per_split = len;
     const std::size_t ws0_bytes = cuda::decode_attention::workspace_size(plan0, batch, kQHeads, kHeadDim);
     void* ws0 = ws0_bytes ? device_alloc<char>(ws0_bytes) : nullptr;
     T* out0 = device_alloc<T>(q_elems);
@@ -211,11 +205,10 @@ void BM_decode_attention(benchmark::State& state) {
       den += f32(r[i]) * f32(r[i]);
     }
     const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-    state.counters["err_vs_v0"] = benchmark::Counter(rel);
+    state.counters["err_vs_one_split"] = benchmark::Counter(rel);
     if (!(rel <= 1e-2)) {
-      std::fprintf(stderr, "MISMATCH: variant %d differs from variant 0 by %g (batch %d page %d)\n", variant, rel, batch,
-                   bs);
-      state.SkipWithError("output differs from variant 0");
+      std::fprintf(stderr, "MISMATCH: differs from one split by %g (batch %d page %d)\n", rel, batch, bs);
+      state.SkipWithError("output differs from the one-split run");
     }
     cudaFree(out0);
     if (ws0) cudaFree(ws0);
@@ -273,15 +266,9 @@ void BM_memcpy_d2d(benchmark::State& state) {
 
 }  // namespace
 
-std::vector<std::int64_t> all_variants() {
-  std::vector<std::int64_t> v(triattn::cuda::tuning::sm90::DecodeAttention::kNumVariants);
-  std::iota(v.begin(), v.end(), std::int64_t{0});
-  return v;
-}
-
 BENCHMARK(BM_decode_attention)
-    ->ArgNames({"batch", "len", "page", "hnd", "variant", "flush"})
-    ->ArgsProduct({{1, 16}, {32768}, {16, 64}, {0, 1}, all_variants(), {0, 1}})
+    ->ArgNames({"batch", "len", "page", "hnd", "flush"})
+    ->ArgsProduct({{1, 16}, {32768}, {16, 64}, {0, 1}, {0, 1}})
     ->UseManualTime()
     ->Iterations(200)
     ->Unit(benchmark::kMicrosecond);

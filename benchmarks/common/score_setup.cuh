@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// The paged cache and scorer of the score benchmarks (bench_score, bench_score_trace): one layer
+// The paged cache and scorer of the score benchmarks (bench_score): one layer
 // group of bf16 keys, d = 128, in shuffled blocks, a TriAttentionDeviceScorer on random
 // statistics, and a timed loop that rotates over the sequences so the L2 never holds their K.
 #pragma once

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // Does a warpgroup's chain of register-A warpgroup MMAs overlap the CUDA-core work of the same
-// warps? The pipelined max scorer (max_variant 4) issues, per 32-key warp slice, two chains of 16
+// warps? The pipelined max scorer issues, per 32-key warp slice, two chains of 16
 // m64n72k16 RS MMAs (bf16 weights in two terms) and computes each m-tile's norm term Σ_f c_f·|K_f|
 // on the CUDA cores (unpack, two FMAs, MUFU.SQRT, four FMAs per pair and row) while the other
 // m-tile's chain runs. Timing experiments put the chains' in-kernel cost near 1.5x their rate here

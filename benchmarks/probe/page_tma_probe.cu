@@ -40,7 +40,7 @@ constexpr int kItems = kHkv * kPagesPerSeq;                       // (head, page
 using triattn::cuda::detail::mbar_arrive;  // the ring scorers' mbarrier primitives
 using triattn::cuda::detail::mbar_init;
 using triattn::cuda::detail::mbar_wait;
-using triattn::cuda::detail::score_smem_addr;
+using triattn::cuda::detail::smem_addr;
 __device__ __forceinline__ void bar_expect_tx(std::uint32_t bar, unsigned bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(32 * (kConsumers + 1)) page_stream(const __gri
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int per = (kItems + gridDim.x - 1) / gridDim.x;
   const int begin = min(kItems, per * static_cast<int>(blockIdx.x)), end = min(kItems, begin + per);
-  const std::uint32_t full0 = score_smem_addr(bars), empty0 = full0 + 8 * kStages;
+  const std::uint32_t full0 = smem_addr(bars), empty0 = full0 + 8 * kStages;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(full0 + 8 * s, 1);
@@ -68,7 +68,7 @@ __global__ void __launch_bounds__(32 * (kConsumers + 1)) page_stream(const __gri
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  const std::uint32_t ring = score_smem_addr(smem);
+  const std::uint32_t ring = smem_addr(smem);
   const int* tab = table + seq * kPagesPerSeq;
   if (warp == 0) {
     const std::uint64_t policy = triattn::cuda::detail::l2_stream_policy();

@@ -2,10 +2,8 @@
 // cuda::decode_attention vs ref::attention: page sizes {1, 7, 16, 64}, both layouts, head_dim 64
 // and 128, fp32/fp16/bf16, GQA groups 1, 4 and 12 (12 needs two passes of 8 heads), lengths
 // 0, 1, 15, 16, 17 and random, sequences picked through seq_ids, and plans with one split, the
-// device's own choice, many splits and an odd split length, each under every launcher variant
-// (tuning::sm90::DecodeAttention::kNumVariants). Outputs are poisoned (NaN) before each launch;
-// so is the workspace, except for variant 4 (zero-filled once, as its contract says). Fused
-// variants run twice on one workspace (the arrival counters must come back to zero).
+// device's own choice, many splits and an odd split length. Outputs and the workspace are
+// poisoned (NaN) before each launch.
 // Bound: ||out - ref|| / ||ref|| <= 1e-5 (fp32), 1e-3 (16-bit caches, float out), plus the
 // output's own rounding for 16-bit outputs.
 #include "cuda_test_utils.cuh"
@@ -23,7 +21,6 @@ using test::DeviceBuffer;
 using test::PagedFixture;
 
 constexpr int kGroups[] = {1, 4, 12};
-constexpr int kVariants = cuda::tuning::sm90::DecodeAttention::kNumVariants;
 
 /// ||got - want|| / ||want||; every element must be finite (the output was poisoned with NaN).
 template <class O>
@@ -45,9 +42,7 @@ double tolerance(bool out_is_t) {
   return kernel + (std::is_same_v<T, bf16_storage> ? 0x1p-8 : 0x1p-11);  // the output's own rounding
 }
 
-/// Runs `plan` (once, or twice on one workspace for the fused variants) and checks the output;
-/// for the fused variants also that the arrival counters (the workspace's first words, one per
-/// (entry, head group)) are zero again afterwards.
+/// Runs `plan` and checks the output.
 template <class T, class O>
 void run_and_check(const PagedFixture<T>& f, const cuda::DecodeAttentionPlan& plan, int layer,
                    const DeviceBuffer<T>& dq, const DeviceBuffer<std::int32_t>* dids, int batch, int hq, float scale,
@@ -56,35 +51,18 @@ void run_and_check(const PagedFixture<T>& f, const cuda::DecodeAttentionPlan& pl
   DeviceBuffer<O> out(static_cast<std::size_t>(batch) * hq * d);
   const std::size_t ws_bytes = cuda::decode_attention::workspace_size(plan, batch, hq, d);
   DeviceBuffer<unsigned char> ws(ws_bytes);
-  if (plan.variant == 4) {
-    TRIATTN_TEST_CUDA(cudaMemset(ws.get(), 0, ws.size()));
-  } else {
-    ws.poison();
-  }
-  const bool fused = cuda::decode_attention::fused_merge(plan.variant, dtype_of<T>) && plan.num_splits > 1;
+  ws.poison();
   const bool out_is_t = !std::is_same_v<O, float>;
   CAPTURE(out_is_t);
-  CAPTURE(plan.variant);
   CAPTURE(plan.num_splits);
   CAPTURE(plan.tokens_per_split);
-  for (int rep = 0; rep < (plan.variant == 3 || plan.variant == 4 ? 2 : 1); ++rep) {
-    CAPTURE(rep);
-    out.poison();
-    TRIATTN_TEST_CUDA(cuda::decode_attention::run(plan, f.device_view(), layer, dq.get(), out.get(), batch, hq,
-                                                  dids ? dids->get() : nullptr, scale, ws_bytes ? ws.get() : nullptr,
-                                                  ws_bytes, nullptr));
-    TRIATTN_TEST_CUDA(cudaDeviceSynchronize());
-    const double err = rel_error(out.download(), want);
-    CHECK_MESSAGE(err <= tolerance<T>(out_is_t), "relative error ", err);
-    if (fused) {
-      const int hkv = f.block.num_kv_heads;
-      const int groups = hkv * ((hq / hkv + plan.heads_per_pass - 1) / plan.heads_per_pass);  // grid.y
-      const auto bytes = ws.download();
-      std::vector<std::uint32_t> ctr(static_cast<std::size_t>(batch) * groups);
-      std::memcpy(ctr.data(), bytes.data(), ctr.size() * sizeof(std::uint32_t));
-      for (std::size_t i = 0; i < ctr.size(); ++i) CHECK_MESSAGE(ctr[i] == 0u, "arrival counter ", i, " left at ", ctr[i]);
-    }
-  }
+  out.poison();
+  TRIATTN_TEST_CUDA(cuda::decode_attention::run(plan, f.device_view(), layer, dq.get(), out.get(), batch, hq,
+                                                dids ? dids->get() : nullptr, scale, ws_bytes ? ws.get() : nullptr,
+                                                ws_bytes, nullptr));
+  TRIATTN_TEST_CUDA(cudaDeviceSynchronize());
+  const double err = rel_error(out.download(), want);
+  CHECK_MESSAGE(err <= tolerance<T>(out_is_t), "relative error ", err);
 }
 
 }  // namespace
@@ -114,21 +92,6 @@ TEST_CASE("decode_attention: plan and workspace arithmetic (no device needed)") 
         cudaErrorInvalidValue);
   CHECK(DA::run(p1, v, 0, static_cast<const bf16_storage*>(nullptr), out, 0, 32, nullptr, 1.f, nullptr, 0, nullptr) ==
         cudaSuccess);
-  // variants: the default one by default; fused ones add one counter per (entry, query head)
-  CHECK(p1.variant == cuda::tuning::sm90::DecodeAttention::kDefaultVariant);
-  auto pf = DA::make_plan(DType::kBF16, 1, 8, 4, 32768, 396, 3);
-  CHECK(pf.variant == 3);
-  CHECK(pf.num_splits == p1.num_splits);
-  auto pn = pf;
-  pn.variant = 2;
-  CHECK(DA::workspace_size(pf, 1, 32, 128) >= DA::workspace_size(pn, 1, 32, 128) + 32 * 4);
-  CHECK(DA::fused_merge(3, DType::kBF16));
-  CHECK(DA::fused_merge(4, DType::kF16));
-  CHECK(!DA::fused_merge(4, DType::kF32));
-  CHECK(!DA::fused_merge(2, DType::kBF16));
-  pn.variant = cuda::tuning::sm90::DecodeAttention::kNumVariants;  // out of range
-  CHECK(DA::run(pn, v, 0, static_cast<const bf16_storage*>(nullptr), out, 1, 32, nullptr, 1.f, nullptr, 0, nullptr) ==
-        cudaErrorInvalidValue);
 }
 
 TEST_SUITE("gpu") {
@@ -164,30 +127,26 @@ TEST_SUITE("gpu") {
             DeviceBuffer<T> dq(q);
             DeviceBuffer<std::int32_t> dids(ids);
             const int max_len = *std::max_element(lens.begin(), lens.end());
-            for (int variant = 0; variant < kVariants; ++variant) {
-              int resident = 0;
-              TRIATTN_TEST_CUDA(cuda::decode_attention::resident_ctas<T>(d, &resident, variant));
-              std::vector<cuda::DecodeAttentionPlan> plans;
-              plans.push_back(
-                  cuda::decode_attention::make_plan(dtype_of<T>, batch, hkv, group, max_len, resident, variant));
-              CHECK(plans.front().variant == variant);
-              auto forced = plans.front();
-              forced.num_splits = 1;
-              forced.tokens_per_split = max_len;
-              plans.push_back(forced);
-              forced.tokens_per_split = 64;
-              forced.num_splits = (max_len + 63) / 64;
-              plans.push_back(forced);
-              forced.tokens_per_split = 80;  // not a multiple of the tile: warps' last tiles are partial
-              forced.num_splits = (max_len + 79) / 80;
-              plans.push_back(forced);
-              forced.tokens_per_split = 16;  // one tile per split: most warps of a CTA have no tokens
-              forced.num_splits = (max_len + 15) / 16;
-              plans.push_back(forced);
-              for (const auto& plan : plans) {
-                run_and_check<T, float>(f, plan, layer, dq, &dids, batch, hq, scale, want);
-                run_and_check<T, T>(f, plan, layer, dq, &dids, batch, hq, scale, want);
-              }
+            int resident = 0;
+            TRIATTN_TEST_CUDA(cuda::decode_attention::resident_ctas<T>(d, &resident));
+            std::vector<cuda::DecodeAttentionPlan> plans;
+            plans.push_back(cuda::decode_attention::make_plan(dtype_of<T>, batch, hkv, group, max_len, resident));
+            auto forced = plans.front();
+            forced.num_splits = 1;
+            forced.tokens_per_split = max_len;
+            plans.push_back(forced);
+            forced.tokens_per_split = 64;
+            forced.num_splits = (max_len + 63) / 64;
+            plans.push_back(forced);
+            forced.tokens_per_split = 80;  // not a multiple of the tile: warps' last tiles are partial
+            forced.num_splits = (max_len + 79) / 80;
+            plans.push_back(forced);
+            forced.tokens_per_split = 16;  // one tile per split: most warps of a CTA have no tokens
+            forced.num_splits = (max_len + 15) / 16;
+            plans.push_back(forced);
+            for (const auto& plan : plans) {
+              run_and_check<T, float>(f, plan, layer, dq, &dids, batch, hq, scale, want);
+              run_and_check<T, T>(f, plan, layer, dq, &dids, batch, hq, scale, want);
             }
           }
   }
@@ -207,20 +166,18 @@ TEST_SUITE("gpu") {
     const std::vector<int> seqs{0, 1, 2};
     ref::attention(f.host_view(), 0, std::span<const int>(seqs), q.data(), hq, want.data(), scale);
     DeviceBuffer<T> dq(q);
-    for (int variant = 0; variant < kVariants; ++variant) {
-      int resident = 0;
-      TRIATTN_TEST_CUDA(cuda::decode_attention::resident_ctas<T>(d, &resident, variant));
-      auto plan = cuda::decode_attention::make_plan(dtype_of<T>, batch, hkv, group, 5000, resident, variant);
-      CHECK(plan.num_splits > 1);
-      run_and_check<T, float>(f, plan, 0, dq, nullptr, batch, hq, scale, want);
-      plan.num_splits = 1;  // one CTA per head group: ~80 tiles per warp through the pipeline
-      plan.tokens_per_split = 5000;
-      run_and_check<T, float>(f, plan, 0, dq, nullptr, batch, hq, scale, want);
-    }
+    int resident = 0;
+    TRIATTN_TEST_CUDA(cuda::decode_attention::resident_ctas<T>(d, &resident));
+    auto plan = cuda::decode_attention::make_plan(dtype_of<T>, batch, hkv, group, 5000, resident);
+    CHECK(plan.num_splits > 1);
+    run_and_check<T, float>(f, plan, 0, dq, nullptr, batch, hq, scale, want);
+    plan.num_splits = 1;  // one CTA per head group: ~80 tiles per warp through the pipeline
+    plan.tokens_per_split = 5000;
+    run_and_check<T, float>(f, plan, 0, dq, nullptr, batch, hq, scale, want);
   }
 
-  TEST_CASE("decode_attention: every variant replays from a CUDA graph") {
-    // Graph replays re-run the fused variants' counter protocol and the programmatic launches.
+  TEST_CASE("decode_attention: replays from a CUDA graph") {
+    // Graph replays re-run the programmatic dependent launch of the combine kernel.
     test::require_device();
     using T = bf16_storage;
     const std::uint64_t seed = test::test_seed();
@@ -237,15 +194,14 @@ TEST_SUITE("gpu") {
     DeviceBuffer<T> dq(q);
     cudaStream_t stream;
     TRIATTN_TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    for (int variant = 0; variant < kVariants; ++variant) {
-      CAPTURE(variant);
+    {
       int resident = 0;
-      TRIATTN_TEST_CUDA(cuda::decode_attention::resident_ctas<T>(d, &resident, variant));
-      const auto plan = cuda::decode_attention::make_plan(dtype_of<T>, batch, hkv, group, 3000, resident, variant);
+      TRIATTN_TEST_CUDA(cuda::decode_attention::resident_ctas<T>(d, &resident));
+      const auto plan = cuda::decode_attention::make_plan(dtype_of<T>, batch, hkv, group, 3000, resident);
       REQUIRE(plan.num_splits > 1);
       const std::size_t ws_bytes = cuda::decode_attention::workspace_size(plan, batch, hq, d);
       DeviceBuffer<unsigned char> ws(ws_bytes);
-      TRIATTN_TEST_CUDA(cudaMemset(ws.get(), variant == 4 ? 0 : 0xFF, ws.size()));
+      TRIATTN_TEST_CUDA(cudaMemset(ws.get(), 0xFF, ws.size()));
       TRIATTN_TEST_CUDA(cudaDeviceSynchronize());  // the memset ran on the legacy stream: `stream` would not wait
       DeviceBuffer<float> out(q.size());
       cudaGraph_t graph;

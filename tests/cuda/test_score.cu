@@ -2,8 +2,8 @@
 // GPU scorer (cuda::score) against the CPU reference (ref::score_sequence): fresh seeded random
 // caches with randomised page tables, every dtype, both layouts, page sizes {1, 7, 16, 64}, head
 // dims {64, 128}, both RoPE pairings, mean and max aggregation, disable_mlr / disable_trig, GQA
-// group sizes 1..16, every kernel variant (ScoreOptions: tensor_core_max, mean_variant,
-// max_variant; the ring kernels also with a 3-CTA grid). Scores must match within
+// group sizes 1..16, the production kernels and every fallback (scoring policies with the ring
+// kernels or the tensor-core max turned off; each also with a 3-CTA grid). Scores must match within
 // ‖gpu − ref‖/‖ref‖ <= 1e-5, every slot < length must be written (outputs are poisoned with NaN
 // before each launch) and nothing past it.
 #include <doctest/doctest.h>
@@ -143,11 +143,30 @@ struct Case {
 
 double compare(const Case& c, const std::vector<float>& got, const std::vector<std::vector<float>>& wants, int max_len);
 
-// Largest normalised error and number of runs per tensor-core max_variant (16-bit caches) since
-// the last reset (the GQA case reports them).
-constexpr int kMaxVariants = 9;  // ScoreOptions::max_variant 0-8
-double g_max_nerr[kMaxVariants] = {};
-int g_max_runs[kMaxVariants] = {};
+// The kernel families check_case runs: the production policy, then the fallbacks (the non-ring
+// kernels that K ranges of 64 GiB or more take; the CUDA-core max kernel that fp16 weights near
+// fp16's range limit take).
+struct NoRingPolicy : cuda::tuning::sm90::Score {
+  static constexpr bool kRingKernels = false;
+};
+struct CudaCoreMaxPolicy : cuda::tuning::sm90::Score {
+  static constexpr bool kTensorCoreMax = false;
+};
+constexpr int kPolicies = 3;
+constexpr const char* kPolicyNames[kPolicies] = {"production", "no ring kernels", "CUDA-core max"};
+
+// Largest normalised error and number of runs per policy of the max aggregation on 16-bit caches
+// since the last reset (the GQA case reports them).
+double g_max_nerr[kPolicies] = {};
+int g_max_runs[kPolicies] = {};
+
+template <class T, class Id>
+cudaError_t score_with(int policy, const KvCacheView<T, Id>& view, const cuda::ScoreModelView& m,
+                       const cuda::ScoreBatch& b, float* scores, const cuda::ScoreOptions& opt) {
+  if (policy == 1) return cuda::score<T, Id, NoRingPolicy>(view, m, b, scores, nullptr, opt);
+  if (policy == 2) return cuda::score<T, Id, CudaCoreMaxPolicy>(view, m, b, scores, nullptr, opt);
+  return cuda::score(view, m, b, scores, nullptr, opt);
+}
 
 /// Runs one case on the GPU and compares with the CPU reference.
 template <class T>
@@ -175,59 +194,24 @@ void check_case(const Case& c, std::uint32_t seed) {
   test::DeviceBuffer<float> scores(static_cast<std::size_t>(batch) * c.L * c.Hq * max_len);
   std::vector<std::vector<float>> wants;
   for (int b = 0; b < batch; ++b) wants.push_back(ref_scores(p, scorer.model(), b, t0[b]));
-  // Max aggregation on 16-bit caches has two kernels (tensor cores, CUDA cores): check both.
-  const bool two_paths = c.agg == Aggregation::kMax && !c.no_trig && sizeof(T) == 2;
-  // Mean aggregation has nine kernels: mean_variant 0 and 1 (bitwise the same scores), 2, 3, 4,
-  // 5, 6, 7, 8 (tensor cores; 16-bit caches, else variant 0; 5 with producer warps, 6 as 5 with a
-  // dynamic tail, 7 and 8 as 5 with work stealing, all through work_counter). The tensor-core max
-  // path has nine (max_variant 0-8; 2-8 on warpgroup MMAs in an sm_90a build, 4 with the norm
-  // term on the CUDA cores, 5 and 6 warp-specialized: two accumulator sets per tile from m64n144
-  // steps with setmaxnreg, one m64n72 chain; 7 and 8 the direct kernel with thread-private key
-  // slots, run as 4 in builds without sm_90a). The ring and direct kernels (mean_variant 2-8,
-  // max_variant 1-8) run three times: with the default grid, with at most 3 CTAs (each CTA
-  // streams many items across rows and sequences) and with two waves of CTAs (grid_waves).
-  const bool mean_paths = c.agg == Aggregation::kMean || c.no_trig;
-  // mean_variants 6-8 claim items through this counter; each launch must
-  // leave it zero for the next (the three grids below reuse it, with different CTA counts).
-  test::DeviceBuffer<unsigned int> work_counter(cuda::score_work_counter_bytes / sizeof(unsigned int));
-  work_counter.upload(std::vector<unsigned int>(cuda::score_work_counter_bytes / sizeof(unsigned int), 0u));
-  std::vector<float> variant0;
-  for (const bool tensor_cores : {true, false}) {
-    if (!tensor_cores && !two_paths) break;
-    for (const int variant : {0, 1, 2, 3, 4, 5, 6, 7, 8}) {
-      if (variant >= 1 && !mean_paths) break;
-      for (int max_variant = 0; max_variant < kMaxVariants; ++max_variant) {
-        if (max_variant >= 1 && !(two_paths && tensor_cores)) break;
-        for (const int grid : {0, 1, 2}) {  // default grid, at most 3 CTAs, 2 waves of CTAs
-          if (grid > 0 && variant < 2 && max_variant == 0) break;
-          const int max_ctas = grid == 1 ? 3 : 0;
-          const int waves = grid == 2 ? 2 : 1;
-          INFO("tensor_core_max = ", tensor_cores, ", mean_variant = ", variant, ", max_variant = ", max_variant,
-               ", max_ctas = ", max_ctas, ", grid_waves = ", waves);
-          scores.poison();
-          const cuda::ScoreBatch sb{p.d_seq_ids.get(), d_t0.get(), batch, max_len};
-          cuda::ScoreOptions opt;
-          opt.tensor_core_max = tensor_cores;
-          opt.mean_variant = variant;
-          opt.max_variant = max_variant;
-          opt.max_ctas = max_ctas;
-          opt.grid_waves = waves;
-          opt.work_counter = work_counter.get();
-          TRIATTN_TEST_CUDA(cuda::score(p.device_view(), scorer.device_model(), sb, scores.get(), nullptr, opt));
-          TRIATTN_TEST_CUDA(cudaDeviceSynchronize());
-          std::vector<float> got = scores.download();
-          if (variant >= 6)
-            for (const unsigned int w : work_counter.download()) CHECK_MESSAGE(w == 0u, "work counter left at ", w);
-          const double nerr = compare(c, got, wants, max_len);
-          if (two_paths && tensor_cores) {
-            g_max_nerr[max_variant] = std::max(g_max_nerr[max_variant], nerr);
-            ++g_max_runs[max_variant];
-          }
-          if (mean_paths && variant == 0) variant0 = got;
-          if (mean_paths && variant == 1)
-            CHECK_MESSAGE(std::memcmp(got.data(), variant0.data(), got.size() * sizeof(float)) == 0,
-                          "mean_variant 1 differs bitwise from mean_variant 0");
-        }
+  // 16-bit caches: the production kernels (ring kernels on the tensor cores) and both fallback
+  // policies; fp32 caches have one path (the CUDA-core kernels), run by every policy alike.
+  const int policies = sizeof(T) == 2 ? kPolicies : 1;
+  const bool max16 = c.agg == Aggregation::kMax && !c.no_trig && sizeof(T) == 2;
+  for (int policy = 0; policy < policies; ++policy) {
+    if (policy == 2 && !max16) break;  // the CUDA-core max policy changes nothing else
+    for (const int max_ctas : {0, 3}) {  // default grid, at most 3 CTAs (each walks many rows)
+      INFO("policy ", kPolicyNames[policy], ", max_ctas = ", max_ctas);
+      scores.poison();
+      const cuda::ScoreBatch sb{p.d_seq_ids.get(), d_t0.get(), batch, max_len};
+      cuda::ScoreOptions opt;
+      opt.max_ctas = max_ctas;
+      TRIATTN_TEST_CUDA(score_with(policy, p.device_view(), scorer.device_model(), sb, scores.get(), opt));
+      TRIATTN_TEST_CUDA(cudaDeviceSynchronize());
+      const double nerr = compare(c, scores.download(), wants, max_len);
+      if (max16) {
+        g_max_nerr[policy] = std::max(g_max_nerr[policy], nerr);
+        ++g_max_runs[policy];
       }
     }
   }
@@ -312,43 +296,6 @@ TEST_CASE("wgmma descriptors advanced in place equal descriptors rebuilt at the 
            cuda::detail::wgmma_desc_kmajor(0x40000u, 128u, 256u));
 }
 
-TEST_CASE("the direct max scorer's permuted k order pairs each key element with its weight (host twin)") {
-  // score_max_direct_kernel: lane c of a quad loads 16-byte chunks j of its key rows (elements
-  // 32j + 8c .. +8) and passes words 2h, 2h + 1 of chunk j as the A fragment registers a0 / a2 of
-  // k-step 2j + h; B holds weight element e at k index direct_k_index(e). Emulate the MMA's
-  // fragment semantics (a0: k = 2c, 2c + 1; a2: k = 2c + 8, 2c + 9) over the quad and check that
-  // Σ_k A·B is the plain dot product, and that the map is a bijection.
-  for (const int hd : {64, 128}) {
-    std::vector<int> seen(static_cast<std::size_t>(hd), 0);
-    for (int e = 0; e < hd; ++e) {
-      const int k = cuda::detail::direct_k_index(e);
-      REQUIRE(k >= 0);
-      REQUIRE(k < hd);
-      ++seen[static_cast<std::size_t>(k)];
-    }
-    CHECK(std::all_of(seen.begin(), seen.end(), [](int n) { return n == 1; }));
-    std::mt19937 rng(7u + static_cast<unsigned>(hd));
-    std::uniform_int_distribution<int> val(-1000, 1000);
-    std::vector<long long> key(static_cast<std::size_t>(hd)), w(static_cast<std::size_t>(hd)), b(static_cast<std::size_t>(hd));
-    for (int e = 0; e < hd; ++e) {
-      key[static_cast<std::size_t>(e)] = val(rng);
-      w[static_cast<std::size_t>(e)] = val(rng);
-      b[static_cast<std::size_t>(cuda::detail::direct_k_index(e))] = w[static_cast<std::size_t>(e)];  // B column
-    }
-    long long plain = 0, mma = 0;
-    for (int e = 0; e < hd; ++e) plain += key[static_cast<std::size_t>(e)] * w[static_cast<std::size_t>(e)];
-    for (int s = 0; s < hd / 16; ++s)
-      for (int c = 0; c < 4; ++c)
-        for (int reg = 0; reg < 2; ++reg)   // a0 (reg 0) or a2 (reg 1): word 2(s % 2) + reg of chunk s / 2
-          for (int half = 0; half < 2; ++half) {
-            const int e = 32 * (s / 2) + 8 * c + 2 * (2 * (s % 2) + reg) + half;  // the loaded element
-            const int kk = 2 * c + half + 8 * reg;                                 // its k in the fragment
-            mma += key[static_cast<std::size_t>(e)] * b[static_cast<std::size_t>(16 * s + kk)];
-          }
-    CHECK_EQ(mma, plain);
-  }
-}
-
 TEST_CASE("ring scorers take K ranges below 64 GiB only (32-bit chunk offsets - host routing rule)") {
   // KeySliceFeed::issue addresses a key as a uint32 count of 16-byte chunks from its layer's K
   // range; cuda::score routes larger ranges to the non-ring kernels.
@@ -398,7 +345,7 @@ TEST_SUITE("gpu") {
     triattn::test::require_device();
     const std::uint32_t seed = test::fresh_seed32();
     int combo = 0;
-    for (int v = 0; v < kMaxVariants; ++v) g_max_nerr[v] = g_max_runs[v] = 0;
+    for (int v = 0; v < kPolicies; ++v) g_max_nerr[v] = g_max_runs[v] = 0;
     for (int G : {1, 2, 3, 4, 5, 7, 8, 12, 16})
       for (Aggregation agg : {Aggregation::kMean, Aggregation::kMax}) {
         Case c;
@@ -409,8 +356,8 @@ TEST_SUITE("gpu") {
         c.lens = {90, 211};
         check_case<bf16_storage>(c, seed + static_cast<std::uint32_t>(combo++));
       }
-    for (int v = 0; v < kMaxVariants; ++v) {  // the tensor-core max kernels on bf16 at |D| = 17
-      MESSAGE("max_variant ", v, ": ", g_max_runs[v], " runs, largest normalised error ", g_max_nerr[v]);
+    for (int v = 0; v < kPolicies; ++v) {  // the max kernels on bf16 at |D| = 17
+      MESSAGE(kPolicyNames[v], ": ", g_max_runs[v], " runs, largest normalised error ", g_max_nerr[v]);
       CHECK(g_max_runs[v] > 0);
     }
   }
@@ -439,7 +386,7 @@ TEST_SUITE("gpu") {
     check_case<float>(c, seed + 3);
   }
 
-  TEST_CASE("max_variant 2 is compiled with warpgroup MMAs where the build targets sm_90a") {
+  TEST_CASE("the max scorer is compiled with warpgroup MMAs where the build targets sm_90a") {
     triattn::test::require_device();
     test::DeviceBuffer<int> flag(1);
     flag.poison();

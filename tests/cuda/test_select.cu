@@ -208,7 +208,7 @@ SelectionParams params(int budget, PruningMode mode, PromptMode prompt, int sink
 
 }  // namespace
 
-TEST_CASE("device_keep_counts equals ref::keep_counts (host twin)") {
+TEST_CASE("the device round's keep counts (DeviceSelectParams) equal ref::keep_counts and clamp lengths") {
   std::mt19937 rng(7);
   std::uniform_int_distribution<int> u(0, 400);
   for (int i = 0; i < 200000; ++i) {
@@ -219,13 +219,19 @@ TEST_CASE("device_keep_counts equals ref::keep_counts (host twin)") {
     p.prompt = static_cast<PromptMode>(u(rng) % 3);
     const int T = u(rng), prompt = T ? u(rng) % (T + 1) : 0;
     const ref::KeepCounts r = ref::keep_counts(T, prompt, p);
-    const cuda::DeviceKeepCounts d = cuda::device_keep_counts(T, prompt, cuda::DeviceSelectParams(p));
-    REQUIRE_EQ(d.begin, r.selectable_begin);
-    REQUIRE_EQ(d.end, r.selectable_end);
+    const KeepCounts d = keep_counts_unchecked(T, prompt, cuda::DeviceSelectParams(p));
+    REQUIRE_EQ(d.selectable_begin, r.selectable_begin);
+    REQUIRE_EQ(d.selectable_end, r.selectable_end);
     REQUIRE_EQ(d.num_protected, r.num_protected);
     REQUIRE_EQ(d.quota, r.quota);
     REQUIRE_EQ(d.keep, r.keep);
     REQUIRE_EQ(d.identity, r.identity);
+    // out-of-range inputs (the device clamps where the reference throws)
+    const KeepCounts lo = keep_counts_unchecked(T, -1 - prompt, cuda::DeviceSelectParams(p));
+    const KeepCounts hi = keep_counts_unchecked(T, T + 1 + prompt, cuda::DeviceSelectParams(p));
+    REQUIRE_EQ(lo.keep, ref::keep_counts(T, 0, p).keep);
+    REQUIRE_EQ(hi.keep, ref::keep_counts(T, T, p).keep);
+    REQUIRE_EQ(keep_counts_unchecked(-1 - T, 0, cuda::DeviceSelectParams(p)).keep, 0);
   }
 }
 

@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include <triattn/core/config.hpp>
+#include <triattn/core/error.hpp>
 
 namespace triattn {
 
@@ -118,6 +119,20 @@ template <class T>
   if constexpr (std::is_same_v<T, float>) return x;
   else if constexpr (std::is_same_v<T, f16_storage>) return f16_storage{f32_to_f16_bits(x)};
   else return bf16_storage{f32_to_bf16_bits(x)};
+}
+
+/// Calls f(std::type_identity<T>{}) with the storage type of `dtype` (float, f16_storage,
+/// bf16_storage): the one run-time dtype switch of host code.
+/// @throws triattn::unsupported for a value outside DType.
+template <class F>
+decltype(auto) dispatch_dtype(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kF32: return f(std::type_identity<float>{});
+    case DType::kF16: return f(std::type_identity<f16_storage>{});
+    case DType::kBF16: return f(std::type_identity<bf16_storage>{});
+  }
+  throw unsupported("triattn: dtype " + std::to_string(static_cast<int>(dtype)) +
+                    " not supported (supported: float32, float16, bfloat16)");
 }
 
 }  // namespace triattn

@@ -473,11 +473,7 @@ class KvCache {
 
   template <class F>
   void dispatch_dtype(F&& f) const {
-    switch (config_.dtype) {
-      case DType::kF32: f(std::type_identity<float>{}); break;
-      case DType::kF16: f(std::type_identity<f16_storage>{}); break;
-      case DType::kBF16: f(std::type_identity<bf16_storage>{}); break;
-    }
+    triattn::dispatch_dtype(config_.dtype, std::forward<F>(f));
   }
 
   template <class T>

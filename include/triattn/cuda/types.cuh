@@ -28,16 +28,6 @@ template <> __device__ __forceinline__ float from_f32<float>(float x) { return x
 template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
-/// Calls f(std::type_identity<T>{}) with the storage type of `dtype`.
-template <class F>
-decltype(auto) dispatch_dtype(DType dtype, F&& f) {
-  switch (dtype) {
-    case DType::kF32: return f(std::type_identity<float>{});
-    case DType::kF16: return f(std::type_identity<f16_storage>{});
-    case DType::kBF16: return f(std::type_identity<bf16_storage>{});
-  }
-  throw unsupported("triattn: dtype " + std::to_string(static_cast<int>(dtype)) +
-                    " not supported (supported: float32, float16, bfloat16)");
-}
+using triattn::dispatch_dtype;  // core/dtype.hpp
 
 }  // namespace triattn::cuda

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include <triattn/core/error.hpp>
+#include <triattn/core/keep_counts.hpp>
 #include <triattn/core/keep_plan.hpp>
 #include <triattn/core/scoring_params.hpp>
 
@@ -76,23 +77,9 @@ inline WarningHandler set_warning_handler(WarningHandler handler) {
 
 namespace ref {
 
-/// How a round splits a sequence of `length` slots (pure integer bookkeeping, no scores).
-struct KeepCounts {
-  int length = 0;              ///< T, slots before the round
-  int num_protected = 0;       ///< pinned prompt ∪ sinks ∪ window
-  int selectable_begin = 0;    ///< selectable slots are [selectable_begin, selectable_end)
-  int selectable_end = 0;
-  int quota = 0;               ///< selectable slots kept (when not identity)
-  int keep = 0;                ///< slots after the round, the same for every (layer, KV head)
-  bool identity = false;       ///< quota >= selectable: the round keeps everything
-  bool prompt_over_budget = false;  ///< kPinnedInBudget and prompt_len >= budget
-  [[nodiscard]] int num_selectable() const noexcept { return selectable_end - selectable_begin; }
-};
+using triattn::KeepCounts;
 
-/// Splits `length` slots into protected and selectable ones and derives the kept count:
-///   begin = max(prompt_len if pinned else 0, min(n_sink, T)),  end = max(begin, T − window),
-///   protected = begin + (T − end),  total = budget (+ prompt_len with kPinnedOnTop),
-///   quota = max(0, total − protected),  keep = identity ? T : protected + quota.
+/// keep_counts_unchecked (core/keep_counts.hpp) after validating its inputs.
 /// @throws triattn::logic_error on invalid params or prompt_len outside [0, length].
 [[nodiscard]] inline KeepCounts keep_counts(int length, int prompt_len, const SelectionParams& p) {
   p.validate();
@@ -100,21 +87,7 @@ struct KeepCounts {
   TRIATTN_EXPECTS(prompt_len >= 0 && prompt_len <= length,
                   "keep_counts: prompt_len = " + std::to_string(prompt_len) + " must be in [0, length = " +
                       std::to_string(length) + "]");
-  KeepCounts k;
-  k.length = length;
-  const int pinned = p.prompt_pinned() ? prompt_len : 0;
-  k.selectable_begin = std::max(pinned, std::min(p.n_sink, length));
-  // T - window can be negative; compute in 64 bits.
-  const long long tail = static_cast<long long>(length) - p.window;
-  k.selectable_end = static_cast<int>(std::max<long long>(k.selectable_begin, tail));
-  k.num_protected = k.selectable_begin + (length - k.selectable_end);
-  const long long total = static_cast<long long>(p.budget) + (p.prompt == PromptMode::kPinnedOnTop ? prompt_len : 0);
-  k.quota = static_cast<int>(std::max<long long>(0, total - k.num_protected));
-  k.identity = k.quota >= k.num_selectable();
-  if (k.identity) k.quota = k.num_selectable();
-  k.keep = k.identity ? length : k.num_protected + k.quota;
-  k.prompt_over_budget = p.prompt == PromptMode::kPinnedInBudget && prompt_len >= p.budget;
-  return k;
+  return keep_counts_unchecked(length, prompt_len, p);
 }
 
 /// Z-normalises every row over the slot range [begin, end): x ← (x − mean) / max(std, 1e-6),

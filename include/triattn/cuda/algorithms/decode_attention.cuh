@@ -4,9 +4,8 @@
 //   bytes = decode_attention::workspace_size(plan, ...)   (0 when there is one split)
 //   decode_attention::run(plan, ..., workspace, bytes, stream)
 // run() launches the split kernel and, with more than one split, the combine kernel through
-// programmatic dependent launch, so its launch latency hides behind the split kernel's tail
-// (variants 3 and 4 merge the splits inside the split kernel instead; see
-// tuning::sm90::DecodeAttention for the list). No throw, no allocation, no synchronisation.
+// programmatic dependent launch, so its launch latency hides behind the split kernel's tail.
+// No throw, no allocation, no synchronisation.
 #pragma once
 
 #include <cstddef>
@@ -28,10 +27,6 @@ struct DecodeAttentionPlan {
   int num_splits = 1;        ///< token splits per (entry, KV head); 1 = no combine kernel
   int tokens_per_split = 0;  ///< > 0
   int heads_per_pass = 0;    ///< query heads per CTA: 8 (16-bit caches) or 4 (fp32)
-  /// Kernel variant (tuning::sm90::DecodeAttention): 0 .. kNumVariants - 1. Variant 4 needs a
-  /// workspace zero-filled before its first use and reused only by variant-4 calls of the same
-  /// batch and num_q_heads.
-  int variant = tuning::sm90::DecodeAttention::kDefaultVariant;
 };
 
 struct decode_attention {
@@ -45,13 +40,11 @@ struct decode_attention {
   /// Picks the split so that batch * num_kv_heads * passes * splits CTAs fill one wave of
   /// `resident_ctas` (see resident_ctas()), without splits shorter than kMinTokensPerSplit.
   /// max_seq_len: an upper bound of the batch's physical lengths (tokens past it are ignored).
-  /// resident_ctas: resident_ctas<T>(head_dim, &n, variant) of the same variant.
+  /// resident_ctas: resident_ctas<T>(head_dim, &n).
   [[nodiscard]] static DecodeAttentionPlan make_plan(DType dtype, int batch, int num_kv_heads, int group_size,
-                                                     int max_seq_len, int resident_ctas,
-                                                     int variant = Tune::kDefaultVariant) noexcept {
+                                                     int max_seq_len, int resident_ctas) noexcept {
     DecodeAttentionPlan plan;
     plan.heads_per_pass = heads_per_pass(dtype);
-    plan.variant = variant;
     const int passes = (group_size + plan.heads_per_pass - 1) / plan.heads_per_pass;
     const std::int64_t base = static_cast<std::int64_t>(batch > 0 ? batch : 1) * (num_kv_heads > 0 ? num_kv_heads : 1) *
                               (passes > 0 ? passes : 1);
@@ -60,22 +53,16 @@ struct decode_attention {
     const std::int64_t useful = (len + Tune::kMinTokensPerSplit - 1) / Tune::kMinTokensPerSplit;
     splits = triattn::detail::max_<std::int64_t>(1, triattn::detail::min_<std::int64_t>(splits, triattn::detail::min_<std::int64_t>(useful, Tune::kMaxSplits)));
     std::int64_t tps = (len + splits - 1) / splits;
-    const std::int64_t granule = variant == 6 || variant == 8 ? Tune::kTileTokens : Tune::kSplitGranule;
-    tps = (tps + granule - 1) / granule * granule;
+    tps = (tps + Tune::kSplitGranule - 1) / Tune::kSplitGranule * Tune::kSplitGranule;
     plan.tokens_per_split = static_cast<int>(tps);
     plan.num_splits = static_cast<int>((len + tps - 1) / tps);
     return plan;
   }
 
-  /// True when `variant` merges the splits inside the split kernel (16-bit caches only).
-  [[nodiscard]] static constexpr bool fused_merge(int variant, DType dtype) noexcept {
-    return (variant == 3 || variant == 4) && dtype != DType::kF32;
-  }
-
-  /// CTAs of the split kernel for T (and `variant`) that the current device keeps resident at
-  /// once (multiprocessors x occupancy).
+  /// CTAs of the split kernel for T that the current device keeps resident at once
+  /// (multiprocessors x occupancy).
   template <class T>
-  [[nodiscard]] static cudaError_t resident_ctas(int head_dim, int* out, int variant = Tune::kDefaultVariant) noexcept {
+  [[nodiscard]] static cudaError_t resident_ctas(int head_dim, int* out) noexcept {
     int sms = 0;
     TRIATTN_CUDA_RETURN_IF_ERROR(current_device_sm_count(&sms));
     int per_sm = 0;
@@ -85,15 +72,11 @@ struct decode_attention {
         return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_attention_f32_kernel<kD, std::int32_t, T>,
                                                              Tune::kThreads, 0);
       } else {
-        if (variant >= 2) {
-          // Same resources for every Id / OutT / kFused instantiation.
-          auto kernel = decode_attention_mma_pipe_kernel<kD, T, std::int32_t, T, false>;
-          TRIATTN_CUDA_RETURN_IF_ERROR(prepare_pipe_kernel<kD>(kernel));
-          return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Tune::kThreads,
-                                                               decode_attention_pipe_smem_bytes<kD>());
-        }
-        return cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-            &per_sm, decode_attention_mma_kernel<kD, T, std::int32_t, T>, Tune::kThreads, 0);
+        // Same resources for every Id / OutT instantiation.
+        auto kernel = decode_attention_mma_pipe_kernel<kD, T, std::int32_t, T>;
+        TRIATTN_CUDA_RETURN_IF_ERROR(prepare_pipe_kernel<kD>(kernel));
+        return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Tune::kThreads,
+                                                             decode_attention_pipe_smem_bytes<kD>());
       }
     });
     if (e != cudaSuccess) return e;
@@ -101,14 +84,12 @@ struct decode_attention {
     return cudaSuccess;
   }
 
-  /// Bytes of workspace run() needs for `plan` (0 with one split). Variants 3 and 4 put
-  /// batch * num_q_heads 32-bit arrival counters first (variant 4: zero-fill the workspace once).
+  /// Bytes of workspace run() needs for `plan` (0 with one split).
   [[nodiscard]] static std::size_t workspace_size(const DecodeAttentionPlan& plan, int batch, int num_q_heads,
                                                   int head_dim) noexcept {
     if (plan.num_splits <= 1) return 0;
     const std::size_t rows = static_cast<std::size_t>(batch) * num_q_heads * plan.num_splits;
-    return counter_bytes(plan, batch, num_q_heads) + align(rows * head_dim * sizeof(float)) +
-           align(rows * sizeof(float2));
+    return align(rows * head_dim * sizeof(float)) + align(rows * sizeof(float2));
   }
 
   /// Decode attention of `batch` entries at `layer`: entry b attends sequence seq_ids[b] (or b
@@ -134,7 +115,7 @@ struct decode_attention {
     if (hkv <= 0 || num_q_heads <= 0 || num_q_heads % hkv != 0 || layer < 0 || layer >= view.num_layers)
       return cudaErrorInvalidValue;
     if (plan.heads_per_pass != heads_per_pass(dtype_of<T>) || plan.num_splits < 1 || plan.tokens_per_split <= 0 ||
-        plan.num_splits > Tune::kMaxSplits || plan.variant < 0 || plan.variant >= Tune::kNumVariants)
+        plan.num_splits > Tune::kMaxSplits)
       return cudaErrorInvalidValue;
     if (q == nullptr || out == nullptr || view.data == nullptr || view.block_tables == nullptr ||
         view.seq_lens == nullptr || !is_aligned(q, 16) || !is_aligned(view.data, 16) ||
@@ -161,50 +142,32 @@ struct decode_attention {
         return cudaErrorInvalidValue;
       const std::size_t rows = static_cast<std::size_t>(batch) * num_q_heads * plan.num_splits;
       char* ws = static_cast<char*>(workspace);
-      const std::size_t ctr_bytes = counter_bytes(plan, batch, num_q_heads);
-      p.counters = ctr_bytes > 0 ? reinterpret_cast<std::uint32_t*>(ws) : nullptr;
-      p.partial_o = reinterpret_cast<float*>(ws + ctr_bytes);
-      p.partial_ml = reinterpret_cast<float2*>(ws + ctr_bytes + align(rows * d * sizeof(float)));
+      p.partial_o = reinterpret_cast<float*>(ws);
+      p.partial_ml = reinterpret_cast<float2*>(ws + align(rows * d * sizeof(float)));
     }
 
     const dim3 grid(static_cast<unsigned>(plan.num_splits), static_cast<unsigned>(hkv * passes),
                     static_cast<unsigned>(batch));
-    const bool fused = fused_merge(plan.variant, dtype_of<T>) && plan.num_splits > 1;
     return dispatch_head_dim_status(d, [&](auto hd) -> cudaError_t {
       constexpr int kD = decltype(hd)::value;
       if constexpr (std::is_same_v<T, float>) {
         decode_attention_f32_kernel<kD, Id, OutT><<<grid, Tune::kThreads, 0, stream>>>(view, p);
       } else {
-        if (plan.variant >= 2) {
-          const bool evict_first = plan.variant == 7 || plan.variant == 8;
-          const cudaError_t e = fused         ? launch_pipe<kD, true>(grid, view, p, plan.variant == 3, stream)
-                                : evict_first ? launch_pipe<kD, false, true>(grid, view, p, false, stream)
-                                              : launch_pipe<kD, false>(grid, view, p, false, stream);
-          if (e != cudaSuccess) return e;
-        } else {
-          decode_attention_mma_kernel<kD, T, Id, OutT><<<grid, Tune::kThreads, 0, stream>>>(view, p);
-        }
+        auto kernel = decode_attention_mma_pipe_kernel<kD, T, Id, OutT>;
+        TRIATTN_CUDA_RETURN_IF_ERROR(prepare_pipe_kernel<kD>(kernel));
+        kernel<<<grid, Tune::kThreads, decode_attention_pipe_smem_bytes<kD>(), stream>>>(view, p);
       }
       TRIATTN_CUDA_RETURN_IF_ERROR(check_launch(stream));
-      if (plan.num_splits == 1 || fused) return cudaSuccess;
+      if (plan.num_splits == 1) return cudaSuccess;
 
       const dim3 cgrid(static_cast<unsigned>(num_q_heads), static_cast<unsigned>(batch));
+      // Dependent launch: the combine kernel's CTAs start during the split kernel's tail.
       const Id* lens = view.seq_lens;
       const float* po = p.partial_o;
       const float2* pml = p.partial_ml;
-      // Dependent launch: the combine kernel's CTAs start during the split kernel's tail.
-      if (plan.variant == 0)
-        TRIATTN_CUDA_RETURN_IF_ERROR(launch_dependent(decode_attention_combine_kernel<kD, Id, OutT>, cgrid, dim3(kD),
-                                                      0, stream, lens, seq_ids, po, pml, out, num_q_heads,
-                                                      plan.num_splits, plan.tokens_per_split));
-      else if (plan.variant >= 5)
-        TRIATTN_CUDA_RETURN_IF_ERROR(launch_dependent(decode_attention_combine_wide_kernel<kD, Id, OutT>, cgrid,
-                                                      dim3(kD), 0, stream, lens, seq_ids, po, pml, out, num_q_heads,
-                                                      plan.num_splits, plan.tokens_per_split));
-      else
-        TRIATTN_CUDA_RETURN_IF_ERROR(launch_dependent(decode_attention_combine_fast_kernel<kD, Id, OutT>, cgrid,
-                                                      dim3(kD), 0, stream, lens, seq_ids, po, pml, out, num_q_heads,
-                                                      plan.num_splits, plan.tokens_per_split));
+      TRIATTN_CUDA_RETURN_IF_ERROR(launch_dependent(decode_attention_combine_kernel<kD, Id, OutT>, cgrid, dim3(kD), 0,
+                                                    stream, lens, seq_ids, po, pml, out, num_q_heads, plan.num_splits,
+                                                    plan.tokens_per_split));
       return check_launch(stream);
     });
   }
@@ -219,12 +182,6 @@ struct decode_attention {
  private:
   static constexpr std::size_t align(std::size_t bytes) noexcept { return (bytes + 255) / 256 * 256; }
 
-  /// Arrival counters at the front of the workspace (fused variants, more than one split).
-  static constexpr std::size_t counter_bytes(const DecodeAttentionPlan& plan, int batch, int num_q_heads) noexcept {
-    if (plan.num_splits <= 1 || (plan.variant != 3 && plan.variant != 4)) return 0;
-    return align(static_cast<std::size_t>(batch) * num_q_heads * sizeof(std::uint32_t));
-  }
-
   /// Opts the cp.async kernel into its dynamic shared memory (and the carveout that fits the
   /// most CTAs). Cheap; called before every occupancy query and launch.
   template <int D, class K>
@@ -232,27 +189,6 @@ struct decode_attention {
     TRIATTN_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                       decode_attention_pipe_smem_bytes<D>()));
     return cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
-  }
-
-  /// Launches the cp.async kernel; zero_counters (variant 3): first a one-CTA kernel zeroes the
-  /// arrival counters and the split kernel follows it through programmatic dependent launch.
-  template <int D, bool kFused, bool kEvictFirst = false, class T, class Id, class OutT>
-  static cudaError_t launch_pipe(dim3 grid, const KvCacheView<T, Id>& view, const DecodeAttentionParams<T, OutT>& p,
-                                 bool zero_counters, cudaStream_t stream) noexcept {
-    auto kernel = decode_attention_mma_pipe_kernel<D, T, Id, OutT, kFused, kEvictFirst>;
-    TRIATTN_CUDA_RETURN_IF_ERROR(prepare_pipe_kernel<D>(kernel));
-    const int smem = decode_attention_pipe_smem_bytes<D>();
-    if (!zero_counters) {
-      kernel<<<grid, Tune::kThreads, smem, stream>>>(view, p);
-      return check_launch(stream);
-    }
-    const int n = static_cast<int>(grid.y * grid.z);
-    decode_attention_zero_counters_kernel<std::uint32_t>
-        <<<static_cast<unsigned>((n + 255) / 256 < 64 ? (n + 255) / 256 : 64), 256, 0, stream>>>(p.counters, n);
-    TRIATTN_CUDA_RETURN_IF_ERROR(check_launch(stream));
-    TRIATTN_CUDA_RETURN_IF_ERROR(
-        launch_dependent(kernel, grid, dim3(Tune::kThreads), static_cast<std::size_t>(smem), stream, view, p));
-    return check_launch(stream);
   }
 };
 

@@ -12,7 +12,7 @@
 #include <triattn/core/kv_view.hpp>
 #include <triattn/cuda/config.cuh>
 #include <triattn/cuda/kernels/key_norm_kernel.cuh>
-#include <triattn/cuda/kernels/score_kernel.cuh>
+#include <triattn/cuda/score_model_view.cuh>
 #include <triattn/cuda/launch.cuh>
 
 namespace triattn::cuda {

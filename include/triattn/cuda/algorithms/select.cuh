@@ -26,9 +26,8 @@ template <class Id>
                                                SelectTarget target, cudaStream_t stream) noexcept {
   if (in.rows <= 0 || in.planes <= 0 || seqs.batch > 65535) return cudaErrorInvalidValue;
   // Plan rows each ranked row feeds: per_head L, union L·Hkv. Split those writes over up to one
-  // CTA per SM in total. Each split re-ranks the row, and a CTA's time is its instruction stream
-  // (H200, 2026-12-01, ncu: ~2,100 instructions per warp at ~16 cycles each): two CTAs per SM
-  // share the schedulers and took 21 µs for a Qwen3-8B round at batch 1 (264 CTAs).
+  // CTA per SM in total. Each split re-ranks the row, and a CTA's time is its instruction stream,
+  // so two CTAs per SM sharing the schedulers take longer.
   const int targets = target == SelectTarget::kPerHead ? shape.num_layers
                       : target == SelectTarget::kAll   ? shape.num_layers * shape.num_kv_heads
                                                        : 1;

@@ -16,7 +16,7 @@
 #include <triattn/core/kv_view.hpp>
 #include <triattn/cuda/config.cuh>
 #include <triattn/cuda/error.cuh>
-#include <triattn/cuda/kernels/score_kernel.cuh>
+#include <triattn/cuda/score_model_view.cuh>
 #include <triattn/cuda/kernels/snapkv_kernel.cuh>
 #include <triattn/cuda/launch.cuh>
 

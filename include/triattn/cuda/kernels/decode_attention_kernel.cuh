@@ -4,7 +4,7 @@
 // the query heads of that head's group, keeps an online softmax, and either writes the output
 // (one split) or an unnormalised partial that decode_attention_combine_kernel merges.
 //
-// 16-bit caches (mma kernel): each warp takes 16-token tiles and uses mma.sync m16n8k16.
+// 16-bit caches (mma pipe kernel): each warp takes 16-token tiles and uses mma.sync m16n8k16.
 //   QK:  S^T[16 tokens x 8 heads] = K[16 x d] . Q^T[d x 8]      (d/16 MMAs)
 //   PV:  O^T[d x 8 heads] += V^T[d x 16 tokens] . P^T[16 x 8]   (d/16 MMAs, twice: P = hi + lo)
 // Operands come straight from 16-byte global loads: a dot product does not care in which order
@@ -16,14 +16,10 @@
 // ~1e-3 relative error by itself).
 // fp32 caches (f32 kernel): CUDA cores, a half-warp per token, 4 query heads per pass.
 //
-// Two ways to feed the 16-bit math (same fragments, same MMAs, same results):
-//   register kernel: each warp loads a tile's K and V straight into registers, then computes.
-//   cp.async kernel: each warp streams its tiles through kStages shared-memory buffers
-//     (cp.async, 16 bytes, coalesced per 128-byte line; chunks XOR-swizzled per token so the
-//     fragment reads are free of bank conflicts), so kStages tiles stay in flight while it
-//     computes; the block-table entry of a tile is fetched one tile ahead.
-// Splits are merged either by a combine kernel (serial or parallel over splits) or by the last
-// CTA of each (entry, KV head) to finish (arrival counter in the workspace).
+// Each warp streams its tiles through kStages shared-memory buffers (cp.async, 16 bytes, coalesced
+// per 128-byte line; chunks XOR-swizzled per token so the fragment reads are free of bank
+// conflicts), so kStages tiles stay in flight while it computes; the block-table entry of a tile
+// is fetched one tile ahead.
 #pragma once
 
 #include <cstdint>
@@ -31,6 +27,7 @@
 
 #include <triattn/core/kv_view.hpp>
 #include <triattn/cuda/config.cuh>
+#include <triattn/cuda/device/async_copy.cuh>
 #include <triattn/cuda/griddep.cuh>
 #include <triattn/cuda/tuning/sm90.cuh>
 #include <triattn/cuda/types.cuh>
@@ -52,7 +49,6 @@ struct DecodeAttentionParams {
   int num_splits;               ///< 1: write `out` directly; > 1: write partials
   int tokens_per_split;
   float scale_log2;             ///< sm_scale * log2(e)
-  std::uint32_t* counters;      ///< fused merge: [batch * gridDim.y] arrival counters (workspace)
 };
 
 namespace detail {
@@ -107,39 +103,6 @@ __device__ __forceinline__ void split_pack(float x, float y, std::uint32_t& hi, 
 
 __device__ __forceinline__ std::uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-}
-
-__device__ __forceinline__ std::uint32_t smem_addr(const void* p) {
-  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
-}
-/// 16-byte global -> shared copy through L2 only (cp.async.cg).
-__device__ __forceinline__ void cp_async_16(std::uint32_t dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-/// cp_async_16 with an L2 cache policy (createpolicy).
-__device__ __forceinline__ void cp_async_16_hint(std::uint32_t dst, const void* src, std::uint64_t policy) {
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "l"(policy)
-               : "memory");
-}
-/// L2 policy that makes the lines it loads the first to be evicted (streamed K/V is read once).
-__device__ __forceinline__ std::uint64_t l2_evict_first_policy() {
-  std::uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  return policy;
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-/// Waits until at most N of this thread's committed groups are pending.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
-/// Release / acquire fence at GPU scope (CUTLASS's generic barrier uses the same pattern).
-__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
-__device__ __forceinline__ std::uint32_t atomic_add_relaxed_gpu(std::uint32_t* p, std::uint32_t v) {
-  std::uint32_t old;
-  asm volatile("atom.relaxed.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
-  return old;
 }
 
 /// XOR applied to a 16-byte chunk index of token row t (0..15) of a shared-memory tile: the K
@@ -268,118 +231,6 @@ struct MergeSmem {
   float l[kWarps][kHP];
 };
 
-/// Shared memory of the fused split merge (aliases MergeSmem once the CTA's partial is out).
-template <int kHP, int kMaxSplits>
-struct SplitMergeSmem {
-  float w[kHP][kMaxSplits];  ///< split weights exp2(m_s - max)
-  float l[kHP];              ///< sum over splits of l_s * w_s
-  int last;                  ///< this CTA arrived last
-};
-
-/// Fused split merge, run by every CTA of a multi-split launch after it stored its partial:
-/// the CTA that arrives last for its (entry, head group) merges the n_active partials of its
-/// nh query heads into `out` and resets the arrival counter for the next call.
-template <int D, int kHP, int kWarps, class T, class OutT>
-__device__ __forceinline__ void fused_split_merge(void* smem, int nh, int b, int first_q_head, int n_active,
-                                                  const DecodeAttentionParams<T, OutT>& p) {
-  using Tune = tuning::sm90::DecodeAttention;
-  constexpr int kMaxSplits = Tune::kMaxSplits;
-  constexpr int kBatch = Tune::kMergeBatch;
-  constexpr int kQ = D / 4;  // float4s per head row
-  auto& sm = *static_cast<SplitMergeSmem<kHP, kMaxSplits>*>(smem);
-  const int tid = static_cast<int>(threadIdx.x);
-  const int lane = tid & 31;
-  const int warp = tid >> 5;
-
-  // Arrival (CUTLASS generic barrier / cooperative groups grid sync pattern): the CTA barrier
-  // orders every thread's partial stores (and MergeSmem reads: sm aliases it) before thread 0's
-  // release fence and atomic; the last CTA's thread 0 fences (acquire) before the barrier that
-  // lets its threads read the other CTAs' partials (through L2: ld.global.cg).
-  __syncthreads();
-  if (tid == 0) {
-    fence_acq_rel_gpu();
-    griddep_wait();  // variant 3: the counters were zeroed by the preceding kernel
-    std::uint32_t* ctr = p.counters + static_cast<std::int64_t>(b) * gridDim.y + blockIdx.y;
-    const std::uint32_t prev = atomic_add_relaxed_gpu(ctr, 1u);
-    const int last = prev + 1u == static_cast<std::uint32_t>(n_active) ? 1 : 0;
-    if (last) {
-      atomicExch(ctr, 0u);  // every CTA of this call has arrived: ready for the next call
-      fence_acq_rel_gpu();
-    }
-    sm.last = last;
-  }
-  __syncthreads();
-  if (sm.last == 0) return;
-
-  // Weights per head: one warp per head, lanes over splits; the first kReg * 32 (m, l) pairs
-  // stay in registers between the max and the weights.
-  constexpr int kReg = 4;
-  for (int h = warp; h < nh; h += kWarps) {
-    const std::int64_t row = static_cast<std::int64_t>(b) * p.num_q_heads + first_q_head + h;
-    const float2* ml = p.partial_ml + row * p.num_splits;
-    float2 xr[kReg];
-#pragma unroll
-    for (int i = 0; i < kReg; ++i) xr[i] = __ldcg(ml + min(lane + 32 * i, n_active - 1));
-    float mx = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < kReg; ++i) mx = fmaxf(mx, xr[i].x);  // clamped duplicates: harmless for a max
-    for (int s = lane + 32 * kReg; s < n_active; s += 32) mx = fmaxf(mx, __ldcg(ml + s).x);
-#pragma unroll
-    for (int x = 16; x > 0; x >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x));
-    float ls = 0.f;
-#pragma unroll
-    for (int i = 0; i < kReg; ++i) {
-      const int s = lane + 32 * i;
-      if (s < n_active) {
-        const float w = exp2f(xr[i].x - mx);
-        sm.w[h][s] = w;
-        ls += xr[i].y * w;
-      }
-    }
-    for (int s = lane + 32 * kReg; s < n_active; s += 32) {
-      const float2 x = __ldcg(ml + s);
-      const float w = exp2f(x.x - mx);
-      sm.w[h][s] = w;
-      ls += x.y * w;
-    }
-#pragma unroll
-    for (int x = 16; x > 0; x >>= 1) ls += __shfl_xor_sync(0xffffffffu, ls, x);
-    if (lane == 0) sm.l[h] = ls;
-  }
-  __syncthreads();
-
-  // Outputs: a thread per (head, 4 dims), kBatch partial loads in flight, splits summed in order.
-  for (int idx = tid; idx < nh * kQ; idx += kWarps * 32) {
-    const int h = idx / kQ;
-    const int e4 = idx % kQ;
-    const std::int64_t row = static_cast<std::int64_t>(b) * p.num_q_heads + first_q_head + h;
-    const float4* po = reinterpret_cast<const float4*>(p.partial_o + row * p.num_splits * D) + e4;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s0 = 0; s0 < n_active; s0 += kBatch) {
-      // Unpredicated loads (index clamped to a valid split) so that all kBatch are in flight.
-      float4 x[kBatch];
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) x[u] = __ldcg(po + static_cast<std::int64_t>(min(s0 + u, n_active - 1)) * kQ);
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        if (s0 + u < n_active) {
-          const float w = sm.w[h][s0 + u];
-          acc.x += x[u].x * w;
-          acc.y += x[u].y * w;
-          acc.z += x[u].z * w;
-          acc.w += x[u].w * w;
-        }
-      }
-    }
-    const float l = sm.l[h];
-    OutT* op = p.out + row * D + 4 * e4;
-    store_f32(op + 0, acc.x / l);
-    store_f32(op + 1, acc.y / l);
-    store_f32(op + 2, acc.z / l);
-    store_f32(op + 3, acc.w / l);
-  }
-}
-
 /// Zero output for an empty sequence when no combine kernel runs.
 template <int D, class T, class OutT>
 __device__ __forceinline__ void store_empty(int nh, int b, int first_q_head, const DecodeAttentionParams<T, OutT>& p) {
@@ -406,139 +257,18 @@ struct DecodeCtaHeads {
 
 }  // namespace detail
 
-/// 16-bit caches. Grid: [num_splits, num_kv_heads * passes, batch], tuning::DecodeAttention::kThreads.
-template <int HeadDim, class T, class Id, class OutT>
-__global__ void __launch_bounds__(tuning::sm90::DecodeAttention::kThreads, tuning::sm90::DecodeAttention::kMinCtasPerSmMma)
-    decode_attention_mma_kernel(KvCacheView<T, Id> view, DecodeAttentionParams<T, OutT> p) {
-  using Tune = tuning::sm90::DecodeAttention;
-  using DT = device_type_t<T>;
-  static_assert(sizeof(DT) == 2, "the mma kernel takes 16-bit caches");
-  static_assert(HeadDim == 64 || HeadDim == 128, "fragment mapping written for head_dim 64 and 128");
-  constexpr int D = HeadDim;
-  constexpr int kWarps = Tune::kWarps;
-  constexpr int kTile = Tune::kTileTokens;
-  constexpr int kHP = Tune::kHeadsPerPassMma;  // the MMA's N
-  constexpr int kKSteps = D / 16;              // QK k-steps
-  constexpr int kMTiles = D / 16;              // PV m-tiles
-  constexpr int kKChunks = D / 32;             // K chunks per lane per token: 4i + q
-  constexpr int kVChunks = D / 64;             // V chunks per lane per token: g + 8u
-
-  __shared__ float s_o[kWarps][kHP][D + 1];
-  __shared__ float s_m[kWarps][kHP];
-  __shared__ float s_l[kWarps][kHP];
-
-  const int lane = static_cast<int>(threadIdx.x) & 31;
-  const int warp = static_cast<int>(threadIdx.x) >> 5;
-  const int g = lane >> 2;  // MMA group id
-  const int q4 = lane & 3;  // thread in group
-  const detail::DecodeCtaHeads<kHP> cta(p);
-  const int b = cta.b, kvh = cta.kvh, nh = cta.nh, first_q_head = cta.first_q_head, seq = cta.seq;
-  const int len = static_cast<int>(view.seq_lens[seq]);
-  const int start = static_cast<int>(blockIdx.x) * p.tokens_per_split;
-  const int end = min(len, start + p.tokens_per_split);
-
-  detail::griddep_launch_dependents();
-  if (start >= end) {
-    if (p.num_splits == 1) detail::store_empty<D>(nh, b, first_q_head, p);
-    return;
-  }
-
-  // Q^T as B fragments: lane (g, q4) holds query head g's chunks 4i + q4 (zeros past nh).
-  std::uint32_t qf[kKSteps][2];
-  {
-    const uint4* qp = reinterpret_cast<const uint4*>(p.q + (static_cast<std::int64_t>(b) * p.num_q_heads +
-                                                            first_q_head + (g < nh ? g : 0)) * D);
-#pragma unroll
-    for (int i = 0; i < kKChunks; ++i) {
-      const uint4 x = g < nh ? qp[4 * i + q4] : make_uint4(0, 0, 0, 0);
-      qf[2 * i][0] = x.x;
-      qf[2 * i][1] = x.y;
-      qf[2 * i + 1][0] = x.z;
-      qf[2 * i + 1][1] = x.w;
-    }
-  }
-
-  float o[kMTiles][4];
-#pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
-  float m0 = -INFINITY, m1 = -INFINITY;  // running max (log2 units) of heads 2q4, 2q4 + 1
-  float l0 = 0.f, l1 = 0.f;              // this lane's share of the running sums
-
-  const Id* table = view.block_tables + static_cast<std::int64_t>(seq) * view.max_blocks_per_seq;
-  const DT* kbase = reinterpret_cast<const DT*>(view.range(p.layer, KvKind::kKey));
-  const DT* vbase = reinterpret_cast<const DT*>(view.range(p.layer, KvKind::kValue));
-
-  for (int t0 = start + warp * kTile; t0 < end; t0 += kTile * kWarps) {
-    // Lane l < 16 resolves token t0 + l (past the end: the last valid token, masked below).
-    const std::int64_t my_off = detail::slot_offset(view, table, min(t0 + (lane & 15), end - 1), kvh);
-    const std::int64_t off_ka = __shfl_sync(0xffffffffu, my_off, g);
-    const std::int64_t off_kb = __shfl_sync(0xffffffffu, my_off, g + 8);
-    const std::int64_t off_v0 = __shfl_sync(0xffffffffu, my_off, 2 * q4);
-    const std::int64_t off_v1 = __shfl_sync(0xffffffffu, my_off, 2 * q4 + 1);
-    const std::int64_t off_v2 = __shfl_sync(0xffffffffu, my_off, 8 + 2 * q4);
-    const std::int64_t off_v3 = __shfl_sync(0xffffffffu, my_off, 9 + 2 * q4);
-
-    uint4 ka[kKChunks], kb[kKChunks], v[4][kVChunks];
-#pragma unroll
-    for (int i = 0; i < kKChunks; ++i) {
-      ka[i] = *reinterpret_cast<const uint4*>(kbase + off_ka + (4 * i + q4) * 8);
-      kb[i] = *reinterpret_cast<const uint4*>(kbase + off_kb + (4 * i + q4) * 8);
-    }
-#pragma unroll
-    for (int u = 0; u < kVChunks; ++u) {
-      const int c = (g + 8 * u) * 8;
-      v[0][u] = *reinterpret_cast<const uint4*>(vbase + off_v0 + c);
-      v[1][u] = *reinterpret_cast<const uint4*>(vbase + off_v1 + c);
-      v[2][u] = *reinterpret_cast<const uint4*>(vbase + off_v2 + c);
-      v[3][u] = *reinterpret_cast<const uint4*>(vbase + off_v3 + c);
-    }
-
-    detail::mma_tile_update<D, DT>(ka, kb, v, qf, o, m0, m1, l0, l1, t0 + g < end, t0 + g + 8 < end, p.scale_log2);
-  }
-
-  // Warp state -> shared memory. Lane (g, q4) holds O[head 2q4 (+1)][dim_of(mt, 0|1, g)].
-#pragma unroll
-  for (int x = 4; x < 32; x <<= 1) {
-    l0 += __shfl_xor_sync(0xffffffffu, l0, x);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, x);
-  }
-  if (g == 0) {
-    s_m[warp][2 * q4] = m0;
-    s_m[warp][2 * q4 + 1] = m1;
-    s_l[warp][2 * q4] = l0;
-    s_l[warp][2 * q4 + 1] = l1;
-  }
-#pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt) {
-    const int d0 = D == 128 ? 8 * g + mt : 8 * g + 2 * mt;       // row g
-    const int d1 = D == 128 ? 64 + 8 * g + mt : 8 * g + 2 * mt + 1;  // row g + 8
-    s_o[warp][2 * q4][d0] = o[mt][0];
-    s_o[warp][2 * q4 + 1][d0] = o[mt][1];
-    s_o[warp][2 * q4][d1] = o[mt][2];
-    s_o[warp][2 * q4 + 1][d1] = o[mt][3];
-  }
-  __syncthreads();
-  detail::cta_merge_store<D, kHP, kWarps>(s_o, s_m, s_l, nh, b, first_q_head, p);
-}
-
 /// Shared memory bytes of decode_attention_mma_pipe_kernel<HeadDim, ...> (dynamic).
 template <int HeadDim>
 [[nodiscard]] constexpr int decode_attention_pipe_smem_bytes() {
   using Tune = tuning::sm90::DecodeAttention;
   constexpr int pipe = Tune::kWarps * Tune::kStages * 2 * Tune::kTileTokens * HeadDim * 2;
   constexpr int merge = static_cast<int>(sizeof(detail::MergeSmem<HeadDim, Tune::kHeadsPerPassMma, Tune::kWarps>));
-  constexpr int split =
-      static_cast<int>(sizeof(detail::SplitMergeSmem<Tune::kHeadsPerPassMma, Tune::kMaxSplits>));
-  constexpr int m = merge > split ? merge : split;
-  return pipe > m ? pipe : m;
+  return pipe > merge ? pipe : merge;
 }
 
-/// 16-bit caches, cp.async pipeline (variants 2-4). Same grid and math as the register kernel;
-/// each warp streams its tiles through Tune::kStages shared-memory buffers. kEvictFirst: K/V
-/// lines enter L2 as evict-first (variants 7, 8), so the stream replaces its own lines instead of
-/// evicting (and writing back) what L2 held before. kFused: with more
-/// than one split the last CTA of each (entry, head group) merges the splits (no combine kernel).
-template <int HeadDim, class T, class Id, class OutT, bool kFused, bool kEvictFirst = false>
+/// 16-bit caches, cp.async pipeline: each warp streams its tiles through Tune::kStages
+/// shared-memory buffers. Grid: [num_splits, num_kv_heads * passes, batch], Tune::kThreads.
+template <int HeadDim, class T, class Id, class OutT>
 __global__ void __launch_bounds__(tuning::sm90::DecodeAttention::kThreads, tuning::sm90::DecodeAttention::kMinCtasPerSmPipe)
     decode_attention_mma_pipe_kernel(KvCacheView<T, Id> view, DecodeAttentionParams<T, OutT> p) {
   using Tune = tuning::sm90::DecodeAttention;
@@ -597,9 +327,7 @@ __global__ void __launch_bounds__(tuning::sm90::DecodeAttention::kThreads, tunin
   const int end = min(len, start + p.tokens_per_split);
   detail::griddep_launch_dependents();
   if (start >= end) {
-    // One split: this CTA owns the output. Fused merge with an empty sequence: nobody arrives,
-    // so split 0 writes the zeros.
-    if (p.num_splits == 1 || (kFused && blockIdx.x == 0)) detail::store_empty<D>(nh, b, first_q_head, p);
+    if (p.num_splits == 1) detail::store_empty<D>(nh, b, first_q_head, p);  // this CTA owns the output
     return;
   }
 
@@ -617,8 +345,6 @@ __global__ void __launch_bounds__(tuning::sm90::DecodeAttention::kThreads, tunin
   // Lane l resolves token (l & 15) of a tile; tokens past the end read the last valid token.
   auto slot_of = [&](int k) { return min(wstart + k * kStride + (lane & 15), end - 1); };
   auto block_of = [&](int k) -> Id { return table[slot_of(k) / bs]; };
-  std::uint64_t policy = 0;
-  if constexpr (kEvictFirst) policy = detail::l2_evict_first_policy();
   // Copies tile k (its lanes' block ids in `blk`) into buffer `buf`. Lane (r = lane / 8, c8 =
   // lane % 8) copies chunks c8 + 8hh of tokens 4j + r: a quarter warp moves one 128-byte line.
   auto issue = [&](int k, Id blk, int buf) {
@@ -637,13 +363,8 @@ __global__ void __launch_bounds__(tuning::sm90::DecodeAttention::kThreads, tunin
       for (int hh = 0; hh < kCPR / 8; ++hh) {
         const int c = 8 * hh + c8;
         const std::uint32_t so = static_cast<std::uint32_t>(t * kCPR + (c ^ sw)) * 16u;
-        if constexpr (kEvictFirst) {
-          detail::cp_async_16_hint(sk + so, kbase + off + c * 8, policy);
-          detail::cp_async_16_hint(sv + so, vbase + off + c * 8, policy);
-        } else {
-          detail::cp_async_16(sk + so, kbase + off + c * 8);
-          detail::cp_async_16(sv + so, vbase + off + c * 8);
-        }
+        detail::cp_async_16(sk + so, kbase + off + c * 8);
+        detail::cp_async_16(sv + so, vbase + off + c * 8);
       }
     }
   };
@@ -714,12 +435,6 @@ __global__ void __launch_bounds__(tuning::sm90::DecodeAttention::kThreads, tunin
   }
   __syncthreads();
   detail::cta_merge_store<D, kHP, kWarps>(ms.o, ms.m, ms.l, nh, b, first_q_head, p);
-  if constexpr (kFused) {
-    if (p.num_splits > 1) {
-      const int n_active = min(p.num_splits, (len + p.tokens_per_split - 1) / p.tokens_per_split);
-      detail::fused_split_merge<D, kHP, kWarps>(dsmem, nh, b, first_q_head, n_active, p);
-    }
-  }
 }
 
 /// fp32 caches, CUDA cores: a half-warp per token (head_dim / 16 floats per lane), kHeadsPerPassF32
@@ -878,35 +593,11 @@ struct CombineRow {
 }  // namespace detail
 
 /// Merges the splits of each (entry, query head). Grid: [num_q_heads, batch], HeadDim threads.
-/// Launched with programmatic dependent launch: waits for the split kernel's results first.
+/// Launched with programmatic dependent launch: waits for the split kernel's results first. The
+/// split weights are computed once per CTA (threads over splits) into shared memory, then each
+/// thread sums its dimension over the splits in order with kMergeBatch loads in flight.
 template <int HeadDim, class Id, class OutT>
-__global__ void __launch_bounds__(HeadDim) decode_attention_combine_kernel(const Id* seq_lens,          // [max_seqs]
-                                                                          const std::int32_t* seq_ids,  // [batch] or nullptr
-                                                                          const float* partial_o,  // [batch, Hq, S, D]
-                                                                          const float2* partial_ml,  // [batch, Hq, S]
-                                                                          OutT* out,  // [batch, Hq, D]
-                                                                          int num_q_heads, int num_splits,
-                                                                          int tokens_per_split) {
-  detail::griddep_wait();
-  const auto [e, n, row, ml, po] = detail::CombineRow::load<HeadDim>(seq_lens, seq_ids, partial_o, partial_ml,
-                                                                     num_q_heads, num_splits, tokens_per_split);
-  float mx = -INFINITY;
-  for (int s = 0; s < n; ++s) mx = fmaxf(mx, ml[s].x);
-  float l = 0.f, o = 0.f;
-  for (int s = 0; s < n; ++s) {
-    const float2 x = ml[s];
-    const float sc = exp2f(x.x - mx);
-    l += x.y * sc;
-    o += po[static_cast<std::int64_t>(s) * HeadDim] * sc;
-  }
-  detail::store_f32(out + row * HeadDim + e, n > 0 ? o / l : 0.f);
-}
-
-/// Parallel twin of decode_attention_combine_kernel (same grid and arguments): the split
-/// weights are computed once per CTA (threads over splits) into shared memory, then each thread
-/// sums its dimension over the splits in order with kMergeBatch loads in flight.
-template <int HeadDim, class Id, class OutT>
-__global__ void __launch_bounds__(HeadDim) decode_attention_combine_fast_kernel(const Id* seq_lens,
+__global__ void __launch_bounds__(HeadDim) decode_attention_combine_kernel(const Id* seq_lens,
                                                                                const std::int32_t* seq_ids,
                                                                                const float* partial_o,
                                                                                const float2* partial_ml, OutT* out,
@@ -958,60 +649,6 @@ __global__ void __launch_bounds__(HeadDim) decode_attention_combine_fast_kernel(
       if (s0 + u < n) o += x[u] * s_w[s0 + u];
   }
   detail::store_f32(out + row * HeadDim + e, n > 0 ? o / l : 0.f);
-}
-
-/// Twin of decode_attention_combine_kernel (same grid and arguments) that spends one L2 round
-/// trip instead of ~5: each thread issues the (m, l) pairs and its dimension's partials of up to
-/// kCombineWide splits at once (L2 loads: the partials were written by the split kernel), then
-/// folds them into a running (max, sum, output) per chunk of splits.
-template <int HeadDim, class Id, class OutT>
-__global__ void __launch_bounds__(HeadDim) decode_attention_combine_wide_kernel(const Id* seq_lens,
-                                                                               const std::int32_t* seq_ids,
-                                                                               const float* partial_o,
-                                                                               const float2* partial_ml, OutT* out,
-                                                                               int num_q_heads, int num_splits,
-                                                                               int tokens_per_split) {
-  constexpr int kWide = tuning::sm90::DecodeAttention::kCombineWide;
-  detail::griddep_wait();
-  const auto [e, n, row, ml, po] = detail::CombineRow::load<HeadDim>(seq_lens, seq_ids, partial_o, partial_ml,
-                                                                     num_q_heads, num_splits, tokens_per_split);
-  float mx = -INFINITY, l = 0.f, o = 0.f;
-  for (int s0 = 0; s0 < n; s0 += kWide) {
-    // Unpredicated loads (index clamped to a valid split) so that all of them are in flight.
-    float2 x[kWide];
-    float v[kWide];
-#pragma unroll
-    for (int u = 0; u < kWide; ++u) {
-      const int s = min(s0 + u, n - 1);
-      x[u] = __ldcg(ml + s);
-      v[u] = __ldcg(po + static_cast<std::int64_t>(s) * HeadDim);
-    }
-    float cm = mx;
-#pragma unroll
-    for (int u = 0; u < kWide; ++u) cm = fmaxf(cm, x[u].x);  // clamped duplicates: harmless for a max
-    const float sc = exp2f(mx - cm);                         // first chunk: exp2(-inf) = 0
-    l *= sc;
-    o *= sc;
-#pragma unroll
-    for (int u = 0; u < kWide; ++u) {
-      if (s0 + u < n) {
-        const float w = exp2f(x[u].x - cm);
-        l += x[u].y * w;
-        o += v[u] * w;
-      }
-    }
-    mx = cm;
-  }
-  detail::store_f32(out + row * HeadDim + e, n > 0 ? o / l : 0.f);
-}
-
-/// Zeroes the fused merge's arrival counters (variant 3); lets the split kernel launch at once
-/// (programmatic dependent launch), which waits for it only before its first arrival.
-template <class Counter>
-__global__ void decode_attention_zero_counters_kernel(Counter* counters, int n) {
-  detail::griddep_launch_dependents();
-  for (int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x); i < n; i += static_cast<int>(gridDim.x * blockDim.x))
-    counters[i] = Counter{0};
 }
 
 }  // namespace triattn::cuda

@@ -17,6 +17,7 @@
 #include <type_traits>
 
 #include <triattn/core/config.hpp>
+#include <triattn/core/keep_counts.hpp>
 #include <triattn/core/scoring_params.hpp>
 #include <triattn/cuda/config.cuh>
 #include <triattn/cuda/griddep.cuh>
@@ -38,39 +39,6 @@ struct DeviceSelectParams {
 };
 static_assert(std::is_trivially_copyable_v<DeviceSelectParams>);
 
-/// ref::KeepCounts, computed on the device from a sequence's length and prompt length.
-struct DeviceKeepCounts {
-  int length = 0;
-  int num_protected = 0;
-  int begin = 0;   ///< selectable slots are [begin, end)
-  int end = 0;
-  int quota = 0;   ///< selectable slots kept
-  int keep = 0;    ///< slots after the round
-  bool identity = false;
-};
-
-/// Mirror of ref::keep_counts (same formulas, same integer widths). prompt_len is clamped to
-/// [0, length] (the reference throws instead).
-TRIATTN_HOST_DEVICE DeviceKeepCounts device_keep_counts(int length, int prompt_len, const DeviceSelectParams& p) {
-  DeviceKeepCounts k;
-  length = length > 0 ? length : 0;
-  prompt_len = prompt_len < 0 ? 0 : (prompt_len > length ? length : prompt_len);
-  k.length = length;
-  const int pinned = p.prompt != PromptMode::kCompete ? prompt_len : 0;
-  const int sinks = p.n_sink < length ? p.n_sink : length;
-  k.begin = pinned > sinks ? pinned : sinks;
-  const long long tail = static_cast<long long>(length) - p.window;
-  k.end = static_cast<int>(tail > k.begin ? tail : k.begin);
-  k.num_protected = k.begin + (length - k.end);
-  const long long total = static_cast<long long>(p.budget) + (p.prompt == PromptMode::kPinnedOnTop ? prompt_len : 0);
-  const long long quota = total - k.num_protected;
-  k.quota = static_cast<int>(quota > 0 ? quota : 0);
-  k.identity = k.quota >= k.end - k.begin;
-  if (k.identity) k.quota = k.end - k.begin;
-  k.keep = k.identity ? length : k.num_protected + k.quota;
-  return k;
-}
-
 /// Per-sequence inputs of a round, in device memory.
 template <class Id>
 struct RoundSeqs {
@@ -80,9 +48,9 @@ struct RoundSeqs {
   int batch = 0;
   int max_len = 0;                            ///< row capacity of every per-slot buffer
 
-  [[nodiscard]] __device__ __forceinline__ DeviceKeepCounts counts(int b, const DeviceSelectParams& p) const {
+  [[nodiscard]] __device__ __forceinline__ KeepCounts counts(int b, const DeviceSelectParams& p) const {
     const int len = static_cast<int>(seq_lens[seq_ids[b]]);
-    return device_keep_counts(len < max_len ? len : max_len, prompt_lens[b], p);
+    return keep_counts_unchecked(len < max_len ? len : max_len, prompt_lens[b], p);
   }
 };
 
@@ -129,8 +97,7 @@ inline constexpr int kRowStatsThreads = 128;
 // in independent batches of kRowStatsRestBatch.
 inline constexpr int kRowStatsCache = 20;
 inline constexpr int kRowStatsRestBatch = 8;
-// <= 56 registers: 9 CTAs per SM, so 1,152 rows run in one wave on 132 SMs (at 78 registers,
-// 6 per SM, they took two: 8.9 µs on the H200).
+// <= 56 registers: 9 CTAs per SM, so 1,152 rows run in one wave on 132 SMs (6 per SM take two).
 inline constexpr int kRowStatsMinCtas = 9;
 
 /// One CTA of kRowStatsThreads per (b, l, h) row: mean and population std of the row's selectable
@@ -145,15 +112,15 @@ __global__ void __launch_bounds__(kRowStatsThreads, kRowStatsMinCtas)
   detail::griddep_launch_dependents();
   const long long row = blockIdx.x;
   const int b = static_cast<int>(row / rows_per_seq);
-  const DeviceKeepCounts kc = seqs.counts(b, p);  // round inputs: before the wait
-  const int n = kc.end - kc.begin;
+  const KeepCounts kc = seqs.counts(b, p);  // round inputs: before the wait
+  const int n = kc.selectable_end - kc.selectable_begin;
   detail::griddep_wait();  // the scores
   if (kc.identity || n <= 0) {
     if (threadIdx.x == 0) stats[row] = RowStats{0.0, 1.0, 1.0};
     return;
   }
   const int tid = static_cast<int>(threadIdx.x);
-  const float* x = scores + row * seqs.max_len + kc.begin;
+  const float* x = scores + row * seqs.max_len + kc.selectable_begin;
   float cache[kRowStatsCache];
 #pragma unroll
   for (int c = 0; c < kRowStatsCache; ++c) {
@@ -199,7 +166,7 @@ __global__ void __launch_bounds__(kRowStatsThreads, kRowStatsMinCtas)
 }
 
 // 128 threads, <= 80 registers (kReduceMinCtas per SM): per_head at batch 1 of Qwen3-8B is 80 slot
-// tiles x 8 KV heads = 640 CTAs, one wave on 132 SMs (256-thread CTAs at 3 per SM took two: 15 µs).
+// tiles x 8 KV heads = 640 CTAs, one wave on 132 SMs (256-thread CTAs at 3 per SM take two).
 inline constexpr int kReduceThreads = 128;
 inline constexpr int kReduceMinCtas = 6;
 inline constexpr int kReduceBatch = 16;  // union: loads in flight per thread
@@ -242,7 +209,7 @@ __global__ void __launch_bounds__(kReduceThreads, kReduceMinCtas)
   detail::griddep_launch_dependents();
   const int b = blockIdx.z;
   const int grp = blockIdx.y;
-  const DeviceKeepCounts kc = seqs.counts(b, p);  // round inputs: before the wait
+  const KeepCounts kc = seqs.counts(b, p);  // round inputs: before the wait
   detail::griddep_wait();                         // scores and statistics of the kernels before
   if (kc.identity) return;  // uniform across the CTA
   const int G = kG > 0 ? kG : Hq / Hkv;  // kG: the group size this kernel is compiled for (0: any)
@@ -272,7 +239,7 @@ __global__ void __launch_bounds__(kReduceThreads, kReduceMinCtas)
     const int g = grp;
     const int ts = threadIdx.x % kReduceSlots, lg = threadIdx.x / kReduceSlots;
     const int t = blockIdx.x * kReduceSlots + ts;
-    const bool valid = t >= kc.begin && t < kc.end;
+    const bool valid = t >= kc.selectable_begin && t < kc.selectable_end;
     if (valid) {
       const float* col = scores + (seq_row0 + g * G) * T + t;  // row (l, g·G + h) at col[(l·Hq + h)·T]
       const long long layer_stride = static_cast<long long>(Hq) * T;
@@ -343,7 +310,7 @@ __global__ void __launch_bounds__(kReduceThreads, kReduceMinCtas)
   }
 
   const int t = blockIdx.x * kReduceThreads + threadIdx.x;
-  if (t < kc.begin || t >= kc.end) return;
+  if (t < kc.selectable_begin || t >= kc.selectable_end) return;
   if (p.mode == PruningMode::kPerLayerPerHead) {
     const int l = grp / Hkv, g = grp % Hkv;
     const long long row0 = seq_row0 + static_cast<long long>(l) * Hq + g * G;

@@ -10,7 +10,7 @@
 //                                        [T×d]·[d×|D|·G] product, on the tensor cores for 16-bit
 //                                        caches (score_max_mma_kernel), else CUDA cores
 //                                        (score_max_kernel, ~4.5x the K read time in FMAs)
-//   16-bit caches, ring variants:        score_mean_mma_kernel (mean dot products on the tensor
+//   16-bit caches, ring kernels:         score_mean_mma_kernel (mean dot products on the tensor
 //                                        cores) and score_max_mma_pipe_kernel; keys stream
 //                                        through per-warp cp.async rings (KeySliceFeed)
 //
@@ -41,128 +41,18 @@
 #include <triattn/core/ref/score.hpp>
 #include <triattn/core/rope_types.hpp>
 #include <triattn/cuda/config.cuh>
+#include <triattn/cuda/device/async_copy.cuh>
+#include <triattn/cuda/device/fast_div.cuh>
+#include <triattn/cuda/device/item_walk.cuh>
+#include <triattn/cuda/device/loads.cuh>
 #include <triattn/cuda/griddep.cuh>
 #include <triattn/cuda/kernels/wgmma.cuh>
+#include <triattn/cuda/score_model_view.cuh>
 #include <triattn/cuda/types.cuh>
 
 namespace triattn::cuda {
 
-/// Per-model scoring constants in device memory (uploaded once, e.g. by
-/// TriAttentionDeviceScorer). Everything float64 except c_f, which the reference also rounds to
-/// float before use. Trivially copyable: kernels take it by value.
-struct ScoreModelView {
-  const double* q_re = nullptr;      ///< [L, Hq, F] Re q̄_f
-  const double* q_im = nullptr;      ///< [L, Hq, F] Im q̄_f
-  const float* c = nullptr;          ///< [L, Hq, F] c_f = s²(A_f − |q̄_f|) (or s²A_f), rounded to float
-  const double* omega = nullptr;     ///< [F] ω_f
-  const double* cmean_re = nullptr;  ///< [F] Re C_f = mean_δ cos(δω_f)
-  const double* cmean_im = nullptr;  ///< [F] Im C_f
-  const double* offsets = nullptr;   ///< [num_offsets] δ ∈ D (whole numbers stored as double)
-  /// [num_offsets, F] cos / sin of δ·ω_f, optional: with them the max scorers form the phase
-  /// (t0 + δ)·ω_f by angle addition from F sincos per sequence instead of |D|·F.
-  const double* offset_cos = nullptr;
-  const double* offset_sin = nullptr;
-  double s2 = 1.0;                   ///< s² = α²
-  int num_layers = 0;
-  int num_q_heads = 0;
-  int num_kv_heads = 0;
-  int head_dim = 0;
-  int num_offsets = 0;
-  RopeStyle style = RopeStyle::kHalf;
-  Aggregation aggregation = Aggregation::kMean;
-  bool disable_trig = false;
-  double max_abs_weight = 0.0;       ///< s²·max|q̄_f| >= every |W_f(δ)| (range check of the fp16 MMA path)
-};
-static_assert(std::is_trivially_copyable_v<ScoreModelView>);
-
-/// What one scoring launch covers: a batch of sequences of one view.
-struct ScoreBatch {
-  const std::int32_t* seq_ids = nullptr;  ///< [batch] device: sequence slots (block-table rows)
-  const std::int64_t* t0 = nullptr;       ///< [batch] device: round start (logical position) per sequence
-  int batch = 0;
-  int max_len = 0;  ///< score-row capacity; every sequence's physical length must be <= max_len
-};
-static_assert(std::is_trivially_copyable_v<ScoreBatch>);
-
 namespace detail {
-
-/// Unsigned division by a run-time divisor with one multiply-high and one shift (Granlund &
-/// Montgomery, as CUTLASS's FastDivmod): exact for every n < 2^31.
-struct FastDiv {
-  std::uint32_t mul = 0;    ///< 0 means divisor 1
-  std::uint32_t shift = 0;
-
-  FastDiv() = default;
-  /// @param d divisor, 1 <= d < 2^31
-  explicit FastDiv(int d) {
-    if (d <= 1) return;
-    int l = 0;  // ceil(log2 d)
-    while ((1u << l) < static_cast<std::uint32_t>(d)) ++l;
-    const int p = 31 + l;
-    mul = static_cast<std::uint32_t>(((std::uint64_t{1} << p) + static_cast<std::uint64_t>(d) - 1) /
-                                     static_cast<std::uint64_t>(d));
-    shift = static_cast<std::uint32_t>(p - 32);
-  }
-  [[nodiscard]] TRIATTN_HOST_DEVICE std::uint32_t div(std::uint32_t n) const {
-#if defined(__CUDA_ARCH__)
-    return mul ? (__umulhi(n, mul) >> shift) : n;
-#else
-    return mul ? static_cast<std::uint32_t>((static_cast<std::uint64_t>(n) * mul) >> 32) >> shift : n;
-#endif
-  }
-};
-
-/// Read-only 16-byte / 8-byte global loads that do not allocate in L1 (each key is read once).
-__device__ __forceinline__ uint4 ldg_stream_v4(const void* p) {
-  uint4 r;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(p));
-  return r;
-}
-__device__ __forceinline__ uint2 ldg_stream_v2(const void* p) {
-  uint2 r;
-  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
-  return r;
-}
-
-/// Loads kBytes (a multiple of 8) contiguous bytes into words[0 .. kBytes/4).
-template <int kBytes>
-__device__ __forceinline__ void load_words(const void* p, std::uint32_t* words) {
-  static_assert(kBytes % 8 == 0, "loads are 8 or 16 bytes wide");
-  if constexpr (kBytes % 16 == 0) {
-#pragma unroll
-    for (int v = 0; v < kBytes / 16; ++v) {
-      const uint4 r = ldg_stream_v4(static_cast<const char*>(p) + 16 * v);
-      words[4 * v + 0] = r.x;
-      words[4 * v + 1] = r.y;
-      words[4 * v + 2] = r.z;
-      words[4 * v + 3] = r.w;
-    }
-  } else {
-#pragma unroll
-    for (int v = 0; v < kBytes / 8; ++v) {
-      const uint2 r = ldg_stream_v2(static_cast<const char*>(p) + 8 * v);
-      words[2 * v + 0] = r.x;
-      words[2 * v + 1] = r.y;
-    }
-  }
-}
-
-/// Element e (0-based) of a packed array of storage type T, as float.
-template <class T>
-__device__ __forceinline__ float element(const std::uint32_t* words, int e) {
-  if constexpr (std::is_same_v<T, float>) {
-    return __uint_as_float(words[e]);
-  } else if constexpr (std::is_same_v<T, bf16_storage>) {
-    const std::uint32_t w = words[e >> 1];
-    return __uint_as_float((e & 1) ? (w & 0xffff0000u) : (w << 16));
-  } else {
-    static_assert(std::is_same_v<T, f16_storage>, "storage type must be float, f16_storage or bf16_storage");
-    const std::uint32_t w = words[e >> 1];
-    return __half2float(__ushort_as_half(static_cast<unsigned short>((e & 1) ? (w >> 16) : (w & 0xffffu))));
-  }
-}
 
 /// |K_f| = sqrt(sq) for sq = re² + im² + 1e-8 >= 1e-8 (a normal float): one MUFU.SQRT. sqrtf
 /// adds a denormal fix-up (a compare, a scale and two selects per pair) that cannot trigger here,
@@ -262,105 +152,6 @@ __device__ __forceinline__ int reduce_scatter_head(int lane) {
   }
   return h;
 }
-
-/// Decoded work row: (sequence b, layer l, KV head g, head chunk hc).
-struct ScoreRow {
-  int b, l, g, hc;
-};
-__device__ __forceinline__ ScoreRow decode_score_row(long long row, int L, int Hkv, int HC) {
-  ScoreRow r;
-  r.hc = static_cast<int>(row % HC);
-  row /= HC;
-  r.g = static_cast<int>(row % Hkv);
-  row /= Hkv;
-  r.l = static_cast<int>(row % L);
-  r.b = static_cast<int>(row / L);
-  return r;
-}
-
-/// Where the keys of one (b, l, g) live and how long the sequence is.
-template <class T, class Id>
-struct KeyRowAddr {
-  const T* range;             // K range of layer l
-  const Id* table;            // block-table row of the sequence
-  std::int64_t block_elems;
-  std::int64_t token_stride;  // elements between slots of one head inside a block
-  std::int64_t head_off;      // element offset of head g inside a block
-  int len;                    // physical length, clamped to max_len
-
-  __device__ __forceinline__ const T* key(int t, const FastDiv& fd, int block_size) const {
-    const int page = static_cast<int>(fd.div(static_cast<std::uint32_t>(t)));
-    const int r = t - page * block_size;
-    const std::int64_t blk = static_cast<std::int64_t>(table[page]);
-    return range + blk * block_elems + r * token_stride + head_off;
-  }
-};
-
-template <class T, class Id>
-__device__ __forceinline__ KeyRowAddr<T, Id> key_row(const KvCacheView<T, Id>& view, const ScoreBatch& a, int b,
-                                                     int l, int g) {
-  KeyRowAddr<T, Id> k;
-  const int seq = a.seq_ids[b];
-  const int len = static_cast<int>(view.seq_lens[seq]);
-  k.len = len < a.max_len ? (len > 0 ? len : 0) : a.max_len;
-  k.range = view.range(l, KvKind::kKey);
-  k.table = view.block_tables + static_cast<std::int64_t>(seq) * view.max_blocks_per_seq;
-  k.block_elems = view.block.block_elems();
-  k.token_stride = view.block.token_stride();
-  k.head_off = view.block.layout == KvLayout::kNHD
-                   ? static_cast<std::int64_t>(g) * view.block.head_dim
-                   : static_cast<std::int64_t>(g) * view.block.block_size * view.block.head_dim;
-  return k;
-}
-
-/// The contiguous [begin, end) range of (row, tile) items of this CTA.
-__device__ __forceinline__ void cta_item_range(long long total, long long& begin, long long& end) {
-  begin = total * blockIdx.x / gridDim.x;
-  end = total * (blockIdx.x + 1) / gridDim.x;
-}
-
-/// The work of a scoring launch: rows (sequence, layer, KV head, chunk of `heads` query heads)
-/// cut into tiles of `tile` keys, and this CTA's contiguous [begin, end) range of (row, tile) items.
-struct ScoreWork {
-  int L, Hq, Hkv, G, HC, tiles_per_row;
-  long long total;  ///< items of the launch
-  long long begin, end;
-  __device__ __forceinline__ ScoreWork(const ScoreModelView& m, const ScoreBatch& a, int heads, int tile)
-      : L(m.num_layers), Hq(m.num_q_heads), Hkv(m.num_kv_heads), G(Hq / Hkv), HC((G + heads - 1) / heads),
-        tiles_per_row((a.max_len + tile - 1) / tile),
-        total(static_cast<long long>(a.batch) * L * Hkv * HC * tiles_per_row) {
-    cta_item_range(total, begin, end);
-  }
-};
-
-/// The item walk of the CUDA-core scorers: item i of the CTA's range is tile i % tiles_per_row of
-/// row i / tiles_per_row. find() moves i to the next item with keys: a new row's addresses are
-/// loaded, the rest of a row past its length is skipped (uniform across the CTA).
-template <class T, class Id>
-struct ItemWalk {
-  long long rid = -1;  // row whose description and addresses row / kr hold
-  ScoreRow row{};
-  KeyRowAddr<T, Id> kr{};
-  /// false when no item with keys is left in [i, end)
-  __device__ __forceinline__ bool find(long long& i, long long end, const KvCacheView<T, Id>& view, const ScoreBatch& a,
-                                       const ScoreWork& w, int tile_keys) {
-    while (i < end) {
-      const long long r = i / w.tiles_per_row;
-      if (r != rid) {
-        row = decode_score_row(r, w.L, w.Hkv, w.HC);
-        kr = key_row(view, a, row.b, row.l, row.g);
-        rid = r;
-      }
-      if (tile(i, w.tiles_per_row) * tile_keys < kr.len) return true;
-      i = (r + 1) * w.tiles_per_row;
-    }
-    return false;
-  }
-  /// tile of item i, which lies in row rid
-  __device__ __forceinline__ int tile(long long i, int tiles_per_row) const {
-    return static_cast<int>(i - rid * tiles_per_row);
-  }
-};
 
 /// The lane's U keys of one tile of the CUDA-core mean scorers (keys key0 + u·KPW, zeros past the
 /// row's length), as load_key orders their words.
@@ -513,73 +304,6 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 8>::kThreads, 
     }
 
     detail::mean_tile_scores<T, S, Shape, GMAX>(w_s, raw, lane, key0, walk.kr.len, walk.row, L, Hq, G, a, scores);
-  }
-}
-
-/// Mean-aggregation scorer, variant 1 (same contract and bitwise the same scores as
-/// score_mean_kernel): U = 4 keys per lane, register double buffer. The K loads of the CTA's next
-/// item are issued before the current item is scored, so a CTA keeps its next tile (32 KiB) in
-/// flight while it computes, instead of draining to zero between items. Per key the summation
-/// order (pairs j, then the reduce-scatter) is unchanged; only the key-to-lane mapping differs.
-template <class T, class Id, int HD, RopeStyle S, int GMAX>
-__global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 4>::kThreads, 2)
-    score_mean_pipe_kernel(KvCacheView<T, Id> view, ScoreModelView m, ScoreBatch a, float* __restrict__ scores,
-                           detail::FastDiv fd) {
-  using Shape = detail::ScoreShape<T, HD, GMAX, 4>;
-  constexpr int P = Shape::kP, LPK = Shape::kLPK, KPW = Shape::kKPW, U = Shape::kUnroll;
-  constexpr int Q = Shape::kQ, W = Shape::kWords;
-  __shared__ float4 w_s[P * 3 * Q * LPK];  // the row's weights (fold_mean_weights' layout)
-
-  const detail::ScoreWork work(m, a, GMAX, Shape::kTile);
-  const int L = work.L, Hq = work.Hq, G = work.G, tiles_per_row = work.tiles_per_row;
-  long long it = work.begin, end = work.end;
-
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int li = lane % LPK, kg = lane / LPK;
-  const int block_size = view.block.block_size;
-
-  // The walk sits at the next item (the one being prefetched).
-  detail::ItemWalk<T, Id> walk;
-  const auto find = [&](long long& i) -> bool { return walk.find(i, end, view, a, work, Shape::kTile); };
-  const auto load = [&](long long i, std::uint32_t (&raw)[U][W]) {
-    detail::load_tile_keys<T, S, Shape>(walk.kr, walk.tile(i, tiles_per_row) * Shape::kTile + warp * KPW * U + kg, fd,
-                                        block_size, li, raw);
-  };
-  long long cur_row = -1;
-  const auto compute = [&](const std::uint32_t (&raw)[U][W], long long i, long long rid, const detail::ScoreRow& row,
-                           int len) {
-    if (rid != cur_row) {
-      __syncthreads();  // every warp is done with the previous row's weights
-      detail::fold_mean_weights<Shape, GMAX>(w_s, m, a, row, Hq, G);
-      __syncthreads();
-      cur_row = rid;
-    }
-    const int tile = static_cast<int>(i - rid * tiles_per_row);
-    const int key0 = tile * Shape::kTile + warp * KPW * U + kg;
-    detail::mean_tile_scores<T, S, Shape, GMAX>(w_s, raw, lane, key0, len, row, L, Hq, G, a, scores);
-  };
-
-  if (!find(it)) return;
-  std::uint32_t ra[U][W], rb[U][W];
-  load(it, ra);
-  while (true) {
-    long long ic = it, rid_c = walk.rid;
-    detail::ScoreRow row_c = walk.row;
-    int len_c = walk.kr.len;
-    ++it;
-    bool more = find(it);
-    if (more) load(it, rb);
-    compute(ra, ic, rid_c, row_c, len_c);
-    if (!more) break;
-    ic = it;
-    rid_c = walk.rid;
-    row_c = walk.row;
-    len_c = walk.kr.len;
-    ++it;
-    more = find(it);
-    if (more) load(it, ra);
-    compute(rb, ic, rid_c, row_c, len_c);
-    if (!more) break;
   }
 }
 
@@ -814,9 +538,8 @@ struct MmaMaxShape {
 /// One n-tile of the max scorers' dot products for the warp's two m16 tiles: acc[mt] = rows
 /// 16mt + g4 (words 0, 1) and + 8 (words 2, 3) against the tile's B fragments bt[(s·SP + x)·32]
 /// (this lane's, [k-step][split] uint2). raw: the lane's rows 8q + g4, chunks 4j + c4.
-/// Used by score_max_mma_kernel. One accumulator chain per m-tile: 4 chains per m-tile (summed
-/// at the end) measured slower on the H200 (2026-12-01, in the pipelined kernel when it still
-/// used this helper: 66 -> 75 µs).
+/// Used by score_max_mma_kernel. One accumulator chain per m-tile (4 chains summed at the end
+/// ran slower).
 template <class Tr, int KS, int SP, int NC>
 __device__ __forceinline__ void max_tile_dot(float (&acc)[2][4], const std::uint32_t (&raw)[4][NC][4],
                                              const uint2* bt) {
@@ -1061,10 +784,10 @@ __global__ void __launch_bounds__(detail::MmaMaxShape<T, HD>::kThreads, 2)
 
 
 // ---------------------------------------------------------------------------------------------
-// Mean aggregation on the tensor cores (16-bit caches; ScoreOptions::mean_variant 2-5).
+// Mean aggregation on the tensor cores (16-bit caches).
 // Why: the CUDA-core mean kernels issue ~1,200 instructions per key (4 heads x 3 FMAs per pair,
 // unpacking, weights), about as long as reading the key, and they load a tile, then compute it,
-// so HBM idles while they compute (measured: 37 µs against ~16 µs for the K read). Here
+// so HBM idles while they compute. Here
 //  - the dot products Σ_e W_e·k_e run as mma.sync m16n8k16 with the keys as A (exact, ldmatrix
 //    fragments in natural element order) and the folded weights as B, split into 16-bit parts
 //    as in score_max_mma_kernel (bf16 hi + mid + lo, fp16 hi + lo). Column n of MMA x is
@@ -1072,12 +795,10 @@ __global__ void __launch_bounds__(detail::MmaMaxShape<T, HD>::kThreads, 2)
 //    ends with head c4's dot product in accumulators 0 + 1 (row g4) and 2 + 3 (row g4 + 8);
 //  - the norm term Σ_f c_f·|K_f| runs as m16n8k8 TF32 MMAs into the same columns (norm_tile_mma:
 //    the CUDA cores only unpack, square, take one MUFU.SQRT and split each pair's norm);
-//  - each warp streams its 32-key (variant 4: 16-key) slices of the CTA's items through its own
-//    kStages-deep cp.async ring (kStages - 1 slices in flight while it computes one; no CTA
-//    barrier per tile);
-//    block-table entries are fetched into shared memory a ring depth ahead (KeySliceFeed);
-//    variant 5 (kProducers > 0): producer warps fill the computing warps' rings instead, handing
-//    each slice over on a full mbarrier and taking the stage back on an empty one;
+//  - each computing warp reads its 32-key slices of the CTA's items from its own kStages-deep
+//    ring, which producer warps fill with cp.async (KeySliceFeed::copy_slice), handing each
+//    slice over on a full mbarrier and taking the stage back on an empty one (no CTA barrier
+//    per tile);
 //  - the float64 fold runs once per (CTA, row) and the float64 cos/sin once per (CTA, sequence),
 //    while the ring's first loads are in flight.
 // Key rows in shared memory are 16-byte-chunk swizzled (chunk c of row r at c ^ (r & 7)) so that
@@ -1120,21 +841,8 @@ struct MmaMeanShape {
   /// (warp, stage) instead of the per-warp table slots.
   static constexpr std::size_t kBarrierBytes = static_cast<std::size_t>(kWarps) * kStages * 2 * 8;
   static constexpr std::size_t kSmemBytesProducer = kRingBytes + kBfragBytes + kCBytes + kPhaseBytes + kBarrierBytes;
-  /// With producer warps and a dynamic tail (score_mean_mma_kernel's kStaticEighths < 8), after
-  /// the full and empty mbarriers: an item mbarrier and the item id per (warp, stage), then the
-  /// producer warps' two claim slots.
-  static constexpr std::size_t kItemBytes = static_cast<std::size_t>(kWarps) * kStages * 2 * 8 + 2 * 8;
-  static constexpr std::size_t kSmemBytesDynamic = kSmemBytesProducer + kItemBytes;
 };
 
-__device__ __forceinline__ std::uint32_t score_smem_addr(const void* p) {
-  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
-}
-/// 16-byte global -> shared copy through L2 only; src_bytes = 0 zero-fills (src is not read).
-__device__ __forceinline__ void score_cp_async_16(std::uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void score_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 /// Issues the copies of the per-model cos/sin(δω_f) tables ([|D|][F] double each, from
 /// m.offset_cos / m.offset_sin) into cs_s / sn_s, 16 bytes per copy, thread `tid` of `threads`
 /// (the caller commits the group and waits for it before the tables are read).
@@ -1144,16 +852,11 @@ __device__ __forceinline__ void copy_offset_tables_async(double* cs_s, double* s
   for (int i = tid; i < 2 * chunks; i += threads) {
     const bool sn = i >= chunks;
     const int ci = sn ? i - chunks : i;
-    score_cp_async_16(score_smem_addr((sn ? sn_s : cs_s) + 2 * ci), (sn ? m.offset_sin : m.offset_cos) + 2 * ci, 16);
+    cp_async_16(smem_addr((sn ? sn_s : cs_s) + 2 * ci), (sn ? m.offset_sin : m.offset_cos) + 2 * ci, 16);
   }
 }
 
 /// Waits until at most N of this thread's committed groups are pending.
-template <int N>
-__device__ __forceinline__ void score_cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
 /// Block-table entries a warp keeps in flight ahead of its key slices: one per ring stage, plus
 /// one slot so that a fetch never lands on the entry its warp has still to read.
 template <int kStages>
@@ -1246,39 +949,6 @@ __device__ __forceinline__ void load_tile_fragments(std::uint32_t (&fr)[KS][4], 
   for (int s = 0; s < KS; ++s) ldmatrix_x4(fr[s], row_addr + static_cast<std::uint32_t>(((2 * s + half) ^ swz) * 16));
 }
 /// mbarrier primitives (shared::cta addresses) for the producer-warp rings.
-__device__ __forceinline__ void mbar_init(std::uint32_t bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(std::uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-/// Waits until the phase of parity `parity` has completed.
-__device__ __forceinline__ void mbar_wait(std::uint32_t bar, unsigned parity) {
-  unsigned done = 0;
-  do {
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (done == 0);
-}
-/// Whether the phase of parity `parity` has completed (does not wait).
-__device__ __forceinline__ bool mbar_test(std::uint32_t bar, unsigned parity) {
-  unsigned done = 0;
-  asm volatile(
-      "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-      : "=r"(done)
-      : "r"(bar), "r"(parity)
-      : "memory");
-  return done != 0;
-}
-/// Arrives on mbarrier `bar` once every cp.async this thread has issued so far has completed
-/// (without raising the pending count: the barrier's init count includes this arrival).
-__device__ __forceinline__ void mbar_arrive_on_cp_async(std::uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
-}
-
 /// Word i of this lane's norm B fragment for k8-step s: c of lane-local pair 2s + i for head h, as
 /// its TF32 head or (rest) c - head. cf: c as [slot f + f/8][4 heads] floats.
 template <RopeStyle S>
@@ -1313,8 +983,7 @@ __device__ __forceinline__ void norm_tile_mma(float (&acc_head)[4], float (&acc_
 /// head 2(c & 1) + i (the layout of the max scorer's running max). Each lane sums its F/4 pairs
 /// for all 4 heads (c as [slot f + f/8] float4 in shared memory), then the quad reduce-scatters.
 /// Why not TF32 MMAs (norm_tile_mma): next to warpgroup MMAs they queue on the same tensor pipe,
-/// so one warpgroup's norm waits behind the other's MMAs (ncu, 2026-12-01: 17% of the max
-/// scorer's stall samples on those HMMAs, math-pipe throttle).
+/// so one warpgroup's norm waits behind the other's MMAs.
 template <class T, RopeStyle S, int KS>
 __device__ __forceinline__ void norm_tile_ffma(float (&out)[4], const std::uint32_t (&fr)[KS][4], const float4* c_s,
                                                int c) {
@@ -1396,9 +1065,8 @@ __device__ __forceinline__ std::uint32_t key_chunk_offset(const KeyRowAddr<T, Id
 /// Two cursors walk the items:
 ///  - fetch() copies the block-table entry of each lane's key into a per-warp slot ring in shared
 ///    memory with a 4/8-byte cp.async, KeyTableSlots::kAhead items before the slice needs it, so
-///    the table lookup never stalls the warp (ncu, 2026-11-30: with the entry loaded one slice
-///    ahead into a register, the warps of the mean scorer spent ~15% of their time waiting on it
-///    and every variant ran at ~31 µs against 18.3 µs for a plain read of K);
+///    the table lookup never stalls the warp (an entry loaded one slice ahead into a register
+///    left the warps waiting on it);
 ///  - issue() reads the entry back and copies the slice into one ring stage with 16-byte cp.async:
 ///    copy x = i·32 + lane is chunk x % CPR of key x / CPR, so one warp instruction moves 32/CPR
 ///    whole keys; keys past the length are zero-filled. Chunk c of key k lands at
@@ -1519,11 +1187,8 @@ struct KeySliceFeed {
 /// The global inputs of one row's weight fold in the ring scorers, loaded into registers ahead of
 /// the fold: the row's length and t0, and this thread's share of q̄ and c (fold items
 /// tid + j·kThreads < GH·F, item = h·F + f), with ω_f and C_f for the mean fold (kMean).
-/// Why: the fold used to load them when the row began, i.e. after the warps had issued their
-/// first slices (~25 MB of key copies across the GPU at one layer), so those few loads queued
-/// behind the keys and the warps held ready slices while they waited (ncu, 2026-12-01: ~20% of
-/// the mean scorer's stall samples in the first row's prologue). The first row's inputs now load
-/// with the first table fetch (run_key_ring's start()), the next row's right after a fold.
+/// Why: loaded when the row begins, those few loads queue behind the warps' key copies while the
+/// warps hold ready slices. The first row's inputs load up front, the next row's right after a fold.
 /// kHeadMinor: fold item -> (h, f) with the head varying fastest within 8-frequency blocks (see
 /// item_hf), so that a warp's B-fragment stores of one column land in 4 distinct core-matrix rows.
 template <int F, int GH, int kThreads, bool kMean, bool kHeadMinor = false>
@@ -1591,26 +1256,6 @@ struct RowFoldInputs {
   }
 };
 
-#ifdef TRIATTN_RING_TRACE
-/// Diagnostic build only (benchmarks/bench_score_trace.cu defines TRIATTN_RING_TRACE): lane 0 of
-/// every warp of run_key_ring writes kRingTraceWords words at ring_trace[(blockIdx.x · warps +
-/// warp) · kRingTraceWords]: %globaltimer (ns) at entry, after the first table wait, at the first
-/// compute and at exit, then the clock64 cycles summed over the loop in the slice wait, prepare(),
-/// compute() and issue() + fetch(), the cycles of the first prepare(), the item count and the SM.
-constexpr int kRingTraceWords = 11;
-static __device__ unsigned long long* ring_trace = nullptr;
-__device__ __forceinline__ unsigned long long ring_trace_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-#define TRIATTN_RING_TRACE_NS(var) const unsigned long long var = ::triattn::cuda::detail::ring_trace_ns()
-#define TRIATTN_RING_TRACE_CLK(var) const long long var = clock64()
-#else
-#define TRIATTN_RING_TRACE_NS(var)
-#define TRIATTN_RING_TRACE_CLK(var)
-#endif
-
 /// Runs one warp's ring over the CTA's n_items items: item k's slice sits in stage k % kStages.
 /// Commit group g of the loop holds the slice of item g + kStages - 1 and the table fetch of item
 /// g + kStages - 1 + kAhead; waiting until kStages - 1 groups are pending completes the slice
@@ -1627,215 +1272,44 @@ __device__ __forceinline__ void run_key_ring(int n_items, Fetch&& fetch, Start&&
                                              Prepare&& prepare, Compute&& compute) {
   constexpr int kAhead = KeyTableSlots<kStages>::kAhead;
   static_assert(kAhead >= kStages, "a table entry must land before its slice is issued");
-  TRIATTN_RING_TRACE_NS(g_entry);
 #pragma unroll
   for (int j = 0; j < kAhead; ++j)
     if (j < n_items) fetch();
-  score_cp_async_commit();
+  cp_async_commit();
   start();
-  score_cp_async_wait<0>();  // the first entries (the only table latency the warp waits for)
-  TRIATTN_RING_TRACE_NS(g_tables);
-#ifdef TRIATTN_RING_TRACE
-  unsigned long long g_first = 0;
-  long long c_wait = 0, c_prep = 0, c_comp = 0, c_issue = 0, c_prep_first = 0;
-#endif
+  cp_async_wait<0>();  // the first entries (the only table latency the warp waits for)
 #pragma unroll
   for (int j = 0; j < kStages - 1; ++j) {
     if (j < n_items) issue(j);
     if (j + kAhead < n_items) fetch();
-    score_cp_async_commit();
+    cp_async_commit();
   }
   for (int k = 0; k < n_items; ++k) {
     const int kn = k + kStages - 1;
-    TRIATTN_RING_TRACE_CLK(c0);
     if (kn < n_items) issue(kn % kStages);
     if (kn + kAhead < n_items) fetch();
-    score_cp_async_commit();
-    TRIATTN_RING_TRACE_CLK(c1);
+    cp_async_commit();
     const bool live = prepare();
-    TRIATTN_RING_TRACE_CLK(c2);
-    score_cp_async_wait<kStages - 1>();  // this lane's copies of item k have landed
+    cp_async_wait<kStages - 1>();  // this lane's copies of item k have landed
     __syncwarp();                          // ... and every lane's
-    TRIATTN_RING_TRACE_CLK(c3);
-#ifdef TRIATTN_RING_TRACE
-    if (k == 0) {
-      g_first = ring_trace_ns();
-      c_prep_first = c2 - c1;
-    }
-#endif
     if (live) compute(k % kStages);
     __syncwarp();  // every lane has read stage k % kStages before it is refilled
-#ifdef TRIATTN_RING_TRACE
-    const long long c4 = clock64();
-    c_issue += c1 - c0;
-    c_prep += c2 - c1;
-    c_wait += c3 - c2;
-    c_comp += c4 - c3;
-#endif
   }
-  score_cp_async_wait<0>();
-#ifdef TRIATTN_RING_TRACE
-  if ((threadIdx.x & 31) == 0 && ring_trace != nullptr) {
-    unsigned long long* w = ring_trace + (static_cast<std::size_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5)) *
-                                             kRingTraceWords;
-    w[0] = g_entry;
-    w[1] = g_tables;
-    w[2] = g_first;
-    w[3] = ring_trace_ns();
-    w[4] = static_cast<unsigned long long>(c_wait);
-    w[5] = static_cast<unsigned long long>(c_prep);
-    w[6] = static_cast<unsigned long long>(c_comp);
-    w[7] = static_cast<unsigned long long>(c_issue);
-    w[8] = static_cast<unsigned long long>(c_prep_first);
-    w[9] = static_cast<unsigned long long>(n_items);
-    unsigned smid;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-    w[10] = smid;
-  }
-#endif
+  cp_async_wait<0>();
 }
-
-/// Whether score_mean_mma_kernel hands items out at run time (a dynamic tail or work stealing;
-/// producer warps only), and so needs MmaMeanShape::kSmemBytesDynamic and a work counter.
-__host__ __device__ constexpr bool mean_mma_dynamic_tail(int producers, int static_eighths, int steal_back) {
-  return producers > 0 && (static_eighths < 8 || steal_back > 0);
-}
-
-/// Work-stealing shares of a launch's items (score_mean_mma_kernel's kStealBack): CTA c owns the
-/// contiguous share [total·c / grid, total·(c + 1) / grid) as cta_item_range splits it. All but
-/// its last `back` items are its own (taken without an atomic); those last ones form a deque in
-/// 64-bit word c of `words`, which counts the items taken from its front (low 32 bits, by the
-/// owner, in order) and from its back (high 32 bits, by thieves). One atomic add per take decides
-/// it: a take is valid iff front + back < the deque's size before it, so owner and thieves never
-/// take the same item and failed takes only push the counts further past the size. words[grid]
-/// counts the CTAs done; the last one zeroes every word, so each completed launch leaves them as
-/// the next one needs them. Why a deque per CTA and not one global counter (mean_variant 6): the
-/// owner walks its share in order, so its rows' weights are folded once, and thieves take a
-/// victim's last items, consecutive tiles of the victim's last row, so a steal rarely folds more
-/// than once. Why only the last few items: every take is an atomic round trip on the producer's
-/// path (H200, 2026-12-03: with all but 2 items of each share in the deques, 34.3 vs 23.3 µs).
-struct StealingShares {
-  unsigned long long* words;  ///< [grid + 1]: the deques, then the done count
-  long long total;
-  int grid;
-  int back;  ///< items at the end of each share open to thieves
-
-  /// Items of a share of `size` its owner takes without an atomic (the rest form its deque).
-  __host__ __device__ static constexpr long long owned_items(long long size, int back) {
-    return size < back ? 0 : size - back;
-  }
-  /// Items taken from the front and from the back of a deque, as its word counts them.
-  __device__ static long long front_taken(unsigned long long w) { return static_cast<long long>(w & 0xffffffffull); }
-  __device__ static long long back_taken(unsigned long long w) { return static_cast<long long>(w >> 32); }
-
-  __device__ __forceinline__ long long share_begin(int c) const { return total * c / grid; }
-  __device__ __forceinline__ long long deque_begin(int c) const {
-    const long long b = share_begin(c);
-    return b + owned_items(share_begin(c + 1) - b, back);
-  }
-  __device__ __forceinline__ long long deque_size(int c) const { return share_begin(c + 1) - deque_begin(c); }
-  /// Items of deque c not yet taken, from its word w (<= 0: none).
-  __device__ __forceinline__ long long deque_left(int c, unsigned long long w) const {
-    return deque_size(c) - front_taken(w) - back_taken(w);
-  }
-
-  /// The owner's next item of deque c, or -1 when its deque is empty (one lane).
-  __device__ __forceinline__ long long take_front(int c) const {
-    const unsigned long long old = atomicAdd(words + c, 1ull);
-    return deque_left(c, old) > 0 ? deque_begin(c) + front_taken(old) : -1;
-  }
-  /// A thief's item from the back of deque c, or -1 when it is empty (one lane).
-  __device__ __forceinline__ long long take_back(int c) const {
-    const unsigned long long old = atomicAdd(words + c, 1ull << 32);
-    return deque_left(c, old) > 0 ? share_begin(c + 1) - 1 - back_taken(old) : -1;
-  }
-  /// Whole warp (uniform result): an item stolen from the deque with the most items left (ties to
-  /// the nearest CTA after `self`, so that thieves spread over equal victims), or -1 when every
-  /// deque is empty. The counts only grow, so a stale read can only overstate what is left: an
-  /// empty result is final, an overstated one costs a failed take and another look.
-  __device__ long long steal(int self, int lane) const {
-    for (;;) {
-      unsigned long long best = 0;  // (items left << 20) | (grid - distance after self); 0: none
-      // kBatch words per lane in flight at once: one round trip per 32·kBatch deques, not per 32
-      constexpr int kBatch = 8;
-      for (int c0 = lane; c0 < grid; c0 += 32 * kBatch) {
-        unsigned long long w[kBatch];
-#pragma unroll
-        for (int i = 0; i < kBatch; ++i) {
-          w[i] = 0ull;
-          if (c0 + 32 * i < grid)
-            asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w[i]) : "l"(words + c0 + 32 * i));
-        }
-#pragma unroll
-        for (int i = 0; i < kBatch; ++i) {
-          const int c = c0 + 32 * i;
-          const long long left = c < grid ? deque_left(c, w[i]) : 0;
-          const unsigned long long key =
-              left > 0 ? (static_cast<unsigned long long>(left) << 20) |
-                             static_cast<unsigned long long>(grid - (c - self + grid) % grid)
-                       : 0ull;
-          best = key > best ? key : best;
-        }
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        const unsigned long long other = __shfl_xor_sync(0xffffffffu, best, o);
-        best = other > best ? other : best;
-      }
-      if (best == 0) return -1;
-      const int victim = (self + grid - static_cast<int>(best & 0xfffffull)) % grid;
-      long long item = lane == 0 ? take_back(victim) : -1;
-      item = __shfl_sync(0xffffffffu, item, 0);
-      if (item >= 0) return item;
-    }
-  }
-  /// Whole warp, once per CTA after its last take: counts the CTA done; the grid's last CTA zeroes
-  /// every word (release / acquire fences around the done count order the others' takes first).
-  __device__ void finish(int lane) const {
-    unsigned last = 0;
-    if (lane == 0) {
-      __threadfence();
-      last = atomicAdd(words + grid, 1ull) == static_cast<unsigned long long>(grid - 1) ? 1u : 0u;
-      if (last) __threadfence();
-    }
-    if (__shfl_sync(0xffffffffu, last, 0) != 0u) {
-      for (int c = lane; c <= grid; c += 32) atomicExch(words + c, 0ull);
-    }
-  }
-};
 
 }  // namespace detail
 
 /// Tensor-core mean-aggregation (and disable_trig) scorer for 16-bit caches: same contract as
 /// score_mean_kernel (scores within fp32 rounding of it, not bitwise); dynamic shared memory
-/// MmaMeanShape<T, HD, kWarps, kStages, kKeys>::kSmemBytes.
-/// kLoadAhead: row inputs loaded ahead (RowFoldInputs; ~25 registers held through the stream, so
-/// off where the register cap would make the kernel spill).
-/// kProducers: producer warps (0: each warp feeds its own ring) that fill the kWarps computing
-/// warps' rings (cp.async, each slice completing on a full mbarrier per (warp, stage); the
-/// computing warp hands the stage back on an empty one; MmaMeanShape::kSmemBytesProducer), so
-/// that a computing warp never stalls issuing copies: with per-warp rings the warps of the SMs
-/// with the slowest memory path spent ~32% of their loop issuing copies (H200 trace, 2026-12-01)
-/// and ended ~5 µs after the median warp.
-/// (One bulk copy (TMA) per 256-byte key instead ran at ~0.9 TB/s.)
-/// kStaticEighths < 8 (producer warps only) with `claims` set: a dynamic tail. The CTAs split
-/// the first kStaticEighths / 8 of the items in contiguous shares as above, then claim the rest
-/// one item at a time from claims[0] (an atomic counter), so that the multiprocessors with the
-/// fastest memory path take more of it instead of the slowest setting the kernel's end. The
-/// producer warps agree on each claim through shared memory and hand every item id to their
-/// computing warps with the item's stage (an item mbarrier per (warp, stage)). The last CTA to
-/// run out of items (claims[1] counts them) zeroes both words, so every completed launch leaves
-/// them as the next needs them. claims: two zeroed 32-bit words of device memory, one launch at a
-/// time; nullptr runs the static split.
-/// kStealBack > 0 (producer warps only) with `claims` set: work stealing instead (StealingShares
-/// with back = kStealBack; claims then holds gridDim.x + 1 zeroed 64-bit words, 8-byte aligned):
-/// every CTA takes its share's items in order, then steals single items from the last kStealBack
-/// of the shares with the most left.
-template <class T, class Id, int HD, RopeStyle S, int kWarps, int kStages, int kMinCtas, int kKeys = 32,
-          bool kLoadAhead = true, int kProducers = 0, int kStaticEighths = 8, int kStealBack = 0>
+/// MmaMeanShape<...>::kSmemBytesProducer. kProducers producer warps fill the kWarps computing
+/// warps' rings (cp.async, full/empty mbarrier per (warp, stage)), so a computing warp never
+/// stalls issuing copies. kLoadAhead: row inputs loaded ahead (RowFoldInputs).
+template <class T, class Id, int HD, RopeStyle S, int kWarps, int kStages, int kMinCtas, int kKeys, bool kLoadAhead,
+          int kProducers>
 __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
     score_mean_mma_kernel(KvCacheView<T, Id> view, ScoreModelView m, ScoreBatch a, float* __restrict__ scores,
-                          detail::FastDiv fd, unsigned int* __restrict__ claims) {
+                          detail::FastDiv fd) {
   // The round's next kernel (row statistics) is launched dependent: it may be scheduled now and
   // waits for this grid's completion before it reads the scores.
   detail::griddep_launch_dependents();
@@ -1843,14 +1317,9 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
   using Tr = detail::MmaMaxTraits<T>;
   constexpr int F = Shape::kF, KS = Shape::kSteps, CPR = Shape::kCPR;
   constexpr int SP = Shape::kSplits, NM = Shape::kMmas, GH = Shape::kHeads;
-  constexpr bool kProducerWarp = kProducers > 0;
-  static_assert(!kProducerWarp || (kKeys == 32 && kWarps % (kProducerWarp ? kProducers : 1) == 0),
+  static_assert(kProducers > 0 && kKeys == 32 && kWarps % kProducers == 0,
                 "producer warps fill 32-key slices (one key per lane), the same number each");
-  constexpr int kFed = kProducerWarp ? kWarps / kProducers : 1;  // computing warps per producer warp
-  constexpr bool kSteal = kStealBack > 0;
-  constexpr bool kDynamicTail = detail::mean_mma_dynamic_tail(kProducers, kStaticEighths, kStealBack);
-  static_assert(kStaticEighths >= 0 && kStaticEighths <= 8, "a static share of 0-8 eighths");
-  static_assert(!kSteal || kStaticEighths == 8, "work stealing splits every item into the shares");
+  constexpr int kFed = kWarps / kProducers;  // computing warps per producer warp
   constexpr std::size_t kRing = Shape::kRingBytes, kSliceBytes = Shape::kSliceVecs * 16;
   extern __shared__ __align__(16) unsigned char mean_mma_smem[];
   uint4* const ring = reinterpret_cast<uint4*>(mean_mma_smem);
@@ -1859,45 +1328,27 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
   double* const cs_s = reinterpret_cast<double*>(mean_mma_smem + kRing + Shape::kBfragBytes + Shape::kCBytes);
   double* const sn_s = cs_s + F;
   // producer-warp ring only: full[warp][stage] then empty[warp][stage] mbarriers
-  const std::uint32_t bars = detail::score_smem_addr(mean_mma_smem + kRing + Shape::kBfragBytes + Shape::kCBytes +
+  const std::uint32_t bars = detail::smem_addr(mean_mma_smem + kRing + Shape::kBfragBytes + Shape::kCBytes +
                                                      Shape::kPhaseBytes);
   const auto full_bar = [&](int w, int st) { return bars + static_cast<std::uint32_t>((w * kStages + st) * 8); };
   const auto empty_bar = [&](int w, int st) {
     return bars + static_cast<std::uint32_t>(((kWarps + w) * kStages + st) * 8);
   };
 
-  // dynamic tail: item mbarrier and id of (warp, stage), the producers' two claim slots
-  const std::uint32_t item_bars = bars + static_cast<std::uint32_t>(2 * kWarps * kStages * 8);
-  long long* const item_ids =
-      reinterpret_cast<long long*>(mean_mma_smem + Shape::kSmemBytesProducer + kWarps * kStages * 8);
-  long long* const claim_slots = item_ids + kWarps * kStages;
-  const auto item_bar = [&](int w, int st) { return item_bars + static_cast<std::uint32_t>((w * kStages + st) * 8); };
-
   const detail::ScoreWork work(m, a, GH, Shape::kTile);
   const int L = work.L, Hq = work.Hq, Hkv = work.Hkv, G = work.G, HC = work.HC, tiles_per_row = work.tiles_per_row;
-  long long it0 = work.begin, it_end = work.end;
-  const bool dynamic = kDynamicTail && claims != nullptr;  // uniform across the grid
-  const long long n_shared = dynamic && !kSteal ? work.total * kStaticEighths / 8 : work.total;  // split statically
-  if (dynamic) {
-    it0 = n_shared * blockIdx.x / gridDim.x;
-    it_end = n_shared * (blockIdx.x + 1) / gridDim.x;
-  }
-  const auto row_of = [&](long long item) { return item / tiles_per_row; };
-  const auto tile_of = [&](long long item) { return static_cast<int>(item % tiles_per_row); };
-  const int n_items = static_cast<int>(it_end - it0);  // this CTA's static share
-  if (n_items <= 0 && !dynamic) return;                // uniform across the CTA (a dynamic CTA still claims)
-  // items taken without a claim (a stealing CTA claims the last kStealBack of its share)
-  const int n_static =
-      kSteal && dynamic ? static_cast<int>(detail::StealingShares::owned_items(n_items, kStealBack)) : n_items;
+  const long long it0 = work.begin, it_end = work.end;
+  const int n_items = static_cast<int>(it_end - it0);  // this CTA's share
+  if (n_items <= 0) return;                            // uniform across the CTA
 
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
   const int g4 = lane >> 2, c4 = lane & 3;
   const long long row0 = it0 / tiles_per_row;
   const int tile0 = static_cast<int>(it0 - row0 * tiles_per_row);
-  const auto ring_of = [&](int w) { return detail::score_smem_addr(ring) + static_cast<std::uint32_t>(w * kStages * kSliceBytes); };
+  const auto ring_of = [&](int w) { return detail::smem_addr(ring) + static_cast<std::uint32_t>(w * kStages * kSliceBytes); };
   const std::uint32_t ring_addr = ring_of(warp);
 
-  if constexpr (kProducerWarp) {
+  {
     using Feed = detail::KeySliceFeed<T, Id, HD, Shape::kTile, kKeys, kStages>;
     // full: the producer's 32 lanes arrive (on their copies); empty: the computing warp's 32 lanes,
     // each releasing its own reads of the stage (one lane after a __syncwarp relies on the warp
@@ -1905,8 +1356,6 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
     // hazards on test_score's GQA case).
     if (threadIdx.x == 0) {
       for (int i = 0; i < 2 * kWarps * kStages; ++i) detail::mbar_init(bars + static_cast<std::uint32_t>(i * 8), 32u);
-      if constexpr (kDynamicTail)  // lane 0 of the feeding producer arrives once it has written the id
-        for (int i = 0; i < kWarps * kStages; ++i) detail::mbar_init(item_bars + static_cast<std::uint32_t>(i * 8), 1u);
       asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
@@ -1935,20 +1384,9 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
           next.blk[i] = t < next.kr.len && page < view.max_blocks_per_seq ? next.kr.table[page] : Id(0);
         }
       };
-      // Item k's id (dynamic tail) for computing warp w, in stage st: written by lane 0, which then
-      // arrives on the stage's item mbarrier (release: the id is visible to the warp's waits).
-      // Items k < n_static are it0 + k, known to the computing warps without it.
-      const auto publish = [&](int k, int w, int st, long long item) {
-        if constexpr (kDynamicTail) {
-          if (dynamic && k >= n_static && lane == 0) {
-            item_ids[w * kStages + st] = item;
-            detail::mbar_arrive(item_bar(w, st));
-          }
-        }
-      };
       // Item k's slices (row addresses kr, tile, block ids blk) into stage k % kStages of each fed
       // warp, once that warp has handed the stage back.
-      const auto issue_item = [&](int k, const ItemInputs& in, long long item) {
+      const auto issue_item = [&](int k, const ItemInputs& in) {
         const detail::KeyRowAddr<T, Id>& kr = in.kr;
         const int tile = in.tile;
         const int st = k % kStages;
@@ -1961,111 +1399,28 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
           const std::uint32_t mine =
               lane < n_valid ? Feed::chunk_offset(kr, in.blk[i], t - page * view.block.block_size) : 0u;
           if (k >= kStages) detail::mbar_wait(empty_bar(w, st), static_cast<unsigned>(((k / kStages) & 1) ^ 1));
-          publish(k, w, st, item);
           Feed::copy_slice(ring_of(w) + static_cast<std::uint32_t>(st * kSliceBytes), kr.range, mine, n_valid, lane);
           detail::mbar_arrive_on_cp_async(full_bar(w, st));
         }
       };
-      if (!dynamic) {
-        long long rid_n = row0;
-        int t_n = static_cast<int>(it0 - row0 * tiles_per_row);
-        load_item(rid_n, t_n);
-        for (int k = 0; k < n_items; ++k) {
-          const ItemInputs cur = next;
-          if (++t_n == tiles_per_row) {
-            t_n = 0;
-            ++rid_n;
-          }
-          if (k + 1 < n_items) load_item(rid_n, t_n);
-          issue_item(k, cur, it0 + k);
+      long long rid_n = row0;
+      int t_n = static_cast<int>(it0 - row0 * tiles_per_row);
+      load_item(rid_n, t_n);
+      for (int k = 0; k < n_items; ++k) {
+        const ItemInputs cur = next;
+        if (++t_n == tiles_per_row) {
+          t_n = 0;
+          ++rid_n;
         }
-        return;  // the copies complete on their own; the computing warps wait for them
+        if (k + 1 < n_items) load_item(rid_n, t_n);
+        issue_item(k, cur);
       }
-      if constexpr (kDynamicTail) {
-        // Claim j (j-th item past the static share): producer 0's lane 0 takes the next item of
-        // the tail (or -1 when none is left) into slot j & 1; both producer warps read it after
-        // their barrier (bar 2), and slot j & 1 is rewritten only after the next claim's barrier,
-        // which both pass after this read. With kSteal the whole of producer 0 takes part (its
-        // lane 0 takes from its own deque, the warp looks for a victim once that is empty).
-        const detail::StealingShares shares{reinterpret_cast<unsigned long long*>(claims), work.total,
-                                            static_cast<int>(gridDim.x), kStealBack};
-        bool own_left = true;  // producer 0: its own deque may still hold items
-        const auto claim = [&](int j) -> long long {
-          if constexpr (kSteal) {  // producer 0: own deque's front, else a steal, else done
-            if (p == 0) {
-              const int self = static_cast<int>(blockIdx.x);
-              long long v = -1;
-              if (own_left) {
-                v = lane == 0 ? shares.take_front(self) : -1;
-                v = __shfl_sync(0xffffffffu, v, 0);
-                own_left = v >= 0;
-              }
-              if (v < 0) v = shares.steal(self, lane);
-              if (v < 0) shares.finish(lane);
-              if (lane == 0) claim_slots[j & 1] = v;
-            }
-          } else if (p == 0 && lane == 0) {
-            const long long v = n_shared + static_cast<long long>(atomicAdd(claims, 1u));
-            const bool none = v >= work.total;
-            claim_slots[j & 1] = none ? -1 : v;
-            if (none) {  // this CTA's last claim; the grid's last one resets both counters
-              __threadfence();
-              if (atomicAdd(claims + 1, 1u) == gridDim.x - 1) {
-                atomicExch(claims, 0u);
-                atomicExch(claims + 1, 0u);
-              }
-            }
-          }
-          asm volatile("bar.sync 2, %0;" ::"n"(32 * kProducers) : "memory");
-          return claim_slots[j & 1];
-        };
-        long long cur = n_static > 0 ? it0 : claim(0);
-        if (cur >= 0) load_item(row_of(cur), tile_of(cur));
-        for (int k = 0;; ++k) {
-          if (cur < 0) {  // no item k: the fed warps stop at its stage
-            const int st = k % kStages;
-#pragma unroll
-            for (int i = 0; i < kFed; ++i) {
-              const int w = p + i * kProducers;
-              if (k >= kStages) detail::mbar_wait(empty_bar(w, st), static_cast<unsigned>(((k / kStages) & 1) ^ 1));
-              publish(k, w, st, -1);
-            }
-            return;
-          }
-          const ItemInputs in = next;
-          // static items load ahead of this item's copies; a claim's atomic goes after them (the
-          // producer runs up to kStages items ahead of its warps, which hides the round trip)
-          const bool next_static = k + 1 < n_static;
-          long long nxt = next_static ? it0 + k + 1 : -1;
-          if (next_static) load_item(row_of(nxt), tile_of(nxt));
-          issue_item(k, in, cur);
-          if (!next_static) {
-            nxt = claim(k + 1 - (n_static > 0 ? n_static : 0));
-            if (nxt >= 0) load_item(row_of(nxt), tile_of(nxt));
-          }
-          cur = nxt;
-        }
-      }
-      return;
+      return;  // the copies complete on their own; the computing warps wait for them
     }
   }
 
-  // ---- per-warp rings (kProducers == 0): see KeySliceFeed; the consumer keeps its own (row, tile) cursor ----
-  Id* const warp_slots = reinterpret_cast<Id*>(mean_mma_smem + Shape::kSmemBytes - Shape::kTableBytes) +
-                         static_cast<std::size_t>(warp) * (kStages + 1) * 32;
-  detail::KeySliceFeed<T, Id, HD, Shape::kTile, kKeys, kStages> feed(row0, tile0, warp_slots);
-  const auto fetch = [&]() { feed.fetch(view, a, fd, tiles_per_row, L, Hkv, HC, warp, lane); };
-  const auto issue = [&](int stage) {
-    feed.issue(view, a, fd, tiles_per_row, L, Hkv, HC, warp, lane,
-               ring_addr + static_cast<std::uint32_t>(stage * kSliceBytes));
-  };
-  // the computing warps' barrier (without the producer warp)
-  const auto consumers_sync = [&]() {
-    if constexpr (kProducerWarp)
-      asm volatile("bar.sync 1, %0;" ::"n"(32 * kWarps) : "memory");
-    else
-      __syncthreads();
-  };
+  // the computing warps' barrier (without the producer warps)
+  const auto consumers_sync = [&]() { asm volatile("bar.sync 1, %0;" ::"n"(32 * kWarps) : "memory"); };
 
   // ---- consumer state ----
   long long seen_row = -1, w_row = -1, c_rid = row0;
@@ -2081,16 +1436,10 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
   for (int s = 0; s < F / 8; ++s) bn[s][0] = bn[s][1] = 0u;
 
   // Row inputs (length, t0, q̄, c, C_f, ω_f) in registers; with kLoadAhead the first row's load
-  // with the first table fetch and each next row's right after a fold (see RowFoldInputs), else
-  // when the row begins.
+  // up front and each next row's right after a fold (see RowFoldInputs), else when the row begins.
   detail::RowFoldInputs<F, GH, Shape::kThreads, true> pre;
   const auto load_pre = [&](long long r) { pre.load(m, a, view.seq_lens, r, L, Hkv, HC); };
-  // the last row whose inputs may be loaded ahead (a dynamic tail may reach any row)
-  const long long last_row = (dynamic ? work.total - 1 : it_end - 1) / tiles_per_row;
-  const auto start = [&]() {  // per-warp rings: the first row's addresses and inputs, during the first table fetch
-    feed.prime(view, a, L, Hkv, HC);
-    if constexpr (kLoadAhead) load_pre(row0);
-  };
+  const long long last_row = (it_end - 1) / tiles_per_row;  // the last row whose inputs may be loaded ahead
   int key0 = 0;  // this warp's first key of the current item (set by prepare)
   const auto prepare = [&]() -> bool {  // the item at the compute cursor, then advance it
     const long long rid = c_rid;
@@ -2201,7 +1550,7 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
     }
   };
 
-  if constexpr (kProducerWarp) {  // the computing warps: wait for the slice, compute, hand the stage back
+  {  // the computing warps: wait for the slice, compute, hand the stage back
     if constexpr (kLoadAhead) load_pre(row0);
     const auto run_item = [&](int k, bool live) {
       const int st = k % kStages;
@@ -2209,50 +1558,18 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
       if (live) compute(st);
       detail::mbar_arrive(empty_bar(warp, st));  // this lane has read the stage
     };
-    if (!dynamic) {
-      for (int k = 0; k < n_items; ++k) run_item(k, prepare());
-    } else if constexpr (kDynamicTail) {  // item ids from the producer, until it hands out -1
-      // Item k < n_static is it0 + k (the static cursor of prepare); later ones come with their
-      // stage's item mbarrier, whose phase counts only those: ((k - n_static) / kStages) & 1.
-      // (The producers publish only those, so the static items wait on nothing but their data.)
-      const auto item_phase = [&](int k) { return static_cast<unsigned>(((k - n_static) / kStages) & 1); };
-      for (int k = 0;; ++k) {
-        const int st = k % kStages;
-        if (k >= n_static) {
-          detail::mbar_wait(item_bar(warp, st), item_phase(k));
-          const long long item = item_ids[warp * kStages + st];
-          if (item < 0) break;  // uniform across the computing warps: both producers hand out the same ids
-          c_rid = row_of(item);
-          c_tile = tile_of(item);
-        }
-        const bool live = prepare();
-        if constexpr (kLoadAhead) {  // the next claimed item's row inputs, where its id is out and its row new
-          const int sn = (k + 1) % kStages;
-          if (k + 1 >= n_static && detail::mbar_test(item_bar(warp, sn), item_phase(k + 1))) {
-            const long long nx = item_ids[warp * kStages + sn];
-            const long long r = nx >= 0 ? row_of(nx) : seen_row;
-            if (r != seen_row && r != pre.rid) load_pre(r);
-          }
-        }
-        run_item(k, live);
-      }
-    }
-  } else {  // each warp feeds its own ring (KeySliceFeed)
-    detail::run_key_ring<kStages>(n_items, fetch, start, issue, prepare, compute);
+    for (int k = 0; k < n_items; ++k) run_item(k, prepare());
   }
 }
 
 // ---------------------------------------------------------------------------------------------
-// Max aggregation on the tensor cores, pipelined (16-bit caches; ScoreOptions::max_variant 1).
-// The same MMAs and max as score_max_mma_kernel (B fragments [n-tile][k-step][split][lane] in
-// shared memory, two m16 tiles per warp, column n of an n-tile = (δ = 2·nt + n/4, head n%4)), on
-// ldmatrix A fragments in natural element order (the B fragments follow it). Around them: keys
-// arrive through per-warp cp.async rings (KeySliceFeed), so a warp's next slices are in flight
-// while it runs its ~430 MMAs per 32 keys, instead of loading, waiting, then computing; the
-// |D|·F float64 cos/sin of (t0 + δ)·ω are computed once per (CTA, sequence) into shared memory,
-// so a row change only re-folds q̄ (|D| products per (head, f)); and the norm term runs as TF32
-// MMAs (norm_tile_mma; columns n = (head n%4, TF32 head n < 4 or rest), summed over lanes c4 and
-// c4 ^ 2).
+// Max aggregation on the tensor cores, pipelined (16-bit caches).
+// The same dot products and max as score_max_mma_kernel, on ldmatrix A fragments in natural
+// element order. Around them: keys arrive through per-warp cp.async rings (KeySliceFeed), so a
+// warp's next slices are in flight while it runs its MMAs; the |D|·F float64 cos/sin of
+// (t0 + δ)·ω are computed once per (CTA, sequence) into shared memory, so a row change only
+// re-folds q̄; the dot products run as warpgroup MMAs (sm_90a, |D| <= 18) or mma.sync, the norm
+// term as fp32 FMAs (norm_tile_ffma).
 // ---------------------------------------------------------------------------------------------
 
 /// n-tiles of B fragments the warpgroup-MMA max scorer always holds: one m64n72k16 covers
@@ -2260,23 +1577,6 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
 inline constexpr int kWgmmaMaxNTiles = 9;
 
 namespace detail {
-/// The weight side shared by the warpgroup-MMA max scorers with one-warpgroup tiles
-/// (score_max_ws_kernel, score_max_direct_kernel): B as kSteps x kSplits tiles of kNT core-matrix
-/// pairs, c as [slot f + f/8] float4 (4 heads per pass).
-template <int HD>
-struct MaxWeightTiles {
-  static_assert(HD % 32 == 0, "head_dim must be a multiple of 32");
-  static constexpr int kF = HD / 2;
-  static constexpr int kSteps = HD / 16;  // k16 steps
-  static constexpr int kSplits = 2;       // 16-bit weight terms (bf16 hi + mid, fp16 hi + lo)
-  static constexpr int kHeads = 4;
-  static constexpr int kNT = kWgmmaMaxNTiles;
-  static constexpr std::size_t kBTileBytes = static_cast<std::size_t>(kNT) * 256;  // one (k-step, term)
-  static constexpr std::size_t kBBytes = static_cast<std::size_t>(kSteps) * kSplits * kBTileBytes;
-  static constexpr int kCSlots = kF + kF / 8;
-  static constexpr std::size_t kCBytes = static_cast<std::size_t>(kCSlots) * 16;
-};
-
 /// Stores the SP 16-bit terms of weight element e of B column n of n-tile nt into the warpgroup-MMA
 /// B tiles: K-major core matrices [k-step e/16][term][n-tile][k-chunk (e%16)/8][column][e%8]
 /// (NT n-tiles per tile).
@@ -2359,32 +1659,28 @@ __device__ __forceinline__ void offset_weight(double q_re, double q_im, double c
 }
 }  // namespace detail
 
+/// 16-bit terms per weight of the pipelined max scorer (bf16 hi + mid, fp16 hi + lo): weights to
+/// 2^-17 of their size, a third fewer MMAs than bf16's three terms.
+inline constexpr int kMaxPipeSplits = 2;
+
 /// Dynamic shared memory of score_max_mma_pipe_kernel: rings, c [slot] float4, cos/sin [|D|][F]
 /// double, B fragments (mma.sync: [ceil(|D|/2)][k-step][split][lane] uint2; wgmma: [k-step][split]
-/// x kWgmmaMaxNTiles core-matrix pairs of 256 bytes, the same size at |D| = 17, 18), table slots
-/// [warp][kStages + 1][32].
-template <class T, int HD, int kWarps, int kStages, bool kWgmma = false, int kSplits = 0, int kKeys = 32>
+/// x kWgmmaMaxNTiles core-matrix pairs of 256 bytes), table slots [warp][kStages + 1][32].
+template <class T, int HD, int kWarps, int kStages, bool kWgmma, int kKeys = 32>
 constexpr std::size_t score_max_mma_pipe_smem_bytes(int num_offsets) {
   using Shape = detail::MmaMeanShape<T, HD, kWarps, kStages, kKeys>;
   const int n_tiles = kWgmma ? kWgmmaMaxNTiles : (num_offsets + 1) / 2;
-  const int splits = kSplits > 0 ? kSplits : Shape::kSplits;
   return Shape::kRingBytes + Shape::kCBytes + static_cast<std::size_t>(num_offsets) * Shape::kF * 2 * sizeof(double) +
-         static_cast<std::size_t>(n_tiles) * Shape::kSteps * splits * 32 * 8 + Shape::kTableBytes;
+         static_cast<std::size_t>(n_tiles) * Shape::kSteps * kMaxPipeSplits * 32 * 8 + Shape::kTableBytes;
 }
 
 /// Pipelined tensor-core max-aggregation scorer for 16-bit caches (same contract as
-/// score_max_mma_kernel; dynamic shared memory score_max_mma_pipe_smem_bytes).
-/// kWgmma (max_variant 2, 3; |D| <= 18, kWarps a multiple of 4): the dot products run as warpgroup
-/// MMAs (wgmma m64n72k16, A = each warp's key fragments from registers, B = the weights from
-/// shared memory) where the build targets sm_90a, else as with kWgmma = false.
-/// kSplits: 16-bit terms per weight (0: MmaMaxTraits' default, 3 for bf16 and 2 for fp16 caches;
-/// max_variant 3 takes 2 for bf16 too: weights to 2^-17 of their size instead of 2^-25, a third
-/// fewer MMAs). kKeys: keys per warp slice (32: two m16 tiles, 16: one).
-/// kNormFfma (max_variant 4): the norm term Σ_f c_f·|K_f| as fp32 FMAs on the CUDA cores
-/// (norm_tile_ffma) instead of TF32 MMAs (norm_tile_mma): off the tensor pipe that the other
-/// warpgroup's MMAs hold, and exact to fp32 rounding instead of ~21-bit products.
-template <class T, class Id, int HD, RopeStyle S, int kWarps, int kStages, int kMinCtas, bool kWgmma = false,
-          int kSplits = 0, int kKeys = 32, bool kNormFfma = false>
+/// score_max_mma_kernel; dynamic shared memory score_max_mma_pipe_smem_bytes). Per-warp cp.async
+/// rings; weights in kMaxPipeSplits 16-bit terms; the norm term Σ_f c_f·|K_f| as fp32 FMAs on the
+/// CUDA cores (norm_tile_ffma), off the tensor pipe. kWgmma (|D| <= 18, kWarps a multiple of 4):
+/// the dot products as warpgroup MMAs (m64n72k16, A from registers, B from shared memory) where
+/// the build targets sm_90a, else mma.sync. kKeys: keys per warp slice (32: two m16 tiles).
+template <class T, class Id, int HD, RopeStyle S, int kWarps, int kStages, int kMinCtas, bool kWgmma, int kKeys = 32>
 __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
     score_max_mma_pipe_kernel(KvCacheView<T, Id> view, ScoreModelView m, ScoreBatch a, float* __restrict__ scores,
                               detail::FastDiv fd) {
@@ -2395,7 +1691,8 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
   constexpr int MT = kKeys / 16;  // m16 tiles per warp slice
   using Tr = detail::MmaMaxTraits<T>;
   constexpr int F = Shape::kF, KS = Shape::kSteps, GH = Shape::kHeads;
-  constexpr int SP = kSplits > 0 && kSplits < Shape::kSplits ? kSplits : Shape::kSplits;
+  constexpr int SP = kMaxPipeSplits;
+  static_assert(SP <= Shape::kSplits, "no more terms than the cache type's split");
 #ifdef TRIATTN_WGMMA_ENABLED
   constexpr bool kUseWgmma = kWgmma;
 #else
@@ -2420,7 +1717,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
   const int lane = static_cast<int>(threadIdx.x) & 31, warp = static_cast<int>(threadIdx.x) >> 5;
   const int g4 = lane >> 2, c4 = lane & 3;
   const uint4* const my_ring = ring + static_cast<std::size_t>(warp) * kStages * Shape::kSliceVecs;
-  const std::uint32_t ring_addr = detail::score_smem_addr(my_ring);
+  const std::uint32_t ring_addr = detail::smem_addr(my_ring);
 
   const long long row0 = it0 / tiles_per_row;
   const int tile0 = static_cast<int>(it0 - row0 * tiles_per_row);
@@ -2436,9 +1733,6 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
   long long seen_row = -1, w_row = -1, c_rid = row0;
   int c_tile = tile0, w_b = -1, len = 0;
   detail::ScoreRow row{};
-  std::uint32_t bn[F / 8][2];  // this lane's norm B fragments (TF32) of row w_row
-#pragma unroll
-  for (int s = 0; s < F / 8; ++s) bn[s][0] = bn[s][1] = 0u;
 
   // Row inputs (length, t0, q̄, c) ahead in registers, as in the mean scorer (RowFoldInputs).
   using Pre = detail::RowFoldInputs<F, GH, Shape::kThreads, false, kUseWgmma>;
@@ -2446,8 +1740,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
   const auto load_pre = [&](long long r) { pre.load(m, a, view.seq_lens, r, L, Hkv, HC); };
   const long long last_row = (it_end - 1) / tiles_per_row;
   // With the cos/sin(δω_f) tables (angle addition): this thread's ω_f, and the tables copied into
-  // cs_s / sn_s, both issued with the first table fetch (before the warps flood HBM with keys;
-  // loaded at the first fold they waited ~10% of the kernel, ncu 2026-12-01).
+  // cs_s / sn_s, both issued with the first table fetch (before the warps flood HBM with keys).
   const bool angle_tables = m.offset_cos != nullptr && !m.disable_trig;
   double omega_f = 0.0;
   bool tables_in_smem = false;  // cs_s / sn_s hold the raw cos/sin(δω) (until the first sequence's fold)
@@ -2458,7 +1751,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
       static_assert(Shape::kThreads % F == 0, "every item of a thread has the same frequency");
       omega_f = m.omega[threadIdx.x % F];
       detail::copy_offset_tables_async(cs_s, sn_s, m, D, F, static_cast<int>(threadIdx.x), Shape::kThreads);
-      detail::score_cp_async_commit();  // run_key_ring waits for it right after start()
+      detail::cp_async_commit();  // run_key_ring waits for it right after start()
       tables_in_smem = true;              // visible to all after the first fold's barrier
     }
   };
@@ -2515,14 +1808,9 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
         const float c = pre.c[j];
         cf[(f + f / 8) * 4 + h] = c;
         const int e_re = rope_pair_re(S, f, HD), e_im = rope_pair_im(S, f, HD);
-        // kFoldBatch offsets at a time, their cos/sin loaded before any of their stores: the
-        // float64 folds of a batch are independent (one offset at a time, each waited for its
-        // loads and its ~6-deep float64 chain, and the fold of the 18 columns ran ~4 µs of a
-        // 32K layer's 36.6 µs on the H200). Not unrolled further: all 18 columns at once took
-        // ptxas to 255 registers with spills in the key loop. No branch past the group: its q̄
-        // is 0, so are its weights. H200, 2026-12-02: the unit fold (8 float64 operations, not
-        // 14) took max_variant 4 from 35.5 to 34.5 µs at one 32K layer; a float fold over float
-        // phase pairs ran slower (36.1 µs) and was not kept.
+        // kFoldBatch offsets at a time, their cos/sin loaded before any of their stores, so the
+        // float64 folds of a batch overlap (all 18 at once spill in the key loop). No branch past
+        // the group: its q̄ is 0, so are its weights.
         constexpr int kFoldBatch = 6;
         for (int o0 = 0; o0 < 2 * NT; o0 += kFoldBatch) {
           double cs_b[kFoldBatch], sn_b[kFoldBatch];
@@ -2544,13 +1832,6 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
       if constexpr (kUseWgmma) detail::fence_proxy_async_smem();  // the B tiles are read by wgmma
 #endif
       __syncthreads();
-      if constexpr (!kNormFfma) {  // norm_tile_ffma reads c from shared memory instead
-#pragma unroll
-        for (int s = 0; s < F / 8; ++s)
-#pragma unroll
-          for (int i = 0; i < 2; ++i)  // column g4: head g4 % 4 (as the trig columns), TF32 head (g4 < 4) or rest
-            bn[s][i] = detail::norm_b_word<S>(cf, c4, s, i, g4 & 3, g4 >= 4);
-      }
       w_row = rid;
       if (rid < last_row) load_pre(rid + 1);  // in flight while this row streams
     }
@@ -2569,19 +1850,9 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
       detail::load_tile_fragments<KS, Shape::kCPR>(fr[mt], st_addr + static_cast<std::uint32_t>(16 * mt * Shape::kCPR * 16),
                                                    lane);
 
-    // ---- norm term of heads 2(c4 & 1) + i: FMAs (kNormFfma), or TF32 MMAs where lane c4 gets the
-    // head (c4 < 2) or the rest (c4 >= 2) and the other part from lane c4 ^ 2 ----
+    // ---- norm term of heads 2(c4 & 1) + i, fp32 FMAs ----
     float nr[MT][4];  // [m-tile][2·(row g4 + 8q) + i]
-    const auto norm_tile = [&](int mt) {
-      if constexpr (kNormFfma) {
-        detail::norm_tile_ffma<T, S, KS>(nr[mt], fr[mt], c_s, c4);
-      } else {
-        float nacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        detail::norm_tile_mma<T, S>(nacc, nacc, fr[mt], bn);
-#pragma unroll
-        for (int v = 0; v < 4; ++v) nr[mt][v] = nacc[v] + __shfl_xor_sync(0xffffffffu, nacc[v], 2);
-      }
-    };
+    const auto norm_tile = [&](int mt) { detail::norm_tile_ffma<T, S, KS>(nr[mt], fr[mt], c_s, c4); };
     if constexpr (!kUseWgmma) {
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) norm_tile(mt);
@@ -2596,21 +1867,16 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
     const int my_delta_odd = c4 >> 1;
 #ifdef TRIATTN_WGMMA_ENABLED
     if constexpr (kUseWgmma) {
-      // Per m-tile one chain of KS·SP warpgroup MMAs over all 72 columns. m-tile 1's norm runs
-      // while m-tile 0's MMAs are in the tensor cores, m-tile 0's max while m-tile 1's are (a
-      // wgmma's A registers are not read before it is waited for). With the norm on the CUDA
-      // cores (kNormFfma) m-tile 0's MMAs also go first and its norm follows wgmma_wait<1>, under
-      // m-tile 1's MMAs (H200, 2026-12-02: 34.4 -> 34.2 µs at one 32K layer, a round's max
-      // scores 85.1-85.4 -> 84.2-84.6 µs at batch 1, 677-678 -> 671-673 at batch 8, against its
-      // norm before its MMAs). max_variant 2 / 3, whose TF32 norm runs on the tensor pipe, keep
-      // the first order (the second not measured there).
+      // Per m-tile one chain of KS·SP warpgroup MMAs over all 72 columns. m-tile 0's MMAs go
+      // first; its norm follows wgmma_wait<1>, under m-tile 1's MMAs, and m-tile 1's norm runs
+      // under m-tile 0's (a wgmma's A registers are not read before it is waited for).
       // one (k-step, split) B tile
-      constexpr auto kTileBytes = static_cast<std::uint32_t>(detail::MaxWeightTiles<HD>::kBTileBytes);
-      const std::uint64_t b_desc = detail::wgmma_desc_kmajor(detail::score_smem_addr(bfrag_s), 128u, 256u);
+      constexpr auto kTileBytes = static_cast<std::uint32_t>(kWgmmaMaxNTiles * 256);
+      const std::uint64_t b_desc = detail::wgmma_desc_kmajor(detail::smem_addr(bfrag_s), 128u, 256u);
       float d[MT][4 * kWgmmaMaxNTiles];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        if (!kNormFfma || mt > 0) norm_tile(mt);
+        if (mt > 0) norm_tile(mt);
         detail::wgmma_fence();
 #pragma unroll
         for (int s = 0; s < KS; ++s)
@@ -2627,7 +1893,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
           detail::wgmma_wait<1>();  // MT <= 2
         else
           detail::wgmma_wait<0>();
-        if (kNormFfma && mt == 0) norm_tile(0);
+        if (mt == 0) norm_tile(0);
 #pragma unroll
         for (int nt = 0; nt < kWgmmaMaxNTiles; ++nt)  // every column: those past |D| repeat offset D - 1
 #pragma unroll

@@ -121,13 +121,13 @@ __global__ void __launch_bounds__(kSelectThreads)
   __shared__ unsigned s_sel[3];
   __shared__ int s_wa[32], s_wb[32];
 
-  // No griddep_launch_dependents(): compaction CTAs scheduled beside select's (H200, 2026-12-01)
-  // made the compaction 13 µs slower; it starts when select completes.
+  // No griddep_launch_dependents(): compaction CTAs scheduled beside select's slow the
+  // compaction down; it starts when select completes.
   const int r = blockIdx.x / splits, split = blockIdx.x % splits, b = blockIdx.y;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const DeviceKeepCounts kc = seqs.counts(b, p);  // round inputs: before the wait
+  const KeepCounts kc = seqs.counts(b, p);  // round inputs: before the wait
   detail::griddep_wait();  // the values to rank come from the kernel before
-  const int T = kc.length, begin = kc.begin, end = kc.end, n = end - begin;
+  const int T = kc.length, begin = kc.selectable_begin, end = kc.selectable_end, n = end - begin;
   const long long ML = seqs.max_len;
 
   // Plan rows this CTA writes: first + q·stride, q < count.

@@ -30,9 +30,9 @@ __global__ void __launch_bounds__(kUnionLayerMaxThreads)
   const int t = blockIdx.x * kUnionLayerMaxThreads + threadIdx.x;
   const long long T = seqs.max_len;
   if (t >= T) return;
-  const DeviceKeepCounts kc = seqs.counts(b, p);
+  const KeepCounts kc = seqs.counts(b, p);
   const long long o = static_cast<long long>(b) * T + t;
-  if (kc.identity || t < kc.begin || t >= kc.end) {
+  if (kc.identity || t < kc.selectable_begin || t >= kc.selectable_end) {
     flags[o] = 0;
     vmax[o] = 0.0f;
     return;

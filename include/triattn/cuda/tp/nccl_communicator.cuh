@@ -103,7 +103,7 @@ inline const NcclLibrary& nccl_library() {
     (void)::setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);
     // Connect peers at init, not at the first collective: that one may be inside a CUDA graph
     // capture, where NCCL's peer setup fails ("operation not permitted when stream is
-    // capturing", seen on two H200s with lazy connection).
+    // capturing" with lazy connection).
     (void)::setenv("NCCL_RUNTIME_CONNECT", "0", /*overwrite=*/0);
     const char* env = std::getenv("TRIATTN_NCCL_LIBRARY");
     l.path = env != nullptr && env[0] != '\0' ? env : "libnccl.so.2";
