@@ -79,8 +79,8 @@ void BM_compression_round(benchmark::State& state) {
   std::int32_t* d_seq = upload(seq_ids);
   std::int32_t* d_prompts = upload(std::vector<std::int32_t>(static_cast<std::size_t>(batch), 0));
   std::int64_t* d_t0 = upload(std::vector<std::int64_t>(static_cast<std::size_t>(batch), 41000));
-  const KvCacheView<T, std::int32_t> view{data, static_cast<std::int64_t>(blocks) * bl.block_elems(), bl, kL,
-                                          blocks, batch, per_seq, d_tables, d_lens};
+  const auto view = KvCacheView<T, std::int32_t>::contiguous(data, static_cast<std::int64_t>(blocks) * bl.block_elems(),
+                                                              bl, kL, blocks, batch, per_seq, d_tables, d_lens);
   RopeConfig rope;
   rope.theta = 1e6;
   cuda::TriAttentionDeviceScorer scorer(random_stats(), rope, ScoringParams{}, kHkv);
