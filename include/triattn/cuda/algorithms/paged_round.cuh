@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include <triattn/core/error.hpp>
 #include <triattn/core/kv_view.hpp>
@@ -87,6 +88,18 @@ template <class T, class Id>
 void paged_round(const KvCacheView<T, Id>& view, const ScoreModelView& model, const SelectionParams& params,
                  RoundTrigger trigger, const RoundBatch& batch, const RoundOutputs& out, void* workspace,
                  std::size_t workspace_bytes, cudaStream_t stream) {
+  paged_round(view, model, params, trigger, batch, out, workspace, workspace_bytes, IdentityAgreement{}, stream);
+}
+
+/// paged_round(...) on one tensor-parallel rank (see compression_round::plan with an agreement):
+/// `view` holds this rank's KV heads, `model` its query heads' statistics; union rounds call
+/// `agreement` between their two phases so every rank keeps the tp = 1 set. Every rank must run
+/// the same batch. The non-finite check is rank-local (a rank whose own scores are finite
+/// completes the round).
+template <class T, class Id, UnionAgreement Agreement>
+void paged_round(const KvCacheView<T, Id>& view, const ScoreModelView& model, const SelectionParams& params,
+                 RoundTrigger trigger, const RoundBatch& batch, const RoundOutputs& out, void* workspace,
+                 std::size_t workspace_bytes, Agreement&& agreement, cudaStream_t stream) {
   using detail::paged_round_what;
   params.validate();
   const RoundShape shape{model.num_layers, model.num_q_heads, model.num_kv_heads};
@@ -164,7 +177,14 @@ void paged_round(const KvCacheView<T, Id>& view, const ScoreModelView& model, co
   }
   TRIATTN_CUDA_TRY(gqa_reduce(ws.scores, ws.stats, ws.reduced, ws.flags, seqs, p.select, shape, stream));
   const DeviceKeepPlanView plan{scratch.plan_kept, scratch.plan_keep, batch.max_len};
-  TRIATTN_CUDA_TRY(select_keep(ws.scores, ws.reduced, ws.flags, plan, seqs, p.select, shape, stream));
+  if (params.mode != PruningMode::kUnion || std::is_same_v<std::remove_cvref_t<Agreement>, IdentityAgreement>) {
+    TRIATTN_CUDA_TRY(select_keep(ws.scores, ws.reduced, ws.flags, plan, seqs, p.select, shape, stream));
+  } else {
+    TRIATTN_CUDA_TRY(
+        select_union_candidates(ws.scores, ws.reduced, ws.flags, ws.vmax, seqs, p.select, shape, stream));
+    TRIATTN_CUDA_TRY(agreement(ws.flags, ws.vmax, batch.batch, batch.max_len, stream));
+    TRIATTN_CUDA_TRY(select_union_finish(ws.flags, ws.vmax, plan, seqs, p.select, shape, stream));
+  }
   const int chunks = out.kept != nullptr ? (out.kept_rows < 64 ? out.kept_rows : 64) : 1;
   paged_round_outputs_kernel<Id><<<dim3(static_cast<unsigned>(batch.batch), static_cast<unsigned>(chunks)), 256, 0,
                                    stream>>>(view.seq_lens, view.block.block_size, batch, out, scratch,
