@@ -382,8 +382,9 @@ void check_case(const Case& c, std::uint32_t seed, bool graph = false) {
     CHECK_EQ(g_new[b], out.new_lens[b]);
     CHECK_EQ(g_fb[b], out.fb[b]);
     CHECK_EQ(g_fe[b], out.fe[b]);
-    if (b == c.nan_seq && c.sp.nonfinite == NonFinitePolicy::kRefuse)
-      CHECK_EQ(g_status[b], static_cast<int>(RoundStatus::kNonFinite));
+    if (b == c.nan_seq)
+      CHECK_EQ(g_status[b], static_cast<int>(c.sp.nonfinite == NonFinitePolicy::kRefuse ? RoundStatus::kNonFinite
+                                                                                        : RoundStatus::kCompressed));
     if (g_status[b] != static_cast<int>(RoundStatus::kCompressed) || g_status[b] != out.status[b]) continue;
     ++compressed;
     long long differ = 0;
@@ -394,7 +395,8 @@ void check_case(const Case& c, std::uint32_t seed, bool graph = false) {
       }
     CHECK_MESSAGE(differ == 0, differ, " kept positions differ from the CPU oracle");
   }
-  if (c.trigger == RoundTrigger::kAlways) CHECK_GE(compressed, batch - (c.nan_seq >= 0 ? 1 : 0));
+  if (c.trigger == RoundTrigger::kAlways)
+    CHECK_GE(compressed, batch - (c.nan_seq >= 0 && c.sp.nonfinite == NonFinitePolicy::kRefuse ? 1 : 0));
   test::require_bitwise_equal(g_mem, arena.host, "compacted memory (device vs CPU oracle)");
   // The round changed something (a test of a no-op would pass vacuously).
   CHECK(std::memcmp(arena.host.data(), original.data(), original.size() * sizeof(T)) != 0);
@@ -436,7 +438,7 @@ TEST_SUITE("gpu") {
       }
   }
 
-  TEST_CASE("paged_round: ragged batch with the trigger, sequences below it untouched") {
+  TEST_CASE("paged_round: ragged batch with the trigger - sequences below it untouched") {
     test::require_device();
     const std::uint32_t seed = test::fresh_seed32();
     int combo = 0;
@@ -453,23 +455,25 @@ TEST_SUITE("gpu") {
     }
   }
 
-  TEST_CASE("paged_round: a non-finite key leaves its sequence untouched, the others complete") {
+  TEST_CASE("paged_round: a non-finite key is refused (sequence untouched while the others complete) or evicted first") {
     test::require_device();
     const std::uint32_t seed = test::fresh_seed32();
     int combo = 0;
     for (Engine e : {Engine::kVllmFlashAttn, Engine::kSglang, Engine::kKvCache})
-      for (bool normalize : {true, false}) {
+      for (bool normalize : {true, false})
+        for (NonFinitePolicy nf : {NonFinitePolicy::kRefuse, NonFinitePolicy::kEvictFirst}) {
         Case c;
         c.engine = e;
         c.bs = e == Engine::kSglang ? 1 : 16;
-        c.sp = sel(128, PruningMode::kPerLayerPerHead, PromptMode::kPinnedInBudget, 0, 0);
+        c.sp = sel(128, combo % 2 ? PruningMode::kUnion : PruningMode::kPerLayerPerHead, PromptMode::kPinnedInBudget, 0, 0);
         c.sp.normalize = normalize;
+        c.sp.nonfinite = nf;
         c.nan_seq = 1;
         check_case<bf16_storage>(c, seed + static_cast<std::uint32_t>(combo++));
       }
   }
 
-  TEST_CASE("paged_round: Qwen3-8B-like heads, max aggregation, head_dim 64") {
+  TEST_CASE("paged_round: Qwen3-8B-like heads with max aggregation and head_dim 64") {
     test::require_device();
     const std::uint32_t seed = test::fresh_seed32();
     int combo = 0;

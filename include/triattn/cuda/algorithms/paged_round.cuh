@@ -169,6 +169,12 @@ void paged_round(const KvCacheView<T, Id>& view, const ScoreModelView& model, co
   TRIATTN_CUDA_TRY(
       score(eff, model, ScoreBatch{batch.seq_ids, batch.t0, batch.batch, batch.max_len}, ws.scores, stream));
   const long long rows = static_cast<long long>(batch.batch) * shape.num_layers * shape.num_q_heads;
+  if (params.nonfinite == NonFinitePolicy::kEvictFirst && batch.max_len > 0) {
+    mark_broken_slots_kernel<Id><<<dim3(static_cast<unsigned>((batch.max_len + 255) / 256),
+                                        static_cast<unsigned>(batch.batch)),
+                                   256, 0, stream>>>(ws.scores, seqs, p);
+    TRIATTN_CUDA_TRY(check_launch(stream));
+  }
   if (params.normalize) {
     TRIATTN_CUDA_TRY(row_stats(ws.scores, ws.stats, seqs, p.select, shape, stream));
   } else {

@@ -83,6 +83,24 @@ __global__ void nonfinite_scan_kernel(const float* __restrict__ scores, RoundSeq
   if (__syncthreads_or(bad) && threadIdx.x == 0) atomicOr(s.nonfinite + b, 1);
 }
 
+/// NonFinitePolicy::kEvictFirst: a selectable slot with a non-finite raw score in any row of its
+/// sequence becomes NaN in every row (row statistics skip it, selection ranks NaN below every
+/// finite value), as the CPU round ranks such a token lowest everywhere. Grid (slot tiles, batch).
+template <class Id>
+__global__ void mark_broken_slots_kernel(float* __restrict__ scores, RoundSeqs<Id> seqs, PagedRoundParams p) {
+  const int b = static_cast<int>(blockIdx.y);
+  const int j = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
+  const DeviceKeepCounts kc = seqs.counts(b, p.select);
+  if (kc.identity || j < kc.begin || j >= kc.end) return;
+  const long long rows = static_cast<long long>(p.num_layers) * p.num_q_heads;
+  float* x = scores + static_cast<long long>(b) * rows * seqs.max_len + j;
+  bool broken = false;
+  for (long long r = 0; r < rows && !broken; ++r) broken = !isfinite(x[r * seqs.max_len]);
+  if (!broken) return;
+  const float nan = __int_as_float(0x7fffffff);
+  for (long long r = 0; r < rows; ++r) x[r * seqs.max_len] = nan;
+}
+
 /// Grid (batch, kept row chunks). Every CTA of sequence b derives its status from the same
 /// inputs; CTA (b, 0) writes the per-sequence outputs and the keep count compaction applies,
 /// CTAs (b, y) write the kept logical positions of rows y, y + gridDim.y, ...
