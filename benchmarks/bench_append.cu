@@ -49,7 +49,8 @@ struct Cache {
     lens = device_alloc<std::int32_t>(lengths.size());
     TRIATTN_BENCH_CUDA(cudaMemcpy(tables, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
     TRIATTN_BENCH_CUDA(cudaMemcpy(lens, lengths.data(), lengths.size() * 4, cudaMemcpyHostToDevice));
-    view = {data, static_cast<std::int64_t>(blocks) * bl.block_elems(), bl, kLayers, blocks, seqs, per_seq, tables, lens};
+    view = KvCacheView<T, std::int32_t>::contiguous(data, static_cast<std::int64_t>(blocks) * bl.block_elems(), bl, kLayers,
+                                                   blocks, seqs, per_seq, tables, lens);
   }
   ~Cache() {
     cudaFree(data);

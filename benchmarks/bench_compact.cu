@@ -74,8 +74,8 @@ void BM_compact(benchmark::State& state) {
   std::int32_t* d_seq = upload(seq_ids);
   std::int32_t* d_keep = upload(keep);
   std::int32_t* d_kept = upload(kept);
-  const KvCacheView<T, std::int32_t> view{data, static_cast<std::int64_t>(blocks) * bl.block_elems(), bl, kLayers,
-                                          blocks, batch, per_seq, d_tables, d_lens};
+  const auto view = KvCacheView<T, std::int32_t>::contiguous(data, static_cast<std::int64_t>(blocks) * bl.block_elems(),
+                                                              bl, kLayers, blocks, batch, per_seq, d_tables, d_lens);
   const cuda::CompactParams plan{d_kept, d_keep, d_seq, kKeep};
   cudaStream_t stream;
   TRIATTN_BENCH_CUDA(cudaStreamCreate(&stream));

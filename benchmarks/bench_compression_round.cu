@@ -11,6 +11,13 @@
 // moved_frac_timed, counted from the last timed round's plan); 1 restores the original 2,560-token
 // cache before each round (a device copy outside the timed region), so every timed round is the
 // first round and the floor counts its moves.
+// BM_paged_round: cuda::paged_round (the engine-facing round: trigger, non-finite check, kept
+// positions and freed columns as device outputs, then compaction) on the same shape over three
+// layouts in one binary, every timed round a first round (the cache restored before each):
+//   layout 0 KvCache's own (KvCacheView::contiguous, page 16)
+//   layout 1 vLLM FlashAttention: a tensor per layer [2, blocks, 16, 8, 128] (pointer per range)
+//   layout 2 SGLang: K and V buffers per layer [slots, 8, 128], page size 1 (shuffled slots)
+// and variant 0 eager, 1 replayed from a CUDA graph. Target: layouts 1 and 2 within 5% of 0.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -26,6 +33,7 @@
 #include <triattn/core/dtype.hpp>
 #include <triattn/core/stats/random.hpp>
 #include <triattn/cuda/algorithms/compression_round.cuh>
+#include <triattn/cuda/algorithms/paged_round.cuh>
 #include <triattn/cuda/policy/triattention_device_scorer.cuh>
 
 namespace {
@@ -79,8 +87,8 @@ void BM_compression_round(benchmark::State& state) {
   std::int32_t* d_seq = upload(seq_ids);
   std::int32_t* d_prompts = upload(std::vector<std::int32_t>(static_cast<std::size_t>(batch), 0));
   std::int64_t* d_t0 = upload(std::vector<std::int64_t>(static_cast<std::size_t>(batch), 41000));
-  const KvCacheView<T, std::int32_t> view{data, static_cast<std::int64_t>(blocks) * bl.block_elems(), bl, kL,
-                                          blocks, batch, per_seq, d_tables, d_lens};
+  const auto view = KvCacheView<T, std::int32_t>::contiguous(data, static_cast<std::int64_t>(blocks) * bl.block_elems(),
+                                                              bl, kL, blocks, batch, per_seq, d_tables, d_lens);
   RopeConfig rope;
   rope.theta = 1e6;
   cuda::TriAttentionDeviceScorer scorer(random_stats(), rope, ScoringParams{}, kHkv);
@@ -157,10 +165,117 @@ void BM_compression_round(benchmark::State& state) {
     cudaFree(p);
 }
 
+/// args: batch, layout (0 KvCache, 1 vLLM FlashAttention, 2 SGLang), variant (0 eager, 1 graph)
+void BM_paged_round(benchmark::State& state) {
+  const int batch = static_cast<int>(state.range(0));
+  const int layout = static_cast<int>(state.range(1));
+  const bool graph = state.range(2) != 0;
+  const int page = layout == 2 ? 1 : kPage;
+  const int per_seq = kLen / page, blocks = batch * per_seq;
+  const std::int64_t dense = static_cast<std::int64_t>(page) * kHkv * kD;  // one block of one range
+  const std::size_t elems = 2ull * kL * static_cast<std::size_t>(blocks) * static_cast<std::size_t>(dense);
+  T* data = device_alloc<T>(elems);
+  bench::fill_gaussian_bf16<<<2048, 256>>>(reinterpret_cast<std::uint16_t*>(data), elems, 13);
+  T* pristine = device_alloc<T>(elems);
+  TRIATTN_BENCH_CUDA(cudaMemcpy(pristine, data, elems * sizeof(T), cudaMemcpyDeviceToDevice));
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(blocks));
+  for (int i = 0; i < blocks; ++i) ids[static_cast<std::size_t>(i)] = i;
+  std::shuffle(ids.begin(), ids.end(), std::mt19937(3));
+  std::vector<std::int32_t> seq_ids(static_cast<std::size_t>(batch));
+  for (int b = 0; b < batch; ++b) seq_ids[static_cast<std::size_t>(b)] = b;
+  std::int32_t* d_tables = upload(ids);
+  std::int32_t* d_lens = upload(std::vector<std::int32_t>(static_cast<std::size_t>(batch), kLen));
+  std::int32_t* d_seq = upload(seq_ids);
+  std::int32_t* d_prompts = upload(std::vector<std::int32_t>(static_cast<std::size_t>(batch), 0));
+  std::int64_t* d_t0 = upload(std::vector<std::int64_t>(static_cast<std::size_t>(batch), 41000));
+  const std::int64_t range = static_cast<std::int64_t>(blocks) * dense;
+  KvCacheView<T, std::int32_t> view;
+  T** d_ranges = nullptr;
+  if (layout == 0) {
+    view = KvCacheView<T, std::int32_t>::contiguous(data, range, BlockLayout{KvLayout::kNHD, kPage, kHkv, kD}, kL,
+                                                    blocks, batch, per_seq, d_tables, d_lens);
+  } else {
+    // vLLM: layer l's tensor [2, blocks, 16, H, D] at l * 2 * range, V at + range (EngineLayout);
+    // SGLang: all K buffers, then all V buffers, each [slots, H, D].
+    const EngineLayout el = layout == 1 ? EngineLayout::vllm_flash_attn(blocks, kPage, kHkv, kD)
+                                        : EngineLayout::sglang(kHkv, kD);
+    std::vector<T*> ranges(2 * kL);
+    for (int l = 0; l < kL; ++l) {
+      ranges[2 * l] = layout == 1 ? data + 2 * l * range : data + l * range;
+      ranges[2 * l + 1] = layout == 1 ? ranges[2 * l] + el.kind_offset : data + (kL + l) * range;
+    }
+    d_ranges = upload(ranges);
+    view = KvCacheView<T, std::int32_t>::contiguous(nullptr, 0, el.block, kL, blocks, batch, per_seq, d_tables, d_lens);
+    view.ranges = d_ranges;
+  }
+  RopeConfig rope;
+  rope.theta = 1e6;
+  cuda::TriAttentionDeviceScorer scorer(random_stats(), rope, ScoringParams{}, kHkv);
+  SelectionParams sp;
+  sp.budget = kBudget;
+  sp.mode = PruningMode::kPerHead;
+  const cuda::RoundShape shape{kL, kHq, kHkv};
+  const int rows = kept_rows(sp.mode, kL, kHkv);
+  std::int32_t* outs = device_alloc<std::int32_t>(4 * static_cast<std::size_t>(batch));
+  std::int32_t* kept = device_alloc<std::int32_t>(static_cast<std::size_t>(batch) * rows * kBudget);
+  const RoundOutputs out{outs, outs + batch, outs + 2 * batch, outs + 3 * batch, kept, rows, kBudget};
+  const std::size_t ws_bytes = cuda::paged_round_workspace_size(shape, sp.mode, batch, kLen, batch);
+  void* ws = device_alloc<char>(ws_bytes);
+  const RoundBatch rb{d_seq, d_t0, d_prompts, batch, kLen};
+  cudaStream_t stream;
+  TRIATTN_BENCH_CUDA(cudaStreamCreate(&stream));
+  const auto round = [&] {
+    cuda::paged_round(view, scorer.device_model(), sp, RoundTrigger::kAlways, rb, out, ws, ws_bytes, stream);
+  };
+  const auto restore_cache = [&] {
+    TRIATTN_BENCH_CUDA(cudaMemcpyAsync(data, pristine, elems * sizeof(T), cudaMemcpyDeviceToDevice, stream));
+  };
+  round();  // warm-up
+  TRIATTN_BENCH_CUDA(cudaStreamSynchronize(stream));
+  std::vector<std::int32_t> status(static_cast<std::size_t>(batch));
+  TRIATTN_BENCH_CUDA(cudaMemcpy(status.data(), outs + batch, status.size() * 4, cudaMemcpyDeviceToHost));
+  for (std::int32_t st : status)
+    if (st != static_cast<std::int32_t>(RoundStatus::kCompressed)) state.SkipWithError("a sequence was not compressed");
+  cudaGraphExec_t exec = nullptr;
+  if (graph) {
+    restore_cache();
+    cudaGraph_t g = nullptr;
+    TRIATTN_BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    round();
+    TRIATTN_BENCH_CUDA(cudaStreamEndCapture(stream, &g));
+    TRIATTN_BENCH_CUDA(cudaGraphInstantiate(&exec, g, 0));
+    TRIATTN_BENCH_CUDA(cudaGraphDestroy(g));
+  }
+  L2Flusher flush;
+  for (auto _ : state) {
+    restore_cache();
+    CudaEventTimer timer(state, stream, &flush);
+    if (graph) TRIATTN_BENCH_CUDA(cudaGraphLaunch(exec, stream));
+    else round();
+  }
+  const double k_bytes = static_cast<double>(batch) * kL * kHkv * kLen * kD * sizeof(T);
+  state.SetBytesProcessed(static_cast<std::int64_t>(k_bytes) * state.iterations());
+  state.counters["pct_read_roofline"] =
+      benchmark::Counter(k_bytes / kReadRoofline * 100.0, benchmark::Counter::kIsIterationInvariantRate);
+  if (exec) cudaGraphExecDestroy(exec);
+  cudaStreamDestroy(stream);
+  for (void* p : {static_cast<void*>(data), static_cast<void*>(pristine), static_cast<void*>(d_tables),
+                  static_cast<void*>(d_lens), static_cast<void*>(d_seq), static_cast<void*>(d_prompts),
+                  static_cast<void*>(d_t0), static_cast<void*>(d_ranges), static_cast<void*>(outs),
+                  static_cast<void*>(kept), ws})
+    cudaFree(p);
+}
+
 }  // namespace
 
 BENCHMARK(BM_compression_round)
     ->ArgNames({"batch", "variant", "restore"})
+    ->ArgsProduct({{1, 8, 32}, {0, 1, 2}, {0, 1}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+
+BENCHMARK(BM_paged_round)
+    ->ArgNames({"batch", "layout", "graph"})
     ->ArgsProduct({{1, 8, 32}, {0, 1, 2}, {0, 1}})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);

@@ -138,8 +138,8 @@ void BM_decode_attention(benchmark::State& state) {
   std::int32_t* d_lens = device_alloc<std::int32_t>(lens.size());
   TRIATTN_BENCH_CUDA(cudaMemcpy(d_tables, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
   TRIATTN_BENCH_CUDA(cudaMemcpy(d_lens, lens.data(), lens.size() * 4, cudaMemcpyHostToDevice));
-  const KvCacheView<T, std::int32_t> view{data, static_cast<std::int64_t>(blocks) * bl.block_elems(), bl, 1, blocks,
-                                          batch, per_seq, d_tables, d_lens};
+  const auto view = KvCacheView<T, std::int32_t>::contiguous(data, static_cast<std::int64_t>(blocks) * bl.block_elems(),
+                                                              bl, 1, blocks, batch, per_seq, d_tables, d_lens);
   const std::size_t q_elems = static_cast<std::size_t>(batch) * kQHeads * kHeadDim;
   T* q = device_alloc<T>(q_elems);
   T* out = device_alloc<T>(q_elems);

@@ -39,9 +39,9 @@
 // backend's stream, which also runs every kernel that touched the blocks.
 // BM_DecodeCycle/alloc/batch/stagger: the ≤ 2% VMM-overhead question (issue #5). Compressed
 // scenario, latency mode, rounds inside the timed steps as an engine runs them: per step
-// DeviceDecoder::step + greedy argmax, then DeviceCompressor::compress_if_needed (device score and
-// select, host keep plans, cache.apply_keep_plan compacting on the device and freeing the tail
-// blocks), then the allocator's trim. One iteration = one full round cycle of divide_length = 128
+// DeviceDecoder::step + greedy argmax, then cuda::DeviceRounds::compress_if_needed_and_wait (one
+// cuda::paged_round: device score, select and compaction; the cache commits lengths and frees the
+// tail blocks after the round's event), then the allocator's trim. One iteration = one full round cycle of divide_length = 128
 // steps (every sequence compresses exactly once, the memory it gave back grows again), after an
 // untimed warm-up cycle; batch 1 runs 4 cycles, batch 64 (the 64 x 32,768 workload) 2.
 // stagger 0: all sequences in lock step (the tail blocks of all sequences empty whole slabs at
@@ -117,7 +117,7 @@ const char* alloc_name(Alloc a) {
 }
 
 /// The cache of every row: swapping the allocator is this one template argument. The scorer and
-/// selector are what DeviceCompressor's rounds need; the plain decode step ignores them.
+/// selector are what DeviceRounds' rounds need; the plain decode step ignores them.
 template <class Allocator>
 using BenchCache = triattn::KvCache<Allocator, triattn::cuda::DeviceCompactor, triattn::cuda::TriAttentionDeviceScorer,
                                     triattn::TopKSelector>;
@@ -367,7 +367,7 @@ void decode_cycle(benchmark::State& state) {
   Scenario<Cache>& sc = scenario<Cache>(Kv::kCompressed, batch, stagger, /*fresh=*/true);
   Cache& cache = *sc.cache;
   const std::span<const SeqId> seqs(sc.seqs);
-  ex::DeviceCompressor compressor(stream);  // score + select on the device, compaction by the cache
+  triattn::cuda::DeviceRounds<Cache> rounds(cache);  // score, select and compact on the device
   std::size_t keep_empty = 0;               // bytes of empty slabs a trim keeps mapped
   if constexpr (is_vmm_v<Cache>)
     if (alloc == Alloc::kVmmLazy) keep_empty = kLazyKeepSlabs * cache.allocator().stats().slab_bytes;
@@ -378,7 +378,7 @@ void decode_cycle(benchmark::State& state) {
     if constexpr (is_vmm_v<Cache>) (void)cache.allocator().poll();  // unmap slabs whose trim event passed
     dec.step(cache, seqs, sc.tokens);
     sc.tokens = dec.argmax();  // waits for the step
-    const std::vector<triattn::CompressionReport> done = compressor.compress_if_needed(cache, seqs);
+    const std::vector<triattn::CompressionReport> done = rounds.compress_if_needed_and_wait(seqs, stream);
     seq_rounds += static_cast<long long>(done.size());
     if constexpr (is_vmm_v<Cache>) {
       if (!done.empty()) {
@@ -387,7 +387,7 @@ void decode_cycle(benchmark::State& state) {
       }
     }
   };
-  // Untimed warm-up cycle: captures the graph, sizes the compressor's buffers, runs every
+  // Untimed warm-up cycle: captures the graph, sizes the rounds' buffers, runs every
   // sequence's first round and brings the allocator into its periodic state.
   for (int w = 0; w < kDivide; ++w) one_step();
   TRIATTN_BENCH_CUDA(cudaStreamSynchronize(stream));

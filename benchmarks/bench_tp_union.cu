@@ -96,8 +96,8 @@ struct RankRound {
     seq = upload(seq_ids);
     prompts = upload(std::vector<std::int32_t>(static_cast<std::size_t>(batch), 0));
     t0 = upload(std::vector<std::int64_t>(static_cast<std::size_t>(batch), 41000));
-    view = KvCacheView<T, std::int32_t>{data, static_cast<std::int64_t>(blocks) * bl.block_elems(), bl, kL, blocks,
-                                        batch, per_seq, tables, lens};
+    view = KvCacheView<T, std::int32_t>::contiguous(data, static_cast<std::int64_t>(blocks) * bl.block_elems(), bl, kL,
+                                                   blocks, batch, per_seq, tables, lens);
     RopeConfig rope;
     rope.theta = 1e6;
     scorer = std::make_unique<cuda::TriAttentionDeviceScorer>(tp == 1 ? stats : slice_for_rank(stats, rank, tp, kHkv),

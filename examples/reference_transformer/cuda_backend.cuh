@@ -90,8 +90,8 @@ struct CudaBackendOptions {
 };
 
 /// A KvCache in device memory without compression, and one running TriAttention rounds with
-/// the device scorer (KvCache::compress: device scores, host top-k) or DeviceCompressor (all on
-/// the device). Construct the compactor / scorer with the backend's stream.
+/// the device scorer (KvCache::compress: device scores, host top-k) or DeviceRounds (all on the
+/// device). Construct the compactor / scorer with the backend's stream.
 using GpuPlainCache = triattn::KvCache<triattn::cuda::DeviceAllocator, triattn::cuda::DeviceCompactor>;
 using GpuTriCache = triattn::KvCache<triattn::cuda::DeviceAllocator, triattn::cuda::DeviceCompactor,
                                      triattn::cuda::TriAttentionDeviceScorer, triattn::TopKSelector>;
@@ -1511,142 +1511,9 @@ class CudaBackend {
 
 // ---- compression rounds entirely on the device ------------------------------------------------------
 
-/// TriAttention rounds with the device scorer and the device selector (cuda::compression_round::
-/// plan for every triggered sequence in one batch); the keep plans come back to the host, where
-/// KvCache::apply_keep_plan validates them, compacts through the cache's DeviceCompactor and
-/// updates the bookkeeping. Needs a cache with cuda::TriAttentionDeviceScorer and TopKSelector
-/// whose tables were published after the last extend (CudaBackend does that every step).
-class DeviceCompressor {
- public:
-  explicit DeviceCompressor(cudaStream_t stream) : stream_(stream) {}
-
-  /// Tensor parallelism: union rounds agree through `agree` (cuda::UnionAgreement's call, e.g. a
-  /// cuda::NcclUnionAgreement; see compression_round::plan) so every rank keeps tp 1's set. The
-  /// cache then holds the rank's KV heads and its scorer the rank's statistics slice. Empty: tp 1.
-  using AgreementFn = std::function<cudaError_t(std::uint8_t* flags, float* vmax, int batch, int max_len, cudaStream_t)>;
-  void set_agreement(AgreementFn agree) { agreement_ = std::move(agree); }
-
-  /// Keep plans of one round for each of `seqs` (all must be active), without applying them.
-  template <class Cache>
-  std::vector<triattn::KeepPlan> plan(Cache& cache, std::span<const triattn::SeqId> seqs) {
-    std::vector<triattn::KeepPlan> plans;
-    if (seqs.empty()) return plans;
-    const triattn::CacheConfig& cfg = cache.config();
-    const triattn::SelectionParams& sp = cache.selector().params();
-    const int L = cfg.model.num_layers, Hq = cfg.model.num_q_heads, Hkv = cfg.model.num_kv_heads;
-    TRIATTN_EXPECTS(triattn::cuda::is_supported_head_dim(cfg.model.head_dim),
-                    "DeviceCompressor: head_dim " + std::to_string(cfg.model.head_dim) +
-                        " has no compiled scoring kernel (64 and 128 do)");
-    const int batch = static_cast<int>(seqs.size());
-    std::vector<std::int32_t> ids(seqs.begin(), seqs.end()), prompts(static_cast<std::size_t>(batch));
-    std::vector<std::int64_t> t0(static_cast<std::size_t>(batch));
-    std::vector<int> keeps(static_cast<std::size_t>(batch));
-    int max_len = 1, max_keep = 1;
-    for (int b = 0; b < batch; ++b) {
-      const triattn::SeqId s = seqs[static_cast<std::size_t>(b)];
-      const int len = cache.physical_length(s);
-      prompts[static_cast<std::size_t>(b)] = cache.prompt_length(s);
-      t0[static_cast<std::size_t>(b)] = cache.logical_position(s);
-      keeps[static_cast<std::size_t>(b)] = triattn::ref::keep_counts(len, prompts[static_cast<std::size_t>(b)], sp).keep;
-      max_len = std::max(max_len, len);
-      max_keep = std::max(max_keep, keeps[static_cast<std::size_t>(b)]);
-    }
-    const triattn::cuda::RoundShape shape{L, Hq, Hkv};
-    const std::size_t ws_bytes = triattn::cuda::compression_round::workspace_size(shape, sp.mode, batch, max_len);
-    const std::size_t kept_n = static_cast<std::size_t>(batch) * L * Hkv * max_keep;
-    // inputs | keep | kept, one buffer; the workspace another (256-byte aligned by cudaMalloc)
-    const std::size_t in_bytes = round_up(static_cast<std::size_t>(batch) * (4 + 4 + 8 + 4)) + round_up(kept_n * 4);
-    ensure(io_, io_bytes_, in_bytes);
-    ensure(ws_, ws_bytes_, ws_bytes);
-    char* io = static_cast<char*>(io_.get());
-    auto* d_t0 = reinterpret_cast<std::int64_t*>(io);
-    auto* d_ids = reinterpret_cast<std::int32_t*>(io + 8 * static_cast<std::size_t>(batch));
-    auto* d_prompts = d_ids + batch;
-    auto* d_keep = d_prompts + batch;
-    auto* d_kept = reinterpret_cast<std::int32_t*>(io + round_up(static_cast<std::size_t>(batch) * 20));
-    TRIATTN_CUDA_TRY(cudaMemcpyAsync(d_t0, t0.data(), t0.size() * 8, cudaMemcpyHostToDevice, stream_));
-    TRIATTN_CUDA_TRY(cudaMemcpyAsync(d_ids, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice, stream_));
-    TRIATTN_CUDA_TRY(cudaMemcpyAsync(d_prompts, prompts.data(), prompts.size() * 4, cudaMemcpyHostToDevice, stream_));
-    const triattn::cuda::RoundBatch rb{d_ids, d_t0, d_prompts, batch, max_len};
-    const triattn::cuda::DeviceKeepPlanView pv{d_kept, d_keep, max_keep};
-    const triattn::cuda::DeviceSelectParams dsp(sp);
-    switch (cfg.dtype) {
-      case triattn::DType::kF32: run_plan<float>(cache, dsp, rb, pv, ws_bytes); break;
-      case triattn::DType::kF16: run_plan<triattn::f16_storage>(cache, dsp, rb, pv, ws_bytes); break;
-      case triattn::DType::kBF16: run_plan<triattn::bf16_storage>(cache, dsp, rb, pv, ws_bytes); break;
-    }
-    std::vector<std::int32_t> keep(static_cast<std::size_t>(batch)), kept(kept_n);
-    TRIATTN_CUDA_TRY(cudaMemcpyAsync(keep.data(), d_keep, keep.size() * 4, cudaMemcpyDeviceToHost, stream_));
-    TRIATTN_CUDA_TRY(cudaMemcpyAsync(kept.data(), d_kept, kept.size() * 4, cudaMemcpyDeviceToHost, stream_));
-    TRIATTN_CUDA_TRY(cudaStreamSynchronize(stream_));
-    for (int b = 0; b < batch; ++b) {
-      const int k = keep[static_cast<std::size_t>(b)];
-      TRIATTN_EXPECTS(k == keeps[static_cast<std::size_t>(b)],
-                      "DeviceCompressor: the device kept " + std::to_string(k) + " slots of sequence " +
-                          std::to_string(seqs[static_cast<std::size_t>(b)]) + ", the host expected " +
-                          std::to_string(keeps[static_cast<std::size_t>(b)]));
-      triattn::KeepPlan plan(L, Hkv, k);
-      for (int l = 0; l < L; ++l)
-        for (int g = 0; g < Hkv; ++g)
-          std::copy_n(kept.data() + ((static_cast<std::size_t>(b) * L + l) * Hkv + g) * max_keep, k, plan.row(l, g));
-      plans.push_back(std::move(plan));
-    }
-    return plans;
-  }
-
-  /// A round for every sequence of `seqs` whose trigger fired; returns what was done.
-  template <class Cache>
-  std::vector<triattn::CompressionReport> compress_if_needed(Cache& cache, std::span<const triattn::SeqId> seqs) {
-    std::vector<triattn::SeqId> due;
-    for (triattn::SeqId s : seqs)
-      if (cache.needs_compression(s)) due.push_back(s);
-    std::vector<triattn::CompressionReport> done;
-    if (due.empty()) return done;
-    const std::vector<triattn::KeepPlan> plans = plan(cache, due);
-    for (std::size_t b = 0; b < due.size(); ++b) {
-      triattn::CompressionReport r;
-      r.seq = due[b];
-      r.length_before = cache.physical_length(due[b]);
-      r.blocks_freed = static_cast<int>(cache.block_table(due[b]).size());
-      cache.apply_keep_plan(due[b], plans[b]);
-      r.length_after = cache.physical_length(due[b]);
-      r.blocks_freed -= static_cast<int>(cache.block_table(due[b]).size());
-      done.push_back(r);
-    }
-    return done;
-  }
-
- private:
-  static std::size_t round_up(std::size_t x) noexcept { return (x + 255) / 256 * 256; }
-  static void ensure(cuda_detail::DeviceMem& m, std::size_t& have, std::size_t need) {
-    if (need <= have && m) return;
-    m = cuda_detail::device_alloc(need);
-    have = need;
-  }
-  template <class T, class Cache>
-  void run_plan(Cache& cache, const triattn::cuda::DeviceSelectParams& dsp, const triattn::cuda::RoundBatch& rb,
-                const triattn::cuda::DeviceKeepPlanView& pv, std::size_t ws_bytes) {
-    if (agreement_) {
-      // compression_round runs the agreement inside noexcept launchers
-      auto agree = [this](std::uint8_t* f, float* v, int b, int m, cudaStream_t st) noexcept {
-        try {
-          return agreement_(f, v, b, m, st);
-        } catch (...) {
-          return cudaErrorUnknown;
-        }
-      };
-      TRIATTN_CUDA_TRY(triattn::cuda::compression_round::plan(cache.template view<T>(), cache.scorer().device_model(),
-                                                               dsp, rb, pv, ws_.get(), ws_bytes, agree, stream_));
-      return;
-    }
-    TRIATTN_CUDA_TRY(triattn::cuda::compression_round::plan(cache.template view<T>(), cache.scorer().device_model(), dsp,
-                                                             rb, pv, ws_.get(), ws_bytes, stream_));
-  }
-
-  AgreementFn agreement_;  // empty: tp 1
-  cudaStream_t stream_ = nullptr;
-  cuda_detail::DeviceMem io_, ws_;
-  std::size_t io_bytes_ = 0, ws_bytes_ = 0;
-};
+/// Batched device rounds over a GpuTriCache: the library's cuda::DeviceRounds (cuda::paged_round
+/// for every triggered sequence in one batch on the backend's stream; the cache commits the
+/// lengths, tables and freed blocks once the round's event has passed).
+using DeviceRounds = triattn::cuda::DeviceRounds<GpuTriCache>;
 
 }  // namespace triattn_example

@@ -516,9 +516,10 @@ int run_gpu(const Options& o, const ex::ModelWeights& weights, const TextCodec& 
                         triattn::cuda::TriAttentionDeviceScorer(stats, rope, triattn::ScoringParams{}, mc.n_kv_heads,
                                                                 backend.stream()),
                         triattn::TopKSelector(sel));
-  ex::DeviceCompressor compressor(backend.stream());  // score + select on the device, compaction by the cache
-  return run(model, cache, codec, prompts, o, nullptr,
-             [&](std::span<const triattn::SeqId> live) { return compressor.compress_if_needed(cache, live); });
+  ex::DeviceRounds rounds(cache);  // score, select and compact on the device, one batch per step
+  return run(model, cache, codec, prompts, o, nullptr, [&](std::span<const triattn::SeqId> live) {
+    return rounds.compress_if_needed_and_wait(live, backend.stream());
+  });
 }
 #endif
 
@@ -605,10 +606,12 @@ int run_gpu_tp(const Options& o, const ex::ModelWeights& weights, const TextCode
                                                                   triattn::ScoringParams{}, local.n_kv_heads,
                                                                   backend.stream()),
                           triattn::TopKSelector(sel));
-    ex::DeviceCompressor compressor(backend.stream());
-    ex::attach_nccl(compressor, comm);  // union: one keep set for every rank
+    ex::DeviceRounds rounds(cache);
+    ex::attach_nccl(rounds, comm);  // union: one keep set for every rank
     (void)run(model, cache, codec, prompts, o, nullptr,
-              [&](std::span<const triattn::SeqId> live) { return compressor.compress_if_needed(cache, live); },
+              [&](std::span<const triattn::SeqId> live) {
+                return rounds.compress_if_needed_and_wait(live, backend.stream());
+              },
               RankSlot{r, &kv});
   });
   print_rank_kv(kv);

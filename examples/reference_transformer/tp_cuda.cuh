@@ -5,7 +5,7 @@
 //                                         attention output and the MLP down projection) become
 //                                         NCCL fp32 sums on the backend's stream, captured into
 //                                         its decode-step CUDA graphs like every other launch
-//   attach_nccl(DeviceCompressor&, comm)  union rounds agree through cuda::NcclUnionAgreement
+//   attach_nccl(DeviceRounds&, comm)      union rounds agree through cuda::NcclUnionAgreement
 //                                         (all-reduce max of candidate flags and per-slot max
 //                                         score), on the device, no host round trip
 //   run_gpu_ranks(tp, f)                  one communicator per device (NcclCommunicator::
@@ -39,9 +39,9 @@ inline void attach_nccl(const CudaBackend& backend, triattn::cuda::NcclCommunica
   });
 }
 
-/// `compressor`'s union rounds agree over `comm` (which must outlive the compressor's use).
-inline void attach_nccl(DeviceCompressor& compressor, triattn::cuda::NcclCommunicator& comm) {
-  compressor.set_agreement([agree = triattn::cuda::NcclUnionAgreement(comm)](
+/// `rounds`' union rounds agree over `comm` (which must outlive their use).
+inline void attach_nccl(DeviceRounds& rounds, triattn::cuda::NcclCommunicator& comm) {
+  rounds.set_agreement([agree = triattn::cuda::NcclUnionAgreement(comm)](
                                std::uint8_t* flags, float* vmax, int batch, int max_len, cudaStream_t s) mutable {
     const cudaError_t e = agree(flags, vmax, batch, max_len, s);
     // the round only sees a cudaError_t: say what NCCL said

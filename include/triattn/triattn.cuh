@@ -9,6 +9,7 @@
 #include <triattn/cuda/algorithms/decode_attention.cuh>
 #include <triattn/cuda/algorithms/key_norm.cuh>
 #include <triattn/cuda/algorithms/normalize.cuh>
+#include <triattn/cuda/algorithms/paged_round.cuh>
 #include <triattn/cuda/algorithms/score.cuh>
 #include <triattn/cuda/algorithms/select.cuh>
 #include <triattn/cuda/algorithms/snapkv.cuh>
@@ -26,6 +27,7 @@
 #include <triattn/cuda/kernels/decode_attention_kernel.cuh>
 #include <triattn/cuda/kernels/key_norm_kernel.cuh>
 #include <triattn/cuda/kernels/normalize_kernel.cuh>
+#include <triattn/cuda/kernels/paged_round_kernel.cuh>
 #include <triattn/cuda/kernels/score_kernel.cuh>
 #include <triattn/cuda/kernels/select_kernel.cuh>
 #include <triattn/cuda/kernels/snapkv_kernel.cuh>

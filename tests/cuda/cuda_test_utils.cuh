@@ -182,13 +182,13 @@ struct PagedFixture {
   [[nodiscard]] std::int64_t range_stride() const noexcept { return static_cast<std::int64_t>(num_blocks) * block.block_elems(); }
   /// View of the host copy (host tables).
   [[nodiscard]] KvCacheView<T, std::int32_t> host_view() {
-    return {pool.data(), range_stride(), block, num_layers, num_blocks, max_seqs, max_blocks_per_seq, tables.data(),
-            lens.data()};
+    return KvCacheView<T, std::int32_t>::contiguous(pool.data(), range_stride(), block, num_layers, num_blocks, max_seqs, max_blocks_per_seq, tables.data(),
+            lens.data());
   }
   /// View of the device copy (device tables and lengths).
   [[nodiscard]] KvCacheView<T, std::int32_t> device_view() const {
-    return {d_pool.get(), range_stride(), block, num_layers, num_blocks, max_seqs, max_blocks_per_seq, d_tables.get(),
-            d_lens.get()};
+    return KvCacheView<T, std::int32_t>::contiguous(d_pool.get(), range_stride(), block, num_layers, num_blocks, max_seqs, max_blocks_per_seq, d_tables.get(),
+            d_lens.get());
   }
   void sync_lens_to_device() { d_lens.upload(lens); }
   /// Sets the head vectors of slots [first, first + n) of `seq` (all layers, kinds, heads) to

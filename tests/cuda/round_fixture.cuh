@@ -135,10 +135,10 @@ struct RoundFixture {
   std::int64_t range_stride() const { return static_cast<std::int64_t>(num_blocks) * block().block_elems(); }
   cuda::RoundShape shape() const { return {c.L, c.Hq, c.Hkv}; }
   KvCacheView<T, int> host_view(T* d) {
-    return {d, range_stride(), block(), c.L, num_blocks, max_seqs, max_blocks, tables.data(), seq_lens.data()};
+    return KvCacheView<T, int>::contiguous(d, range_stride(), block(), c.L, num_blocks, max_seqs, max_blocks, tables.data(), seq_lens.data());
   }
   KvCacheView<T, int> device_view() const {
-    return {d_data.get(), range_stride(), block(), c.L, num_blocks, max_seqs, max_blocks, d_tables.get(), d_lens.get()};
+    return KvCacheView<T, int>::contiguous(d_data.get(), range_stride(), block(), c.L, num_blocks, max_seqs, max_blocks, d_tables.get(), d_lens.get());
   }
   cuda::RoundBatch round_batch() const { return {d_seq_ids.get(), d_t0.get(), d_prompts.get(), batch, max_len}; }
   cuda::DeviceKeepPlanView plan() const { return {d_kept.get(), d_keep.get(), max_keep}; }

@@ -99,11 +99,11 @@ struct PagedStore {
         d_lens(lengths) {}
 
   [[nodiscard]] KvCacheView<T, int> host_view() const {
-    return {const_cast<T*>(data.data()), range_stride, block, L, num_blocks, kSeqs, max_blocks, tables.data(),
-            lengths.data()};
+    return KvCacheView<T, int>::contiguous(const_cast<T*>(data.data()), range_stride, block, L, num_blocks, kSeqs, max_blocks, tables.data(),
+            lengths.data());
   }
   [[nodiscard]] KvCacheView<T, int> device_view() const {
-    return {d_data.get(), range_stride, block, L, num_blocks, kSeqs, max_blocks, d_tables.get(), d_lens.get()};
+    return KvCacheView<T, int>::contiguous(d_data.get(), range_stride, block, L, num_blocks, kSeqs, max_blocks, d_tables.get(), d_lens.get());
   }
   /// Keys of (seq, layer, KV head) widened to float: [length, d].
   [[nodiscard]] std::vector<float> keys(int seq, int l, int g) const {
@@ -321,7 +321,7 @@ TEST_CASE("baseline scorer launchers reject bad arguments without touching the d
   static const int table[4] = {0, 1, 2, 3}, lens[1] = {4};
   static const std::int32_t ids[1] = {0};
   static const std::int64_t t0s[1] = {4};
-  const KvCacheView<float, int> v{dummy_data, 16, BlockLayout{KvLayout::kNHD, 1, 2, 64}, 1, 4, 1, 4, table, lens};
+  const auto v = KvCacheView<float, int>::contiguous(dummy_data, 16, BlockLayout{KvLayout::kNHD, 1, 2, 64}, 1, 4, 1, 4, table, lens);
   float* out = reinterpret_cast<float*>(16);  // never dereferenced: every call below fails validation
   const cuda::ScoreBatch one{ids, t0s, 1, 4};
   CHECK(cuda::key_norm::run(v, 3, one, out) == cudaErrorInvalidValue);  // Hq not a multiple of Hkv

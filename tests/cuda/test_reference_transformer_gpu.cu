@@ -10,7 +10,7 @@
 //   * bf16 weights (warp and tensor-core GEMVs) stay close to the CPU on the same rounded weights
 //   * TriAttention compression on the GPU (synthetic model with head_dim 64: triattn's scoring
 //     kernels are compiled for 64 and 128, stories260K has 8): every round's keep plans from the
-//     full device round (DeviceCompressor: device scorer + device selector), from the device
+//     full device round (cuda::DeviceRounds: score, select, compact on the device), from the device
 //     scorer + host selector (KvCache::compress's path) and from the CPU scorer + selector on the
 //     same keys (downloaded) are compared: device vs host selection exactly, device vs CPU scores
 //     up to near-ties (the scores agree to ~1e-6); rounds of several sequences at once
@@ -407,7 +407,7 @@ TEST_CASE("TriAttention on the GPU: device rounds keep exactly what the CPU scor
                           triattn::TopKSelector(sel));
     triattn::TriAttentionScorer cpu_scorer(stats, rope, triattn::ScoringParams{}, c.n_kv_heads);
     const triattn::TopKSelector cpu_selector(sel);
-    ex::DeviceCompressor compressor(be.stream());
+    ex::DeviceRounds device_rounds(cache);
     // Prompts of 5 and 21 tokens reach the trigger on the same steps: rounds of two sequences at once.
     const std::vector<std::vector<int>> prompts = {prompt_tokens(5, 1, c.vocab_size), prompt_tokens(21, 2, c.vocab_size),
                                                    prompt_tokens(12, 3, c.vocab_size)};
@@ -429,9 +429,10 @@ TEST_CASE("TriAttention on the GPU: device rounds keep exactly what the CPU scor
       if (due.empty()) return done;
       batched_rounds += due.size() > 1;
       const triattn::ModelGeometry g = cache.config().model;
-      const std::vector<triattn::KeepPlan> dev = compressor.plan(cache, due);
-      auto same = [](const triattn::KeepPlan& a, const triattn::KeepPlan& b) { return a.keep == b.keep && a.indices == b.indices; };
-      auto check_with = [&](auto tag) {
+      // The CPU's and the host selector's plans from the cache as it is before the round, which
+      // then scores, selects and compacts on the device (rounds.last_plan: what it applied).
+      std::vector<triattn::KeepPlan> cpu(due.size()), host(due.size());
+      auto plan_with = [&](auto tag) {
         using T = typename decltype(tag)::type;
         const Snapshot<T> snap = snapshot<T>(cache, be);
         for (std::size_t b = 0; b < due.size(); ++b) {
@@ -439,36 +440,37 @@ TEST_CASE("TriAttention on the GPU: device rounds keep exactly what the CPU scor
           const int len = cache.physical_length(s);
           std::vector<float> scores(static_cast<std::size_t>(g.num_layers) * g.num_q_heads * len);
           cpu_scorer.score(snap.view, s, len, cache.logical_position(s), scores);  // CPU, same keys
-          const triattn::KeepPlan cpu = cpu_selector.select(scores, g, len, cache.prompt_length(s));
+          cpu[b] = cpu_selector.select(scores, g, len, cache.prompt_length(s));
           cache.scorer().score(cache.template view<T>(), s, len, cache.logical_position(s), scores);  // device scores
-          const triattn::KeepPlan host = cache.selector().select(scores, g, len, cache.prompt_length(s));
-          // Device selection vs host selection on the same device scores: exactly equal.
-          host_mismatch += !same(host, dev[b]);
-          // CPU scores (float64 fold on the host) vs device scores agree to ~1e-6: a plan can only
-          // differ where two candidates tie that closely (a swapped slot or two).
-          if (!same(cpu, dev[b])) {
-            ++plan_mismatch;
-            for (int l = 0; l < g.num_layers; ++l)
-              for (int h = 0; h < g.num_kv_heads; ++h) {
-                const std::int32_t* a = cpu.row(l, h);
-                const std::int32_t* d = dev[b].row(l, h);
-                std::vector<std::int32_t> only;
-                std::set_difference(a, a + cpu.keep, d, d + dev[b].keep, std::back_inserter(only));
-                swapped += static_cast<long long>(only.size());
-              }
-          }
-          kept_total += static_cast<long long>(dev[b].keep) * g.num_layers * g.num_kv_heads;
+          host[b] = cache.selector().select(scores, g, len, cache.prompt_length(s));
         }
       };
-      if (kv == DType::kF32) check_with(std::type_identity<float>{});
-      else check_with(std::type_identity<triattn::bf16_storage>{});
+      if (kv == DType::kF32) plan_with(std::type_identity<float>{});
+      else plan_with(std::type_identity<triattn::bf16_storage>{});
+      device_rounds.launch(due, be.stream());
+      done = device_rounds.wait();
+      REQUIRE(done.size() == due.size());
+      auto same = [](const triattn::KeepPlan& a, const triattn::KeepPlan& b) { return a.keep == b.keep && a.indices == b.indices; };
       for (std::size_t b = 0; b < due.size(); ++b) {
-        triattn::CompressionReport r;
-        r.seq = due[b];
-        r.length_before = cache.physical_length(due[b]);
-        cache.apply_keep_plan(due[b], dev[b]);
-        r.length_after = cache.physical_length(due[b]);
-        done.push_back(r);
+        REQUIRE(done[b].status == triattn::RoundStatus::kCompressed);
+        const triattn::KeepPlan dev = device_rounds.last_plan(b);
+        // Device selection vs host selection on the same device scores: exactly equal.
+        host_mismatch += !same(host[b], dev);
+        // CPU scores (float64 fold on the host) vs device scores agree to ~1e-6: a plan can only
+        // differ where two candidates tie that closely (a swapped slot or two).
+        if (!same(cpu[b], dev)) {
+          ++plan_mismatch;
+          for (int l = 0; l < g.num_layers; ++l)
+            for (int h = 0; h < g.num_kv_heads; ++h) {
+              const std::int32_t* a = cpu[b].row(l, h);
+              const std::int32_t* d = dev.row(l, h);
+              std::vector<std::int32_t> only;
+              std::set_difference(a, a + cpu[b].keep, d, d + dev.keep, std::back_inserter(only));
+              swapped += static_cast<long long>(only.size());
+            }
+        }
+        kept_total += static_cast<long long>(dev.keep) * g.num_layers * g.num_kv_heads;
+        CHECK(done[b].length_after == dev.keep);
         ++rounds;
       }
       return done;

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -97,11 +98,11 @@ struct Setup {
   int steps = 0;
 };
 
-/// Greedy generation with device rounds (DeviceCompressor: device scores and selection, the plan
-/// recorded, then applied), for tp 1 or one rank.
+/// Greedy generation with device rounds (cuda::DeviceRounds: device scores, selection and
+/// compaction; the applied plan recorded), for tp 1 or one rank.
 template <class ModelT>
 RankOut run_compressed(const Setup& su, ModelT& model, ex::CudaBackend& be, const triattn::QueryStats& stats,
-                       ex::DeviceCompressor& compressor) {
+                       const std::function<void(ex::DeviceRounds&)>& attach = {}) {
   const ex::ModelConfig& mc = model.config();
   triattn::RopeConfig rope;
   rope.style = mc.rope_style;
@@ -114,6 +115,8 @@ RankOut run_compressed(const Setup& su, ModelT& model, ex::CudaBackend& be, cons
   ex::GenerationOptions opt;
   opt.max_new_tokens = su.steps;
   opt.stop_at_bos = false;
+  ex::DeviceRounds rounds(cache);
+  if (attach) attach(rounds);
   RankOut out;
   ex::GenerationCallbacks cb;
   cb.on_token = [&](int, int, std::int64_t, std::span<const float> l) { out.logits.emplace_back(l.begin(), l.end()); };
@@ -123,12 +126,11 @@ RankOut run_compressed(const Setup& su, ModelT& model, ex::CudaBackend& be, cons
       if (cache.needs_compression(s)) due.push_back(s);
     std::vector<triattn::CompressionReport> done;
     if (due.empty()) return done;
-    std::vector<triattn::KeepPlan> plans = compressor.plan(cache, due);  // union: agrees over NCCL
+    rounds.launch(due, be.stream());  // union: agrees over NCCL
+    done = rounds.wait();
     for (std::size_t b = 0; b < due.size(); ++b) {
-      const int before = cache.physical_length(due[b]);
-      cache.apply_keep_plan(due[b], plans[b]);
-      done.push_back(triattn::CompressionReport{due[b], before, cache.physical_length(due[b]), 0});
-      out.rounds.push_back(Round{due[b], std::move(plans[b])});
+      REQUIRE(done[b].status == triattn::RoundStatus::kCompressed);
+      out.rounds.push_back(Round{due[b], rounds.last_plan(b)});
     }
     return done;
   };
@@ -177,18 +179,16 @@ TEST_CASE("GPU tensor parallel: tp 2 samples tp 1's greedy tokens and keeps its 
       {
         ex::CudaBackend be;
         ex::Model<ex::CudaBackend> model(w, be);
-        ex::DeviceCompressor compressor(be.stream());
-        ref = run_compressed(su, model, be, stats, compressor);
+        ref = run_compressed(su, model, be, stats);
       }
       std::vector<RankOut> ranks(kTp);
       ex::run_gpu_ranks(kTp, [&](int r, triattn::cuda::NcclCommunicator& comm) {
         ex::CudaBackend be;
         ex::attach_nccl(be, comm);
         ex::Model<ex::CudaBackend> model(w, ex::TpRank{r, kTp}, be);
-        ex::DeviceCompressor compressor(be.stream());
-        ex::attach_nccl(compressor, comm);
         ranks[static_cast<std::size_t>(r)] =
-            run_compressed(su, model, be, triattn::slice_for_rank(stats, r, kTp, c.n_kv_heads), compressor);
+            run_compressed(su, model, be, triattn::slice_for_rank(stats, r, kTp, c.n_kv_heads),
+                           [&comm](ex::DeviceRounds& rounds) { ex::attach_nccl(rounds, comm); });
       });
       TRIATTN_TEST_CUDA(cudaSetDevice(0));
 

@@ -45,10 +45,10 @@ struct Paged {
   BlockLayout block() const { return BlockLayout{layout, bs, Hkv, d}; }
   std::int64_t range_stride() const { return static_cast<std::int64_t>(num_blocks) * block().block_elems(); }
   KvCacheView<T, int> host_view() {
-    return {data.data(), range_stride(), block(), L, num_blocks, max_seqs, max_blocks, tables.data(), seq_lens.data()};
+    return KvCacheView<T, int>::contiguous(data.data(), range_stride(), block(), L, num_blocks, max_seqs, max_blocks, tables.data(), seq_lens.data());
   }
   KvCacheView<T, int> device_view() const {
-    return {d_data.get(), range_stride(), block(), L, num_blocks, max_seqs, max_blocks, d_tables.get(), d_lens.get()};
+    return KvCacheView<T, int>::contiguous(d_data.get(), range_stride(), block(), L, num_blocks, max_seqs, max_blocks, d_tables.get(), d_lens.get());
   }
 };
 
@@ -298,18 +298,22 @@ TEST_CASE("wgmma descriptors advanced in place equal descriptors rebuilt at the 
 
 TEST_CASE("ring scorers take K ranges below 64 GiB only (32-bit chunk offsets - host routing rule)") {
   // KeySliceFeed::issue addresses a key as a uint32 count of 16-byte chunks from its layer's K
-  // range; cuda::score routes larger ranges to the non-ring kernels.
+  // range; cuda::score routes views whose addressable extent is larger to the non-ring kernels.
+  // Two blocks `stride` apart, one head vector of 8 elements: the extent is stride + 8 elements.
   KvCacheView<bf16_storage, std::int32_t> v{};
+  v.num_blocks = 2;
   for (const long long bytes : {1LL << 20, (1LL << 35) + 2, (1LL << 36) - 2, 1LL << 36, (1LL << 36) + 2, 1LL << 40}) {
-    v.range_stride = bytes / static_cast<long long>(sizeof(bf16_storage));
+    v.block = BlockLayout::strided(1, 1, 8, bytes / static_cast<long long>(sizeof(bf16_storage)) - 8, 8, 8);
+    CHECK_EQ(cuda::range_extent(v) * 2, bytes);
     const bool fits = cuda::detail::ring_offsets_fit(v);
     CHECK_EQ(fits, bytes < (1LL << 36));
     if (fits) CHECK_LE((bytes - 1) / 16, 0xffffffffLL);  // the last chunk's offset is a uint32
   }
   KvCacheView<float, std::int64_t> w{};
-  w.range_stride = (1LL << 34) - 1;  // 4 bytes each: just under 64 GiB
+  w.num_blocks = 2;
+  w.block = BlockLayout::strided(1, 1, 4, (1LL << 34) - 1 - 4, 4, 4);  // 4 bytes each: just under 64 GiB
   CHECK(cuda::detail::ring_offsets_fit(w));
-  w.range_stride = 1LL << 34;
+  w.block.stride_block += 1;
   CHECK_FALSE(cuda::detail::ring_offsets_fit(w));
 }
 

@@ -181,8 +181,8 @@ struct HostRound {
   }
   /// A host view of `d` (data of a cache with `kv_heads` heads under this round's tables).
   [[nodiscard]] KvCacheView<T, int> host_view(T* d, int kv_heads) {
-    return {d, range_stride(kv_heads), block(kv_heads), c.L, num_blocks, max_seqs, max_blocks, tables.data(),
-            seq_lens.data()};
+    return KvCacheView<T, int>::contiguous(d, range_stride(kv_heads), block(kv_heads), c.L, num_blocks, max_seqs, max_blocks, tables.data(),
+            seq_lens.data());
   }
   /// Rank r of tp's cache bytes: the same blocks and tables, KV heads [r·Hkv/tp, (r+1)·Hkv/tp).
   [[nodiscard]] std::vector<T> rank_data(int tp, int r) {
@@ -260,7 +260,7 @@ struct DeviceRound {
   [[nodiscard]] cuda::RoundShape shape() const { return {L, Hq, Hkv}; }
   [[nodiscard]] std::int64_t range_stride() const { return static_cast<std::int64_t>(num_blocks) * block.block_elems(); }
   [[nodiscard]] KvCacheView<T, int> view() const {
-    return {data.p, range_stride(), block, L, num_blocks, max_seqs, max_blocks, tables.p, lens.p};
+    return KvCacheView<T, int>::contiguous(data.p, range_stride(), block, L, num_blocks, max_seqs, max_blocks, tables.p, lens.p);
   }
   [[nodiscard]] cuda::RoundBatch round_batch() const { return {seq_ids.p, t0.p, prompts.p, batch, max_len}; }
   [[nodiscard]] cuda::DeviceKeepPlanView plan() const { return {kept.p, keep.p, max_keep}; }

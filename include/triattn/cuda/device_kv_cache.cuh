@@ -1,15 +1,27 @@
 // SPDX-License-Identifier: Apache-2.0
 // Convenience layer for a KvCache that lives on the GPU: the DeviceKvCache alias, publish() of
-// the host bookkeeping to the allocator's device mirror, and a throwing append_tokens() that extends a
-// sequence and writes its new tokens with the append kernel.
+// the host bookkeeping to the allocator's device mirror, a throwing append_tokens() that extends a
+// sequence and writes its new tokens with the append kernel, and DeviceRounds: batched,
+// asynchronous compression rounds (cuda::paged_round) whose table and length updates and block
+// releases are committed once the GPU work is done (an event), never while a kernel may still
+// touch the blocks.
 #pragma once
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <span>
 #include <string>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include <triattn/core/kv_cache.hpp>
+#include <triattn/core/paged_round.hpp>
+#include <triattn/core/ref/select.hpp>
 #include <triattn/cuda/algorithms/append.cuh>
+#include <triattn/cuda/algorithms/paged_round.cuh>
 #include <triattn/cuda/device_tables.cuh>
 #include <triattn/cuda/error.cuh>
 #include <triattn/cuda/policy/device_compactor.cuh>
@@ -55,5 +67,292 @@ template <class T, class Cache>
                                           cache.config().model.num_layers, k, v, n, stream));
   return r;
 }
+
+/// Batched, asynchronous compression rounds for a KvCache on the GPU (a device allocator with
+/// published tables, TriAttentionDeviceScorer, a selector with SelectionParams).
+///
+/// compress_if_needed(seqs, stream) launches one cuda::paged_round on `stream` for the sequences
+/// of `seqs` whose trigger fired and records an event behind it; it does not wait. The cache's
+/// block tables, lengths, positions and freed blocks are updated by poll() (when the event has
+/// completed; no wait) or wait() (waits for it). Until then the launched sequences are in flight:
+/// the engine must not extend, fork or release them (in_flight(seq) tells), nothing else changes,
+/// and their tail blocks stay allocated, so no block is reused while a kernel may touch it.
+/// Other sequences may be extended meanwhile (their appends publish tables the round does not read
+/// after it started). One round is in flight at a time: compress_if_needed first polls and, while
+/// the previous round is still running, launches nothing (the trigger fires again next step).
+/// Steady state allocates nothing: device and pinned buffers grow to the largest round seen
+/// (reserve() sizes them up front). A sequence with non-finite scores is reported kNonFinite and
+/// left unchanged (NonFinitePolicy::kRefuse).
+template <class Cache>
+class DeviceRounds {
+ public:
+  /// Tensor parallelism: union rounds agree through `agree` (see paged_round with an agreement).
+  using AgreementFn = std::function<cudaError_t(std::uint8_t* flags, float* vmax, int batch, int max_len, cudaStream_t)>;
+
+  explicit DeviceRounds(Cache& cache) : cache_(&cache) {}
+  DeviceRounds(const DeviceRounds&) = delete;
+  DeviceRounds& operator=(const DeviceRounds&) = delete;
+  ~DeviceRounds() {
+    if (event_ != nullptr) {
+      if (pending_) report_error(cudaEventSynchronize(event_), "DeviceRounds: waiting for a round at destruction");
+      report_error(cudaEventDestroy(event_), "DeviceRounds: cudaEventDestroy");
+    }
+    for (void* p : {dev_, ws_}) report_error(p != nullptr ? cudaFree(p) : cudaSuccess, "DeviceRounds: cudaFree");
+    report_error(host_ != nullptr ? cudaFreeHost(host_) : cudaSuccess, "DeviceRounds: cudaFreeHost");
+  }
+
+  void set_agreement(AgreementFn agree) { agreement_ = std::move(agree); }
+
+  /// Sizes the buffers for rounds of up to `batch` sequences of up to `max_len` slots.
+  void reserve(int batch, int max_len) { ensure(batch, max_len, max_len); }
+
+  /// Commits a finished round (no wait), then launches a round for the due sequences of `seqs`
+  /// unless one is still running. Returns the reports of the round committed by this call (empty
+  /// when none was). @throws logic_error (nothing launched) on a bad, inactive, duplicate or
+  /// in-flight id, or when a round could rewrite a block shared with another sequence.
+  std::vector<CompressionReport> compress_if_needed(std::span<const SeqId> seqs, cudaStream_t stream) {
+    std::vector<CompressionReport> done = poll();
+    if (pending_) return done;
+    std::vector<SeqId> due;
+    for (SeqId s : seqs)
+      if (cache_->needs_compression(s)) due.push_back(s);
+    launch(due, stream);
+    return done;
+  }
+
+  /// Launches a round for every sequence of `seqs` (due or not: each is brought to its keep
+  /// count, as KvCache::compress). @throws logic_error when a round is still in flight.
+  void launch(std::span<const SeqId> seqs, cudaStream_t stream) {
+    TRIATTN_EXPECTS(!pending_, "DeviceRounds::launch: a round is still in flight (poll() or wait() first)");
+    if (seqs.empty()) return;
+    const CacheConfig& cfg = cache_->config();
+    const SelectionParams& sp = cache_->selector().params();
+    const int batch = static_cast<int>(seqs.size());
+    int max_len = 1, max_keep = 1;
+    std::vector<std::uint8_t> seen(static_cast<std::size_t>(cfg.max_seqs), 0);
+    for (SeqId s : seqs) {
+      const int len = cache_->physical_length(s);  // throws on a bad or inactive id
+      TRIATTN_EXPECTS(!seen[static_cast<std::size_t>(s)]++,
+                      "DeviceRounds::launch: sequence " + std::to_string(s) + " appears twice");
+      const int prompt = cache_->prompt_length(s);
+      const KeepCounts kc = keep_counts_unchecked(len, prompt, sp);
+      // Compaction never moves slots [0, begin); every block from there on must be this sequence's alone.
+      const auto table = cache_->block_table(s);
+      for (std::size_t j = static_cast<std::size_t>(kc.selectable_begin / cfg.block_size); j < table.size(); ++j)
+        TRIATTN_EXPECTS(cache_->allocator().ref_count(table[j]) == 1,
+                        "DeviceRounds::launch: sequence " + std::to_string(s) + " shares block " +
+                            std::to_string(table[j]) + " (slots from " + std::to_string(j * cfg.block_size) +
+                            ") with another sequence, and the round may rewrite it");
+      max_len = std::max(max_len, len);
+      max_keep = std::max(max_keep, kc.keep);
+    }
+    ensure(batch, max_len, max_keep);
+    const int rows = kept_rows(sp.mode, cfg.model.num_layers, cfg.model.num_kv_heads);
+    const Layout lay = layout(batch, rows, max_keep);
+    char* h = static_cast<char*>(host_);
+    char* d = static_cast<char*>(dev_);
+    auto* h_ids = reinterpret_cast<std::int32_t*>(h + lay.ids);
+    auto* h_t0 = reinterpret_cast<std::int64_t*>(h + lay.t0);
+    auto* h_prompts = reinterpret_cast<std::int32_t*>(h + lay.prompts);
+    for (int b = 0; b < batch; ++b) {
+      const SeqId s = seqs[static_cast<std::size_t>(b)];
+      h_ids[b] = s;
+      h_t0[b] = cache_->logical_position(s);
+      h_prompts[b] = cache_->prompt_length(s);
+    }
+    publish(*cache_, stream);  // the round reads the device mirror of the tables and lengths
+    TRIATTN_CUDA_TRY(cudaMemcpyAsync(d, h, lay.inputs, cudaMemcpyHostToDevice, stream));
+    const RoundBatch rb{reinterpret_cast<const std::int32_t*>(d + lay.ids), reinterpret_cast<const std::int64_t*>(d + lay.t0),
+                        reinterpret_cast<const std::int32_t*>(d + lay.prompts), batch, max_len};
+    const RoundOutputs out = outputs(d, lay, batch, rows, max_keep);
+    const std::size_t ws_bytes = paged_round_workspace_size(
+        RoundShape{cfg.model.num_layers, cfg.model.num_q_heads, cfg.model.num_kv_heads}, sp.mode, batch, max_len,
+        cfg.max_seqs);
+    const auto run = [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      if (agreement_) {
+        auto agree = [this](std::uint8_t* f, float* v, int b, int m, cudaStream_t st) noexcept {
+          try {
+            return agreement_(f, v, b, m, st);
+          } catch (...) {
+            return cudaErrorUnknown;
+          }
+        };
+        paged_round(cache_->template view<T>(), cache_->scorer().device_model(), sp, RoundTrigger::kAlways, rb, out,
+                    ws_, ws_bytes, agree, stream);
+      } else {
+        paged_round(cache_->template view<T>(), cache_->scorer().device_model(), sp, RoundTrigger::kAlways, rb, out,
+                    ws_, ws_bytes, stream);
+      }
+    };
+    switch (cfg.dtype) {
+      case DType::kF32: run(std::type_identity<float>{}); break;
+      case DType::kF16: run(std::type_identity<f16_storage>{}); break;
+      case DType::kBF16: run(std::type_identity<bf16_storage>{}); break;
+    }
+    TRIATTN_CUDA_TRY(cudaMemcpyAsync(h + lay.outputs, d + lay.outputs, lay.total - lay.outputs, cudaMemcpyDeviceToHost,
+                                     stream));
+    TRIATTN_CUDA_TRY(cudaEventRecord(event_, stream));
+    in_flight_.assign(seqs.begin(), seqs.end());
+    batch_ = batch;
+    rows_ = rows;
+    max_keep_ = max_keep;
+    stream_ = stream;
+    pending_ = true;
+  }
+
+  /// Commits the round in flight if its event has completed (no wait): updates the cache and
+  /// publishes its tables on the round's stream. Returns its reports (empty if none was committed).
+  std::vector<CompressionReport> poll() {
+    if (!pending_) return {};
+    const cudaError_t e = cudaEventQuery(event_);
+    if (e == cudaErrorNotReady) return {};
+    TRIATTN_CUDA_TRY(e);
+    return commit();
+  }
+
+  /// Waits for the round in flight (if any) and commits it.
+  std::vector<CompressionReport> wait() {
+    if (!pending_) return {};
+    TRIATTN_CUDA_TRY(cudaEventSynchronize(event_));
+    return commit();
+  }
+
+  /// compress_if_needed, then wait(): the reports of the round this call launched (simple
+  /// generation loops that extend every sequence on the next step anyway).
+  std::vector<CompressionReport> compress_if_needed_and_wait(std::span<const SeqId> seqs, cudaStream_t stream) {
+    (void)wait();
+    (void)compress_if_needed(seqs, stream);
+    return wait();
+  }
+
+  /// Sequences of the last committed round, in batch order.
+  [[nodiscard]] std::span<const SeqId> last_seqs() const noexcept { return last_seqs_; }
+  /// The keep plan (pre-round slots) entry b of the last committed round applied; an empty
+  /// KeepPlan (no layers) when it was not compressed (its report's status says why). Valid until
+  /// the next launch.
+  [[nodiscard]] KeepPlan last_plan(std::size_t b) const {
+    TRIATTN_EXPECTS(!pending_ && b < last_seqs_.size(), "DeviceRounds::last_plan: entry " + std::to_string(b) +
+                                                            " of the last committed round does not exist");
+    const ModelGeometry& g = cache_->config().model;
+    const Layout lay = layout(batch_, rows_, max_keep_);
+    const RoundOutputs out = outputs(static_cast<char*>(host_), lay, batch_, rows_, max_keep_);
+    if (out.status[b] != static_cast<std::int32_t>(RoundStatus::kCompressed)) return KeepPlan{};
+    const int keep = out.new_lens[b];
+    KeepPlan plan(g.num_layers, g.num_kv_heads, keep);
+    for (int l = 0; l < g.num_layers; ++l)
+      for (int h = 0; h < g.num_kv_heads; ++h) {
+        const int r = rows_ == 1 ? 0 : rows_ == g.num_kv_heads ? h : l * g.num_kv_heads + h;
+        std::copy_n(out.kept + (b * static_cast<std::size_t>(rows_) + static_cast<std::size_t>(r)) * max_keep_, keep,
+                    plan.row(l, h));
+      }
+    return plan;
+  }
+
+  [[nodiscard]] bool pending() const noexcept { return pending_; }
+  [[nodiscard]] bool in_flight(SeqId s) const noexcept {
+    return pending_ && std::find(in_flight_.begin(), in_flight_.end(), s) != in_flight_.end();
+  }
+
+ private:
+  struct Layout {
+    std::size_t ids, t0, prompts, inputs, outputs, new_lens, status, fb, fe, kept, total;
+  };
+  static std::size_t up(std::size_t x) noexcept { return (x + 255) / 256 * 256; }
+  static Layout layout(int batch, int rows, int max_keep) noexcept {
+    const std::size_t B = static_cast<std::size_t>(batch);
+    Layout l{};
+    l.t0 = 0;
+    l.ids = up(B * 8);
+    l.prompts = l.ids + up(B * 4);
+    l.inputs = l.prompts + up(B * 4);
+    l.outputs = l.inputs;
+    l.new_lens = l.outputs;
+    l.status = l.new_lens + up(B * 4);
+    l.fb = l.status + up(B * 4);
+    l.fe = l.fb + up(B * 4);
+    l.kept = l.fe + up(B * 4);
+    l.total = l.kept + up(B * static_cast<std::size_t>(rows) * static_cast<std::size_t>(max_keep) * 4);
+    return l;
+  }
+  static RoundOutputs outputs(char* base, const Layout& l, int batch, int rows, int max_keep) noexcept {
+    (void)batch;
+    RoundOutputs o;
+    o.new_lens = reinterpret_cast<std::int32_t*>(base + l.new_lens);
+    o.status = reinterpret_cast<std::int32_t*>(base + l.status);
+    o.freed_begin = reinterpret_cast<std::int32_t*>(base + l.fb);
+    o.freed_end = reinterpret_cast<std::int32_t*>(base + l.fe);
+    o.kept = reinterpret_cast<std::int32_t*>(base + l.kept);
+    o.kept_rows = rows;
+    o.max_keep = max_keep;
+    return o;
+  }
+
+  // Grows the buffers (only when a round is larger than every earlier one).
+  void ensure(int batch, int max_len, int max_keep) {
+    const CacheConfig& cfg = cache_->config();
+    const SelectionParams& sp = cache_->selector().params();
+    const int rows = kept_rows(sp.mode, cfg.model.num_layers, cfg.model.num_kv_heads);
+    const std::size_t io = layout(batch, rows, max_keep).total;
+    const std::size_t ws = paged_round_workspace_size(
+        RoundShape{cfg.model.num_layers, cfg.model.num_q_heads, cfg.model.num_kv_heads}, sp.mode, batch, max_len,
+        cfg.max_seqs);
+    if (event_ == nullptr) TRIATTN_CUDA_TRY(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+    if (io > io_bytes_) {
+      if (dev_ != nullptr) TRIATTN_CUDA_TRY(cudaFree(dev_));
+      if (host_ != nullptr) TRIATTN_CUDA_TRY(cudaFreeHost(host_));
+      dev_ = host_ = nullptr;
+      io_bytes_ = 0;
+      TRIATTN_CUDA_TRY(cudaMalloc(&dev_, io));
+      TRIATTN_CUDA_TRY(cudaMallocHost(&host_, io));
+      io_bytes_ = io;
+    }
+    if (ws > ws_bytes_) {
+      if (ws_ != nullptr) TRIATTN_CUDA_TRY(cudaFree(ws_));
+      ws_ = nullptr;
+      ws_bytes_ = 0;
+      TRIATTN_CUDA_TRY(cudaMalloc(&ws_, ws));
+      ws_bytes_ = ws;
+    }
+  }
+
+  std::vector<CompressionReport> commit() {
+    const Layout lay = layout(batch_, rows_, max_keep_);
+    const RoundOutputs out = outputs(static_cast<char*>(host_), lay, batch_, rows_, max_keep_);
+    pending_ = false;
+    last_seqs_ = std::move(in_flight_);
+    in_flight_.clear();
+    const std::vector<SeqId>& seqs = last_seqs_;
+    std::vector<CompressionReport> compressed = cache_->commit_round(seqs, out);
+    std::vector<CompressionReport> done;
+    done.reserve(seqs.size());
+    std::size_t next = 0;
+    for (std::size_t b = 0; b < seqs.size(); ++b) {
+      if (out.status[b] == static_cast<std::int32_t>(RoundStatus::kCompressed)) {
+        done.push_back(std::move(compressed[next++]));
+        continue;
+      }
+      CompressionReport r;
+      r.seq = seqs[b];
+      r.length_before = r.length_after = cache_->physical_length(seqs[b]);
+      r.status = static_cast<RoundStatus>(out.status[b]);
+      done.push_back(std::move(r));
+    }
+    publish(*cache_, stream_);
+    return done;
+  }
+
+  Cache* cache_;
+  AgreementFn agreement_;
+  void* dev_ = nullptr;   // [inputs | outputs] device
+  void* host_ = nullptr;  // the same layout, pinned
+  void* ws_ = nullptr;
+  std::size_t io_bytes_ = 0, ws_bytes_ = 0;
+  cudaEvent_t event_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  bool pending_ = false;
+  std::vector<SeqId> in_flight_, last_seqs_;
+  int batch_ = 0, rows_ = 0, max_keep_ = 0;
+};
 
 }  // namespace triattn::cuda

@@ -11,6 +11,7 @@
 #include <type_traits>
 #include <utility>
 
+#include <triattn/core/kv_view.hpp>
 #include <triattn/cuda/config.cuh>
 #include <triattn/cuda/dispatch.cuh>
 #include <triattn/cuda/error.cuh>
@@ -84,6 +85,39 @@ template <class F>
 /// True when `p` is aligned to `bytes`.
 [[nodiscard]] inline bool is_aligned(const void* p, std::size_t bytes) noexcept {
   return reinterpret_cast<std::uintptr_t>(p) % bytes == 0;
+}
+
+/// True when `view` names its K/V memory (a pointer array or a base).
+template <class T, class Id>
+[[nodiscard]] inline bool has_kv_memory(const KvCacheView<T, Id>& view) noexcept {
+  return view.ranges != nullptr || view.data != nullptr;
+}
+
+/// True when every head vector `view` addresses starts on a `bytes` boundary, as far as the host
+/// can tell: the block, token and head strides (those that are used) and, for a single-base view,
+/// the base and its layer / K|V strides. A pointer array `ranges` lives in the kernels' memory
+/// space, which the launch does not read: its entries must be `bytes`-aligned (allocations are).
+template <class T, class Id>
+[[nodiscard]] inline bool head_vectors_aligned(const KvCacheView<T, Id>& view, std::size_t bytes) noexcept {
+  const auto mult = [bytes](std::int64_t elems) {
+    return (static_cast<std::uint64_t>(elems < 0 ? -elems : elems) * sizeof(T)) % bytes == 0;
+  };
+  const BlockLayout& b = view.block;
+  if ((static_cast<std::size_t>(b.head_dim) * sizeof(T)) % bytes != 0) return false;
+  if ((view.num_blocks > 1 && !mult(b.stride_block)) || (b.block_size > 1 && !mult(b.stride_token)) ||
+      (b.num_kv_heads > 1 && !mult(b.stride_head)))
+    return false;
+  if (view.ranges != nullptr) return true;
+  return is_aligned(view.data, bytes) && (view.num_layers <= 1 || mult(view.layer_stride)) && mult(view.kind_stride);
+}
+
+/// Elements from a range's base to the end of the last head vector it can address (non-negative
+/// strides, as validate_view requires): what 32-bit chunk offsets must cover.
+template <class T, class Id>
+[[nodiscard]] inline std::int64_t range_extent(const KvCacheView<T, Id>& view) noexcept {
+  const BlockLayout& b = view.block;
+  if (view.num_blocks <= 0 || b.block_size <= 0 || b.num_kv_heads <= 0) return 0;
+  return b.offset(view.num_blocks - 1, b.block_size - 1, b.num_kv_heads - 1) + b.head_dim;
 }
 
 /// Dynamic shared memory a kernel has been opted into, per device. cudaFuncSetAttribute acts on

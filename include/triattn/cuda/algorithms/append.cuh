@@ -32,9 +32,9 @@ struct append {
     if (p.num_layers > 65535) return cudaErrorInvalidValue;  // grid.y
     constexpr std::int64_t kVecElems = 16 / static_cast<std::int64_t>(sizeof(T));
     const int d = view.block.head_dim;
-    if (p.k == nullptr || p.v == nullptr || view.data == nullptr || !is_aligned(p.k, 16) || !is_aligned(p.v, 16) ||
-        !is_aligned(view.data, 16) || p.token_stride % kVecElems != 0 || d % kVecElems != 0 ||
-        (p.num_layers > 1 && p.layer_stride % kVecElems != 0) || view.range_stride % kVecElems != 0)
+    if (p.k == nullptr || p.v == nullptr || !has_kv_memory(view) || !is_aligned(p.k, 16) || !is_aligned(p.v, 16) ||
+        !head_vectors_aligned(view, 16) || p.token_stride % kVecElems != 0 || d % kVecElems != 0 ||
+        (p.num_layers > 1 && p.layer_stride % kVecElems != 0))
       return cudaErrorInvalidValue;
     if (p.token_stride < static_cast<std::int64_t>(view.block.num_kv_heads) * d) return cudaErrorInvalidValue;
     if (p.source == SlotSource::kSlotMapping && p.slot_mapping == nullptr) return cudaErrorInvalidValue;

@@ -67,9 +67,8 @@ struct compact {
       return cudaErrorInvalidValue;
     if (batch == 0 || plan.max_keep == 0) return cudaSuccess;
     constexpr int kVecElems = 16 / static_cast<int>(sizeof(T));
-    if (view.data == nullptr || view.block_tables == nullptr || plan.kept == nullptr || plan.keep == nullptr ||
-        plan.seq_ids == nullptr || !is_aligned(view.data, 16) || view.block.head_dim % kVecElems != 0 ||
-        view.range_stride % kVecElems != 0)
+    if (!has_kv_memory(view) || view.block_tables == nullptr || plan.kept == nullptr || plan.keep == nullptr ||
+        plan.seq_ids == nullptr || !head_vectors_aligned(view, 16) || view.block.head_dim % kVecElems != 0)
       return cudaErrorInvalidValue;
     const std::int64_t rows = static_cast<std::int64_t>(view.num_layers) * view.block.num_kv_heads;
     if (rows <= 0 || rows > 0x7fffffff) return cudaErrorInvalidValue;

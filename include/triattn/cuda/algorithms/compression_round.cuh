@@ -17,6 +17,7 @@
 #include <utility>
 
 #include <triattn/core/kv_view.hpp>
+#include <triattn/core/paged_round.hpp>
 #include <triattn/core/scoring_params.hpp>
 #include <triattn/cuda/algorithms/compact.cuh>
 #include <triattn/cuda/algorithms/normalize.cuh>
@@ -27,14 +28,8 @@
 
 namespace triattn::cuda {
 
-/// Per-sequence inputs of a round (device arrays) and the row capacity.
-struct RoundBatch {
-  const std::int32_t* seq_ids = nullptr;      ///< [batch] sequence slots; no slot twice
-  const std::int64_t* t0 = nullptr;           ///< [batch] round start = logical position
-  const std::int32_t* prompt_lens = nullptr;  ///< [batch] prompt (prefill) length
-  int batch = 0;
-  int max_len = 0;  ///< >= every sequence's physical length
-};
+/// Per-sequence inputs of a round (device arrays) and the row capacity: triattn::RoundBatch.
+using RoundBatch = triattn::RoundBatch;
 
 /// Scratch buffers of a round, carved from one caller-owned allocation.
 struct RoundWorkspace {

@@ -117,9 +117,9 @@ struct decode_attention {
     if (plan.heads_per_pass != heads_per_pass(dtype_of<T>) || plan.num_splits < 1 || plan.tokens_per_split <= 0 ||
         plan.num_splits > Tune::kMaxSplits)
       return cudaErrorInvalidValue;
-    if (q == nullptr || out == nullptr || view.data == nullptr || view.block_tables == nullptr ||
-        view.seq_lens == nullptr || !is_aligned(q, 16) || !is_aligned(view.data, 16) ||
-        (d * sizeof(T)) % 16 != 0 || view.range_stride % (16 / sizeof(T)) != 0)
+    if (q == nullptr || out == nullptr || !has_kv_memory(view) || view.block_tables == nullptr ||
+        view.seq_lens == nullptr || !is_aligned(q, 16) || !head_vectors_aligned(view, 16) ||
+        (d * sizeof(T)) % 16 != 0)
       return cudaErrorInvalidValue;
     const int group = num_q_heads / hkv;
     const int passes = (group + plan.heads_per_pass - 1) / plan.heads_per_pass;

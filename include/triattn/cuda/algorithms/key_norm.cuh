@@ -40,11 +40,10 @@ struct key_norm {
         rows <= 0 || rows > 65535 || batch.batch > 65535)
       return cudaErrorInvalidValue;
     if (batch.batch == 0 || batch.max_len == 0) return cudaSuccess;
-    if (scores == nullptr || batch.seq_ids == nullptr || view.data == nullptr || view.block_tables == nullptr ||
+    if (scores == nullptr || batch.seq_ids == nullptr || !has_kv_memory(view) || view.block_tables == nullptr ||
         view.seq_lens == nullptr)
       return cudaErrorInvalidValue;
-    if (!is_aligned(view.data, 16) || (view.range_stride * static_cast<std::int64_t>(sizeof(T))) % 16 != 0)
-      return cudaErrorMisalignedAddress;
+    if (!head_vectors_aligned(view, 16)) return cudaErrorMisalignedAddress;
     return dispatch_head_dim_status(view.block.head_dim, [&](auto hd) -> cudaError_t {
       constexpr int kHd = decltype(hd)::value;
       using Shape = KeyNormShape<kHd, T>;

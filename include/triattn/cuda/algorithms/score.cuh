@@ -99,9 +99,9 @@ template <class T, class Id>
   if (a.batch > 0 && a.max_len > 0 && (scores == nullptr || a.seq_ids == nullptr || a.t0 == nullptr))
     return cudaErrorInvalidValue;
   // 16-byte loads need 16-byte aligned head vectors.
-  if (!is_aligned(view.data, 16) ||
-      (view.range_stride * static_cast<std::int64_t>(sizeof(T))) % 16 != 0)
-    return cudaErrorMisalignedAddress;
+  if (a.batch > 0 && a.max_len > 0 && (!has_kv_memory(view) || view.block_tables == nullptr || view.seq_lens == nullptr))
+    return cudaErrorInvalidValue;
+  if (!head_vectors_aligned(view, 16)) return cudaErrorMisalignedAddress;
   return cudaSuccess;
 }
 
@@ -115,11 +115,11 @@ template <class T, class Policy>
 }
 
 /// The ring kernels (score_mean_mma_kernel, score_max_mma_pipe_kernel) address keys as 32-bit
-/// offsets in 16-byte chunks from their layer's K range (KeySliceFeed::issue): ranges below
-/// 64 GiB.
+/// offsets in 16-byte chunks from their layer's K range (KeySliceFeed::issue): ranges whose
+/// addressable extent is below 64 GiB.
 template <class T, class Id>
 [[nodiscard]] inline bool ring_offsets_fit(const KvCacheView<T, Id>& view) noexcept {
-  return static_cast<unsigned long long>(view.range_stride) * sizeof(T) < (1ull << 36);
+  return static_cast<unsigned long long>(range_extent(view)) * sizeof(T) < (1ull << 36);
 }
 
 /// Tensor-core mean path: 16-bit caches; fp16 weights far from fp16's range limit.

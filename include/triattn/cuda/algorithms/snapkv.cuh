@@ -62,7 +62,7 @@ struct snapkv {
       return cudaErrorInvalidValue;
     if (batch.batch == 0 || batch.max_len == 0) return cudaSuccess;
     if (scores == nullptr || batch.seq_ids == nullptr || batch.t0 == nullptr || window.queries == nullptr ||
-        window.positions == nullptr || view.data == nullptr || view.block_tables == nullptr ||
+        window.positions == nullptr || !has_kv_memory(view) || view.block_tables == nullptr ||
         view.seq_lens == nullptr || workspace == nullptr || !is_aligned(workspace, 256) ||
         workspace_bytes < workspace_size(batch.batch, view.num_layers, num_q_heads, window.num_queries, batch.max_len))
       return cudaErrorInvalidValue;

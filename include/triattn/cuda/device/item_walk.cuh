@@ -32,7 +32,7 @@ template <class T, class Id>
 struct KeyRowAddr {
   const T* range;             // K range of layer l
   const Id* table;            // block-table row of the sequence
-  std::int64_t block_elems;
+  std::int64_t block_elems;   // elements between consecutive blocks (the layout's block stride)
   std::int64_t token_stride;  // elements between slots of one head inside a block
   std::int64_t head_off;      // element offset of head g inside a block
   int len;                    // physical length, clamped to max_len
@@ -56,9 +56,7 @@ __device__ __forceinline__ KeyRowAddr<T, Id> key_row(const KvCacheView<T, Id>& v
   k.table = view.block_tables + static_cast<std::int64_t>(seq) * view.max_blocks_per_seq;
   k.block_elems = view.block.block_elems();
   k.token_stride = view.block.token_stride();
-  k.head_off = view.block.layout == KvLayout::kNHD
-                   ? static_cast<std::int64_t>(g) * view.block.head_dim
-                   : static_cast<std::int64_t>(g) * view.block.block_size * view.block.head_dim;
+  k.head_off = view.block.offset(0, 0, g);
   return k;
 }
 

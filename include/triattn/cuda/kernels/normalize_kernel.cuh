@@ -32,10 +32,14 @@ struct DeviceSelectParams {
   PruningMode mode = PruningMode::kPerHead;
   PromptMode prompt = PromptMode::kPinnedInBudget;
   bool normalize = true;
+  /// NonFinitePolicy::kEvictFirst: row statistics over the finite values only (paged_round marks
+  /// broken slots NaN in every row first; NaN ranks lowest in selection).
+  bool skip_nonfinite = false;
 
   DeviceSelectParams() = default;
   explicit DeviceSelectParams(const SelectionParams& p)
-      : budget(p.budget), n_sink(p.n_sink), window(p.window), mode(p.mode), prompt(p.prompt), normalize(p.normalize) {}
+      : budget(p.budget), n_sink(p.n_sink), window(p.window), mode(p.mode), prompt(p.prompt), normalize(p.normalize),
+        skip_nonfinite(p.nonfinite == NonFinitePolicy::kEvictFirst) {}
 };
 static_assert(std::is_trivially_copyable_v<DeviceSelectParams>);
 
@@ -121,6 +125,27 @@ __global__ void __launch_bounds__(kRowStatsThreads, kRowStatsMinCtas)
   }
   const int tid = static_cast<int>(threadIdx.x);
   const float* x = scores + row * seqs.max_len + kc.selectable_begin;
+  if (p.skip_nonfinite) {  // mean and std over the finite values only (evict-first rounds)
+    double sum = 0.0, cnt = 0.0;
+    for (int j = tid; j < n; j += kRowStatsThreads)
+      if (isfinite(x[j])) {
+        sum += static_cast<double>(x[j]);
+        cnt += 1.0;
+      }
+    sum = detail::block_sum<kRowStatsThreads>(sum, scratch);
+    cnt = detail::block_sum<kRowStatsThreads>(cnt, scratch);
+    const double mean = cnt > 0.0 ? sum / cnt : 0.0;
+    double ss = 0.0;
+    for (int j = tid; j < n; j += kRowStatsThreads)
+      if (isfinite(x[j])) ss += (static_cast<double>(x[j]) - mean) * (static_cast<double>(x[j]) - mean);
+    ss = detail::block_sum<kRowStatsThreads>(ss, scratch);
+    if (tid == 0) {
+      double sd = cnt > 0.0 ? sqrt(ss / cnt) : 1.0;
+      sd = sd > 1e-6 ? sd : 1e-6;
+      stats[row] = RowStats{mean, sd, 1.0 / sd};
+    }
+    return;
+  }
   float cache[kRowStatsCache];
 #pragma unroll
   for (int c = 0; c < kRowStatsCache; ++c) {

@@ -94,7 +94,8 @@ class TriAttentionDeviceScorer {
                                                          std::to_string(seq) +
                                                          " is not a row of the view's block tables");
     TRIATTN_EXPECTS(
-        is_device_memory(view.block_tables) && is_device_memory(view.seq_lens) && is_device_memory(view.data),
+        is_device_memory(view.block_tables) && is_device_memory(view.seq_lens) &&
+            is_device_memory(view.ranges != nullptr ? static_cast<const void*>(view.ranges) : view.data),
         "TriAttentionDeviceScorer::score: the view's data, block tables and lengths must be device "
         "memory (publish the cache's tables to its device mirror first)");
     if (length == 0) return;

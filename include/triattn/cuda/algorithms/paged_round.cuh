@@ -1,0 +1,203 @@
+// SPDX-License-Identifier: Apache-2.0
+// cuda::paged_round: the batched compression round (core/paged_round.hpp) over any paged cache a
+// KvCacheView describes, in device memory, on one stream:
+//   prologue (which sequences take part) → score → row statistics (or a non-finite scan) →
+//   normalise + reduce → top-k select → outputs (status, new length, freed table columns, kept
+//   logical positions) → in-place compaction of the sequences that completed.
+// No allocation, no host synchronisation, no host read of device data: a round can be captured in
+// a CUDA graph and replayed. The view's block tables and lengths are only read; the caller applies
+// RoundOutputs once the round is done (an event recorded behind it), never earlier.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include <triattn/core/error.hpp>
+#include <triattn/core/kv_view.hpp>
+#include <triattn/core/paged_round.hpp>
+#include <triattn/core/scoring_params.hpp>
+#include <triattn/cuda/algorithms/compression_round.cuh>
+#include <triattn/cuda/dispatch.cuh>
+#include <triattn/cuda/error.cuh>
+#include <triattn/cuda/kernels/paged_round_kernel.cuh>
+#include <triattn/cuda/launch.cuh>
+
+namespace triattn::cuda {
+
+namespace detail {
+
+/// Carves paged_round's workspace: compression_round's buffers, then PagedRoundScratch. Returns
+/// the bytes used (base = nullptr only measures).
+inline std::size_t carve_paged_round_workspace(void* base, const RoundShape& s, PruningMode mode, int batch,
+                                               int max_len, int max_seqs, RoundWorkspace* ws,
+                                               PagedRoundScratch* scratch) noexcept {
+  const std::size_t front = carve_round_workspace(base, s, mode, batch, max_len, ws);
+  const std::size_t B = static_cast<std::size_t>(batch > 0 ? batch : 0);
+  const std::size_t S = static_cast<std::size_t>(max_seqs > 0 ? max_seqs : 0);
+  const std::size_t plan = B * static_cast<std::size_t>(s.num_layers) * static_cast<std::size_t>(s.num_kv_heads) *
+                           static_cast<std::size_t>(max_len > 0 ? max_len : 0);
+  const std::size_t sizes[5] = {S * 4, B * 4, plan * 4, B * 4, B * 4};
+  std::size_t off[5], total = front;
+  for (int i = 0; i < 5; ++i) {
+    off[i] = total;
+    total += round_up_256(sizes[i]);
+  }
+  if (base != nullptr && scratch != nullptr) {
+    char* p = static_cast<char*>(base);
+    scratch->eff_lens = reinterpret_cast<std::int32_t*>(p + off[0]);
+    scratch->nonfinite = reinterpret_cast<std::int32_t*>(p + off[1]);
+    scratch->plan_kept = reinterpret_cast<std::int32_t*>(p + off[2]);
+    scratch->plan_keep = reinterpret_cast<std::int32_t*>(p + off[3]);
+    scratch->apply_keep = reinterpret_cast<std::int32_t*>(p + off[4]);
+  }
+  return total;
+}
+
+inline std::string paged_round_what(const char* field) { return std::string("cuda::paged_round: ") + field; }
+
+}  // namespace detail
+
+/// Bytes of device workspace cuda::paged_round needs for `batch` sequences of at most `max_len`
+/// slots in a view of `max_seqs` rows (scores [batch, L, Hq, max_len] float dominate).
+[[nodiscard]] inline std::size_t paged_round_workspace_size(const RoundShape& shape, PruningMode mode, int batch,
+                                                            int max_len, int max_seqs) noexcept {
+  return detail::carve_paged_round_workspace(nullptr, shape, mode, batch, max_len, max_seqs, nullptr, nullptr);
+}
+
+/// The batched round over device memory (the device twin of triattn::paged_round, its oracle).
+///
+/// @param view      paged cache in device memory (any layout KvCacheView describes); the K/V of
+///                  the sequences that complete are compacted in place, tables and lengths are
+///                  only read. A `ranges` pointer array must hold 16-byte aligned bases.
+/// @param model     per-model constants in device memory (TriAttentionDeviceScorer::device_model())
+/// @param params    selection parameters (by value: nothing is read from the host later)
+/// @param trigger   kIfDue: sequences below budget + divide_length are reported kNotDue, untouched
+/// @param batch     device arrays seq_ids, t0, prompt_lens [batch]; max_len >= every length
+/// @param out       device arrays [batch] (every entry written) and optional kept positions
+/// @param workspace caller-owned device memory (256-byte aligned) of at least
+///                  paged_round_workspace_size(shape, params.mode, batch.batch, batch.max_len, view.max_seqs)
+/// @throws logic_error naming the argument (nothing launched) on a bad view, model, batch, output
+///         or workspace, or 16-byte alignment the kernels need; unsupported for an uncompiled
+///         head_dim; cuda_error when a launch fails.
+/// @note asynchronous on `stream`: allocates nothing, never synchronises; capturable in a CUDA
+///       graph. A sequence with a non-finite score in its selectable range is left untouched with
+///       RoundStatus::kNonFinite under NonFinitePolicy::kRefuse; the others complete.
+template <class T, class Id>
+void paged_round(const KvCacheView<T, Id>& view, const ScoreModelView& model, const SelectionParams& params,
+                 RoundTrigger trigger, const RoundBatch& batch, const RoundOutputs& out, void* workspace,
+                 std::size_t workspace_bytes, cudaStream_t stream) {
+  paged_round(view, model, params, trigger, batch, out, workspace, workspace_bytes, IdentityAgreement{}, stream);
+}
+
+/// paged_round(...) on one tensor-parallel rank (see compression_round::plan with an agreement):
+/// `view` holds this rank's KV heads, `model` its query heads' statistics; union rounds call
+/// `agreement` between their two phases so every rank keeps the tp = 1 set. Every rank must run
+/// the same batch. The non-finite check is rank-local (a rank whose own scores are finite
+/// completes the round).
+template <class T, class Id, UnionAgreement Agreement>
+void paged_round(const KvCacheView<T, Id>& view, const ScoreModelView& model, const SelectionParams& params,
+                 RoundTrigger trigger, const RoundBatch& batch, const RoundOutputs& out, void* workspace,
+                 std::size_t workspace_bytes, Agreement&& agreement, cudaStream_t stream) {
+  using detail::paged_round_what;
+  params.validate();
+  const RoundShape shape{model.num_layers, model.num_q_heads, model.num_kv_heads};
+  TRIATTN_EXPECTS(shape.valid() && model.num_layers == view.num_layers &&
+                      model.num_kv_heads == view.block.num_kv_heads && model.head_dim == view.block.head_dim,
+                  paged_round_what("model") + " has " + std::to_string(model.num_layers) + " layers, " +
+                      std::to_string(model.num_q_heads) + " query / " + std::to_string(model.num_kv_heads) +
+                      " KV heads, head_dim " + std::to_string(model.head_dim) + "; the view has " +
+                      std::to_string(view.num_layers) + " layers, " + std::to_string(view.block.num_kv_heads) +
+                      " KV heads, head_dim " + std::to_string(view.block.head_dim));
+  TRIATTN_EXPECTS(batch.batch >= 0 && batch.batch <= 65535,
+                  paged_round_what("batch.batch") + " = " + std::to_string(batch.batch) + " must be in [0, 65535]");
+  TRIATTN_EXPECTS(batch.max_len >= 0, paged_round_what("batch.max_len") + " must be >= 0");
+  if (batch.batch == 0) return;
+  validate_view(view, {}, false, "cuda::paged_round: view");
+  TRIATTN_EXPECTS(head_vectors_aligned(view, 16),
+                  paged_round_what("view") + ": head vectors must start on 16-byte boundaries (base, layer / K|V, "
+                  "block, token and head strides; the kernels load 16 bytes at a time)");
+  dispatch_head_dim(view.block.head_dim, [](auto) {});  // throws unsupported naming the compiled list
+  TRIATTN_EXPECTS(batch.seq_ids != nullptr && batch.t0 != nullptr && batch.prompt_lens != nullptr,
+                  paged_round_what("batch") + ": seq_ids, t0 and prompt_lens must be device arrays, not null");
+  TRIATTN_EXPECTS(batch.max_len <= view.capacity_tokens(),
+                  paged_round_what("batch.max_len") + " = " + std::to_string(batch.max_len) +
+                      " exceeds the view's capacity per sequence (" + std::to_string(view.capacity_tokens()) + ")");
+  TRIATTN_EXPECTS(out.new_lens != nullptr && out.status != nullptr && out.freed_begin != nullptr &&
+                      out.freed_end != nullptr,
+                  paged_round_what("out") + ": new_lens, status, freed_begin and freed_end must not be null");
+  if (out.kept != nullptr) {
+    const int natural = kept_rows(params.mode, view.num_layers, view.block.num_kv_heads);
+    const int all = view.num_layers * view.block.num_kv_heads;
+    TRIATTN_EXPECTS(out.kept_rows == natural || out.kept_rows == all,
+                    paged_round_what("out.kept_rows") + " = " + std::to_string(out.kept_rows) + " must be " +
+                        std::to_string(natural) + " (" + to_string(params.mode) + ") or " + std::to_string(all));
+    TRIATTN_EXPECTS(out.max_keep >= 0, paged_round_what("out.max_keep") + " must be >= 0");
+    TRIATTN_EXPECTS(out.slot_positions == nullptr || out.positions_stride >= batch.max_len,
+                    paged_round_what("out.positions_stride") + " = " + std::to_string(out.positions_stride) +
+                        " must be >= batch.max_len = " + std::to_string(batch.max_len));
+  }
+  TRIATTN_EXPECTS(workspace != nullptr && is_aligned(workspace, 256),
+                  paged_round_what("workspace") + " must be a 256-byte aligned device pointer");
+  RoundWorkspace ws;
+  PagedRoundScratch scratch;
+  const std::size_t need = detail::carve_paged_round_workspace(workspace, shape, params.mode, batch.batch,
+                                                               batch.max_len, view.max_seqs, &ws, &scratch);
+  TRIATTN_EXPECTS(need <= workspace_bytes, paged_round_what("workspace_bytes") + " = " +
+                                               std::to_string(workspace_bytes) + ", the round needs " +
+                                               std::to_string(need) + " (paged_round_workspace_size)");
+
+  PagedRoundParams p;
+  p.select = DeviceSelectParams(params);
+  p.threshold = params.budget + params.divide_length;
+  p.if_due = trigger == RoundTrigger::kIfDue;
+  p.refuse_nonfinite = params.nonfinite == NonFinitePolicy::kRefuse;
+  p.num_layers = shape.num_layers;
+  p.num_q_heads = shape.num_q_heads;
+  p.num_kv_heads = shape.num_kv_heads;
+  p.plan_capacity = batch.max_len;
+
+  constexpr int kThreads = 128;
+  paged_round_prologue_kernel<Id><<<(batch.batch + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+      view.seq_lens, batch, scratch, p);
+  TRIATTN_CUDA_TRY(check_launch(stream));
+  // Scoring and selection see the effective lengths: 0 for sequences that do not take part.
+  const KvCacheView<T, Id> eff = view.with_tables(view.block_tables, reinterpret_cast<const Id*>(scratch.eff_lens));
+  static_assert(sizeof(Id) == sizeof(std::int32_t), "paged_round: 32-bit block ids and lengths");
+  const RoundSeqs<Id> seqs{batch.seq_ids, eff.seq_lens, batch.prompt_lens, batch.batch, batch.max_len};
+  TRIATTN_CUDA_TRY(
+      score(eff, model, ScoreBatch{batch.seq_ids, batch.t0, batch.batch, batch.max_len}, ws.scores, stream));
+  const long long rows = static_cast<long long>(batch.batch) * shape.num_layers * shape.num_q_heads;
+  if (params.nonfinite == NonFinitePolicy::kEvictFirst && batch.max_len > 0) {
+    mark_broken_slots_kernel<Id><<<dim3(static_cast<unsigned>((batch.max_len + 255) / 256),
+                                        static_cast<unsigned>(batch.batch)),
+                                   256, 0, stream>>>(ws.scores, seqs, p);
+    TRIATTN_CUDA_TRY(check_launch(stream));
+  }
+  if (params.normalize) {
+    TRIATTN_CUDA_TRY(row_stats(ws.scores, ws.stats, seqs, p.select, shape, stream));
+  } else {
+    nonfinite_scan_kernel<Id><<<static_cast<unsigned>(rows), 256, 0, stream>>>(ws.scores, seqs, scratch, p);
+    TRIATTN_CUDA_TRY(check_launch(stream));
+  }
+  TRIATTN_CUDA_TRY(gqa_reduce(ws.scores, ws.stats, ws.reduced, ws.flags, seqs, p.select, shape, stream));
+  const DeviceKeepPlanView plan{scratch.plan_kept, scratch.plan_keep, batch.max_len};
+  if (params.mode != PruningMode::kUnion || std::is_same_v<std::remove_cvref_t<Agreement>, IdentityAgreement>) {
+    TRIATTN_CUDA_TRY(select_keep(ws.scores, ws.reduced, ws.flags, plan, seqs, p.select, shape, stream));
+  } else {
+    TRIATTN_CUDA_TRY(
+        select_union_candidates(ws.scores, ws.reduced, ws.flags, ws.vmax, seqs, p.select, shape, stream));
+    TRIATTN_CUDA_TRY(agreement(ws.flags, ws.vmax, batch.batch, batch.max_len, stream));
+    TRIATTN_CUDA_TRY(select_union_finish(ws.flags, ws.vmax, plan, seqs, p.select, shape, stream));
+  }
+  const int chunks = out.kept != nullptr ? (out.kept_rows < 64 ? out.kept_rows : 64) : 1;
+  paged_round_outputs_kernel<Id><<<dim3(static_cast<unsigned>(batch.batch), static_cast<unsigned>(chunks)), 256, 0,
+                                   stream>>>(view.seq_lens, view.block.block_size, batch, out, scratch,
+                                             params.normalize ? ws.stats : nullptr, p);
+  TRIATTN_CUDA_TRY(check_launch(stream));
+  TRIATTN_CUDA_TRY(compact::run(view, CompactParams{scratch.plan_kept, scratch.apply_keep, batch.seq_ids, batch.max_len},
+                                batch.batch, stream));
+}
+
+}  // namespace triattn::cuda
