@@ -24,6 +24,7 @@
 #include <triattn/core/ref/attention.hpp>
 #include <triattn/core/stats/calibrator.hpp>
 
+#include "common/non_regular_files.hpp"
 #include "common/reference_transformer_checks.hpp"
 
 // Relative paths, so this test also builds when the examples are not configured
@@ -281,6 +282,16 @@ TEST_CASE("llama2.c checkpoint: malformed files are rejected with the file and f
     std::filesystem::remove(tmp);
     CHECK(e.find(tmp.string()) != std::string::npos);
     CHECK(e.find("truncated") != std::string::npos);
+  }
+}
+
+TEST_CASE("llama2.c checkpoint and tokenizer and JSON loaders refuse a directory or a FIFO by type") {
+  // A directory's tellg() is LLONG_MAX (the loader asked for ~9.2 EB) and a FIFO blocks on open.
+  const triattn::test::NonRegularPaths p;
+  for (const auto& [path, why] : {std::pair{p.dir, "directory"}, std::pair{p.fifo, "FIFO"}}) {
+    triattn::test::check_refused([](const std::string& f) { (void)ex::load_llama2c_checkpoint(f); }, path, why);
+    triattn::test::check_refused([](const std::string& f) { (void)ex::Tokenizer::load(f, 512); }, path, why);
+    triattn::test::check_refused([](const std::string& f) { (void)ex::json::parse_file(f); }, path, why);
   }
 }
 

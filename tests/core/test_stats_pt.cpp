@@ -18,6 +18,8 @@
 
 #include <triattn/core/stats.hpp>
 
+#include "common/non_regular_files.hpp"
+
 namespace {
 
 using Bytes = std::vector<std::uint8_t>;
@@ -436,3 +438,14 @@ TEST_CASE("stats: .pt writer round trip is bitwise and the real files survive it
 }
 
 }  // TEST_SUITE
+
+TEST_CASE("stats loaders refuse a directory or a FIFO by type before reading") {
+  // tellg() on a directory is LLONG_MAX (the loader asked for ~9.2 EB: std::bad_alloc) and opening
+  // a FIFO blocks until a writer appears; both must be a format_error naming the path.
+  const triattn::test::NonRegularPaths p;
+  for (const auto& [path, why] : {std::pair{p.dir, "directory"}, std::pair{p.fifo, "FIFO"}}) {
+    triattn::test::check_refused([](const std::string& f) { (void)triattn::load_pt_stats(f); }, path, why);
+    triattn::test::check_refused([](const std::string& f) { (void)triattn::load_safetensors_stats(f); }, path, why);
+    triattn::test::check_refused([](const std::string& f) { (void)triattn::detail::read_file_bytes(f); }, path, why);
+  }
+}
