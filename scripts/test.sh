@@ -6,7 +6,8 @@
 #   3. AddressSanitizer + UBSan build of the core tests, run
 #   4. install to a staging prefix; build and run the two downstream consumers
 #   5. fuzz each loader for a bounded time (when clang's libFuzzer runtime is available)
-#   6. last: ctest on the full build, everything but the `gpu` label (its summary ends the log)
+#   6. mutation check: deliberate bugs, each must fail a named test (docs/testing.md)
+#   7. last: ctest on the full build, everything but the `gpu` label (its summary ends the log)
 # GPU tests (`ctest -L gpu`) and GPU benchmarks run on a GPU machine: benchmarks/run_gpu.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -76,5 +77,8 @@ if [ -f fuzz/run_fuzzers.sh ] && command -v clang++-14 >/dev/null 2>&1; then
   bash fuzz/run_fuzzers.sh "$B/fuzz" "$FUZZ_SECONDS"
 fi
 
-step "6. all host tests of the full build (ctest -LE gpu)"
+step "6. mutation check"
+JOBS=$JOBS bash scripts/mutation_check.sh "$B/mutation"
+
+step "7. all host tests of the full build (ctest -LE gpu)"
 ctest --test-dir "$B/full" -LE gpu -j "$JOBS" --output-on-failure
