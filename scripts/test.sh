@@ -7,9 +7,10 @@
 #   4. install to staging prefixes; build and run the downstream consumers (the README's CMake
 #      block against the CPU-only and the full install, and an add_subdirectory consumer)
 #   5. fuzz each loader for a bounded time (when clang's libFuzzer runtime is available)
-#   6. last: ctest on the full build, everything but the `gpu` label (its summary ends the log)
+#   6. mutation check: deliberate bugs, each must fail a named test (docs/testing.md)
+#   7. last: ctest on the full build, everything but the `gpu` label (its summary ends the log)
 # Without a CUDA toolkit (no nvcc), or with TRIATTN_TEST_CUDA=0, the CUDA parts (step 2, the
-# CUDA consumer, step 6) are skipped and listed at the end; the rest must pass.
+# CUDA consumer, step 7) are skipped and listed at the end; the rest must pass.
 # TRIATTN_TEST_STEPS="1 4" runs only the listed steps (default: all).
 # GPU tests (`ctest -L gpu`) and GPU benchmarks run on a GPU machine: benchmarks/run_gpu.sh.
 set -euo pipefail
@@ -120,11 +121,16 @@ else
 fi
 
 if want 6; then
+  step "6. mutation check"
+  JOBS=$JOBS bash scripts/mutation_check.sh "$B/mutation"
+fi
+
+if want 7; then
   if [ "$HAVE_NVCC" = 1 ]; then
-    step "6. all host tests of the full build (ctest -LE gpu)"
+    step "7. all host tests of the full build (ctest -LE gpu)"
     ctest --test-dir "$B/full" -LE gpu -j "$JOBS" --output-on-failure
   else
-    skip "6. host tests of the full build (no nvcc; step 1 ran the CPU build's)"
+    skip "7. host tests of the full build (no nvcc; step 1 ran the CPU build's)"
   fi
 fi
 

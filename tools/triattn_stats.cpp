@@ -59,6 +59,7 @@ std::vector<std::string> parse(int argc, char** argv, triattn::StatsExpectation&
 }
 
 bool is_zip(const std::string& path) {
+  triattn::require_regular_file(path);  // before the sniffing open: a FIFO would block
   std::ifstream f(path, std::ios::binary);
   char magic[4] = {};
   f.read(magic, 4);

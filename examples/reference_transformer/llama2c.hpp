@@ -26,6 +26,7 @@
 
 #include <triattn/core/error.hpp>
 #include <triattn/core/rope_types.hpp>
+#include <triattn/core/stats/common.hpp>
 
 #include "model_config.hpp"
 
@@ -36,6 +37,7 @@ static_assert(std::endian::native == std::endian::little, "llama2.c files are li
 namespace detail {
 
 inline std::vector<std::byte> read_whole_file(const std::string& path, const char* what) {
+  triattn::require_regular_file(path, what);
   std::ifstream f(path, std::ios::binary);
   if (!f) throw triattn::format_error(std::string(what) + " " + path + ": cannot open the file");
   f.seekg(0, std::ios::end);

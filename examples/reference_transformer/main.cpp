@@ -19,7 +19,9 @@
 // shard of the weights, its own KvCache over its KV heads and its statistics slice; on the CPU
 // they all-reduce through triattn::tp::ThreadTeamCollective, on the GPU rank r runs on device r
 // and all-reduces through NCCL (tp_cuda.cuh).
+#include <charconv>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -32,6 +34,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include <triattn/core/kv_cache.hpp>
@@ -148,29 +151,38 @@ Options parse_args(int argc, char** argv) {
     if (i + 1 >= argc) throw std::runtime_error(std::string("option ") + argv[i] + " needs a value");
     return argv[++i];
   };
-  auto to_int = [](const std::string& flag, const std::string& v) {
-    std::size_t used = 0;
+  // Strict numbers: the whole value must parse (no empty string, sign-only, spaces or trailing
+  // text) and lie in the option's range; anything else is an error naming the option.
+  auto to_int = [](const std::string& flag, const std::string& v, long long lo, long long hi) {
     long long x = 0;
-    try {
-      x = std::stoll(v, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used != v.size() || x < -2147483647LL || x > 2147483647LL)
+    const char* end = v.data() + v.size();
+    const auto [ptr, ec] = std::from_chars(v.data(), end, x);
+    if (v.empty() || ec == std::errc::invalid_argument || ptr != end)
       throw std::runtime_error("option " + flag + ": '" + v + "' is not an integer");
+    if (ec == std::errc::result_out_of_range || x < lo || x > hi)
+      throw std::runtime_error("option " + flag + ": " + v + " is outside [" + std::to_string(lo) + ", " +
+                               std::to_string(hi) + "]");
     return static_cast<int>(x);
   };
-  auto to_float = [](const std::string& flag, const std::string& v) {
-    std::size_t used = 0;
-    float x = 0;
-    try {
-      x = std::stof(v, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used != v.size()) throw std::runtime_error("option " + flag + ": '" + v + "' is not a number");
+  auto to_u64 = [](const std::string& flag, const std::string& v) {
+    std::uint64_t x = 0;
+    const char* end = v.data() + v.size();
+    const auto [ptr, ec] = std::from_chars(v.data(), end, x);
+    if (v.empty() || ec == std::errc::invalid_argument || ptr != end)
+      throw std::runtime_error("option " + flag + ": '" + v + "' is not a non-negative integer");
+    if (ec == std::errc::result_out_of_range)
+      throw std::runtime_error("option " + flag + ": " + v + " is outside [0, 2^64 - 1]");
     return x;
   };
+  auto to_float = [](const std::string& flag, const std::string& v) {
+    float x = 0;
+    const char* end = v.data() + v.size();
+    const auto [ptr, ec] = std::from_chars(v.data(), end, x);
+    if (v.empty() || ec != std::errc{} || ptr != end || !std::isfinite(x))
+      throw std::runtime_error("option " + flag + ": '" + v + "' is not a finite number");
+    return x;
+  };
+  constexpr long long kIntMax = 2147483647LL;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--help" || a == "-h") {
@@ -179,15 +191,15 @@ Options parse_args(int argc, char** argv) {
     } else if (a == "--model") o.model_path = need(i);
     else if (a == "--tokenizer") o.tokenizer_path = need(i);
     else if (a == "--synthetic") o.synthetic = need(i);
-    else if (a == "--synthetic-layers") o.synthetic_layers = to_int(a, need(i));
-    else if (a == "--synthetic-vocab") o.synthetic_vocab = to_int(a, need(i));
+    else if (a == "--synthetic-layers") o.synthetic_layers = to_int(a, need(i), 1, ex::Llama2cLimits::kMaxLayers);
+    else if (a == "--synthetic-vocab") o.synthetic_vocab = to_int(a, need(i), 1, ex::Llama2cLimits::kMaxVocab);
     else if (a == "--prompt") o.prompts.push_back(need(i));
-    else if (a == "--steps") o.steps = to_int(a, need(i));
+    else if (a == "--steps") o.steps = to_int(a, need(i), 0, kIntMax);
     else if (a == "--temperature") o.temperature = to_float(a, need(i));
     else if (a == "--top-p") o.top_p = to_float(a, need(i));
-    else if (a == "--seed") o.seed = static_cast<std::uint64_t>(to_int(a, need(i)));
-    else if (a == "--budget") o.budget = to_int(a, need(i));
-    else if (a == "--divide-length") o.divide_length = to_int(a, need(i));
+    else if (a == "--seed") o.seed = to_u64(a, need(i));
+    else if (a == "--budget") o.budget = to_int(a, need(i), 1, kIntMax);
+    else if (a == "--divide-length") o.divide_length = to_int(a, need(i), 1, kIntMax);
     else if (a == "--stats") o.stats_path = need(i);
     else if (a == "--calibrate") o.calibrate_out = need(i);
     else if (a == "--no-compress") o.no_compress = true;
@@ -204,8 +216,8 @@ Options parse_args(int argc, char** argv) {
       else if (v == "bf16") o.kv_dtype = triattn::DType::kBF16;
       else if (v == "f16") o.kv_dtype = triattn::DType::kF16;
       else throw std::runtime_error("--kv-dtype: '" + v + "' is not f32, bf16 or f16");
-    } else if (a == "--block-size") o.block_size = to_int(a, need(i));
-    else if (a == "--report-every") o.report_every = to_int(a, need(i));
+    } else if (a == "--block-size") o.block_size = to_int(a, need(i), 1, 1 << 16);
+    else if (a == "--report-every") o.report_every = to_int(a, need(i), 0, kIntMax);
     else if (a == "--quiet") o.quiet = true;
     else if (a == "--device") {
       o.device = need(i);
@@ -216,7 +228,7 @@ Options parse_args(int argc, char** argv) {
       else if (v == "bf16") o.weights_bf16 = true;
       else throw std::runtime_error("--weight-dtype: '" + v + "' is not f32 or bf16");
     } else if (a == "--no-graphs") o.no_graphs = true;
-    else if (a == "--tp") o.tp = to_int(a, need(i));
+    else if (a == "--tp") o.tp = to_int(a, need(i), 1, 1024);
     else throw std::runtime_error("unknown option '" + a + "' (--help lists them)");
   }
   if (o.steps < 0) throw std::runtime_error("--steps must be >= 0");
@@ -460,6 +472,7 @@ triattn::QueryStats load_stats(const std::string& path, const ex::ModelConfig& m
   expect.num_q_heads = mc.n_heads;
   expect.head_dim = mc.head_dim;
   expect.rope_style = mc.rope_style;
+  triattn::require_regular_file(path, "--stats");  // before the sniffing open: a FIFO would block
   std::ifstream f(path, std::ios::binary);
   char magic[2] = {0, 0};
   f.read(magic, 2);

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include <triattn/core/error.hpp>
+#include <triattn/core/stats/common.hpp>
 #include <triattn/core/stats/json.hpp>
 
 namespace triattn_example::json {
@@ -180,6 +181,7 @@ class Parser {
 inline Value parse(std::string_view text, const std::string& where = "json") { return Parser(text, where).parse(); }
 
 inline Value parse_file(const std::string& path) {
+  triattn::require_regular_file(path);
   std::ifstream f(path, std::ios::binary);
   if (!f) throw triattn::format_error(path + ": cannot open the file");
   std::stringstream ss;

@@ -278,7 +278,7 @@ TEST_CASE("sinks and recent window are kept and do not compete") {
     CHECK(row_of(ref::select_keep(s, 1, 1, 1, 12, 0, sp), 0, 0) == Idx{0, 1, 2, 4, 9, 10, 11});
   }
   // Sinks inside a pinned prompt add nothing; a window overlapping the prompt is not double counted.
-  SelectionParams o = raw(4);
+  SelectionParams o = raw(7);  // n_sink + window <= budget (validate)
   o.n_sink = 2;
   o.window = 5;
   const ref::KeepCounts k2 = ref::keep_counts(8, 4, o);  // prompt [0, 4), window [3, 8)

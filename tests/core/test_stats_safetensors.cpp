@@ -187,6 +187,38 @@ TEST_CASE("stats: TP slices keep first_q_head through safetensors") {
   CHECK(back.first_q_head == 24);
 }
 
+TEST_CASE("stats: every truncation and every byte flip of a small real safetensors file is rejected") {
+  // One query head of ds_llama8b's statistics (every layer): the real values and metadata in a file
+  // small enough to try every position in CI time. Every proper prefix; three masks at every
+  // header byte, one at every tensor byte.
+  const Bytes pristine =
+      triattn::serialize_safetensors_stats(triattn::slice_query_heads(triattn::load_pt_stats(calib_path("ds_llama8b.pt")), 0, 1));
+  const std::string name = "ds_llama8b_head0.safetensors";
+  REQUIRE(load_error(pristine, name).empty());
+  int tried = 0, accepted = 0;
+  std::string first;
+  const auto expect_rejected = [&](const Bytes& bad, const std::string& what) {
+    ++tried;
+    const std::string msg = load_error(bad, name);
+    if (msg.rfind(name, 0) == 0) return;
+    if (accepted++ == 0) first = what + ": " + (msg.empty() ? std::string("loaded") : msg);
+  };
+  for (std::size_t keep = 0; keep < pristine.size(); ++keep)
+    expect_rejected(Bytes(pristine.begin(), pristine.begin() + static_cast<std::ptrdiff_t>(keep)),
+                    "truncated to " + std::to_string(keep));
+  const std::size_t header_end = 8 + static_cast<std::size_t>(triattn::detail::load_le64(pristine.data()));
+  for (std::size_t pos = 0; pos < pristine.size(); ++pos)
+    for (const std::uint8_t mask : {std::uint8_t{0x01}, std::uint8_t{0x80}, std::uint8_t{0xff}}) {
+      if (pos >= header_end && mask != 0x01) break;  // tensor bytes: one flip each (the CRC-32 sees any)
+      Bytes bad = pristine;
+      bad[pos] ^= mask;
+      expect_rejected(bad, "byte " + std::to_string(pos) + " xor " + std::to_string(mask));
+    }
+  MESSAGE(name << ": " << pristine.size() << " bytes, " << tried << " corruptions tried");
+  INFO("first accepted corruption: " << first);
+  CHECK(accepted == 0);
+}
+
 TEST_CASE("stats: 200 corruptions of qwen3_8b statistics in safetensors are all rejected") {
   corruption_campaign("qwen3_8b.pt");
 }

@@ -6,6 +6,7 @@
 // device must be empty.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -342,3 +343,59 @@ TEST_CASE("vmm faults: latency injection accumulates on the virtual clock") {
 }
 
 }  // TEST_SUITE
+
+TEST_CASE("vmm faults: every call position of every call kind and of any call - one-shot and sticky") {
+  // The clean workload's call count of each kind (and of all kinds) bounds the sweep: n runs over
+  // every position, so each call the workload makes fails once in some run, one-shot and from
+  // then on (sticky). Faults are cleared before the allocator is destroyed (a driver that refuses
+  // every cleanup for good must leak; the destructor's own failures are the next test's subject).
+  std::vector<std::pair<DriverCall, std::uint64_t>> sweeps;
+  std::uint64_t any = 0;
+  for (int c = 0; c < triattn::vmm::kNumDriverCalls; ++c) {
+    std::uint64_t n = 0;
+    (void)run_once([](FakeDriver&) {}, &n, static_cast<DriverCall>(c));
+    if (n != 0) sweeps.emplace_back(static_cast<DriverCall>(c), n);
+    any += n;
+  }
+  sweeps.emplace_back(DriverCall::kCount, any);  // kCount: the n-th call of any kind
+  int runs = 0, hits = 0;
+  for (const auto& [kind, total] : sweeps) {
+    const std::string name = kind == DriverCall::kCount ? "any call" : triattn::vmm::driver_call_name(kind);
+    for (const bool sticky : {false, true}) {
+      for (std::uint64_t n = 1; n <= total; ++n) {
+        const int code = (n % 2 == 0) ? kStatusOutOfMemory : kUnknownError;
+        const RunOutcome r = run_once([&](FakeDriver& d) { d.fail_nth(kind, n, code, sticky); });
+        ++runs;
+        hits += r.fault_hits > 0 ? 1 : 0;
+        // A driver refusing every call from some point on also refuses the rollback of the failed
+        // allocation: the page is kept as stuck (retried by later trims), reported through the
+        // error hook, so that allocation leaves the stuck page behind. Only then is a changed
+        // state allowed; leaks, driver misuse, untyped exceptions and ledger/device mismatches
+        // never are.
+        std::vector<std::string> problems;
+        const bool rollback_failed =
+            std::any_of(r.problems.begin(), r.problems.end(), [](const std::string& p) {
+              return p.rfind("error hook: ", 0) == 0 && p.find("rolling back a failed allocation") != std::string::npos;
+            });
+        for (const auto& p : r.problems) {
+          const bool hook = p.rfind("error hook: ", 0) == 0;
+          const bool changed = p.find(": state changed by a failed call") != std::string::npos;
+          if (kind == DriverCall::kCount && sticky && rollback_failed && (hook || changed)) continue;
+          problems.push_back(p);
+        }
+        if (!problems.empty()) {
+          const std::string what = "fail the " + std::to_string(n) + "-th " + name +
+                                   (sticky ? " and every later one" : "") + " with code " + std::to_string(code);
+          for (const auto& p : problems) FAIL_CHECK(what << ": " << p);
+        }
+        if (!sticky && r.fault_hits > 1) {
+          INFO("one-shot fault of the " << n << "-th " << name);
+          CHECK(r.fault_hits == 1);
+        }
+      }
+    }
+  }
+  MESSAGE((sweeps.size() - 1) << " call kinds, " << any << " calls in the clean workload, " << runs << " fault runs, "
+                            << hits << " with the fault hit");
+  CHECK(hits >= runs * 9 / 10);
+}

@@ -115,19 +115,21 @@ Result run(const Params& p, std::uint64_t seed) {
 
 TEST_SUITE("vmm") {
 
-TEST_CASE("vmm workload: with compression resident bytes track live KV within a few slabs") {
+TEST_CASE("vmm workload: with compression resident bytes track live KV within one slab") {
   Params p;
   const Result r = run(p, 1);
   const std::size_t slab = 2 * 4 * kPage;  // one page in each of 8 ranges
   const double mean_ratio = r.sum_ratio / r.samples;
   MESSAGE("peak resident " << r.peak_resident << " B, peak in used blocks " << r.peak_in_used << " B, peak live "
                            << r.peak_live << " B, mean resident/used " << mean_ratio << ", worst gap "
-                           << r.worst_gap / slab << " slabs, " << r.compressions << " compressions");
+                           << static_cast<double>(r.worst_gap) / static_cast<double>(slab) << " slabs, " << r.compressions << " compressions");
   CHECK(r.failures == 0);
   CHECK(r.compressions > p.seqs * 100);
   // 16 sequences at <= 288 tokens = 18 blocks each: 288 blocks = 4.5 slabs live at most.
-  CHECK(r.peak_resident <= r.peak_in_used + 2 * slab);
-  CHECK(r.worst_gap <= 2 * slab);
+  // docs/memory.md: resident stays within one slab of the bytes in used blocks (measured: worst
+  // gap exactly 1 slab after a trim, peak gap 0.58 slab).
+  CHECK(r.peak_resident <= r.peak_in_used + slab);
+  CHECK(r.worst_gap <= slab);
   CHECK(mean_ratio < 1.35);
 }
 

@@ -214,8 +214,8 @@ TEST_CASE("the device round's keep counts (DeviceSelectParams) equal ref::keep_c
   for (int i = 0; i < 200000; ++i) {
     SelectionParams p;
     p.budget = 1 + u(rng);
-    p.n_sink = u(rng) % 40;
-    p.window = u(rng) % 200;
+    p.n_sink = u(rng) % (std::min(39, p.budget) + 1);                // n_sink + window <= budget
+    p.window = u(rng) % (std::min(199, p.budget - p.n_sink) + 1);  // (SelectionParams::validate)
     p.prompt = static_cast<PromptMode>(u(rng) % 3);
     const int T = u(rng), prompt = T ? u(rng) % (T + 1) : 0;
     const ref::KeepCounts r = ref::keep_counts(T, prompt, p);

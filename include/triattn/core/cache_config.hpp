@@ -60,6 +60,9 @@ struct CacheConfig {
   /// Bytes one block id owns across all layers, K and V.
   [[nodiscard]] std::int64_t block_bytes_all_ranges() const noexcept { return 2LL * model.num_layers * block_bytes(); }
 
+  /// Bytes of the whole pool: num_blocks block ids across all layers, K and V.
+  [[nodiscard]] std::int64_t pool_bytes() const noexcept { return block_bytes_all_ranges() * num_blocks; }
+
   void validate() const {
     model.validate();
     TRIATTN_EXPECTS(block_size > 0, "block_size = " + std::to_string(block_size) + " must be positive");
@@ -96,5 +99,15 @@ struct CacheConfig {
                               " bytes overflows 64-bit byte counts");
   }
 };
+
+/// "CacheConfig{num_layers 36, num_kv_heads 8, head_dim 128, block_size 16, num_blocks 4096,
+/// max_seqs 8, dtype bf16} (N bytes)": names a configuration in error messages.
+[[nodiscard]] inline std::string describe(const CacheConfig& c) {
+  return "CacheConfig{num_layers " + std::to_string(c.model.num_layers) + ", num_kv_heads " +
+         std::to_string(c.model.num_kv_heads) + ", head_dim " + std::to_string(c.model.head_dim) + ", block_size " +
+         std::to_string(c.block_size) + ", num_blocks " + std::to_string(c.num_blocks) + ", max_seqs " +
+         std::to_string(c.max_seqs) + ", dtype " + dtype_name(c.dtype) + "} (" + std::to_string(c.pool_bytes()) +
+         " bytes)";
+}
 
 }  // namespace triattn

@@ -33,6 +33,13 @@ class format_error : public error {
   using error::error;
 };
 
+/// Host memory for a valid request could not be had (the configuration is larger than the
+/// machine's memory, or the allocation failed). The message names the bytes and the request.
+class out_of_memory : public error {
+ public:
+  using error::error;
+};
+
 namespace detail {
 [[noreturn]] inline void throw_logic(const char* file, int line, const std::string& what) {
   throw logic_error(std::string("triattn: ") + what + " [" + file + ":" + std::to_string(line) + "]");

@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <new>
 #include <optional>
 #include <span>
 #include <string>
@@ -128,9 +129,10 @@ class KvCache {
 
   /// Builds the cache. Policy objects may be passed in any order (e.g. a configured scorer);
   /// roles not passed are constructed from `cfg` when they can be, else default-constructed.
-  /// @throws logic_error when cfg is invalid (the message names the value).
+  /// @throws logic_error when cfg is invalid (the message names the value), out_of_memory
+  /// naming cfg when the host cannot hold its pool or tables.
   template <class... Given>
-  explicit KvCache(const CacheConfig& cfg, Given&&... given)
+  explicit KvCache(const CacheConfig& cfg, Given&&... given) try
       : config_(validated(cfg)),
         allocator_(make_policy<allocator_type>(config_, std::forward<Given>(given)...)),
         compactor_(make_policy<compactor_type>(config_, std::forward<Given>(given)...)),
@@ -146,6 +148,8 @@ class KvCache {
                   "KvCache(cfg, policies...): an argument is not one of this cache's policy types");
     free_seq_slots_.reserve(seqs_.size());
     for (int s = config_.max_seqs - 1; s >= 0; --s) free_seq_slots_.push_back(s);
+  } catch (const std::bad_alloc&) {
+    throw out_of_memory("KvCache: cannot allocate the tables of " + describe(cfg));
   }
 
   KvCache(const KvCache&) = delete;
@@ -158,6 +162,7 @@ class KvCache {
 
   /// Opens a sequence slot. @throws logic_error when all max_seqs slots are in use.
   [[nodiscard]] SeqId add_sequence() {
+    check_live("add_sequence");
     TRIATTN_EXPECTS(!free_seq_slots_.empty(),
                     "add_sequence: all max_seqs = " + std::to_string(config_.max_seqs) + " sequence slots are in use");
     const SeqId s = free_seq_slots_.back();
@@ -418,11 +423,14 @@ class KvCache {
   /// Never more than physical_length (compaction that moves prompt slots shortens it).
   [[nodiscard]] int prompt_length(SeqId seq) const { return state(seq, "prompt_length").prompt_len; }
   [[nodiscard]] bool is_active(SeqId seq) const noexcept {
-    return seq >= 0 && seq < config_.max_seqs && seqs_[idx(seq)].active;
+    return live_.live && seq >= 0 && seq < config_.max_seqs && seqs_[idx(seq)].active;
   }
-  [[nodiscard]] int num_active() const noexcept { return config_.max_seqs - static_cast<int>(free_seq_slots_.size()); }
+  [[nodiscard]] int num_active() const noexcept {
+    return live_.live ? config_.max_seqs - static_cast<int>(free_seq_slots_.size()) : 0;
+  }
 
   [[nodiscard]] MemoryStats memory() const {
+    check_live("memory");
     MemoryStats m;
     m.blocks_total = allocator_.capacity();
     m.blocks_free = allocator_.num_free();
@@ -443,6 +451,7 @@ class KvCache {
   /// allocators, after their publish step; the host arrays otherwise).
   template <class T>
   [[nodiscard]] KvCacheView<T, index_type> view() const {
+    check_live("view");
     check_dtype<T>("view");
     const index_type* tables = tables_.data();
     const index_type* lens = lens_.data();
@@ -509,10 +518,26 @@ class KvCache {
                                                      " but the cache stores " + dtype_name(config_.dtype));
   }
 
+  // Cleared in the source of a move, whose members are then empty: every call on a moved-from
+  // cache throws instead of reading them (assigning a cache to it makes it usable again).
+  struct LiveFlag {
+    bool live = true;
+    LiveFlag() = default;
+    LiveFlag(LiveFlag&& o) noexcept : live(std::exchange(o.live, false)) {}
+    LiveFlag& operator=(LiveFlag&& o) noexcept {
+      live = std::exchange(o.live, false);
+      return *this;
+    }
+  };
+  void check_live(const char* op) const {
+    TRIATTN_EXPECTS(live_.live, std::string(op) + ": this is a moved-from KvCache (it holds nothing; assign a cache to it)");
+  }
+
   SeqState& state(SeqId seq, const char* op) {
     return const_cast<SeqState&>(static_cast<const KvCache*>(this)->state(seq, op));
   }
   const SeqState& state(SeqId seq, const char* op) const {
+    check_live(op);
     TRIATTN_EXPECTS(seq >= 0 && seq < config_.max_seqs,
                     std::string(op) + ": sequence " + std::to_string(seq) + " is not a sequence id of this cache");
     const SeqState& s = seqs_[idx(seq)];
@@ -709,6 +734,7 @@ class KvCache {
   std::vector<index_type> tables_;      // [max_seqs, max_blocks_per_seq], -1 padded
   std::vector<index_type> lens_;        // [max_seqs] physical lengths
   std::vector<SeqId> free_seq_slots_;   // stack of unused sequence slots
+  LiveFlag live_;
   std::vector<float> scores_;           // [L, Hq, len] scratch of compress()
 };
 

@@ -114,6 +114,12 @@ struct SelectionParams {
                     "SelectionParams::prompt has invalid value " + std::to_string(static_cast<int>(prompt)));
     TRIATTN_EXPECTS(nonfinite == NonFinitePolicy::kRefuse || nonfinite == NonFinitePolicy::kEvictFirst,
                     "SelectionParams::nonfinite has invalid value " + std::to_string(static_cast<int>(nonfinite)));
+    // Sinks and window are never evicted: more of them than the budget would keep more than the
+    // budget after every round, and every step would fire a round.
+    TRIATTN_EXPECTS(static_cast<long long>(n_sink) + window <= budget,
+                    "SelectionParams: n_sink (" + std::to_string(n_sink) + ") + window (" + std::to_string(window) +
+                        ") = " + std::to_string(static_cast<long long>(n_sink) + window) + " exceeds budget = " +
+                        std::to_string(budget) + " (protected tokens alone would exceed the budget)");
     // B + divide_length is compared against int lengths; keep it representable.
     TRIATTN_EXPECTS(static_cast<long long>(budget) + divide_length <= 0x7fffffffLL,
                     "SelectionParams: budget + divide_length = " +

@@ -6,11 +6,14 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <new>
 #include <span>
+#include <string>
 
 #include <triattn/core/block_pool.hpp>
 #include <triattn/core/cache_config.hpp>
 #include <triattn/core/concepts.hpp>
+#include <triattn/core/error.hpp>
 
 namespace triattn {
 
@@ -21,10 +24,17 @@ class StaticAllocator {
   using backend_type = Backend;
   static constexpr MemorySpace memory_space = Backend::memory_space;
 
-  explicit StaticAllocator(const CacheConfig& cfg)
+  /// @throws triattn::out_of_memory naming `cfg` when the host cannot hold the pool (a device
+  /// backend's failure is its own typed error).
+  explicit StaticAllocator(const CacheConfig& cfg) try
       : pool_(cfg.num_blocks),
         range_stride_bytes_(cfg.block_bytes() * cfg.num_blocks),
-        backend_(static_cast<std::size_t>(range_stride_bytes_) * 2u * static_cast<std::size_t>(cfg.model.num_layers)) {}
+        backend_(static_cast<std::size_t>(range_stride_bytes_) * 2u * static_cast<std::size_t>(cfg.model.num_layers)) {
+  } catch (const out_of_memory& e) {
+    throw out_of_memory(std::string(e.what()) + "; the pool of " + describe(cfg));
+  } catch (const std::bad_alloc&) {
+    throw out_of_memory("StaticAllocator: cannot allocate the pool of " + describe(cfg));
+  }
 
   [[nodiscard]] bool allocate(std::span<std::int32_t> out) { return pool_.allocate(out); }
   void retain(std::int32_t b) { pool_.retain(b); }

@@ -11,6 +11,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <optional>
 #include <span>
@@ -44,6 +46,29 @@ struct StatsExpectation {
   if (name == "half") return RopeStyle::kHalf;
   if (name == "interleaved") return RopeStyle::kInterleaved;
   return std::nullopt;
+}
+
+/// Throws triattn::format_error naming `path` (prefixed by `what`, e.g. "llama2.c checkpoint")
+/// unless it names an existing regular file (symlinks followed). Every file loader calls it before
+/// opening: a directory reports a nonsense size (tellg() = LLONG_MAX) and opening a FIFO blocks
+/// until a writer appears, so such paths are refused by type, before any read.
+inline void require_regular_file(const std::string& path, std::string_view what = {}) {
+  const std::string name = what.empty() ? path : std::string(what) + " " + path;
+  std::error_code ec;
+  const std::filesystem::file_status st = std::filesystem::status(path, ec);
+  if (st.type() == std::filesystem::file_type::not_found) throw format_error(name + ": no such file");
+  if (ec) throw format_error(name + ": cannot examine the file (" + ec.message() + ")");
+  const char* kind = nullptr;
+  switch (st.type()) {
+    case std::filesystem::file_type::regular: return;
+    case std::filesystem::file_type::directory: kind = "a directory"; break;
+    case std::filesystem::file_type::fifo: kind = "a FIFO (named pipe)"; break;
+    case std::filesystem::file_type::socket: kind = "a socket"; break;
+    case std::filesystem::file_type::block: kind = "a block device"; break;
+    case std::filesystem::file_type::character: kind = "a character device"; break;
+    default: throw format_error(name + ": is not a regular file");
+  }
+  throw format_error(name + ": is " + std::string(kind) + ", not a regular file");
 }
 
 namespace detail {
@@ -133,8 +158,10 @@ inline void append_bytes(std::vector<std::uint8_t>& out, std::string_view s) { o
   return offset <= limit && length <= limit - offset;
 }
 
-/// Whole file into memory; a missing or unreadable file is a format_error naming the path.
+/// Whole file into memory; a missing, unreadable or non-regular file is a format_error naming
+/// the path.
 [[nodiscard]] inline std::vector<std::uint8_t> read_file_bytes(const std::string& path) {
+  require_regular_file(path);
   std::ifstream in(path, std::ios::binary);
   if (!in) throw format_error(path + ": cannot open file for reading");
   in.seekg(0, std::ios::end);
