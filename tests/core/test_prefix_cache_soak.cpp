@@ -443,6 +443,11 @@ class Soak {
       else if (r < 90) op_compress(seqs_[static_cast<std::size_t>(rand(0, static_cast<int>(seqs_.size()) - 1))]);
       else op_release(static_cast<std::size_t>(rand(0, static_cast<int>(seqs_.size()) - 1)));
       if constexpr (!kStatic) {
+        if (chance(5)) {  // give idle blocks back explicitly, so that slabs empty and growth (with faults) recurs
+          const std::uint64_t ev = share_.allocator().prefix_stats().evicted_blocks;
+          (void)share_.allocator().evict_idle(static_cast<std::size_t>(rand(0, 16)));
+          sync_evictions(ev, std::nullopt);
+        }
         if (chance(10)) (void)share_.allocator().trim();
         if (chance(1)) (void)share_.allocator().set_memory_limit(static_cast<std::size_t>(rand(1, 4)) * slab_bytes_);
       }
@@ -461,6 +466,14 @@ class Soak {
                 static_cast<unsigned long long>(evictions_), static_cast<unsigned long long>(cows_),
                 static_cast<unsigned long long>(rounds_), static_cast<unsigned long long>(refused_),
                 static_cast<unsigned long long>(faults_));
+    if constexpr (!kStatic) {
+      const auto c = share_.allocator().stats().counters;
+      std::printf("[prefix soak] %s: slabs mapped %llu, unmapped %llu, rollbacks %llu, limit refusals %llu\n", name,
+                  static_cast<unsigned long long>(c.slabs_mapped), static_cast<unsigned long long>(c.slabs_unmapped),
+                  static_cast<unsigned long long>(c.rollbacks), static_cast<unsigned long long>(c.fail_memory_limit));
+      CHECK(faults_ > 0);
+      CHECK(c.rollbacks > 0);
+    }
     CHECK(hits_ > 0);
     CHECK(evictions_ > 0);
     CHECK(cows_ > 0);
