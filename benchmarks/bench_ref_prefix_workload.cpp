@@ -92,7 +92,7 @@ void BM_PrefixWorkload(benchmark::State& state) {
     std::int64_t prefill = 0, hit = 0, rounds = 0;
     auto sample = [&] {
       peak_resident = std::max(peak_resident, mem.bytes_resident());
-      peak_used = std::max(peak_used, mem.capacity() - mem.inner_type::num_free());
+      peak_used = std::max(peak_used, mem.blocks_held());
     };
     std::vector<SeqId> seqs;
     for (int r = 0; r < kRequests; ++r) {  // request 0 first; the others find its prompt cached

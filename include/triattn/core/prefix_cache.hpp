@@ -134,6 +134,8 @@ class PrefixCachingAllocator : public Inner {
     }
     return freed;
   }
+  /// Blocks in use or cached (what the inner allocator holds): capacity() - Inner::num_free().
+  [[nodiscard]] std::size_t blocks_held() const noexcept { return Inner::capacity() - Inner::num_free(); }
   /// Free blocks plus idle cached blocks: what allocate() can hand out. Every idle block can be
   /// evicted: a sequence that uses a cached block uses all of its ancestors too.
   [[nodiscard]] std::size_t num_free() const noexcept { return Inner::num_free() + idle_count_; }
