@@ -41,6 +41,7 @@
 #include <triattn/core/concepts.hpp>
 #include <triattn/core/error.hpp>
 #include <triattn/core/hash.hpp>
+#include <triattn/core/kv_cache.hpp>
 
 namespace triattn {
 
