@@ -7,8 +7,9 @@
 // computes only the rest, and its prompt blocks are published for later requests. Released
 // requests' blocks stay cached until the pool needs them (evicted least recently used first).
 //
-//   reference_transformer --system-prompt "Once upon a time, there was a little girl" \
-//       --prompt "She liked" --prompt "One day" --prompt "The dog" --wave 1 --stats S --budget 64
+//   reference_transformer --system-prompt "Once upon a time, there was a little girl"
+//       --prompt " She liked" --prompt " One day" --prompt " The dog" --wave 1 --stats S --budget 64
+//   (one command line)
 //   ... --no-prefix-cache   (the same requests, every prompt token computed: same tokens)
 #pragma once
 
