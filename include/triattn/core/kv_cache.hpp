@@ -546,7 +546,9 @@ class KvCache {
   }
   // The selector's plan for `seq`, its shared prefix protected (selectors that take no protected
   // length leave it to apply_keep_plan's shared-block checks).
-  KeepPlan select_plan(std::span<const float> scores, SeqId seq, int len, int prompt_len) const {
+  KeepPlan select_plan(std::span<const float> scores, SeqId seq, int len, int prompt_len) const
+    requires(!std::is_same_v<selector_type, NoSelector>)
+  {
     if constexpr (requires { selector_.select(scores, config_.model, len, prompt_len, len); })
       return selector_.select(scores, config_.model, len, prompt_len, shared_prefix(seq));
     else
