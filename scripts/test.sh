@@ -19,7 +19,7 @@ ROOT=$PWD
 JOBS=${JOBS:-$(nproc)}
 B=${BUILD_ROOT:-$ROOT/build-ci}
 FUZZ_SECONDS=${FUZZ_SECONDS:-20}
-STEPS=" ${TRIATTN_TEST_STEPS:-1 2 3 4 5 6} "
+STEPS=" ${TRIATTN_TEST_STEPS:-1 2 3 4 5 6 7} "
 step() { printf '\n=== %s [%s] ===\n' "$*" "$(date +%T)"; }
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 skipped=()

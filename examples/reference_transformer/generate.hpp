@@ -53,6 +53,12 @@ struct GenerationCallbacks {
   std::function<std::vector<triattn::CompressionReport>(std::span<const triattn::SeqId> seqs)> after_step;
   /// After each decode step (1-based count), for progress output; `results` so far.
   std::function<void(int step, std::span<const SequenceResult> results)> on_step;
+  /// Opens the sequence of prompt `index` (default: cache.add_sequence()) and returns how many of
+  /// its leading tokens are already cached (a prefix-cache hit, serve_shared.hpp); the prefill
+  /// step computes the rest (at least one token).
+  std::function<int(int index, std::span<const int> prompt, triattn::SeqId& seq)> open;
+  /// After the prefill step, before the first round (e.g. publish the prompts to the prefix cache).
+  std::function<void(std::span<const SequenceResult> results)> after_prefill;
 };
 
 /// Runs prompts[i] with samplers[i] to completion. Opens one cache sequence per prompt.
@@ -68,10 +74,18 @@ std::vector<SequenceResult> generate(ModelT& model, Cache& cache, std::span<cons
   GenerationStats& st = stats != nullptr ? *stats : local;
   std::vector<SequenceResult> res(prompts.size());
   std::vector<bool> done(prompts.size(), false);
+  std::vector<int> cached(prompts.size(), 0);
   for (std::size_t i = 0; i < prompts.size(); ++i) {
     TRIATTN_EXPECTS(!prompts[i].empty(), "generate: prompt " + std::to_string(i) + " is empty (start it with BOS)");
     res[i].prompt = prompts[i];
-    res[i].seq = cache.add_sequence();
+    if (cb.open) {
+      cached[i] = cb.open(static_cast<int>(i), prompts[i], res[i].seq);
+      TRIATTN_EXPECTS(cached[i] >= 0 && cached[i] < static_cast<int>(prompts[i].size()),
+                      "generate: open() reported " + std::to_string(cached[i]) + " cached tokens of prompt " +
+                          std::to_string(i) + " (" + std::to_string(prompts[i].size()) + " tokens); at least one must be computed");
+    } else {
+      res[i].seq = cache.add_sequence();
+    }
   }
   if (prompts.empty()) return res;
 
@@ -104,12 +118,14 @@ std::vector<SequenceResult> generate(ModelT& model, Cache& cache, std::span<cons
   // Prefill: every prompt in one step.
   std::vector<Chunk> chunks;
   for (std::size_t i = 0; i < prompts.size(); ++i) {
-    chunks.push_back(Chunk{res[i].seq, prompts[i], triattn::Phase::kPrefill});
-    st.prefill_tokens += static_cast<std::int64_t>(prompts[i].size());
+    chunks.push_back(Chunk{res[i].seq, std::span<const int>(prompts[i]).subspan(static_cast<std::size_t>(cached[i])),
+                           triattn::Phase::kPrefill});
+    st.prefill_tokens += static_cast<std::int64_t>(prompts[i].size()) - cached[i];
   }
   auto t0 = clock::now();
   StepOutput out = model.step(cache, chunks, opt.max_new_tokens > 0 ? LogitsFor::kLastOfEachChunk : LogitsFor::kNone);
   st.prefill_seconds += std::chrono::duration<double>(clock::now() - t0).count();
+  if (cb.after_prefill) cb.after_prefill(std::span<const SequenceResult>(res));
   if (opt.max_new_tokens <= 0) return res;
   for (std::size_t i = 0; i < prompts.size(); ++i)
     accept(i, samplers[i].sample(out.row(static_cast<int>(i))), static_cast<std::int64_t>(prompts[i].size()) - 1,

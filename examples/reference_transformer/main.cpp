@@ -44,6 +44,7 @@
 #include <triattn/core/policy/tensor_parallel_selector.hpp>
 #include <triattn/core/policy/topk_selector.hpp>
 #include <triattn/core/policy/triattention_scorer.hpp>
+#include <triattn/core/prefix_cache.hpp>
 #include <triattn/core/stats/calibrator.hpp>
 #include <triattn/core/stats/pt_loader.hpp>
 #include <triattn/core/stats/safetensors.hpp>
@@ -59,6 +60,7 @@
 #include "llama2c.hpp"
 #include "model.hpp"
 #include "sampler.hpp"
+#include "serve_shared.hpp"
 #include "synthetic.hpp"
 #include "tensor_parallel.hpp"
 
@@ -141,7 +143,10 @@ void usage() {
       "  --weight-dtype T      gpu: f32 (default) | bf16 weight matrices\n"
       "  --no-graphs           gpu: launch every decode step kernel by kernel (no CUDA graphs)\n"
       "  --tp N                tensor parallelism over N ranks (threads; gpu: devices 0..N-1, NCCL);\n"
-      "                        N must divide the query heads, KV heads and MLP width (default 1)\n",
+      "                        N must divide the query heads, KV heads and MLP width (default 1)\n"
+      "  --system-prompt TEXT  serve the prompts as requests that start with TEXT, through the prefix\n"
+      "                        cache (cpu); --wave N requests arrive together (default 1);\n"
+      "                        --no-prefix-cache computes every prompt token (same tokens)\n",
       TRIATTN_SHARED_DATA_DIR);
 }
 
@@ -632,7 +637,46 @@ int run_gpu_tp(const Options& o, const ex::ModelWeights& weights, const TextCode
 }
 #endif
 
+/// --system-prompt: the requests served in waves with the prefix cache (serve_shared.hpp), CPU.
+int run_serve(const Options& o, const ex::ServeArgs& serve, const ex::ModelWeights& weights, const TextCodec& codec,
+              const std::vector<std::vector<int>>& prompts, const triattn::CacheConfig& cfg, bool compress) {
+  using Alloc = triattn::PrefixCachingAllocator<triattn::StaticAllocator<triattn::HostBackend>>;
+  ex::Model<ex::CpuBackend> model(weights);
+  std::vector<ex::Sampler> samplers;
+  for (std::size_t i = 0; i < prompts.size(); ++i) samplers.emplace_back(o.temperature, o.top_p, o.seed + i);
+  ex::GenerationOptions go;
+  go.max_new_tokens = o.steps;
+  go.stop_at_bos = codec.tok.has_value();
+  auto finish = [&](const ex::ServeReport& rep) {
+    if (!o.quiet)
+      for (std::size_t i = 0; i < rep.requests.size(); ++i) {
+        std::string text;
+        int p = prompts[i].back();
+        for (int t : rep.requests[i].generated) {
+          text += codec.piece(p, t);
+          p = t;
+        }
+        std::printf("--- request %zu ---\n%s\n", i, text.c_str());
+      }
+    ex::print_serve_report(rep, serve.prefix_cache);
+    return 0;
+  };
+  if (!compress) {
+    triattn::KvCache<Alloc, triattn::HostCompactor> cache(cfg);
+    return finish(ex::serve_shared(model, cache, std::span<const std::vector<int>>(prompts), std::span<ex::Sampler>(samplers),
+                                   go, serve.prefix_cache, serve.wave));
+  }
+  const triattn::QueryStats stats = load_stats(o.stats_path, weights.config);
+  triattn::KvCache<Alloc, triattn::HostCompactor, triattn::TriAttentionScorer, triattn::TopKSelector> cache(
+      cfg, triattn::TriAttentionScorer(stats, rope_config(weights.config), triattn::ScoringParams{}, weights.config.n_kv_heads),
+      triattn::TopKSelector(selection_params(o)));
+  return finish(ex::serve_shared(model, cache, std::span<const std::vector<int>>(prompts), std::span<ex::Sampler>(samplers),
+                                 go, serve.prefix_cache, serve.wave,
+                                 [&](std::span<const triattn::SeqId> live) { return cache.compress_if_needed(live); }));
+}
+
 int real_main(int argc, char** argv) {
+  const ex::ServeArgs serve = ex::take_serve_args(argc, argv);  // --system-prompt, --wave, --no-prefix-cache
   const Options o = parse_args(argc, argv);
   const std::string data_dir = TRIATTN_SHARED_DATA_DIR;
 
@@ -675,7 +719,7 @@ int real_main(int argc, char** argv) {
   codec.bos = weights.config.bos_id;
 
   std::vector<std::vector<int>> prompts;
-  for (const std::string& p : o.prompts) prompts.push_back(codec.encode(p));
+  for (const std::string& p : o.prompts) prompts.push_back(codec.encode(serve.system_prompt + p));
 
   const ex::ModelConfig& mc = weights.config;
   std::fprintf(stderr, "model %s: %zu parameters, %d layers, dim %d, %d q / %d kv heads, head_dim %d, %s RoPE\n",
@@ -696,6 +740,10 @@ int real_main(int argc, char** argv) {
   if (o.device == "gpu" && o.tp > 1) return run_gpu_tp(o, weights, codec, prompts, compress);
   if (o.device == "gpu") return run_gpu(o, weights, codec, prompts, cfg, compress, calibrator.get());
 #endif
+  if (serve.on) {
+    if (o.device != "cpu" || o.tp > 1 || calibrator) throw std::runtime_error("--system-prompt serves on the CPU with --tp 1, without --calibrate");
+    return run_serve(o, serve, weights, codec, prompts, cfg, compress);
+  }
   if (o.tp > 1) return run_cpu_tp(o, weights, codec, prompts, compress);
   ex::Model<ex::CpuBackend> model(weights);
   if (!compress) {

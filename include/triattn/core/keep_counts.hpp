@@ -12,7 +12,7 @@ namespace triattn {
 /// How a round splits a sequence of `length` slots (pure integer bookkeeping, no scores).
 struct KeepCounts {
   int length = 0;              ///< T, slots before the round
-  int num_protected = 0;       ///< pinned prompt ∪ sinks ∪ window
+  int num_protected = 0;       ///< pinned prompt ∪ sinks ∪ protected prefix ∪ window
   int selectable_begin = 0;    ///< selectable slots are [selectable_begin, selectable_end)
   int selectable_end = 0;
   int quota = 0;               ///< selectable slots kept (when not identity)
@@ -25,20 +25,24 @@ struct KeepCounts {
 };
 
 /// Splits `length` slots into protected and selectable ones and derives the kept count:
-///   begin = max(prompt_len if pinned else 0, min(n_sink, T)),  end = max(begin, T − window),
+///   begin = max(prompt_len if pinned else 0, min(n_sink, T), min(protected_prefix, T)),
+///   end = max(begin, T − window),
 ///   protected = begin + (T − end),  total = budget (+ prompt_len with kPinnedOnTop),
 ///   quota = max(0, total − protected),  keep = identity ? T : protected + quota.
 /// No validation: a negative length counts as 0 and prompt_len is clamped to [0, length].
 /// Params: SelectionParams, or a struct with its budget, n_sink, window and prompt (the device's).
 template <class Params = SelectionParams>
-TRIATTN_HOST_DEVICE constexpr KeepCounts keep_counts_unchecked(int length, int prompt_len, const Params& p) noexcept {
+TRIATTN_HOST_DEVICE constexpr KeepCounts keep_counts_unchecked(int length, int prompt_len, const Params& p,
+                                                                int protected_prefix = 0) noexcept {
   KeepCounts k;
   length = length > 0 ? length : 0;
   prompt_len = prompt_len < 0 ? 0 : (prompt_len > length ? length : prompt_len);
   k.length = length;
   const int pinned = p.prompt != PromptMode::kCompete ? prompt_len : 0;
   const int sinks = p.n_sink < length ? p.n_sink : length;
+  const int shared = protected_prefix < length ? (protected_prefix > 0 ? protected_prefix : 0) : length;
   k.selectable_begin = pinned > sinks ? pinned : sinks;
+  k.selectable_begin = shared > k.selectable_begin ? shared : k.selectable_begin;
   const long long tail = static_cast<long long>(length) - p.window;  // may be negative
   k.selectable_end = static_cast<int>(tail > k.selectable_begin ? tail : k.selectable_begin);
   k.num_protected = k.selectable_begin + (length - k.selectable_end);

@@ -186,16 +186,45 @@ class KvCache {
                         " no longer hold its first tokens in order (compaction moved slot " + std::to_string(p.in_place) +
                         "); fork at most " + std::to_string(p.in_place) + " tokens");
     const int prompt = std::min(p.prompt_len, tokens);
-    const SeqId child = add_sequence();
-    const int nb = tokens / config_.block_size;
-    for (int j = 0; j < nb; ++j) {
-      const index_type b = tables_[row(parent) + j];
-      allocator_.retain(b);
-      tables_[row(child) + j] = b;
-    }
-    seqs_[idx(child)] = SeqState{true, tokens, prompt, tokens > prompt, std::numeric_limits<int>::max(), {}};
-    lens_[idx(child)] = tokens;
-    return child;
+    const std::span<const index_type> blocks(tables_.data() + row(parent), static_cast<std::size_t>(tokens / config_.block_size));
+    return open_shared(blocks, tokens, prompt, tokens > prompt);
+  }
+
+  /// Opens a new sequence whose first `tokens` prompt tokens are already cached in `blocks`
+  /// (live blocks of this cache, ceil(tokens / block_size) of them, e.g. a prefix-cache hit; see
+  /// prefix_cache.hpp). The blocks are shared (retained), never rewritten: when `tokens` ends
+  /// inside the last block, the first extend() copies that block (copy-on-write) before anything
+  /// is written past the shared tokens, which needs a compactor with copy_block(); otherwise
+  /// `tokens` must be whole blocks. The sequence continues with prefill at position `tokens`.
+  /// @throws logic_error (nothing changed) on a wrong block count, a free or foreign block, a
+  /// row too short, a partial block without copy support, or no free sequence slot.
+  [[nodiscard]] SeqId add_sequence(std::span<const index_type> blocks, int tokens) {
+    const int bs = config_.block_size;
+    TRIATTN_EXPECTS(tokens >= 0 && static_cast<std::int64_t>(blocks.size()) == detail::ceil_div<std::int64_t>(tokens, bs),
+                    "add_sequence(blocks, tokens): " + std::to_string(blocks.size()) + " blocks for tokens = " +
+                        std::to_string(tokens) + " (need ceil(tokens / block_size = " + std::to_string(bs) + "))");
+    TRIATTN_EXPECTS(static_cast<int>(blocks.size()) <= config_.blocks_per_seq(),
+                    "add_sequence(blocks, tokens): " + std::to_string(blocks.size()) +
+                        " blocks exceed the block-table row of " + std::to_string(config_.blocks_per_seq()));
+    TRIATTN_EXPECTS(tokens % bs == 0 || copies_blocks,
+                    "add_sequence(blocks, tokens): tokens = " + std::to_string(tokens) +
+                        " ends inside a block, which needs copy-on-write, but the compactor has no copy_block(); "
+                        "share a multiple of block_size = " + std::to_string(bs) + " tokens");
+    for (const index_type b : blocks)
+      TRIATTN_EXPECTS(b >= 0 && static_cast<std::size_t>(b) < allocator_.capacity() && allocator_.ref_count(b) > 0,
+                      "add_sequence(blocks, tokens): block " + std::to_string(b) + " is not a live block of this cache");
+    return open_shared(blocks, tokens, tokens, false);
+  }
+
+  /// Leading tokens of `seq` that sit in blocks it shares (reference count > 1: another sequence
+  /// or the prefix cache holds them). Compression rounds protect them: they are never selected
+  /// away, moved or rewritten.
+  [[nodiscard]] int shared_prefix(SeqId seq) const {
+    (void)state(seq, "shared_prefix");
+    const int nb = num_blocks_of(seq);
+    int j = 0;
+    while (j < nb && allocator_.ref_count(tables_[row(seq) + static_cast<std::size_t>(j)]) > 1) ++j;
+    return std::min(lens_[idx(seq)], j * config_.block_size);
   }
 
   /// Largest `tokens` fork_prefix(seq, tokens) accepts: whole blocks whose slots still hold the
@@ -243,18 +272,24 @@ class KvCache {
     // int64: with block_size 1 an absurd n would overflow int before the capacity check.
     const std::int64_t need64 = detail::ceil_div<std::int64_t>(new_len, config_.block_size) - have;
     const int need = static_cast<int>(std::min<std::int64_t>(need64, std::numeric_limits<int>::max()));
-    AppendResult r{AppendStatus::kOk, len, need > 0 ? need : 0};
+    // The first write past a shared prefix that ends inside a block copies that block first.
+    const bool cow = n > 0 && len % config_.block_size != 0 &&
+                     allocator_.ref_count(tables_[row(seq) + static_cast<std::size_t>(have - 1)]) > 1;
+    TRIATTN_EXPECTS(!cow || copies_blocks, "extend: sequence " + std::to_string(seq) +
+                                               " would write into a shared block and the compactor cannot copy it");
+    AppendResult r{AppendStatus::kOk, len, (need > 0 ? need : 0) + (cow ? 1 : 0)};
     if (new_len > cap) {  // the block-table row is full: same typed outcome as an empty pool
       r.status = AppendStatus::kOutOfBlocks;
       return r;
     }
-    if (need > 0) {
-      std::span<index_type> fresh(tables_.data() + row(seq) + have, static_cast<std::size_t>(need));
-      if (!allocator_.allocate(fresh)) {
-        std::fill(fresh.begin(), fresh.end(), index_type{-1});
+    if (r.blocks_needed > 0) {
+      fresh_.resize(static_cast<std::size_t>(r.blocks_needed));  // may throw: nothing changed yet
+      if (!allocator_.allocate(std::span<index_type>(fresh_))) {
         r.status = AppendStatus::kOutOfBlocks;
         return r;
       }
+      if (cow) copy_on_write(seq, have - 1, fresh_.back());
+      std::copy_n(fresh_.begin(), need > 0 ? need : 0, tables_.begin() + static_cast<std::ptrdiff_t>(row(seq) + have));
     }
     if (!s.positions.empty() || (n > 0 && s.logical != len)) {  // slots no longer equal positions
       materialise_positions(s, len);
@@ -476,6 +511,11 @@ class KvCache {
   [[nodiscard]] scorer_type& scorer() noexcept { return scorer_; }
   [[nodiscard]] selector_type& selector() noexcept { return selector_; }
 
+  /// True when the compactor can copy blocks, i.e. sequences may share a block partly
+  /// (add_sequence(blocks, tokens) with tokens inside a block; extend() copies on write).
+  static constexpr bool copies_blocks =
+      requires(compactor_type& c, const KvCacheView<float, index_type>& v, index_type b) { c.copy_block(v, b, b); };
+
  private:
   struct SeqState {
     bool active = false;
@@ -688,8 +728,8 @@ class KvCache {
       const SeqState& st = seqs_[idx(q)];
       scores_.resize(static_cast<std::size_t>(g.num_layers) * g.num_q_heads * len);
       Planned p{q, RoundStatus::kCompressed, KeepPlan{}};
-      const auto select = [this](std::span<const float> sc, const ModelGeometry& gm, int n, int pl) {
-        return selector_.select(sc, gm, n, pl);
+      const auto select = [this, q](std::span<const float> sc, const ModelGeometry&, int n, int pl) {
+        return select_plan(sc, q, n, pl);  // the shared prefix protected
       };
       dispatch_dtype([&](auto tag) {
         using T = typename decltype(tag)::type;
@@ -715,6 +755,49 @@ class KvCache {
     return done;
   }
 
+  // The selector's plan for `seq`, its shared prefix protected (selectors that take no protected
+  // length leave it to apply_keep_plan's shared-block checks).
+  KeepPlan select_plan(std::span<const float> scores, SeqId seq, int len, int prompt_len) const
+    requires(!std::is_same_v<selector_type, NoSelector>)
+  {
+    if constexpr (requires { selector_.select(scores, config_.model, len, prompt_len, len); })
+      return selector_.select(scores, config_.model, len, prompt_len, shared_prefix(seq));
+    else
+      return selector_.select(scores, config_.model, len, prompt_len);
+  }
+
+  // Opens a sequence over `blocks` (retained) holding `tokens` tokens, `prompt` of them prompt.
+  SeqId open_shared(std::span<const index_type> blocks, int tokens, int prompt, bool decoded) {
+    const SeqId s = add_sequence();
+    for (std::size_t j = 0; j < blocks.size(); ++j) {
+      allocator_.retain(blocks[j]);
+      tables_[row(s) + j] = blocks[j];
+    }
+    seqs_[idx(s)] = SeqState{true, tokens, prompt, decoded, std::numeric_limits<int>::max(), {}};
+    lens_[idx(s)] = tokens;
+    return s;
+  }
+
+  // Replaces block j of `seq` (shared) by its copy in `fresh` and drops the reference to the old
+  // one. On a failed copy `fresh` goes back and the old block stays.
+  void copy_on_write(SeqId seq, int j, index_type fresh) {
+    index_type& slot = tables_[row(seq) + static_cast<std::size_t>(j)];
+    if constexpr (copies_blocks) {
+      try {
+        dispatch_dtype([&](auto tag) {
+          using T = typename decltype(tag)::type;
+          compactor_.copy_block(view<T>(), slot, fresh);
+        });
+      } catch (...) {
+        for (const index_type b : fresh_) allocator_.release(b);
+        throw;
+      }
+    }
+    const index_type old = slot;
+    slot = fresh;
+    allocator_.release(old);
+  }
+
   void shrink_to(SeqId seq, int keep) {
     const int before = num_blocks_of(seq);
     const int after = static_cast<int>(detail::ceil_div(keep, config_.block_size));
@@ -736,6 +819,7 @@ class KvCache {
   std::vector<SeqId> free_seq_slots_;   // stack of unused sequence slots
   LiveFlag live_;
   std::vector<float> scores_;           // [L, Hq, len] scratch of compress()
+  std::vector<index_type> fresh_;       // blocks allocated by one extend()
 };
 
 }  // namespace triattn

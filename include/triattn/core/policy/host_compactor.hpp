@@ -17,6 +17,12 @@ struct HostCompactor {
   void apply(const KvCacheView<T, Id>& view, int seq, const KeepPlan& plan) const {
     ref::compact(view, seq, plan);
   }
+
+  /// Copies block `src` to `dst` in every range (KvCache's copy-on-write of a shared block).
+  template <class T, class Id>
+  void copy_block(const KvCacheView<T, Id>& view, Id src, Id dst) const {
+    ref::copy_block(view, src, dst);
+  }
 };
 
 }  // namespace triattn

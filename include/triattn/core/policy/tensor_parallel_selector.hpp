@@ -57,8 +57,11 @@ class TensorParallelTopKSelector {
   /// Keep plan of this rank's KV heads from its raw scores.
   /// @param scores [L, Hq_local, length]
   /// @param g      the rank's cache geometry (local heads)
-  [[nodiscard]] KeepPlan select(std::span<const float> scores, const ModelGeometry& g, int length, int prompt_len) const {
-    return tp::select_keep(*comm_, scores, g, length, prompt_len, params_, geometry_ ? &*geometry_ : nullptr);
+  /// @param protected_prefix leading slots kept in place (a shared prefix; equal on every rank)
+  [[nodiscard]] KeepPlan select(std::span<const float> scores, const ModelGeometry& g, int length, int prompt_len,
+                                int protected_prefix = 0) const {
+    return tp::select_keep(*comm_, scores, g, length, prompt_len, params_, geometry_ ? &*geometry_ : nullptr,
+                           protected_prefix);
   }
 
  private:

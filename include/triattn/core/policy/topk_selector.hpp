@@ -32,11 +32,14 @@ class TopKSelector {
                                                is_decode_step, params_);
   }
 
-  /// Keep plan from raw scores [L, Hq, length].
-  [[nodiscard]] KeepPlan select(std::span<const float> scores, const ModelGeometry& g, int length, int prompt_len) const {
+  /// Keep plan from raw scores [L, Hq, length]; the first `protected_prefix` slots (a shared
+  /// prefix) are kept in place.
+  [[nodiscard]] KeepPlan select(std::span<const float> scores, const ModelGeometry& g, int length, int prompt_len,
+                                int protected_prefix = 0) const {
     TRIATTN_EXPECTS(scores.size() == static_cast<std::size_t>(g.num_layers) * g.num_q_heads * length,
                     "TopKSelector: scores hold " + std::to_string(scores.size()) + " values, expected L*Hq*length");
-    return ref::select_keep(scores.data(), g.num_layers, g.num_q_heads, g.num_kv_heads, length, prompt_len, params_);
+    return ref::select_keep(scores.data(), g.num_layers, g.num_q_heads, g.num_kv_heads, length, prompt_len, params_,
+                            protected_prefix);
   }
 
  private:

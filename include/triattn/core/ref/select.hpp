@@ -80,15 +80,21 @@ namespace ref {
 
 using triattn::KeepCounts;
 
-/// keep_counts_unchecked (core/keep_counts.hpp) after validating its inputs.
-/// @throws triattn::logic_error on invalid params or prompt_len outside [0, length].
-[[nodiscard]] inline KeepCounts keep_counts(int length, int prompt_len, const SelectionParams& p) {
+/// keep_counts_unchecked (core/keep_counts.hpp) after validating its inputs. `protected_prefix`
+/// is a sequence's shared prefix (KvCache::shared_prefix): kept in place like the pinned prompt,
+/// counted in the budget as any kept slot (on top of it only as part of the prompt under kPinnedOnTop).
+/// @throws triattn::logic_error on invalid params, prompt_len outside [0, length] or a negative
+/// protected_prefix.
+[[nodiscard]] inline KeepCounts keep_counts(int length, int prompt_len, const SelectionParams& p,
+                                            int protected_prefix = 0) {
   p.validate();
   TRIATTN_EXPECTS(length >= 0, "keep_counts: length must be >= 0, got " + std::to_string(length));
   TRIATTN_EXPECTS(prompt_len >= 0 && prompt_len <= length,
                   "keep_counts: prompt_len = " + std::to_string(prompt_len) + " must be in [0, length = " +
                       std::to_string(length) + "]");
-  return keep_counts_unchecked(length, prompt_len, p);
+  TRIATTN_EXPECTS(protected_prefix >= 0,
+                  "keep_counts: protected_prefix must be >= 0, got " + std::to_string(protected_prefix));
+  return keep_counts_unchecked(length, prompt_len, p, protected_prefix);
 }
 
 /// Z-normalises every row over the slot range [begin, end): x ← (x − mean) / max(std, 1e-6),
@@ -213,14 +219,14 @@ inline void write_all_rows(KeepPlan& plan, const KeepCounts& kc, const std::vect
 // select_keep's checks and bookkeeping before any score is combined: shapes, params, the
 // one-time prompt-over-budget warning, finite scores in the selectable range.
 inline KeepCounts prepare_selection(const float* scores, int L, int Hq, int Hkv, int T, int prompt_len,
-                                    const SelectionParams& params) {
+                                    const SelectionParams& params, int protected_prefix = 0) {
   TRIATTN_EXPECTS(L > 0 && Hq > 0 && Hkv > 0 && Hq % Hkv == 0,
                   "select_keep: need layers > 0 and num_q_heads (" + std::to_string(Hq) +
                       ") a positive multiple of num_kv_heads (" + std::to_string(Hkv) + "), layers = " +
                       std::to_string(L));
   TRIATTN_EXPECTS(T >= 0, "select_keep: length must be >= 0, got " + std::to_string(T));
   TRIATTN_EXPECTS(T == 0 || scores != nullptr, "select_keep: scores is null");
-  const KeepCounts kc = keep_counts(T, prompt_len, params);
+  const KeepCounts kc = keep_counts(T, prompt_len, params, protected_prefix);
   if (kc.prompt_over_budget) {
     triattn::detail::warn_once(
         triattn::detail::WarningId::kPromptOverBudget,
@@ -323,8 +329,8 @@ inline void union_candidates(const float* s_hat, std::size_t rows, const KeepCou
 
 /// One compression round: which slots of a sequence survive, per (layer, KV head).
 ///
-/// Protected slots ([0, prompt_len) when the prompt is pinned, sinks [0, n_sink), window
-/// [T − window, T)) are always kept; the quota (keep_counts) is filled from the selectable range
+/// Protected slots ([0, prompt_len) when the prompt is pinned, sinks [0, n_sink), the shared
+/// prefix [0, protected_prefix), window [T − window, T)) are always kept; the quota (keep_counts) is filled from the selectable range
 /// by the pruning mode on the (optionally z-normalised) scores:
 ///   kPerHead:         per KV head g, mean over layers of max_{h∈g} Ŝ[l,h,j]; same set per layer
 ///   kPerLayerPerHead: per (layer, g), max_{h∈g} Ŝ[l,h,j]
@@ -342,8 +348,8 @@ inline void union_candidates(const float* s_hat, std::size_t rows, const KeepCou
 /// @throws triattn::logic_error on bad shapes or params, or a non-finite score in the selectable
 ///         range under kRefuse.
 [[nodiscard]] inline KeepPlan select_keep(const float* scores, int L, int Hq, int Hkv, int T, int prompt_len,
-                                          const SelectionParams& params) {
-  const KeepCounts kc = detail::prepare_selection(scores, L, Hq, Hkv, T, prompt_len, params);
+                                          const SelectionParams& params, int protected_prefix = 0) {
+  const KeepCounts kc = detail::prepare_selection(scores, L, Hq, Hkv, T, prompt_len, params, protected_prefix);
   const std::size_t rows = static_cast<std::size_t>(L) * Hq;
   const int lo = kc.selectable_begin, n = kc.num_selectable();
 

@@ -56,20 +56,21 @@ void check_rank_inputs(const Collective& comm, std::span<const float> scores, co
 /// @param scores   [L, Hq_local, T] raw scores of this rank's query heads
 /// @param local    this rank's geometry (L, Hq_local, Hkv_local, d)
 /// @param geometry when given, `local` and the collective's rank/size are checked against it
+/// @param protected_prefix leading slots kept in place (a shared prefix, equal on every rank)
 /// @return plan [L, Hkv_local, keep] for this rank's KV heads
 /// @throws logic_error on bad shapes/params or a non-finite score (on any rank, in union mode).
 template <HostCollective Collective>
 [[nodiscard]] KeepPlan select_keep(Collective& comm, std::span<const float> scores, const ModelGeometry& local, int T,
                                    int prompt_len, const SelectionParams& params,
-                                   const TpGeometry* geometry = nullptr) {
+                                   const TpGeometry* geometry = nullptr, int protected_prefix = 0) {
   const int L = local.num_layers, Hq = local.num_q_heads, Hkv = local.num_kv_heads;
   params.validate();
   // Depends on (T, prompt_len, params) only, equal on every rank: all ranks agree on whether a
   // collective happens and on its length.
-  const ref::KeepCounts kc = ref::keep_counts(T, prompt_len, params);
+  const ref::KeepCounts kc = ref::keep_counts(T, prompt_len, params, protected_prefix);
   if (params.mode != PruningMode::kUnion || kc.identity) {
     detail::check_rank_inputs(comm, scores, local, T, geometry);
-    return ref::select_keep(scores.data(), L, Hq, Hkv, T, prompt_len, params);
+    return ref::select_keep(scores.data(), L, Hq, Hkv, T, prompt_len, params, protected_prefix);
   }
 
   const std::size_t n = static_cast<std::size_t>(kc.num_selectable());
@@ -78,7 +79,7 @@ template <HostCollective Collective>
   std::exception_ptr failure;
   try {
     detail::check_rank_inputs(comm, scores, local, T, geometry);
-    (void)ref::detail::prepare_selection(scores.data(), L, Hq, Hkv, T, prompt_len, params);
+    (void)ref::detail::prepare_selection(scores.data(), L, Hq, Hkv, T, prompt_len, params, protected_prefix);
     const std::size_t rows = static_cast<std::size_t>(L) * Hq;
     const std::vector<float> s = ref::detail::selection_values(scores.data(), rows, kc, params);  // Ŝ [L, Hq, T]
     ref::union_candidates(s.data(), rows, kc, flags.data(), vmax.data());

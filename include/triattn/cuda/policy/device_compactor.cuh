@@ -99,6 +99,18 @@ class DeviceCompactor {
   }
 
   /// Stream the kernels run on.
+  /// Copies block `src` to `dst` in every (layer, K|V) range with one 2D copy on the stream
+  /// (KvCache's copy-on-write of a shared block). @throws cuda_error when the copy fails.
+  template <class T, class Id>
+  void copy_block(const KvCacheView<T, Id>& view, Id src, Id dst) {
+    const std::size_t bytes = sizeof(T) * static_cast<std::size_t>(view.block.block_elems());
+    const std::size_t pitch = sizeof(T) * static_cast<std::size_t>(view.range_stride);
+    TRIATTN_CUDA_TRY(cudaMemcpy2DAsync(view.data + static_cast<std::int64_t>(dst) * view.block.block_elems(), pitch,
+                                       view.data + static_cast<std::int64_t>(src) * view.block.block_elems(), pitch,
+                                       bytes, 2 * static_cast<std::size_t>(view.num_layers), cudaMemcpyDeviceToDevice,
+                                       stream_));
+  }
+
   [[nodiscard]] cudaStream_t stream() const noexcept { return stream_; }
   /// Waits for everything issued on the compactor's stream.
   void synchronize() const { TRIATTN_CUDA_TRY(cudaStreamSynchronize(stream_)); }
