@@ -488,7 +488,7 @@ class File {
     std::vector<const TensorInfo*> by_offset;
     for (const TensorInfo& t : tensors_) {
       if (t.offset > data_size || t.n_bytes > data_size - t.offset)
-        fail((t.offset > data_size ? "bad offset: " : "truncated: ") + std::string("tensor ") + t.name + " (" +
+        fail("truncated or bad offset: tensor " + t.name + " (" +
              tensor_type_name(t.type) + " " + t.shape_string() + ", " + std::to_string(t.n_bytes) +
              " bytes at data offset " + std::to_string(t.offset) + ") ends past the end of the data section (" +
              std::to_string(data_size) + " bytes from file offset " + std::to_string(data_offset_) + ")");

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <triattn/core/kv_cache.hpp>
@@ -97,6 +98,12 @@ TEST_CASE("SmolLM2 tokenizer: llama.cpp's ids for every reference text") {
     CHECK(ids == c->at("ids").ints());
     CHECK(s.tok.decode(ids) == text);
   }
+  // The smollm pre-tokenizer: digits alone (the reference texts would tokenize the same without
+  // that split, since the vocabulary has no multi-digit pieces), then GPT-2's pattern.
+  using V = std::vector<std::string_view>;
+  CHECK(s.tok.pre_tokenize("year 2026 had") == V{"year", " ", "2", "0", "2", "6", " had"});
+  CHECK(s.tok.pre_tokenize("  a\tb\n\n") == V{" ", " a", "\t", "b", "\n\n"});
+  CHECK(s.tok.pre_tokenize("don't I'LL caf\xC3\xA9!?") == V{"don", "'t", " I", "'", "LL", " caf\xC3\xA9", "!?"});
   // The chat form of the reference prompt.
   const ex::ChatMessage user{"user", "What is the capital of France?"};
   CHECK(ex::BpeTokenizer::chat_prompt(std::span<const ex::ChatMessage>(&user, 1)) ==
@@ -107,7 +114,7 @@ TEST_CASE("SmolLM2 tokenizer: llama.cpp's ids for every reference text") {
   CHECK(s.tok.encode("<|im_end|>", true) == std::vector<int>{2});
 }
 
-TEST_CASE("SmolLM2 CPU: greedy continuations of both prompts equal the reference, with its logits and layer-0 K/V") {
+TEST_CASE("SmolLM2 CPU: greedy continuations of both prompts equal the reference with its logits and layer-0 K/V") {
   const Smol& s = Smol::get();
   const ex::ModelConfig& mc = s.weights.config;
   ex::Model<> model(s.weights);
