@@ -125,22 +125,22 @@ class BpeTokenizer {
     if (pre == "smollm") t.pre_ = PreTokenizer::kSmolLM;
     else if (pre == "gpt2" || pre == "default") t.pre_ = PreTokenizer::kGpt2;
     else f.fail("tokenizer.ggml.pre = \"" + pre + "\" is not supported (\"smollm\", \"gpt2\", \"default\" are)");
-    const auto& tokens = f.get_array("tokenizer.ggml.tokens", gguf::ValueType::kString);
+    const auto& tokens = f.get_array("tokenizer.ggml.tokens", gguf::ValueType::kString).array;
     if (tokens.empty() || tokens.size() > (std::size_t{1} << 22))
       f.fail("tokenizer.ggml.tokens has " + std::to_string(tokens.size()) + " entries, expected 1 to 4194304");
     t.pieces_.reserve(tokens.size());
     for (const gguf::Value& v : tokens) t.pieces_.push_back(v.s);
     t.types_.assign(tokens.size(), kNormal);
     if (f.has("tokenizer.ggml.token_type")) {
-      const auto& types = f.get_array("tokenizer.ggml.token_type", gguf::ValueType::kI32);
+      const auto& types = f.get_array("tokenizer.ggml.token_type", gguf::ValueType::kI32).ints;
       if (types.size() != tokens.size())
         f.fail("tokenizer.ggml.token_type has " + std::to_string(types.size()) + " entries, tokenizer.ggml.tokens " +
                std::to_string(tokens.size()));
       for (std::size_t i = 0; i < types.size(); ++i) {
-        if (types[i].i < kNormal || types[i].i > kByte)
-          f.fail("tokenizer.ggml.token_type[" + std::to_string(i) + "] = " + std::to_string(types[i].i) +
+        if (types[i] < kNormal || types[i] > kByte)
+          f.fail("tokenizer.ggml.token_type[" + std::to_string(i) + "] = " + std::to_string(types[i]) +
                  " is not a token type (1 to 6)");
-        t.types_[i] = static_cast<int>(types[i].i);
+        t.types_[i] = static_cast<int>(types[i]);
       }
     }
     for (std::size_t i = 0; i < t.pieces_.size(); ++i) {
@@ -153,7 +153,7 @@ class BpeTokenizer {
       const std::size_t la = t.pieces_[static_cast<std::size_t>(a)].size(), lb = t.pieces_[static_cast<std::size_t>(b)].size();
       return la != lb ? la > lb : a < b;
     });
-    const auto& merges = f.get_array("tokenizer.ggml.merges", gguf::ValueType::kString);
+    const auto& merges = f.get_array("tokenizer.ggml.merges", gguf::ValueType::kString).array;
     t.ranks_.reserve(merges.size());
     for (std::size_t i = 0; i < merges.size(); ++i) {
       const std::string& m = merges[i].s;

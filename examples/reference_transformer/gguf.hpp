@@ -92,7 +92,10 @@ struct BlockShape {
 }
 
 /// One metadata value. Scalars: integers in `i` (signed types and bool) or `u` (unsigned),
-/// floats in `f`; strings in `s`; arrays: element type in `elem` and the elements in `array`.
+/// floats in `f`; strings in `s`. Arrays: element type in `elem`; integer and bool elements in
+/// `ints` (unsigned ones converted, u64 values above INT64_MAX wrap), float elements in `floats`,
+/// string and array elements in `array` (compact storage: a file cannot make the metadata take
+/// much more memory than its own size).
 struct Value {
   ValueType type = ValueType::kU8;
   std::int64_t i = 0;
@@ -100,7 +103,12 @@ struct Value {
   double f = 0.0;
   std::string s;
   ValueType elem = ValueType::kU8;
+  std::vector<std::int64_t> ints;
+  std::vector<double> floats;
   std::vector<Value> array;
+
+  /// Number of elements of an array (0 for a scalar).
+  [[nodiscard]] std::size_t size() const noexcept { return ints.size() + floats.size() + array.size(); }
 
   [[nodiscard]] bool is_integer() const noexcept {
     switch (type) {
@@ -212,9 +220,24 @@ inline Value read_value(Cursor& c, ValueType t, const std::string& what, int dep
       if (n > c.left() / min_value_bytes(v.elem))
         c.fail("truncated: " + what + " declares " + std::to_string(n) + " elements of type " +
                value_type_name(v.elem) + ", more than the " + std::to_string(c.left()) + " bytes left can hold");
-      v.array.reserve(static_cast<std::size_t>(n));
-      for (std::uint64_t k = 0; k < n; ++k)
-        v.array.push_back(read_value(c, v.elem, what + "[" + std::to_string(k) + "]", depth + 1));
+      for (std::uint64_t k = 0; k < n; ++k) {
+        const std::string& ew = what;  // element errors name the array; the index costs a string per element
+        switch (v.elem) {
+          case ValueType::kString: case ValueType::kArray:
+            if (k == 0) v.array.reserve(static_cast<std::size_t>(n));
+            v.array.push_back(read_value(c, v.elem, ew + "[" + std::to_string(k) + "]", depth + 1));
+            break;
+          case ValueType::kF32: case ValueType::kF64:
+            if (k == 0) v.floats.reserve(static_cast<std::size_t>(n));
+            v.floats.push_back(read_value(c, v.elem, ew, depth + 1).f);
+            break;
+          default: {
+            if (k == 0) v.ints.reserve(static_cast<std::size_t>(n));
+            const Value e = read_value(c, v.elem, ew, depth + 1);
+            v.ints.push_back(e.is_unsigned() ? static_cast<std::int64_t>(e.u) : e.i);
+          }
+        }
+      }
       break;
     }
     default: c.fail(what + ": unknown value type " + std::to_string(static_cast<std::uint32_t>(t)));
@@ -301,14 +324,14 @@ class File {
       fail("metadata " + std::string(key) + " has type " + value_type_name(v.type) + ", expected string");
     return v.s;
   }
-  /// Array value of `key` whose elements have type `elem`.
-  [[nodiscard]] const std::vector<Value>& get_array(std::string_view key, ValueType elem) const {
+  /// The array value of `key`, whose elements must have type `elem`.
+  [[nodiscard]] const Value& get_array(std::string_view key, ValueType elem) const {
     const Value& v = at(key);
     if (v.type != ValueType::kArray || v.elem != elem)
       fail("metadata " + std::string(key) + " has type " + value_type_name(v.type) +
            (v.type == ValueType::kArray ? std::string(" of ") + value_type_name(v.elem) : std::string()) +
            ", expected array of " + value_type_name(elem));
-    return v.array;
+    return v;
   }
 
   /// `v` as an integer in [lo, hi]; `what` names it in the error.

@@ -113,21 +113,57 @@ inline ModelWeights gguf_llama_weights(const gguf::File& f) {
   w.config = gguf_llama_config(f);
   const ModelConfig& c = w.config;
   const auto u = [](int v) { return static_cast<std::uint64_t>(v); };
+  // Pass 1 lists every tensor with its shape (GGUF order {cols, rows}, or {n}), destination and
+  // offset, and checks them all against the file; pass 2 allocates and dequantises. Nothing is
+  // allocated for a file whose metadata claims more than its tensors hold.
+  struct Item {
+    std::string name;
+    std::vector<std::uint64_t> shape;
+    std::vector<float>* dst;
+    std::size_t offset;
+    const gguf::TensorInfo* info = nullptr;
+  };
+  std::vector<Item> items;
+  items.push_back({"token_embd.weight", {u(c.dim), u(c.vocab_size)}, &w.tok_emb, 0});
+  items.push_back({"output_norm.weight", {u(c.dim)}, &w.rms_final, 0});
+  if (!c.shared_classifier) items.push_back({"output.weight", {u(c.dim), u(c.vocab_size)}, &w.wcls, 0});
+  const std::size_t D = u(c.dim), QD = u(c.q_dim()), KVD = u(c.kv_dim()), H = u(c.hidden_dim);
+  for (int l = 0; l < c.n_layers; ++l) {
+    const std::string b = "blk." + std::to_string(l) + ".";
+    const std::size_t L = static_cast<std::size_t>(l);
+    items.push_back({b + "attn_norm.weight", {D}, &w.rms_att, L * D});
+    items.push_back({b + "attn_q.weight", {D, QD}, &w.wq, L * QD * D});
+    items.push_back({b + "attn_k.weight", {D, KVD}, &w.wk, L * KVD * D});
+    items.push_back({b + "attn_v.weight", {D, KVD}, &w.wv, L * KVD * D});
+    items.push_back({b + "attn_output.weight", {QD, D}, &w.wo, L * D * QD});
+    items.push_back({b + "ffn_norm.weight", {D}, &w.rms_ffn, L * D});
+    items.push_back({b + "ffn_gate.weight", {D, H}, &w.w1, L * H * D});
+    items.push_back({b + "ffn_down.weight", {H, D}, &w.w2, L * D * H});
+    items.push_back({b + "ffn_up.weight", {D, H}, &w.w3, L * H * D});
+    if (c.has_qkv_bias) {
+      items.push_back({b + "attn_q.bias", {QD}, &w.bq, L * QD});
+      items.push_back({b + "attn_k.bias", {KVD}, &w.bk, L * KVD});
+      items.push_back({b + "attn_v.bias", {KVD}, &w.bv, L * KVD});
+    }
+  }
   std::set<std::string> used;
-  // Dequantises `name` (GGUF shape {cols, rows}, or {n} for a vector) into dst[offset ...].
-  auto take = [&](const std::string& name, std::vector<std::uint64_t> shape, std::vector<float>& dst,
-                  std::size_t offset) {
-    const gguf::TensorInfo* t = f.find_tensor(name);
-    if (t == nullptr) f.fail("tensor " + name + " is missing");
-    if (t->shape != shape) {
+  for (Item& it : items) {
+    it.info = f.find_tensor(it.name);
+    if (it.info == nullptr) f.fail("tensor " + it.name + " is missing");
+    if (it.info->shape != it.shape) {
       gguf::TensorInfo want;
-      want.shape = shape;
-      f.fail("tensor " + name + " has shape " + t->shape_string() + ", expected " + want.shape_string() +
+      want.shape = it.shape;
+      f.fail("tensor " + it.name + " has shape " + it.info->shape_string() + ", expected " + want.shape_string() +
              " for this model's metadata");
     }
-    f.dequantize(*t, std::span<float>(dst.data() + offset, static_cast<std::size_t>(t->n_elements)));
-    used.insert(name);
-  };
+    used.insert(it.name);
+  }
+  if (used.size() != f.tensors().size()) {
+    for (const gguf::TensorInfo& t : f.tensors())  // name the first one the model does not read
+      if (used.count(t.name) == 0)
+        f.fail("tensor " + t.name + " is not part of a llama model as this loader reads it (" +
+               std::to_string(f.tensors().size() - used.size()) + " tensor(s) unused)");
+  }
   w.tok_emb.resize(c.n_tok_emb());
   w.rms_att.resize(c.n_rms());
   w.wq.resize(c.n_wq());
@@ -138,43 +174,15 @@ inline ModelWeights gguf_llama_weights(const gguf::File& f) {
   w.w1.resize(c.n_mlp());
   w.w2.resize(c.n_mlp());
   w.w3.resize(c.n_mlp());
-  w.rms_final.resize(static_cast<std::size_t>(c.dim));
-  take("token_embd.weight", {u(c.dim), u(c.vocab_size)}, w.tok_emb, 0);
-  take("output_norm.weight", {u(c.dim)}, w.rms_final, 0);
-  if (!c.shared_classifier) {
-    w.wcls.resize(c.n_tok_emb());
-    take("output.weight", {u(c.dim), u(c.vocab_size)}, w.wcls, 0);
-  }
+  w.rms_final.resize(D);
+  if (!c.shared_classifier) w.wcls.resize(c.n_tok_emb());
   if (c.has_qkv_bias) {
-    w.bq.resize(static_cast<std::size_t>(c.n_layers) * c.q_dim());
-    w.bk.resize(static_cast<std::size_t>(c.n_layers) * c.kv_dim());
-    w.bv.resize(static_cast<std::size_t>(c.n_layers) * c.kv_dim());
+    w.bq.resize(u(c.n_layers) * QD);
+    w.bk.resize(u(c.n_layers) * KVD);
+    w.bv.resize(u(c.n_layers) * KVD);
   }
-  const std::size_t D = u(c.dim), QD = u(c.q_dim()), KVD = u(c.kv_dim()), H = u(c.hidden_dim);
-  for (int l = 0; l < c.n_layers; ++l) {
-    const std::string b = "blk." + std::to_string(l) + ".";
-    const std::size_t L = static_cast<std::size_t>(l);
-    take(b + "attn_norm.weight", {D}, w.rms_att, L * D);
-    take(b + "attn_q.weight", {D, QD}, w.wq, L * QD * D);
-    take(b + "attn_k.weight", {D, KVD}, w.wk, L * KVD * D);
-    take(b + "attn_v.weight", {D, KVD}, w.wv, L * KVD * D);
-    take(b + "attn_output.weight", {QD, D}, w.wo, L * D * QD);
-    take(b + "ffn_norm.weight", {D}, w.rms_ffn, L * D);
-    take(b + "ffn_gate.weight", {D, H}, w.w1, L * H * D);
-    take(b + "ffn_down.weight", {H, D}, w.w2, L * D * H);
-    take(b + "ffn_up.weight", {D, H}, w.w3, L * H * D);
-    if (c.has_qkv_bias) {
-      take(b + "attn_q.bias", {QD}, w.bq, L * QD);
-      take(b + "attn_k.bias", {KVD}, w.bk, L * KVD);
-      take(b + "attn_v.bias", {KVD}, w.bv, L * KVD);
-    }
-  }
-  if (used.size() != f.tensors().size()) {
-    for (const gguf::TensorInfo& t : f.tensors())  // name the first one the model did not read
-      if (used.count(t.name) == 0)
-        f.fail("tensor " + t.name + " is not part of a llama model as this loader reads it (" +
-               std::to_string(f.tensors().size() - used.size()) + " tensor(s) unused)");
-  }
+  for (const Item& it : items)
+    f.dequantize(*it.info, std::span<float>(it.dst->data() + it.offset, static_cast<std::size_t>(it.info->n_elements)));
   w.validate();
   return w;
 }

@@ -80,6 +80,7 @@ TEST_CASE("GGUF: a tiny llama file loads and every type dequantises to the value
   CHECK(f.get_int("llama.block_count", 0, 10) == 2);
   CHECK(f.get_float("llama.rope.freq_base") == 10000.0);
   CHECK(f.get_array("tokenizer.ggml.tokens", ex::gguf::ValueType::kString).size() == 258);
+  CHECK(f.get_array("tokenizer.ggml.token_type", ex::gguf::ValueType::kI32).ints.at(2) == 1);
 
   const ex::ModelWeights w = ex::gguf_llama_weights(f);
   CHECK(w.config.n_layers == 2);
@@ -146,9 +147,9 @@ TEST_CASE("GGUF: metadata of every value type with arrays included") {
   const ex::gguf::Value& n = f.at("a.nested");
   REQUIRE(n.array.size() == 2);
   CHECK(n.elem == ex::gguf::ValueType::kArray);
-  REQUIRE(n.array[0].array.size() == 2);
-  CHECK(n.array[0].array[1].u == 2);
-  CHECK(n.array[1].array.empty());
+  REQUIRE(n.array[0].ints.size() == 2);
+  CHECK(n.array[0].ints[1] == 2);
+  CHECK(n.array[1].size() == 0);
   CHECK(f.tensors().empty());
   // Out of range and wrong types are refused with the key named.
   CHECK_REFUSED(error_of([&] { (void)f.get_int("a.u8", 0, 100); }), "a.u8 = 200 is outside [0, 100]");
