@@ -19,45 +19,15 @@
 #include <triattn/core/kv_cache.hpp>
 
 #include "common/reference_transformer_checks.hpp"
-
-#include "../../examples/reference_transformer/bpe_tokenizer.hpp"
-#include "../../examples/reference_transformer/gguf.hpp"
-#include "../../examples/reference_transformer/gguf_llama.hpp"
+#include "common/smollm2_checks.hpp"
 
 namespace ex = triattn_example;
 using triattn::test::cache_config;
 using triattn::test::data_file;
 
-namespace {
-
-constexpr const char* kModelFile = "SmolLM2-135M-Instruct.Q4_1.gguf";
-
-/// The GGUF file, its weights, its tokenizer and the reference, loaded once.
-struct Smol {
-  ex::gguf::File file = ex::gguf::File::load(data_file(kModelFile));
-  ex::ModelWeights weights = ex::gguf_llama_weights(file);
-  ex::BpeTokenizer tok = ex::BpeTokenizer::from_gguf(file);
-  ex::json::Value ref = ex::json::parse_file(data_file("smollm2_ref.json"));
-  static const Smol& get() {
-    static const Smol s;
-    return s;
-  }
-};
-
-/// Largest |logit - reference| over the reference's (token, logit) pairs.
-double worst_logit_diff(std::span<const float> logits, const ex::json::Value& ids, const ex::json::Value& values) {
-  double worst = 0.0;
-  REQUIRE(ids.size() == values.size());
-  for (std::size_t k = 0; k < ids.size(); ++k) {
-    const int id = static_cast<int>(ids.at(k).num());
-    REQUIRE(id >= 0);
-    REQUIRE(static_cast<std::size_t>(id) < logits.size());
-    worst = std::max(worst, std::fabs(static_cast<double>(logits[static_cast<std::size_t>(id)]) - values.at(k).num()));
-  }
-  return worst;
-}
-
-}  // namespace
+using triattn::test::Smol;
+using triattn::test::kBf16DecisiveMargin;
+using triattn::test::kBf16LogitTolerance;
 
 TEST_SUITE("model") {
 
@@ -121,66 +91,66 @@ TEST_CASE("SmolLM2 CPU: greedy continuations of both prompts equal the reference
   double worst_logit = 0.0, worst_kv = 0.0;
   int compared_tokens = 0;
   const auto t0 = std::chrono::steady_clock::now();
-  for (std::size_t pi = 0; pi < s.ref.at("prompts").size(); ++pi) {
-    const ex::json::Value& p = s.ref.at("prompts").at(pi);
+  for (std::size_t pi = 0; pi < s.num_prompts(); ++pi) {
+    const ex::json::Value& p = s.prompt(pi);
     INFO("prompt " << pi);
-    const std::vector<int> prompt = p.at("ids").ints();
-    const std::vector<int> want = p.at("greedy_new_ids").ints();
-    const int n = static_cast<int>(prompt.size());
-    triattn::KvCache<> cache(cache_config(mc, n + static_cast<int>(want.size()), 1));
-    const triattn::SeqId seq = cache.add_sequence();
-
-    // Prefill with every row's logits: positions 0..3 and the prompt's last position.
-    const ex::Chunk pre{seq, prompt, triattn::Phase::kPrefill};
-    const ex::StepOutput out = model.step(cache, std::span<const ex::Chunk>(&pre, 1), ex::LogitsFor::kAllRows);
-    REQUIRE(out.num_logit_rows() == n);
-    for (std::size_t k = 0; k < p.at("first_positions").size(); ++k) {
-      const ex::json::Value& fp = p.at("first_positions").at(k);
-      const int pos = static_cast<int>(fp.at("position").num());
-      REQUIRE(pos < n);
-      CHECK(ex::Sampler::argmax(out.row(pos)) == static_cast<int>(fp.at("top5").at(0).num()));
-      worst_logit = std::max(worst_logit, worst_logit_diff(out.row(pos), fp.at("top5"), fp.at("top5_logits")));
-    }
-    const ex::json::Value& last = p.at("last_prompt_logits");
-    REQUIRE(static_cast<int>(last.at("position").num()) == n - 1);
-    worst_logit = std::max(worst_logit, worst_logit_diff(out.row(n - 1), last.at("top10"), last.at("top10_logits")));
-
-    // Layer 0, KV head 0: post-RoPE keys and values of positions 0..3 as cached.
-    const auto view = cache.view<float>();
-    for (int t = 0; t < 4; ++t) {
-      const std::vector<double> k_ref = p.at("layer0_kvhead0_k_pos0_3").at(static_cast<std::size_t>(t)).doubles();
-      const std::vector<double> v_ref = p.at("layer0_kvhead0_v_pos0_3").at(static_cast<std::size_t>(t)).doubles();
-      REQUIRE(k_ref.size() == static_cast<std::size_t>(mc.head_dim));
-      REQUIRE(v_ref.size() == static_cast<std::size_t>(mc.head_dim));
-      const float* k = view.token(0, triattn::KvKind::kKey, seq, t, 0);
-      const float* v = view.token(0, triattn::KvKind::kValue, seq, t, 0);
-      for (int i = 0; i < mc.head_dim; ++i) {
-        worst_kv = std::max(worst_kv, std::fabs(static_cast<double>(k[i]) - k_ref[static_cast<std::size_t>(i)]));
-        worst_kv = std::max(worst_kv, std::fabs(static_cast<double>(v[i]) - v_ref[static_cast<std::size_t>(i)]));
-      }
-    }
-
-    // Greedy decoding, one token per step.
-    std::vector<int> got{ex::Sampler::argmax(out.row(n - 1))};
-    while (got.size() < want.size()) {
-      const ex::Chunk dec{seq, std::span<const int>(&got.back(), 1), triattn::Phase::kDecode};
-      const ex::StepOutput o = model.step(cache, std::span<const ex::Chunk>(&dec, 1));
-      got.push_back(ex::Sampler::argmax(o.row(0)));
-    }
-    CHECK(got == want);
-    compared_tokens += static_cast<int>(want.size());
+    triattn::KvCache<> cache(cache_config(mc, static_cast<int>(p.at("ids").size() + p.at("greedy_new_ids").size()), 1));
+    const triattn::test::GreedyPromptRun r = triattn::test::run_greedy_prompt(model, cache, p, [&](triattn::SeqId seq) {
+      const auto view = cache.view<float>();
+      worst_kv = std::max(worst_kv, triattn::test::worst_layer0_kv_diff(p, mc.head_dim, [&](int t) {
+        const float* k = view.token(0, triattn::KvKind::kKey, seq, t, 0);
+        const float* v = view.token(0, triattn::KvKind::kValue, seq, t, 0);
+        return std::array<std::vector<float>, 2>{std::vector<float>(k, k + mc.head_dim),
+                                                 std::vector<float>(v, v + mc.head_dim)};
+      }));
+    });
+    CHECK(r.logits.argmax_equal == r.logits.argmax_rows);
+    CHECK(r.got == r.want);
+    worst_logit = std::max(worst_logit, r.logits.worst);
+    compared_tokens += static_cast<int>(r.want.size());
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   // Tolerances: the float32 path's logits differ from the float64 reference by float32 rounding
-  // accumulated over 30 layers (sums of 576 and 1536 products): measured 1.1e-4 on logits of
-  // magnitude ~25 (relative 4e-6, a few float32 ulps per layer). 1e-3 allows for another
-  // summation order (a blocked matmul) and stays far below half the smallest top-1/top-2 greedy
-  // margin (0.035, README), so the greedy choices are not a coin toss. K/V of layer 0 see one
-  // layer of rounding only (measured 2e-6).
+  // accumulated over 30 layers (sums of 576 and 1536 products): measured 2.3e-5 (1.1e-4 with a
+  // plain sequential dot product) on logits of magnitude ~25. 1e-3 leaves room for another
+  // summation order and stays far below half the smallest top-1/top-2 greedy margin (0.035,
+  // README), so the greedy choices are not a coin toss. K/V of layer 0 see one layer of rounding
+  // only (measured 2e-6).
   CHECK_MESSAGE(worst_logit < 1e-3, "logits: max abs diff " << worst_logit);
   CHECK_MESSAGE(worst_kv < 1e-4, "layer-0 K/V: max abs diff " << worst_kv);
   MESSAGE("SmolLM2 CPU: " << compared_tokens << " greedy tokens compared, logits max abs diff " << worst_logit
                           << ", layer-0 K/V max abs diff " << worst_kv << ", " << secs << " s");
+}
+
+TEST_CASE("SmolLM2 CPU with bf16-rounded weights and a bf16 KV cache: what the GPU's bf16 path must meet") {
+  // The GPU test (tests/cuda/test_smollm2_gpu.cu) holds matrices in bf16 and may keep K/V in
+  // bf16; this measures what that rounding alone costs against the float64 reference, teacher
+  // forced over prompt + reference continuation.
+  const Smol& s = Smol::get();
+  ex::ModelWeights w = s.weights;
+  for (std::vector<float>* t : {&w.tok_emb, &w.wq, &w.wk, &w.wv, &w.wo, &w.w1, &w.w2, &w.w3})
+    for (float& x : *t) x = triattn::to_float(triattn::from_float<triattn::bf16_storage>(x));
+  ex::Model<> model(w);
+  double worst = 0.0;
+  int agree = 0, decisive = 0;
+  for (std::size_t pi = 0; pi < s.num_prompts(); ++pi) {
+    const ex::json::Value& p = s.prompt(pi);
+    triattn::KvCache<> cache(cache_config(w.config, 64, 1, 16, triattn::DType::kBF16));
+    const triattn::test::ForcedRun r = triattn::test::run_forced_prompt(model, cache, p);
+    CHECK(r.logits.argmax_equal == r.logits.argmax_rows);
+    worst = std::max(worst, r.logits.worst);
+    for (std::size_t k = 0; k < r.want.size(); ++k) {
+      if (r.margin[k] < kBf16DecisiveMargin) continue;
+      ++decisive;
+      agree += r.argmax[k] == r.want[k];
+    }
+  }
+  CHECK(decisive >= 30);
+  CHECK(agree == decisive);
+  CHECK_MESSAGE(worst < kBf16LogitTolerance, "bf16: logits max abs diff " << worst);
+  MESSAGE("SmolLM2 CPU, bf16 weights + bf16 KV: logits max abs diff " << worst << ", greedy choices with margin >= "
+                                                                      << kBf16DecisiveMargin << ": " << agree << "/"
+                                                                      << decisive);
 }
 
 }  // TEST_SUITE("model")
