@@ -250,7 +250,8 @@ class BpeTokenizer {
     }
     // Stage 2: GPT-2's pattern within each span.
     std::vector<std::string_view> out;
-    for (const auto& [lo, hi] : spans) {
+    for (const auto& span : spans) {
+      const std::size_t lo = span.first, hi = span.second;  // (lambdas cannot capture bindings in clang < 16)
       std::size_t prev = lo;
       auto add = [&](std::size_t end) {
         if (end > prev) {

@@ -131,7 +131,7 @@ TEST_CASE("SmolLM2 CPU with bf16-rounded weights and a bf16 KV cache: what the G
   for (std::vector<float>* t : {&w.tok_emb, &w.wq, &w.wk, &w.wv, &w.wo, &w.w1, &w.w2, &w.w3})
     for (float& x : *t) x = triattn::to_float(triattn::from_float<triattn::bf16_storage>(x));
   ex::Model<> model(w);
-  double worst = 0.0;
+  double worst = 0.0, worst_kv = 0.0;
   int agree = 0, decisive = 0;
   for (std::size_t pi = 0; pi < s.num_prompts(); ++pi) {
     const ex::json::Value& p = s.prompt(pi);
@@ -139,6 +139,15 @@ TEST_CASE("SmolLM2 CPU with bf16-rounded weights and a bf16 KV cache: what the G
     const triattn::test::ForcedRun r = triattn::test::run_forced_prompt(model, cache, p);
     CHECK(r.logits.argmax_equal == r.logits.argmax_rows);
     worst = std::max(worst, r.logits.worst);
+    const auto view = cache.view<triattn::bf16_storage>();
+    worst_kv = std::max(worst_kv, triattn::test::worst_layer0_kv_diff(p, w.config.head_dim, [&](int t) {
+      std::array<std::vector<float>, 2> kv;
+      for (int i = 0; i < w.config.head_dim; ++i) {
+        kv[0].push_back(triattn::to_float(view.token(0, triattn::KvKind::kKey, r.seq, t, 0)[i]));
+        kv[1].push_back(triattn::to_float(view.token(0, triattn::KvKind::kValue, r.seq, t, 0)[i]));
+      }
+      return kv;
+    }));
     for (std::size_t k = 0; k < r.want.size(); ++k) {
       if (r.margin[k] < kBf16DecisiveMargin) continue;
       ++decisive;
@@ -148,7 +157,9 @@ TEST_CASE("SmolLM2 CPU with bf16-rounded weights and a bf16 KV cache: what the G
   CHECK(decisive >= 30);
   CHECK(agree == decisive);
   CHECK_MESSAGE(worst < kBf16LogitTolerance, "bf16: logits max abs diff " << worst);
-  MESSAGE("SmolLM2 CPU, bf16 weights + bf16 KV: logits max abs diff " << worst << ", greedy choices with margin >= "
+  CHECK_MESSAGE(worst_kv < triattn::test::kBf16KvTolerance, "bf16: layer-0 K/V max abs diff " << worst_kv);
+  MESSAGE("SmolLM2 CPU, bf16 weights + bf16 KV: logits max abs diff " << worst << ", K/V " << worst_kv
+                                                                      << ", greedy choices with margin >= "
                                                                       << kBf16DecisiveMargin << ": " << agree << "/"
                                                                       << decisive);
 }
