@@ -45,6 +45,7 @@
 #include <triattn/core/policy/triattention_scorer.hpp>
 #include <triattn/core/stats/calibrator.hpp>
 #include <triattn/core/stats/pt_loader.hpp>
+#include <triattn/core/stats/pt_writer.hpp>
 #include <triattn/core/stats/safetensors.hpp>
 #include <triattn/core/stats/slice.hpp>
 #include <triattn/core/tp/collective.hpp>
@@ -138,7 +139,8 @@ void usage() {
       "  --divide-length D     compress when the cache reaches B + D (default 128)\n"
       "  --no-compress         ignore --stats' compression\n"
       "  --pruning MODE        per_head (default) | per_layer_per_head | union\n"
-      "  --calibrate OUT       record pre-RoPE query statistics over the run, save to OUT (.safetensors)\n"
+      "  --calibrate OUT       record pre-RoPE query statistics over the run, save to OUT\n"
+      "                        (.safetensors: triattn's native format; .pt: TriAttention's layout)\n"
       "  --kv-dtype T          f32 (default) | bf16 | f16\n"
       "  --block-size N        tokens per KV block (default 16)\n"
       "  --report-every N      status line every N decode steps (default 64; 0 = off)\n"
@@ -477,7 +479,11 @@ int run(ModelT& model, Cache& cache, const TextCodec& codec, const std::vector<s
   print_status(cache, std::span<const ex::SequenceResult>(res));
 
   if (calibrator != nullptr) {
-    calibrator->save(o.calibrate_out);
+    const std::string& out = o.calibrate_out;
+    if (out.size() > 3 && out.substr(out.size() - 3) == ".pt")
+      triattn::save_pt_stats(out, calibrator->finish());  // TriAttention's official layout
+    else
+      calibrator->save(out);  // triattn's native safetensors format
     std::fprintf(stderr, "calibration: %lld tokens per layer, statistics written to %s\n",
                  static_cast<long long>(calibrator->token_count(0)), o.calibrate_out.c_str());
   }
