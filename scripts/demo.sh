@@ -44,9 +44,9 @@ if [ -f "$GGUF" ] && [ -f "$DATA/text/shakespeare.txt" ] && [ -f "$DATA/text/pri
   "$BIN" --device cpu --model "$GGUF" --no-chat --prompt-file "$CALIB" --steps 1 --quiet --calibrate "$STATS"
   printf '\n=== 2/3 a question about a ~1,100-token chapter of Pride and Prejudice, full KV cache (%s) ===\n' "$DEVICE"
   "$BIN" --device "$DEVICE" --model "$GGUF" --prompt-file "$DOC" --steps 48 --no-compress
-  printf '\n=== 3/3 the same with TriAttention: budget 256, a round every 64 tokens (%s) ===\n' "$DEVICE"
+  printf '\n=== 3/3 the same with TriAttention: budget 256, a round every 64 tokens, the document compressible (%s) ===\n' "$DEVICE"
   "$BIN" --device "$DEVICE" --model "$GGUF" --prompt-file "$DOC" --steps 48 --stats "$STATS" --budget 256 \
-         --divide-length 64 --report-every 8
+         --divide-length 64 --prompt-mode compete --report-every 8
   exit 0
 fi
 # Fast fallback: stories260K (or the synthetic model).

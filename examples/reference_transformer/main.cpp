@@ -90,6 +90,7 @@ struct Options {
   int synthetic_vocab = 0;
   std::vector<std::string> prompts;
   bool chat = true;             // GGUF models: each prompt is a user turn of the chat template
+  triattn::PromptMode prompt_mode = triattn::PromptMode::kPinnedInBudget;
   int steps = 256;
   float temperature = 0.0f;
   float top_p = 0.9f;
@@ -130,6 +131,8 @@ void usage() {
       "  --prompt TEXT         a prompt; repeat for a batch (default: one empty prompt = BOS)\n"
       "  --prompt-file PATH    the text of a file as a prompt (repeatable, like --prompt)\n"
       "  --no-chat             GGUF models: prompts are raw text, not user turns of the chat template\n"
+      "  --prompt-mode M       pinned_in_budget (default) | pinned_on_top | compete: whether prompt\n"
+      "                        tokens are kept outside rounds or compete with the rest (long documents)\n"
       "  --steps N             tokens to generate per sequence (default 256)\n"
       "  --temperature T       0 = greedy (default); > 0 samples\n"
       "  --top-p P             nucleus sampling threshold (default 0.9; 1 = off)\n"
@@ -203,6 +206,13 @@ Options parse_args(int argc, char** argv) {
     else if (a == "--prompt") o.prompts.push_back(need(i));
     else if (a == "--prompt-file") o.prompts.push_back(read_text_file(need(i)));
     else if (a == "--no-chat") o.chat = false;
+    else if (a == "--prompt-mode") {
+      const std::string v = need(i);
+      if (v == "pinned_in_budget") o.prompt_mode = triattn::PromptMode::kPinnedInBudget;
+      else if (v == "pinned_on_top") o.prompt_mode = triattn::PromptMode::kPinnedOnTop;
+      else if (v == "compete") o.prompt_mode = triattn::PromptMode::kCompete;
+      else throw std::runtime_error("--prompt-mode: '" + v + "' is not pinned_in_budget, pinned_on_top or compete");
+    }
     else if (a == "--steps") o.steps = to_int(a, need(i));
     else if (a == "--temperature") o.temperature = to_float(a, need(i));
     else if (a == "--top-p") o.top_p = to_float(a, need(i));
@@ -518,6 +528,7 @@ triattn::SelectionParams selection_params(const Options& o) {
   sel.budget = o.budget;
   sel.divide_length = o.divide_length;
   sel.mode = o.mode;
+  sel.prompt = o.prompt_mode;
   return sel;
 }
 
