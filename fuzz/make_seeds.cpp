@@ -3,7 +3,9 @@
 //   OUT/seeds/{pt,safetensors,pickle}: tiny, small and medium variants (first layers, heads and
 //       frequencies of the real statistics), which keep libFuzzer at thousands of runs a second;
 //   OUT/full/{safetensors,pickle}: the full real statistics as safetensors and their data.pkl,
-//       which run_fuzzers.sh replays once (next to the real .pt files it copies to OUT/full/pt).
+//       which run_fuzzers.sh replays once (next to the real .pt files it copies to OUT/full/pt);
+//   OUT/seeds/gguf: tiny llama GGUF models (tests/common/gguf_builder.hpp) of 1 and 2 layers and
+//       one with a 64-byte alignment (run_fuzzers.sh copies the real SmolLM2 file to OUT/full/gguf).
 #include <cstdio>
 #include <exception>
 #include <filesystem>
@@ -11,6 +13,8 @@
 #include <vector>
 
 #include <triattn/core/stats.hpp>
+
+#include "common/gguf_builder.hpp"
 
 namespace {
 
@@ -46,7 +50,7 @@ int main(int argc, char** argv) {
   }
   try {
     const std::filesystem::path in = argv[1], out = argv[2];
-    for (const char* d : {"pt", "safetensors", "pickle"}) {
+    for (const char* d : {"pt", "safetensors", "pickle", "gguf"}) {
       std::filesystem::create_directories(out / "seeds" / d);
       std::filesystem::create_directories(out / "full" / d);
     }
@@ -73,6 +77,21 @@ int main(int argc, char** argv) {
         const auto sp = small_zip.read(*small_zip.find(base + "/data.pkl"));
         write(out / "seeds" / "pickle" / (base + ".pkl"), std::vector<std::uint8_t>(sp.begin(), sp.end()));
       }
+    }
+    for (int layers : {1, 2}) {
+      triattn::test::GgufBuilder b = triattn::test::tiny_llama_gguf(layers);
+      const std::vector<std::byte> g = b.build();
+      const auto* p = reinterpret_cast<const std::uint8_t*>(g.data());
+      write(out / "seeds" / "gguf" / ("tiny_llama_" + std::to_string(layers) + ".gguf"),
+            std::vector<std::uint8_t>(p, p + g.size()));
+    }
+    {
+      triattn::test::GgufBuilder b = triattn::test::tiny_llama_gguf(1);
+      b.kv_u32("general.alignment", 64);
+      b.alignment = 64;
+      const std::vector<std::byte> g = b.build();
+      const auto* p = reinterpret_cast<const std::uint8_t*>(g.data());
+      write(out / "seeds" / "gguf" / "tiny_llama_align64.gguf", std::vector<std::uint8_t>(p, p + g.size()));
     }
     return 0;
   } catch (const std::exception& e) {

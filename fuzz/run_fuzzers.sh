@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# Runs every statistics fuzzer for a bounded time on a corpus built at run time from the real
-# calibration files, in a temporary folder (nothing is written into the repository):
+# Runs every fuzzer (statistics loaders, GGUF loader) for a bounded time on a corpus built at run
+# time from the real calibration and model files, in a temporary folder (nothing is written into
+# the repository):
 #   1. the real .pt files (copied), their safetensors conversions and their data.pkl are replayed
 #      once through the matching target;
 #   2. each target then fuzzes for SECONDS, starting from tiny/small/medium variants cut from the
@@ -22,7 +23,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 calib=$(cd "${3:-$here/../../shared/data/calibration}" && pwd)
 
 fuzz_bin=$build/fuzz
-for exe in fuzz_pt_loader fuzz_safetensors_loader fuzz_pickle triattn_fuzz_seeds; do
+for exe in fuzz_pt_loader fuzz_safetensors_loader fuzz_pickle fuzz_gguf_loader triattn_fuzz_seeds; do
   [[ -x $fuzz_bin/$exe ]] || { echo "missing $fuzz_bin/$exe: build with -DTRIATTN_BUILD_FUZZERS=ON" >&2; exit 2; }
 done
 ls "$calib"/*.pt > /dev/null  # no real files, no run
@@ -31,6 +32,7 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/triattn-fuzz.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 "$fuzz_bin/triattn_fuzz_seeds" "$calib" "$work"
 cp "$calib"/*.pt "$work/full/pt/"
+cp "$calib"/../models/*.gguf "$work/full/gguf/"  # the real SmolLM2 model (98 MB), replayed once
 
 artifacts=$build/fuzz-artifacts
 mkdir -p "$artifacts"
@@ -52,4 +54,5 @@ run() {  # run TARGET KIND
 run fuzz_pt_loader pt
 run fuzz_safetensors_loader safetensors
 run fuzz_pickle pickle
+run fuzz_gguf_loader gguf
 exit $status

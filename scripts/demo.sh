@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The README's main job: build and run the reference transformer through triattn::KvCache.
-# Uses stories260K from ../shared/data/models when present (else the synthetic model), the GPU
-# path when a GPU and nvcc are present, the CPU path otherwise. Without arguments it shows the
-# whole path: calibrate query statistics, then generate with compression on. Arguments replace
-# that with one run of the program with them (e.g. `--steps 64`, `--help`).
+# Uses SmolLM2-135M-Instruct (GGUF) from ../shared/data/models when present, else stories260K
+# (else the synthetic model), the GPU path when a GPU and nvcc are present, the CPU path
+# otherwise. Without arguments it shows the whole path: calibrate query statistics on real text,
+# then answer a question about a long document with the full KV cache and with TriAttention
+# compression (each round and the memory saved are printed). Arguments replace that with one run
+# of the program with them (e.g. `--steps 64`, `--help`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 JOBS=${JOBS:-$(nproc)}
@@ -26,6 +28,28 @@ cmake --build "$B" -j "$JOBS" --target reference_transformer
 BIN="$B/examples/reference_transformer/reference_transformer"
 # With arguments: one run with them. Without: the whole path in two runs.
 if [ $# -gt 0 ]; then exec "$BIN" --device "$DEVICE" "$@"; fi
+DATA=../shared/data
+GGUF=$DATA/models/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ -f "$GGUF" ] && [ -f "$DATA/text/shakespeare.txt" ] && [ -f "$DATA/text/pride_and_prejudice.txt" ]; then
+  # SmolLM2-135M-Instruct: calibration text (Shakespeare) and the document (Pride and Prejudice)
+  # are different works, so nothing is tuned on the text the question is about.
+  STATS="$B/demo_smollm2_stats.safetensors"
+  CALIB="$B/demo_calibration.txt"
+  DOC="$B/demo_question.txt"
+  head -c 4000 "$DATA/text/shakespeare.txt" > "$CALIB"
+  { sed -n '/^It is a truth universally acknowledged/,+98p' "$DATA/text/pride_and_prejudice.txt"
+    printf '\nQuestion: According to the passage above, what is the name of the young man who has taken '
+    printf 'Netherfield Park? Answer in one sentence.'; } > "$DOC"
+  printf '\n=== 1/3 calibration: SmolLM2 pre-RoPE query statistics over 4 KB of Shakespeare (CPU) ===\n'
+  "$BIN" --device cpu --model "$GGUF" --no-chat --prompt-file "$CALIB" --steps 1 --quiet --calibrate "$STATS"
+  printf '\n=== 2/3 a question about a ~1,100-token chapter of Pride and Prejudice, full KV cache (%s) ===\n' "$DEVICE"
+  "$BIN" --device "$DEVICE" --model "$GGUF" --prompt-file "$DOC" --steps 48 --no-compress
+  printf '\n=== 3/3 the same with TriAttention: budget 256, a round every 64 tokens, the document compressible (%s) ===\n' "$DEVICE"
+  "$BIN" --device "$DEVICE" --model "$GGUF" --prompt-file "$DOC" --steps 48 --stats "$STATS" --budget 256 \
+         --divide-length 64 --prompt-mode compete --report-every 8
+  exit 0
+fi
+# Fast fallback: stories260K (or the synthetic model).
 STATS="$B/demo_query_stats.safetensors"
 printf '\n=== 1/2 calibration: pre-RoPE query statistics over an uncompressed greedy run (CPU) ===\n'
 "$BIN" --device cpu --calibrate "$STATS" --steps 512 --quiet

@@ -8,6 +8,7 @@
 //   reference_transformer --calibrate stats.safetensors --steps 512       # write query statistics
 //   reference_transformer --stats stats.safetensors --budget 64 --divide-length 16 --steps 400
 //   reference_transformer --synthetic tiny --steps 64
+//   reference_transformer --model SmolLM2-135M-Instruct.Q4_1.gguf --prompt "What is the capital of France?"
 //   reference_transformer --device gpu --synthetic small --weight-dtype bf16 --kv-dtype bf16
 //   reference_transformer --tp 2 --stats stats.safetensors --budget 64 --divide-length 16
 //
@@ -30,6 +31,7 @@
 #include <fstream>
 #include <functional>
 #include <iostream>
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <span>
@@ -47,6 +49,7 @@
 #include <triattn/core/prefix_cache.hpp>
 #include <triattn/core/stats/calibrator.hpp>
 #include <triattn/core/stats/pt_loader.hpp>
+#include <triattn/core/stats/pt_writer.hpp>
 #include <triattn/core/stats/safetensors.hpp>
 #include <triattn/core/stats/slice.hpp>
 #include <triattn/core/tp/collective.hpp>
@@ -56,7 +59,9 @@
 #include "cuda_backend.cuh"
 #include "tp_cuda.cuh"
 #endif
+#include "bpe_tokenizer.hpp"
 #include "generate.hpp"
+#include "gguf_llama.hpp"
 #include "llama2c.hpp"
 #include "model.hpp"
 #include "sampler.hpp"
@@ -89,6 +94,8 @@ struct Options {
   int synthetic_layers = 0;     // 0 = the shape's
   int synthetic_vocab = 0;
   std::vector<std::string> prompts;
+  bool chat = true;             // GGUF models: each prompt is a user turn of the chat template
+  triattn::PromptMode prompt_mode = triattn::PromptMode::kPinnedInBudget;
   int steps = 256;
   float temperature = 0.0f;
   float top_p = 0.9f;
@@ -118,13 +125,19 @@ constexpr bool kHaveCuda = false;
 void usage() {
   std::printf(
       "usage: reference_transformer [options]\n"
-      "  --model PATH          llama2.c v0 checkpoint (default: %s/models/stories260K.bin;\n"
+      "  --model PATH          llama2.c v0 checkpoint, or a llama-architecture GGUF file (*.gguf:\n"
+      "                        weights and BPE tokenizer; e.g. SmolLM2-135M-Instruct.Q4_1.gguf)\n"
+      "                        (default: %s/models/stories260K.bin;\n"
       "                        when that is absent, the synthetic 'tiny' model)\n"
       "  --tokenizer PATH      llama2.c tokenizer (default: tok512.bin next to the model)\n"
       "  --synthetic SHAPE     synthetic model: tiny | small | qwen3-8b-like\n"
       "  --synthetic-layers N  override the synthetic shape's layer count\n"
       "  --synthetic-vocab N   override the synthetic shape's vocabulary size\n"
       "  --prompt TEXT         a prompt; repeat for a batch (default: one empty prompt = BOS)\n"
+      "  --prompt-file PATH    the text of a file as a prompt (repeatable, like --prompt)\n"
+      "  --no-chat             GGUF models: prompts are raw text, not user turns of the chat template\n"
+      "  --prompt-mode M       pinned_in_budget (default) | pinned_on_top | compete: whether prompt\n"
+      "                        tokens are kept outside rounds or compete with the rest (long documents)\n"
       "  --steps N             tokens to generate per sequence (default 256)\n"
       "  --temperature T       0 = greedy (default); > 0 samples\n"
       "  --top-p P             nucleus sampling threshold (default 0.9; 1 = off)\n"
@@ -134,7 +147,8 @@ void usage() {
       "  --divide-length D     compress when the cache reaches B + D (default 128)\n"
       "  --no-compress         ignore --stats' compression\n"
       "  --pruning MODE        per_head (default) | per_layer_per_head | union\n"
-      "  --calibrate OUT       record pre-RoPE query statistics over the run, save to OUT (.safetensors)\n"
+      "  --calibrate OUT       record pre-RoPE query statistics over the run, save to OUT\n"
+      "                        (.safetensors: triattn's native format; .pt: TriAttention's layout)\n"
       "  --kv-dtype T          f32 (default) | bf16 | f16\n"
       "  --block-size N        tokens per KV block (default 16)\n"
       "  --report-every N      status line every N decode steps (default 64; 0 = off)\n"
@@ -148,6 +162,14 @@ void usage() {
       "                        cache (cpu); --wave N requests arrive together (default 1);\n"
       "                        --no-prefix-cache computes every prompt token (same tokens)\n",
       TRIATTN_SHARED_DATA_DIR);
+}
+
+/// The bytes of a text file (--prompt-file).
+std::string read_text_file(const std::string& path) {
+  if (std::filesystem::is_directory(path)) throw std::runtime_error("--prompt-file " + path + ": is a directory");
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error("--prompt-file " + path + ": cannot open the file");
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 
 Options parse_args(int argc, char** argv) {
@@ -199,6 +221,15 @@ Options parse_args(int argc, char** argv) {
     else if (a == "--synthetic-layers") o.synthetic_layers = to_int(a, need(i), 1, ex::Llama2cLimits::kMaxLayers);
     else if (a == "--synthetic-vocab") o.synthetic_vocab = to_int(a, need(i), 1, ex::Llama2cLimits::kMaxVocab);
     else if (a == "--prompt") o.prompts.push_back(need(i));
+    else if (a == "--prompt-file") o.prompts.push_back(read_text_file(need(i)));
+    else if (a == "--no-chat") o.chat = false;
+    else if (a == "--prompt-mode") {
+      const std::string v = need(i);
+      if (v == "pinned_in_budget") o.prompt_mode = triattn::PromptMode::kPinnedInBudget;
+      else if (v == "pinned_on_top") o.prompt_mode = triattn::PromptMode::kPinnedOnTop;
+      else if (v == "compete") o.prompt_mode = triattn::PromptMode::kCompete;
+      else throw std::runtime_error("--prompt-mode: '" + v + "' is not pinned_in_budget, pinned_on_top or compete");
+    }
     else if (a == "--steps") o.steps = to_int(a, need(i), 0, kIntMax);
     else if (a == "--temperature") o.temperature = to_float(a, need(i));
     else if (a == "--top-p") o.top_p = to_float(a, need(i));
@@ -255,20 +286,30 @@ Options parse_args(int argc, char** argv) {
   return o;
 }
 
-/// Text <-> tokens: the llama2.c tokenizer when there is one, else bytes (id = byte + 3).
+/// Text <-> tokens: the llama2.c tokenizer or a GGUF model's BPE tokenizer when there is one,
+/// else bytes (id = byte + 3).
 struct TextCodec {
   std::optional<ex::Tokenizer> tok;
+  std::optional<ex::BpeTokenizer> bpe;
+  bool chat = true;  // bpe: wrap a prompt as a user turn of the chat template
   int vocab = 0;
   int bos = 1;
 
   [[nodiscard]] std::vector<int> encode(const std::string& text) const {
     if (tok) return tok->encode(text, true, false);
+    if (bpe) {
+      const ex::ChatMessage user{"user", text.empty() ? "Tell me a short story." : text};
+      std::vector<int> ids = bpe->encode(chat ? ex::BpeTokenizer::chat_prompt(std::span<const ex::ChatMessage>(&user, 1)) : text);
+      if (bpe->add_bos() || ids.empty()) ids.insert(ids.begin(), bos);
+      return ids;
+    }
     std::vector<int> ids{bos};
     for (unsigned char c : text) ids.push_back(c + 3 < vocab ? c + 3 : c % vocab);
     return ids;
   }
   [[nodiscard]] std::string piece(int prev, int token) const {
     if (tok) return tok->decode_piece(prev, token);
+    if (bpe) return bpe->decode_piece(token, false);
     const int byte = token - 3;  // synthetic models: printable bytes as text, anything else as <id>
     if ((byte >= 32 && byte < 127) || byte == '\n') return std::string(1, static_cast<char>(byte));
     return "<" + std::to_string(token) + ">";
@@ -361,6 +402,7 @@ int run(ModelT& model, Cache& cache, const TextCodec& codec, const std::vector<s
 
   if (stream) {
     std::string shown;
+    if (codec.bpe) shown = codec.piece(-1, prompts[0][0]);  // no BOS to skip
     for (std::size_t t = 1; t < prompts[0].size(); ++t) shown += codec.piece(prompts[0][t - 1], prompts[0][t]);
     std::printf("%s", shown.c_str());
     std::fflush(stdout);
@@ -369,6 +411,7 @@ int run(ModelT& model, Cache& cache, const TextCodec& codec, const std::vector<s
   ex::GenerationOptions go;
   go.max_new_tokens = o.steps;
   go.stop_at_bos = codec.tok.has_value();  // llama2.c ends a story at BOS; a random model would stop anywhere
+  go.stop_at_eos = codec.bpe.has_value();  // a chat model ends its turn with EOS (<|im_end|>)
   ex::GenerationCallbacks cb;
   cb.on_token = [&](int i, int token, std::int64_t, std::span<const float>) {
     if (stream && token != model.config().bos_id) {
@@ -463,7 +506,11 @@ int run(ModelT& model, Cache& cache, const TextCodec& codec, const std::vector<s
   print_status(cache, std::span<const ex::SequenceResult>(res));
 
   if (calibrator != nullptr) {
-    calibrator->save(o.calibrate_out);
+    const std::string& out = o.calibrate_out;
+    if (out.size() > 3 && out.substr(out.size() - 3) == ".pt")
+      triattn::save_pt_stats(out, calibrator->finish());  // TriAttention's official layout
+    else
+      calibrator->save(out);  // triattn's native safetensors format
     std::fprintf(stderr, "calibration: %lld tokens per layer, statistics written to %s\n",
                  static_cast<long long>(calibrator->token_count(0)), o.calibrate_out.c_str());
   }
@@ -499,6 +546,7 @@ triattn::SelectionParams selection_params(const Options& o) {
   sel.budget = o.budget;
   sel.divide_length = o.divide_length;
   sel.mode = o.mode;
+  sel.prompt = o.prompt_mode;
   return sel;
 }
 
@@ -688,6 +736,11 @@ int real_main(int argc, char** argv) {
     if (o.model_path.empty() && !std::filesystem::exists(path)) {
       std::fprintf(stderr, "note: %s not found; using the synthetic 'tiny' model\n", path.c_str());
       shape = "tiny";
+    } else if (path.size() > 5 && path.substr(path.size() - 5) == ".gguf") {
+      const ex::gguf::File file = ex::gguf::File::load(path);
+      weights = ex::gguf_llama_weights(file);
+      codec.bpe = ex::BpeTokenizer::from_gguf(file);
+      codec.chat = o.chat;
     } else {
       weights = ex::load_llama2c_checkpoint(path);
       const std::string tok_path = !o.tokenizer_path.empty()
