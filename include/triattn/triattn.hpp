@@ -3,6 +3,7 @@
 // Testing helpers (core/vmm/fake_driver.hpp, core/vmm/testing.hpp) are not included.
 #pragma once
 
+#include <triattn/core/admission.hpp>
 #include <triattn/core/block_pool.hpp>
 #include <triattn/core/cache_config.hpp>
 #include <triattn/core/concepts.hpp>
@@ -13,6 +14,7 @@
 #include <triattn/core/kv_cache.hpp>
 #include <triattn/core/kv_view.hpp>
 #include <triattn/core/layout.hpp>
+#include <triattn/core/paged_round.hpp>
 #include <triattn/core/policy/host_backend.hpp>
 #include <triattn/core/policy/host_compactor.hpp>
 #include <triattn/core/policy/key_norm_scorer.hpp>

@@ -282,7 +282,9 @@ TEST_CASE("kv cache: a fresh cache") {
   CHECK(m.logical_tokens == 0);
   const KvCacheView<bf16_storage> v = c.view<bf16_storage>();
   CHECK(v.data == c.allocator().data());
-  CHECK(v.range_stride == cfg.block_bytes() * 10 / 2);
+  CHECK(v.ranges == nullptr);
+  CHECK(v.kind_stride == cfg.block_bytes() * 10 / 2);
+  CHECK(v.layer_stride == 2 * v.kind_stride);
   CHECK(v.num_layers == 2);
   CHECK(v.num_blocks == 10);
   CHECK(v.max_seqs == 3);

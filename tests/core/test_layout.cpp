@@ -116,7 +116,8 @@ TEST_CASE("layout: CacheConfig derived sizes") {
   c.max_blocks_per_seq = 5;
   CHECK(c.blocks_per_seq() == 5);
   const BlockLayout bl = c.block_layout();
-  CHECK(bl.layout == KvLayout::kHND);
+  CHECK(bl.is(KvLayout::kHND));
+  CHECK(!bl.is(KvLayout::kNHD));
   CHECK(bl.block_size == 7);
   CHECK(bl.num_kv_heads == 2);
   CHECK(bl.head_dim == 6);
@@ -138,7 +139,8 @@ TEST_CASE("layout: KvCacheView addresses range and block table entry and slot an
     // seq 0 uses blocks 4, 1, 3; seq 1 uses block 0.
     const std::vector<std::int32_t> tables = {4, 1, 3, -1, 0, -1, -1, -1};
     const std::vector<std::int32_t> lens = {8, 2};
-    const KvCacheView<float> v{mem.data(), range_stride, bl, L, nb, max_seqs, mbps, tables.data(), lens.data()};
+    const auto v = KvCacheView<float>::contiguous(mem.data(), range_stride, bl, L, nb, max_seqs, mbps, tables.data(),
+                                                  lens.data());
     bool ok = true;
     for (int layer = 0; layer < L; ++layer)
       for (int kind = 0; kind < 2; ++kind) {

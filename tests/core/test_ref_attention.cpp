@@ -49,8 +49,9 @@ struct HostPaged {
     pool.assign(2 * static_cast<std::size_t>(num_blocks) * block.block_elems(), from_float<T>(0.f));
   }
   KvCacheView<T, std::int32_t> view() {
-    return {pool.data(), static_cast<std::int64_t>(num_blocks) * block.block_elems(), block, 1, num_blocks,
-            static_cast<int>(lens.size()), max_blocks_per_seq, tables.data(), lens.data()};
+    return KvCacheView<T, std::int32_t>::contiguous(pool.data(), static_cast<std::int64_t>(num_blocks) * block.block_elems(),
+                                                    block, 1, num_blocks, static_cast<int>(lens.size()),
+                                                    max_blocks_per_seq, tables.data(), lens.data());
   }
   /// Logical K/V [len, hkv, d] of sequence s written through the tables.
   void fill(int s, const std::vector<float>& k, const std::vector<float>& v) {

@@ -411,15 +411,10 @@ class KvCache {
       tables = allocator_.published_tables();
       lens = allocator_.published_lengths();
     }
-    return KvCacheView<T, index_type>{static_cast<T*>(allocator_.data()),
-                                      allocator_.range_stride_bytes() / static_cast<std::int64_t>(sizeof(T)),
-                                      config_.block_layout(),
-                                      config_.model.num_layers,
-                                      config_.num_blocks,
-                                      config_.max_seqs,
-                                      config_.blocks_per_seq(),
-                                      tables,
-                                      lens};
+    return KvCacheView<T, index_type>::contiguous(
+        static_cast<T*>(allocator_.data()), allocator_.range_stride_bytes() / static_cast<std::int64_t>(sizeof(T)),
+        config_.block_layout(), config_.model.num_layers, config_.num_blocks, config_.max_seqs,
+        config_.blocks_per_seq(), tables, lens);
   }
   /// Host copies of the block tables ([max_seqs, max_blocks_per_seq], -1 padded) and physical
   /// lengths ([max_seqs]): what an engine's own page table is built from.

@@ -1,7 +1,20 @@
 // SPDX-License-Identifier: Apache-2.0
-// KvCacheView: the trivially copyable description of the paged cache that kernels (and the CPU
-// reference) receive. Its type depends only on the element and index types, never on the
+// KvCacheView: the non-owning, trivially copyable description of a paged KV cache that kernels
+// (and the CPU reference) receive, whoever owns the memory: triattn's own KvCache or an engine
+// (vLLM's FlashAttention and FlashInfer layouts, SGLang's per-token slots, TensorRT-LLM-style
+// pools with several layers per block). Like FlashInfer's paged_kv_t it only holds pointers,
+// strides and sizes; its type depends only on the element and index types, never on the
 // allocator, scorer or compactor policy, so policy mixes do not multiply kernel instantiations.
+//
+// Addressing (every pointer in the memory space of whoever reads the view):
+//   range(l, kind) = ranges ? ranges[2*l + kind]                        (a pointer per (layer, K|V))
+//                           : data + l*layer_stride + kind*kind_stride  (one base and two strides)
+//   token(l, kind, s, i, h) = range(l, kind) + block.offset(block_tables[s][i / block_size],
+//                                                           i % block_size, h)
+// with head_dim elements contiguous from there. Block tables are padded rows, vLLM style: entry
+// j of row s is the block holding slots [j * block_size, (j + 1) * block_size) of sequence s;
+// entries past the sequence's blocks are ignored (-1 by convention). Page size 1 (block_size 1,
+// one slot per token, SGLang's req_to_token) is the same thing with one entry per token.
 #pragma once
 
 #include <cstdint>
@@ -14,35 +27,109 @@ namespace triattn {
 
 enum class KvKind : int { kKey = 0, kValue = 1 };
 
-/// Memory: 2 * num_layers ranges (range r = 2 * layer + kind), each [num_blocks] blocks laid out
-/// as `block` says, consecutive ranges `range_stride` elements apart (a VMM allocator reserves
-/// each range its own stretch of address space; a static pool packs them).
-/// Block tables are padded rows, vLLM style: entry j of row s is the block holding slots
-/// [j * block_size, (j + 1) * block_size) of sequence slot s; unused entries are -1.
 template <class T, class Id = std::int32_t>
 struct KvCacheView {
-  T* data;                   ///< [2 * num_layers][range_stride] elements
-  std::int64_t range_stride; ///< elements between consecutive (layer, kind) ranges
-  BlockLayout block;         ///< layout inside one block
-  int num_layers;
-  int num_blocks;            ///< blocks per range (valid ids are [0, num_blocks))
-  int max_seqs;              ///< rows of block_tables
-  int max_blocks_per_seq;    ///< columns of block_tables
-  const Id* block_tables;    ///< [max_seqs, max_blocks_per_seq], -1 padded
-  const Id* seq_lens;        ///< [max_seqs] physical lengths (cached tokens)
+  T* data = nullptr;               ///< base of range (0, K) when `ranges` is null
+  T* const* ranges = nullptr;      ///< optional [2 * num_layers] base of each (layer, K|V); overrides data
+  std::int64_t layer_stride = 0;   ///< elements between (l, kind) and (l + 1, kind) when ranges is null
+  std::int64_t kind_stride = 0;    ///< elements between (l, K) and (l, V) when ranges is null
+  BlockLayout block{};             ///< strides inside one range (shared by K and V)
+  int num_layers = 0;
+  int num_blocks = 0;              ///< valid block ids are [0, num_blocks) (SGLang: slots)
+  int max_seqs = 0;                ///< rows of block_tables and entries of seq_lens
+  int max_blocks_per_seq = 0;      ///< columns of block_tables (row stride, in entries)
+  const Id* block_tables = nullptr;  ///< [max_seqs, max_blocks_per_seq]
+  const Id* seq_lens = nullptr;      ///< [max_seqs] physical lengths (cached tokens)
 
   [[nodiscard]] TRIATTN_HOST_DEVICE T* range(int layer, KvKind kind) const {
-    return data + (2 * static_cast<std::int64_t>(layer) + static_cast<int>(kind)) * range_stride;
+    if (ranges != nullptr) return ranges[2 * layer + static_cast<int>(kind)];
+    return data + static_cast<std::int64_t>(layer) * layer_stride + static_cast<int>(kind) * kind_stride;
+  }
+  /// Block-table row of sequence `seq` ([max_blocks_per_seq] entries).
+  [[nodiscard]] TRIATTN_HOST_DEVICE const Id* table_row(int seq) const {
+    return block_tables + static_cast<std::int64_t>(seq) * max_blocks_per_seq;
   }
   [[nodiscard]] TRIATTN_HOST_DEVICE Id block_of(int seq, int slot) const {
-    return block_tables[static_cast<std::int64_t>(seq) * max_blocks_per_seq + slot / block.block_size];
+    return table_row(seq)[slot / block.block_size];
   }
   /// Head vector [head_dim] of (layer, kind, seq, slot, head).
   [[nodiscard]] TRIATTN_HOST_DEVICE T* token(int layer, KvKind kind, int seq, int slot, int head) const {
     return range(layer, kind) + block.offset(block_of(seq, slot), slot % block.block_size, head);
   }
+  /// Slots a sequence can hold: max_blocks_per_seq * block_size.
+  [[nodiscard]] TRIATTN_HOST_DEVICE std::int64_t capacity_tokens() const {
+    return static_cast<std::int64_t>(max_blocks_per_seq) * block.block_size;
+  }
+
+  /// triattn's own layout (KvCache): 2 * num_layers ranges back to back, range r = 2 * layer + kind
+  /// starting at data + r * range_stride, each [num_blocks] dense blocks of layout `block`.
+  [[nodiscard]] static constexpr KvCacheView contiguous(T* data, std::int64_t range_stride, const BlockLayout& block,
+                                                        int num_layers, int num_blocks, int max_seqs,
+                                                        int max_blocks_per_seq, const Id* block_tables,
+                                                        const Id* seq_lens) noexcept {
+    KvCacheView v;
+    v.data = data;
+    v.layer_stride = 2 * range_stride;
+    v.kind_stride = range_stride;
+    v.block = block;
+    v.num_layers = num_layers;
+    v.num_blocks = num_blocks;
+    v.max_seqs = max_seqs;
+    v.max_blocks_per_seq = max_blocks_per_seq;
+    v.block_tables = block_tables;
+    v.seq_lens = seq_lens;
+    return v;
+  }
+
+  /// Same memory and geometry with other block tables and lengths (e.g. published device copies).
+  [[nodiscard]] constexpr KvCacheView with_tables(const Id* tables, const Id* lens) const noexcept {
+    KvCacheView v = *this;
+    v.block_tables = tables;
+    v.seq_lens = lens;
+    return v;
+  }
 };
 
 static_assert(std::is_trivially_copyable_v<KvCacheView<float>>, "KvCacheView must be trivially copyable");
+static_assert(std::is_trivially_copyable_v<BlockLayout>, "BlockLayout must be trivially copyable");
+
+/// Geometry of an engine's per-layer tensors, for building a KvCacheView over them without
+/// copying (docs/integration.md). Each returns the BlockLayout and, where K and V share one
+/// tensor per layer, the element offset of V from K (`kind_offset`).
+struct EngineLayout {
+  BlockLayout block;
+  std::int64_t kind_offset = 0;  ///< V range = K range + kind_offset (one tensor per layer)
+
+  /// vLLM FlashAttention backend, per layer [2, num_blocks, block_size, kv_heads, head_dim].
+  [[nodiscard]] static constexpr EngineLayout vllm_flash_attn(int num_blocks, int block_size, int kv_heads,
+                                                              int head_dim) noexcept {
+    const BlockLayout b(KvLayout::kNHD, block_size, kv_heads, head_dim);
+    return EngineLayout{b, static_cast<std::int64_t>(num_blocks) * b.stride_block};
+  }
+  /// vLLM FlashInfer backend, per layer [num_blocks, 2, block_size, kv_heads, head_dim] (NHD), or
+  /// [num_blocks, 2, kv_heads, block_size, head_dim] with KvLayout::kHND.
+  [[nodiscard]] static constexpr EngineLayout vllm_flashinfer(int block_size, int kv_heads, int head_dim,
+                                                              KvLayout inner = KvLayout::kNHD) noexcept {
+    BlockLayout b(inner, block_size, kv_heads, head_dim);
+    const std::int64_t one = b.stride_block;
+    b.stride_block = 2 * one;
+    return EngineLayout{b, one};
+  }
+  /// SGLang MHA token pool: separate K and V buffers per layer, [num_slots, kv_heads, head_dim],
+  /// one slot per token (block_size 1; the block table is req_to_token).
+  [[nodiscard]] static constexpr EngineLayout sglang(int kv_heads, int head_dim) noexcept {
+    return EngineLayout{BlockLayout(KvLayout::kNHD, 1, kv_heads, head_dim), 0};
+  }
+  /// TensorRT-LLM-style pool: one block id holds every layer, block = [num_layers, 2, kv_heads,
+  /// block_size, head_dim] (HND inside). With it: data = pool base, layer_stride =
+  /// 2 * kind_offset, kind_stride = kind_offset.
+  [[nodiscard]] static constexpr EngineLayout trtllm_pool(int num_layers, int block_size, int kv_heads,
+                                                          int head_dim) noexcept {
+    BlockLayout b(KvLayout::kHND, block_size, kv_heads, head_dim);
+    const std::int64_t one = b.stride_block;
+    b.stride_block = 2 * static_cast<std::int64_t>(num_layers) * one;
+    return EngineLayout{b, one};
+  }
+};
 
 }  // namespace triattn

@@ -24,6 +24,13 @@ enum class PruningMode : int {
   kUnion = 2,            ///< union of per-(layer, query head) top sets; one set for everything
 };
 
+/// What a round does with a sequence whose scores in the selectable range are not all finite
+/// (NaN or ±Inf: a NaN key, or finite keys whose scores overflow).
+enum class NonFinitePolicy : int {
+  kRefuse = 0,      ///< leave the sequence unchanged and report it (RoundStatus::kNonFinite; ref::select_keep throws)
+  kEvictFirst = 1,  ///< non-finite scores rank below every finite one: those tokens go first, the round proceeds
+};
+
 /// How prompt tokens take part in selection (spec §5).
 enum class PromptMode : int {
   kPinnedInBudget = 0,  ///< prompt never evicted and counted inside the budget (paper setting)
@@ -45,6 +52,13 @@ enum class PromptMode : int {
     case PruningMode::kUnion: return "union";
   }
   return "<invalid PruningMode>";
+}
+[[nodiscard]] inline const char* to_string(NonFinitePolicy p) noexcept {
+  switch (p) {
+    case NonFinitePolicy::kRefuse: return "refuse";
+    case NonFinitePolicy::kEvictFirst: return "evict_first";
+  }
+  return "<invalid NonFinitePolicy>";
 }
 [[nodiscard]] inline const char* to_string(PromptMode m) noexcept {
   switch (m) {
@@ -81,6 +95,7 @@ struct SelectionParams {
   int n_sink = 0;                          ///< attention-sink prefix that is never evicted
   int window = 0;                          ///< newest tokens that are never evicted
   bool compress_during_prefill = false;    ///< allow a round on a non-decode step
+  NonFinitePolicy nonfinite = NonFinitePolicy::kRefuse;  ///< scores that are NaN/±Inf (see NonFinitePolicy)
 
   [[nodiscard]] bool prompt_pinned() const noexcept { return prompt != PromptMode::kCompete; }
 
@@ -96,6 +111,8 @@ struct SelectionParams {
     TRIATTN_EXPECTS(prompt == PromptMode::kPinnedInBudget || prompt == PromptMode::kPinnedOnTop ||
                         prompt == PromptMode::kCompete,
                     "SelectionParams::prompt has invalid value " + std::to_string(static_cast<int>(prompt)));
+    TRIATTN_EXPECTS(nonfinite == NonFinitePolicy::kRefuse || nonfinite == NonFinitePolicy::kEvictFirst,
+                    "SelectionParams::nonfinite has invalid value " + std::to_string(static_cast<int>(nonfinite)));
     // B + divide_length is compared against int lengths; keep it representable.
     TRIATTN_EXPECTS(static_cast<long long>(budget) + divide_length <= 0x7fffffffLL,
                     "SelectionParams: budget + divide_length = " +
