@@ -24,6 +24,7 @@ using ConstArray = nb::ndarray<nb::ro>;
 void bind_params(nb::module_& m);
 void bind_stats(nb::module_& m);
 void bind_round(nb::module_& m);
+void bind_paged(nb::module_& m);
 #ifdef TRIATTN_PYTHON_WITH_CUDA
 void bind_cuda(nb::module_& m);
 #endif

@@ -76,6 +76,7 @@ NB_MODULE(_triattn, m) {
   bind_params(m);
   bind_stats(m);
   bind_round(m);
+  bind_paged(m);
 #ifdef TRIATTN_PYTHON_WITH_CUDA
   bind_cuda(m);
   m.attr("has_cuda") = true;

@@ -82,6 +82,43 @@ void bind_round(nb::module_& m) {
       .value("HND", KvLayout::kHND);
   nb::enum_<Phase>(m, "Phase").value("PREFILL", Phase::kPrefill).value("DECODE", Phase::kDecode);
 
+  nb::class_<ModelGeometry>(m, "ModelGeometry", "Attention shape of a model (what the KV cache cares about).")
+      .def("__init__",
+           [](ModelGeometry* self, int num_layers, int num_q_heads, int num_kv_heads, int head_dim) {
+             new (self) ModelGeometry{num_layers, num_q_heads, num_kv_heads, head_dim};
+           },
+           nb::kw_only(), nb::arg("num_layers"), nb::arg("num_q_heads"), nb::arg("num_kv_heads"), nb::arg("head_dim"))
+      .def_rw("num_layers", &ModelGeometry::num_layers)
+      .def_rw("num_q_heads", &ModelGeometry::num_q_heads)
+      .def_rw("num_kv_heads", &ModelGeometry::num_kv_heads)
+      .def_rw("head_dim", &ModelGeometry::head_dim)
+      .def("validate", &ModelGeometry::validate)
+      .def("__repr__", [](const ModelGeometry& g) {
+        return "ModelGeometry(num_layers=" + std::to_string(g.num_layers) + ", num_q_heads=" +
+               std::to_string(g.num_q_heads) + ", num_kv_heads=" + std::to_string(g.num_kv_heads) +
+               ", head_dim=" + std::to_string(g.head_dim) + ")";
+      });
+  const CacheConfig dc{};
+  nb::class_<CacheConfig>(m, "CacheConfig", "Layout of a paged cache: geometry, block size, pool size, dtype.")
+      .def("__init__",
+           [](CacheConfig* self, const ModelGeometry& model, int block_size, int num_blocks, int max_seqs,
+              int max_blocks_per_seq, KvLayout layout, DType dtype) {
+             new (self) CacheConfig{model, block_size, num_blocks, max_seqs, max_blocks_per_seq, layout, dtype};
+           },
+           nb::arg("model"), nb::kw_only(), nb::arg("block_size") = dc.block_size, nb::arg("num_blocks"),
+           nb::arg("max_seqs") = dc.max_seqs, nb::arg("max_blocks_per_seq") = 0, nb::arg("layout") = dc.layout,
+           nb::arg("dtype") = dc.dtype)
+      .def_rw("model", &CacheConfig::model)
+      .def_rw("block_size", &CacheConfig::block_size)
+      .def_rw("num_blocks", &CacheConfig::num_blocks)
+      .def_rw("max_seqs", &CacheConfig::max_seqs)
+      .def_rw("max_blocks_per_seq", &CacheConfig::max_blocks_per_seq)
+      .def_rw("layout", &CacheConfig::layout)
+      .def_rw("dtype", &CacheConfig::dtype)
+      .def("block_bytes", &CacheConfig::block_bytes, "Bytes of one block in one (layer, K|V) range.")
+      .def("block_bytes_all_ranges", &CacheConfig::block_bytes_all_ranges, "Bytes one block id owns (all layers, K, V).")
+      .def("validate", &CacheConfig::validate);
+
   nb::class_<CompressionReport>(m, "CompressionReport", "What one round did to one sequence.")
       .def_ro("seq", &CompressionReport::seq)
       .def_ro("length_before", &CompressionReport::length_before)
@@ -92,23 +129,13 @@ void bind_round(nb::module_& m) {
                         "The library's own paged cache in host memory, with the TriAttention scorer and the top-k "
                         "selector (KvCache<TriAttentionScorer, TopKSelector> of the C++ API).")
       .def("__init__",
-           [](HostCache* self, int num_layers, int num_q_heads, int num_kv_heads, int head_dim, int block_size,
-              int num_blocks, int max_seqs, int max_blocks_per_seq, KvLayout layout, DType dtype, const QueryStats& stats,
-              const RopeConfig& rope, const ScoringParams& scoring, const SelectionParams& selection) {
-             CacheConfig cfg;
-             cfg.model = {num_layers, num_q_heads, num_kv_heads, head_dim};
-             cfg.block_size = block_size;
-             cfg.num_blocks = num_blocks;
-             cfg.max_seqs = max_seqs;
-             cfg.max_blocks_per_seq = max_blocks_per_seq;
-             cfg.layout = layout;
-             cfg.dtype = dtype;
-             new (self) HostCache(cfg, TriAttentionScorer(stats, rope, scoring, num_kv_heads), TopKSelector(selection));
+           [](HostCache* self, const CacheConfig& cfg, const QueryStats& stats, const RopeConfig& rope,
+              const SelectionParams& selection, const ScoringParams& scoring) {
+             new (self) HostCache(cfg, TriAttentionScorer(stats, rope, scoring, cfg.model.num_kv_heads),
+                                  TopKSelector(selection));
            },
-           nb::kw_only(), nb::arg("num_layers"), nb::arg("num_q_heads"), nb::arg("num_kv_heads"), nb::arg("head_dim"),
-           nb::arg("block_size"), nb::arg("num_blocks"), nb::arg("max_seqs") = 16, nb::arg("max_blocks_per_seq") = 0,
-           nb::arg("layout") = KvLayout::kNHD, nb::arg("dtype") = DType::kF32, nb::arg("stats"), nb::arg("rope"),
-           nb::arg("scoring") = ScoringParams{}, nb::arg("selection") = SelectionParams{})
+           nb::arg("config"), nb::arg("stats"), nb::arg("rope"), nb::arg("selection"),
+           nb::arg("scoring") = ScoringParams{})
       .def("add_sequence", &HostCache::add_sequence)
       .def("release", &HostCache::release, nb::arg("seq"))
       .def("append",

@@ -71,6 +71,9 @@ void bind_params(nb::module_& m) {
       .value("PER_HEAD", PruningMode::kPerHead)
       .value("PER_LAYER_PER_HEAD", PruningMode::kPerLayerPerHead)
       .value("UNION", PruningMode::kUnion);
+  nb::enum_<NonFinitePolicy>(m, "NonFinitePolicy", "What a round does with non-finite scores.")
+      .value("REFUSE", NonFinitePolicy::kRefuse)
+      .value("EVICT_FIRST", NonFinitePolicy::kEvictFirst);
   nb::enum_<PromptMode>(m, "PromptMode", "How prompt tokens take part in selection (spec section 5).")
       .value("PINNED_IN_BUDGET", PromptMode::kPinnedInBudget)
       .value("PINNED_ON_TOP", PromptMode::kPinnedOnTop)
@@ -107,14 +110,14 @@ void bind_params(nb::module_& m) {
   nb::class_<SelectionParams>(m, "SelectionParams", "Which keys a round keeps and when rounds happen (spec 4, 5).")
       .def("__init__",
            [](SelectionParams* self, int budget, int divide_length, PruningMode mode, bool normalize, PromptMode prompt,
-              int n_sink, int window, bool compress_during_prefill) {
+              int n_sink, int window, bool compress_during_prefill, NonFinitePolicy nonfinite) {
              new (self) SelectionParams{budget, divide_length, mode, normalize, prompt, n_sink, window,
-                                        compress_during_prefill};
+                                        compress_during_prefill, nonfinite};
            },
            nb::kw_only(), nb::arg("budget") = d.budget, nb::arg("divide_length") = d.divide_length,
            nb::arg("mode") = d.mode, nb::arg("normalize") = d.normalize, nb::arg("prompt") = d.prompt,
            nb::arg("n_sink") = d.n_sink, nb::arg("window") = d.window,
-           nb::arg("compress_during_prefill") = d.compress_during_prefill)
+           nb::arg("compress_during_prefill") = d.compress_during_prefill, nb::arg("nonfinite") = d.nonfinite)
       .def_rw("budget", &SelectionParams::budget)
       .def_rw("divide_length", &SelectionParams::divide_length)
       .def_rw("mode", &SelectionParams::mode)
@@ -123,6 +126,7 @@ void bind_params(nb::module_& m) {
       .def_rw("n_sink", &SelectionParams::n_sink)
       .def_rw("window", &SelectionParams::window)
       .def_rw("compress_during_prefill", &SelectionParams::compress_during_prefill)
+      .def_rw("nonfinite", &SelectionParams::nonfinite)
       .def("validate", &SelectionParams::validate, "Raises LogicError naming the first bad value.")
       .def("threshold", &CompressionTrigger::threshold, "Counted length at which a round fires (budget + divide_length).")
       .def("__repr__", [](const SelectionParams& p) {
@@ -130,7 +134,8 @@ void bind_params(nb::module_& m) {
                ", mode=" + to_string(p.mode) + ", normalize=" + (p.normalize ? "True" : "False") +
                ", prompt=" + to_string(p.prompt) + ", n_sink=" + std::to_string(p.n_sink) +
                ", window=" + std::to_string(p.window) +
-               ", compress_during_prefill=" + (p.compress_during_prefill ? "True" : "False") + ")";
+               ", compress_during_prefill=" + (p.compress_during_prefill ? "True" : "False") +
+               ", nonfinite=" + to_string(p.nonfinite) + ")";
       });
 
   nb::class_<ref::KeepCounts>(m, "KeepCounts", "How a round splits a sequence's slots (keep_counts()).")
