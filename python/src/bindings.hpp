@@ -25,9 +25,6 @@ void bind_params(nb::module_& m);
 void bind_stats(nb::module_& m);
 void bind_round(nb::module_& m);
 void bind_paged(nb::module_& m);
-#ifdef TRIATTN_PYTHON_WITH_CUDA
-void bind_cuda(nb::module_& m);
-#endif
 
 /// "float32", "int32", "bfloat16"... for messages.
 std::string dtype_str(nb::dlpack::dtype t);

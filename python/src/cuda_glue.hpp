@@ -43,7 +43,8 @@ struct ViewParts {
 };
 
 /// Device workspace bytes of a round.
-[[nodiscard]] std::size_t workspace_size(const DeviceModel* model, const SelectionParams& params, int batch, int max_len);
+[[nodiscard]] std::size_t workspace_size(const DeviceModel* model, const SelectionParams& params, int batch, int max_len,
+                                         int max_seqs);
 
 /// The batched round over a device view, enqueued on `stream` (asynchronous; nothing is read
 /// back); every pointer is a device pointer of `device`.

@@ -78,7 +78,6 @@ NB_MODULE(_triattn, m) {
   bind_round(m);
   bind_paged(m);
 #ifdef TRIATTN_PYTHON_WITH_CUDA
-  bind_cuda(m);
   m.attr("has_cuda") = true;
 #else
   m.attr("has_cuda") = false;

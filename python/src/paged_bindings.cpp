@@ -111,6 +111,12 @@ struct PagedCache {
         ranges[2 * l + kind] = a.data();
       }
     }
+    for (std::size_t i = 0; i < ranges.size(); ++i)
+      for (std::size_t j = i + 1; j < ranges.size(); ++j)
+        if (ranges[i] == ranges[j])
+          throw logic_error("triattn: " + std::string(i % 2 ? "v[" : "k[") + std::to_string(i / 2) + "] and " +
+                            (j % 2 ? "v[" : "k[") + std::to_string(j / 2) +
+                            "] are the same memory; every (layer, K|V) needs its own");
     if (device_type == kCuda) {
 #ifdef TRIATTN_PYTHON_WITH_CUDA
       device_ranges = cuda_glue::upload_pointers(ranges.data(), ranges.size(), device_id);
@@ -338,7 +344,7 @@ void bind_paged(nb::module_& m) {
         return kept_rows(c.selection.mode, c.geometry.num_layers, c.geometry.num_kv_heads);
       }, "Rows of kept positions per sequence under the current mode.")
       .def("workspace_size",
-           [](Compressor& c, int batch, int max_len, const std::string& device) -> std::size_t {
+           [](Compressor& c, int batch, int max_len, const std::string& device, int max_seqs) -> std::size_t {
              if (batch < 0 || max_len < 0)
                throw logic_error("triattn: workspace_size: batch = " + std::to_string(batch) + " and max_len = " +
                                  std::to_string(max_len) + " must be non-negative");
@@ -346,13 +352,14 @@ void bind_paged(nb::module_& m) {
 #ifdef TRIATTN_PYTHON_WITH_CUDA
              if (device.rfind("cuda", 0) == 0) {
                const int id = device.size() > 5 ? std::stoi(device.substr(5)) : 0;
-               return cuda_glue::workspace_size(c.device_model(id), c.selection, batch, max_len);
+               return cuda_glue::workspace_size(c.device_model(id), c.selection, batch, max_len, max_seqs);
              }
 #endif
              throw logic_error("triattn: workspace_size: unknown or unsupported device '" + device + "'");
            },
-           nb::arg("batch"), nb::arg("max_len"), nb::arg("device") = "cpu",
-           "Workspace bytes of a round of `batch` sequences of at most `max_len` slots on `device`.")
+           nb::arg("batch"), nb::arg("max_len"), nb::arg("device") = "cpu", nb::arg("max_seqs") = 0,
+           "Workspace bytes of a round of `batch` sequences of at most `max_len` slots on `device` (\"cpu\" or "
+           "\"cuda:N\"); the device round also needs the view's rows, `max_seqs`.")
       .def("_round", &run_round, nb::arg("cache"), nb::arg("block_tables"), nb::arg("seq_lens"), nb::arg("seq_ids"),
            nb::arg("t0"), nb::arg("prompt_lens"), nb::arg("new_lens"), nb::arg("status"), nb::arg("freed_begin"),
            nb::arg("freed_end"), nb::arg("kept").none(), nb::arg("slot_positions").none(), nb::arg("workspace"),

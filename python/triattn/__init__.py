@@ -201,7 +201,8 @@ class Compressor(_triattn.Compressor):
                 max_len = int(lens[_to_numpy(seq_ids).astype(np.int64)].max())
         device = "cpu" if not on_gpu else f"cuda:{_device_index(seq_ids)}"
         if workspace is None:
-            workspace = _empty(seq_ids, (max(1, self.workspace_size(batch, max_len, device)),), "uint8")
+            size = self.workspace_size(batch, max_len, device, int(block_tables.shape[0]))
+            workspace = _empty(seq_ids, (max(1, size),), "uint8")
         if out is None:
             rows = self.kept_rows()
             if kept is True:
