@@ -30,6 +30,7 @@
 #include <triattn/core/error.hpp>
 #include <triattn/core/keep_plan.hpp>
 #include <triattn/core/kv_view.hpp>
+#include <triattn/core/paged_round.hpp>
 #include <triattn/core/policy/host_backend.hpp>
 #include <triattn/core/policy/host_compactor.hpp>
 #include <triattn/core/policy/no_scorer.hpp>
@@ -72,6 +73,21 @@ struct CompressionReport {
   int length_before = 0;
   int length_after = 0;
   int blocks_freed = 0;
+  /// kCompressed, or kNonFinite: a selectable score was NaN/±Inf under NonFinitePolicy::kRefuse
+  /// and the sequence was left unchanged (length_after == length_before, no positions).
+  RoundStatus status = RoundStatus::kCompressed;
+  /// Rows of kept_positions: kept_rows(mode) with a selector that has SelectionParams, else
+  /// layers * kv_heads (kept_row_source says which (layer, KV head) a row describes).
+  int kept_rows = 0;
+  /// [kept_rows, length_after]: original logical position of the token slot i of row r holds.
+  std::vector<std::int32_t> kept_positions;
+
+  [[nodiscard]] std::span<const std::int32_t> kept(int row) const {
+    TRIATTN_EXPECTS(row >= 0 && row < kept_rows,
+                    "CompressionReport::kept: row " + std::to_string(row) + " outside [0, " + std::to_string(kept_rows) + ")");
+    return {kept_positions.data() + static_cast<std::size_t>(row) * static_cast<std::size_t>(length_after),
+            static_cast<std::size_t>(length_after)};
+  }
 };
 
 template <class... Policies>
@@ -136,7 +152,7 @@ class KvCache {
                     "add_sequence: all max_seqs = " + std::to_string(config_.max_seqs) + " sequence slots are in use");
     const SeqId s = free_seq_slots_.back();
     free_seq_slots_.pop_back();
-    seqs_[static_cast<std::size_t>(s)] = SeqState{true, 0, 0, false};
+    seqs_[static_cast<std::size_t>(s)] = SeqState{true, 0, 0, false, std::numeric_limits<int>::max(), {}};
     return s;
   }
 
@@ -162,7 +178,7 @@ class KvCache {
       allocator_.retain(b);
       tables_[row(child) + j] = b;
     }
-    seqs_[idx(child)] = SeqState{true, tokens, prompt, tokens > prompt, std::numeric_limits<int>::max()};
+    seqs_[idx(child)] = SeqState{true, tokens, prompt, tokens > prompt, std::numeric_limits<int>::max(), {}};
     lens_[idx(child)] = tokens;
     return child;
   }
@@ -224,6 +240,12 @@ class KvCache {
         r.status = AppendStatus::kOutOfBlocks;
         return r;
       }
+    }
+    if (!s.positions.empty() || (n > 0 && s.logical != len)) {  // slots no longer equal positions
+      materialise_positions(s, len);
+      const std::size_t R = position_rows();
+      s.positions.reserve(static_cast<std::size_t>(new_len) * R);
+      for (int t = 0; t < n; ++t) s.positions.insert(s.positions.end(), R, static_cast<std::int32_t>(s.logical + t));
     }
     lens_[idx(seq)] = static_cast<index_type>(new_len);
     s.logical += n;
@@ -288,39 +310,9 @@ class KvCache {
   /// bad plan, when compaction would rewrite a block shared with another sequence, or when it
   /// would leave a shared block partly filled (the next append would write into it).
   void apply_keep_plan(SeqId seq, const KeepPlan& plan) {
-    SeqState& s = state(seq, "apply_keep_plan");
-    const int len = lens_[idx(seq)];
-    plan.validate(config_.model.num_layers, config_.model.num_kv_heads, len);
-    const int first_changed = first_moved_slot(plan);
-    if (first_changed < plan.keep) {
-      const int b_end = static_cast<int>(detail::ceil_div(plan.keep, config_.block_size));
-      for (int j = first_changed / config_.block_size; j < b_end; ++j) {
-        const index_type b = tables_[row(seq) + j];
-        TRIATTN_EXPECTS(allocator_.ref_count(b) == 1,
-                        "apply_keep_plan: compaction would rewrite block " + std::to_string(b) + " (slots from " +
-                            std::to_string(j * config_.block_size) + ") that sequence " + std::to_string(seq) +
-                            " shares with another sequence; shared prefix blocks must stay untouched");
-      }
-    }
-    if (plan.keep < len && plan.keep % config_.block_size != 0) {
-      const int j = (plan.keep - 1) / config_.block_size;
-      const index_type b = tables_[row(seq) + static_cast<std::size_t>(j)];
-      TRIATTN_EXPECTS(allocator_.ref_count(b) == 1,
-                      "apply_keep_plan: keeping " + std::to_string(plan.keep) + " of " + std::to_string(len) +
-                          " tokens would leave block " + std::to_string(b) + " (slots from " +
-                          std::to_string(j * config_.block_size) + "), which sequence " + std::to_string(seq) +
-                          " shares with another sequence, partly filled: the next append would rewrite it (keep a "
-                          "multiple of block_size = " + std::to_string(config_.block_size) + " there)");
-    }
-    if (first_changed < plan.keep) {
-      dispatch_dtype([&](auto tag) {
-        using T = typename decltype(tag)::type;
-        compactor_.apply(view<T>(), seq, plan);
-      });
-    }
-    shrink_to(seq, plan.keep);
-    s.prompt_len = std::min(s.prompt_len, first_changed);
-    s.in_place = std::min({s.in_place, first_changed, plan.keep});
+    (void)state(seq, "apply_keep_plan");
+    check_keep_plan(seq, plan, "apply_keep_plan");
+    commit_keep_plan(seq, plan);
   }
 
   /// True when `seq`'s counted length reached budget + divide_length (the selector's trigger).
@@ -332,32 +324,69 @@ class KvCache {
   }
 
   /// One compression round for `seq`: score every cached key, select the keep set, compact, free
-  /// tail blocks. CPU path (and any scorer whose memory space matches).
+  /// tail blocks (the batched round's host pieces, core/paged_round.hpp). CPU path (and any scorer
+  /// whose memory space matches). The report carries the kept tokens' original positions. A
+  /// sequence with non-finite scores (NonFinitePolicy::kRefuse) is left unchanged and reported
+  /// kNonFinite. @throws logic_error (cache unchanged) on a bad id or when compaction would
+  /// rewrite a shared block.
   CompressionReport compress(SeqId seq)
     requires(!std::is_same_v<scorer_type, NoScorer> && !std::is_same_v<selector_type, NoSelector>)
   {
-    const SeqState& s = state(seq, "compress");
-    const int len = lens_[idx(seq)];
-    const ModelGeometry& g = config_.model;
-    scores_.resize(static_cast<std::size_t>(g.num_layers) * g.num_q_heads * len);
-    dispatch_dtype([&](auto tag) {
-      using T = typename decltype(tag)::type;
-      scorer_.score(view<T>(), seq, len, s.logical, std::span<float>(scores_));  // [L, Hq, len]
-    });
-    const KeepPlan plan = selector_.select(std::span<const float>(scores_), g, len, s.prompt_len);
-    CompressionReport rep{seq, len, plan.keep, num_blocks_of(seq)};
-    apply_keep_plan(seq, plan);
-    rep.blocks_freed -= num_blocks_of(seq);
-    return rep;
+    const SeqId one[1] = {seq};
+    return round(std::span<const SeqId>(one, 1), false, "compress").front();
   }
 
-  /// Runs compress() on every sequence of `seqs` whose trigger fired; returns what was done.
+  /// One batched round over the sequences of `seqs` whose trigger fired; returns a report per such
+  /// sequence, in order. Atomic for bad input: every id is checked (active, no duplicates) and every
+  /// plan is computed and checked before any sequence changes, so a throw leaves the cache as it was.
+  /// Per-sequence data problems do not throw: a sequence with non-finite scores is left unchanged
+  /// and reported kNonFinite (NonFinitePolicy::kEvictFirst lets it compress instead), the others
+  /// complete. (A selector without SelectionParams, or a tensor-parallel one, decides itself: it
+  /// may throw, still before anything changed.)
   std::vector<CompressionReport> compress_if_needed(std::span<const SeqId> seqs)
     requires(!std::is_same_v<scorer_type, NoScorer> && !std::is_same_v<selector_type, NoSelector>)
   {
+    return round(seqs, true, "compress_if_needed");
+  }
+
+  /// Host bookkeeping of a round whose compaction ran elsewhere over view() (a device round):
+  /// for every batch entry b with out.status[b] == kCompressed, the sequence's length becomes
+  /// out.new_lens[b], the blocks past it are released, and its prompt and position state follow
+  /// out.kept ([batch, out.kept_rows, out.max_keep] pre-round slots, slot_positions null). Call it
+  /// only once the compaction is complete (after its event), never while a kernel may still
+  /// touch the freed blocks. Entries with another status are left as they are.
+  /// @throws logic_error (cache unchanged) when an id, length or kept row is inconsistent.
+  std::vector<CompressionReport> commit_round(std::span<const SeqId> seqs, const RoundOutputs& out) {
+    const ModelGeometry& g = config_.model;
+    TRIATTN_EXPECTS(seqs.empty() || (out.new_lens != nullptr && out.status != nullptr && out.kept != nullptr),
+                    "commit_round: out.new_lens, out.status and out.kept must not be null");
+    TRIATTN_EXPECTS(out.slot_positions == nullptr,
+                    "commit_round: out.kept must hold pre-round slots (slot_positions null); the cache maps positions");
+    TRIATTN_EXPECTS(seqs.empty() || out.kept_rows == g.num_layers * g.num_kv_heads || out.kept_rows == g.num_kv_heads ||
+                        out.kept_rows == 1,
+                    "commit_round: out.kept_rows = " + std::to_string(out.kept_rows) +
+                        " must be 1, num_kv_heads or num_layers * num_kv_heads");
+    check_batch_ids(seqs, "commit_round");
+    std::vector<KeepPlan> plans(seqs.size());
+    for (std::size_t b = 0; b < seqs.size(); ++b) {
+      if (out.status[b] != static_cast<std::int32_t>(RoundStatus::kCompressed)) continue;
+      const int keep = out.new_lens[b];
+      TRIATTN_EXPECTS(keep >= 0 && keep <= out.max_keep,
+                      "commit_round: new length " + std::to_string(keep) + " of sequence " + std::to_string(seqs[b]) +
+                          " is outside [0, max_keep = " + std::to_string(out.max_keep) + "]");
+      KeepPlan& plan = plans[b];
+      plan = KeepPlan(g.num_layers, g.num_kv_heads, keep);
+      for (int l = 0; l < g.num_layers; ++l)
+        for (int h = 0; h < g.num_kv_heads; ++h) {
+          const int r = out.kept_rows == 1 ? 0 : out.kept_rows == g.num_kv_heads ? h : l * g.num_kv_heads + h;
+          std::copy_n(out.kept + (static_cast<std::size_t>(b) * out.kept_rows + r) * out.max_keep, keep, plan.row(l, h));
+        }
+      check_keep_plan(seqs[b], plan, "commit_round");
+    }
     std::vector<CompressionReport> done;
-    for (SeqId s : seqs)
-      if (needs_compression(s)) done.push_back(compress(s));
+    for (std::size_t b = 0; b < seqs.size(); ++b)
+      if (out.status[b] == static_cast<std::int32_t>(RoundStatus::kCompressed))
+        done.push_back(commit_with_report(seqs[b], plans[b], g.num_layers * g.num_kv_heads));
     return done;
   }
 
@@ -435,6 +464,9 @@ class KvCache {
     int prompt_len = 0;        ///< prefill tokens still in place in slots [0, prompt_len)
     bool decoded = false;      ///< a decode token was appended (prompt_len alone cannot tell once compaction shortened it)
     int in_place = std::numeric_limits<int>::max();  ///< slots [0, in_place) still hold tokens 0..in_place-1
+    /// [length, layers * kv_heads]: original logical position of each slot per (layer, KV head);
+    /// empty while slot i holds position i everywhere (never compacted, nothing dropped).
+    std::vector<std::int32_t> positions;
   };
 
   static const CacheConfig& validated(const CacheConfig& c) {
@@ -499,6 +531,159 @@ class KvCache {
       }
     return first;
   }
+  std::size_t position_rows() const noexcept {
+    return static_cast<std::size_t>(config_.model.num_layers) * static_cast<std::size_t>(config_.model.num_kv_heads);
+  }
+  // Turns an empty (identity) position map of `len` slots into an explicit one.
+  void materialise_positions(SeqState& s, int len) const {
+    if (!s.positions.empty() || len == 0) return;
+    const std::size_t R = position_rows();
+    s.positions.resize(static_cast<std::size_t>(len) * R);
+    for (int i = 0; i < len; ++i) std::fill_n(s.positions.begin() + static_cast<std::ptrdiff_t>(i * R), R, i);
+  }
+
+  // Every check apply_keep_plan makes, without changing anything.
+  void check_keep_plan(SeqId seq, const KeepPlan& plan, const char* op) const {
+    (void)state(seq, op);
+    const int len = lens_[idx(seq)];
+    plan.validate(config_.model.num_layers, config_.model.num_kv_heads, len);
+    const int first_changed = first_moved_slot(plan);
+    if (first_changed < plan.keep) {
+      const int b_end = static_cast<int>(detail::ceil_div(plan.keep, config_.block_size));
+      for (int j = first_changed / config_.block_size; j < b_end; ++j) {
+        const index_type b = tables_[row(seq) + j];
+        TRIATTN_EXPECTS(allocator_.ref_count(b) == 1,
+                        std::string(op) + ": compaction would rewrite block " + std::to_string(b) + " (slots from " +
+                            std::to_string(j * config_.block_size) + ") that sequence " + std::to_string(seq) +
+                            " shares with another sequence; shared prefix blocks must stay untouched");
+      }
+    }
+    if (plan.keep < len && plan.keep % config_.block_size != 0) {
+      const int j = (plan.keep - 1) / config_.block_size;
+      const index_type b = tables_[row(seq) + static_cast<std::size_t>(j)];
+      TRIATTN_EXPECTS(allocator_.ref_count(b) == 1,
+                      std::string(op) + ": keeping " + std::to_string(plan.keep) + " of " + std::to_string(len) +
+                          " tokens would leave block " + std::to_string(b) + " (slots from " +
+                          std::to_string(j * config_.block_size) + "), which sequence " + std::to_string(seq) +
+                          " shares with another sequence, partly filled: the next append would rewrite it (keep a "
+                          "multiple of block_size = " + std::to_string(config_.block_size) + " there)");
+    }
+  }
+
+  // apply_keep_plan after check_keep_plan passed: compaction, tail blocks, prompt and positions.
+  void commit_keep_plan(SeqId seq, const KeepPlan& plan, bool compact = true) {
+    SeqState& s = state(seq, "apply_keep_plan");
+    const int len = lens_[idx(seq)];
+    const int first_changed = first_moved_slot(plan);
+    if (first_changed < plan.keep && compact) {
+      dispatch_dtype([&](auto tag) {
+        using T = typename decltype(tag)::type;
+        compactor_.apply(view<T>(), seq, plan);
+      });
+    }
+    if (first_changed < plan.keep || !s.positions.empty()) {
+      materialise_positions(s, len);
+      const std::size_t R = position_rows();
+      std::vector<std::int32_t> moved(static_cast<std::size_t>(plan.keep) * R);
+      for (int l = 0; l < plan.num_layers; ++l)
+        for (int h = 0; h < plan.num_kv_heads; ++h) {
+          const std::size_t c = static_cast<std::size_t>(l) * plan.num_kv_heads + h;
+          const std::int32_t* r = plan.row(l, h);
+          for (int i = 0; i < plan.keep; ++i) moved[i * R + c] = s.positions[static_cast<std::size_t>(r[i]) * R + c];
+        }
+      s.positions = std::move(moved);
+    }
+    shrink_to(seq, plan.keep);
+    s.prompt_len = std::min(s.prompt_len, first_changed);
+    s.in_place = std::min({s.in_place, first_changed, plan.keep});
+  }
+
+  // commit_keep_plan plus the report (kept positions in `rows` rows, kept_row_source).
+  CompressionReport commit_with_report(SeqId seq, const KeepPlan& plan, int rows, bool compact = false) {
+    CompressionReport rep;
+    rep.seq = seq;
+    rep.length_before = lens_[idx(seq)];
+    rep.blocks_freed = num_blocks_of(seq);
+    commit_keep_plan(seq, plan, compact);
+    rep.length_after = lens_[idx(seq)];
+    rep.blocks_freed -= num_blocks_of(seq);
+    rep.kept_rows = rows;
+    rep.kept_positions.resize(static_cast<std::size_t>(rows) * static_cast<std::size_t>(rep.length_after));
+    const SeqState& s = seqs_[idx(seq)];
+    const std::size_t R = position_rows();
+    for (int r = 0; r < rows; ++r) {
+      int l = 0, h = 0;
+      kept_row_source(r, rows, config_.model.num_kv_heads, &l, &h);
+      const std::size_t c = static_cast<std::size_t>(l) * config_.model.num_kv_heads + h;
+      for (int i = 0; i < rep.length_after; ++i)
+        rep.kept_positions[static_cast<std::size_t>(r) * rep.length_after + i] =
+            s.positions.empty() ? i : s.positions[static_cast<std::size_t>(i) * R + c];
+    }
+    return rep;
+  }
+
+  // Every id valid and active, none twice.
+  void check_batch_ids(std::span<const SeqId> seqs, const char* op) const {
+    std::vector<std::uint8_t> seen(static_cast<std::size_t>(config_.max_seqs), 0);
+    for (SeqId q : seqs) {
+      (void)state(q, op);
+      TRIATTN_EXPECTS(!seen[idx(q)]++, std::string(op) + ": sequence " + std::to_string(q) + " appears twice");
+    }
+  }
+
+  // The round of compress / compress_if_needed: ids checked, then every plan computed and
+  // checked (nothing written), then every plan applied.
+  std::vector<CompressionReport> round(std::span<const SeqId> seqs, bool only_due, const char* op) {
+    check_batch_ids(seqs, op);
+    const ModelGeometry& g = config_.model;
+    const SelectionParams* params = nullptr;
+    // Report-not-throw needs a selector whose SelectionParams describe it and that decides alone
+    // (a tensor-parallel selector meets the other ranks in select(): every rank must call it).
+    if constexpr (requires { { selector_.params() } -> std::convertible_to<const SelectionParams&>; } &&
+                  !requires { selector_.collective(); })
+      params = &selector_.params();
+    int rows = static_cast<int>(position_rows());
+    if constexpr (requires { { selector_.params() } -> std::convertible_to<const SelectionParams&>; })
+      rows = kept_rows(selector_.params().mode, g.num_layers, g.num_kv_heads);
+    struct Planned {
+      SeqId seq;
+      RoundStatus status;
+      KeepPlan plan;
+    };
+    std::vector<Planned> planned;
+    for (SeqId q : seqs) {
+      if (only_due && !needs_compression(q)) continue;
+      const int len = lens_[idx(q)];
+      const SeqState& st = seqs_[idx(q)];
+      scores_.resize(static_cast<std::size_t>(g.num_layers) * g.num_q_heads * len);
+      Planned p{q, RoundStatus::kCompressed, KeepPlan{}};
+      const auto select = [this](std::span<const float> sc, const ModelGeometry& gm, int n, int pl) {
+        return selector_.select(sc, gm, n, pl);
+      };
+      dispatch_dtype([&](auto tag) {
+        using T = typename decltype(tag)::type;
+        p.status = triattn::detail::plan_round_one(view<T>(), scorer_, select, params, g, q, len, st.prompt_len,
+                                                   st.logical, std::span<float>(scores_), p.plan);
+      });
+      if (p.status == RoundStatus::kCompressed) check_keep_plan(q, p.plan, op);
+      planned.push_back(std::move(p));
+    }
+    std::vector<CompressionReport> done;
+    done.reserve(planned.size());
+    for (Planned& p : planned) {
+      if (p.status != RoundStatus::kCompressed) {
+        CompressionReport r;
+        r.seq = p.seq;
+        r.length_before = r.length_after = lens_[idx(p.seq)];
+        r.status = p.status;
+        done.push_back(std::move(r));
+        continue;
+      }
+      done.push_back(commit_with_report(p.seq, p.plan, rows, true));
+    }
+    return done;
+  }
+
   void shrink_to(SeqId seq, int keep) {
     const int before = num_blocks_of(seq);
     const int after = static_cast<int>(detail::ceil_div(keep, config_.block_size));

@@ -24,17 +24,25 @@
 // below every finite one so the round proceeds and the sequence stays usable.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <string>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include <triattn/core/cache_config.hpp>
 #include <triattn/core/config.hpp>
 #include <triattn/core/error.hpp>
+#include <triattn/core/keep_plan.hpp>
 #include <triattn/core/kv_view.hpp>
+#include <triattn/core/ref/compact.hpp>
+#include <triattn/core/ref/select.hpp>
 #include <triattn/core/scoring_params.hpp>
+#include <triattn/core/trigger.hpp>
 
 namespace triattn {
 
@@ -122,45 +130,301 @@ struct RoundOutputs {
 static_assert(std::is_trivially_copyable_v<RoundOutputs>);
 
 /// Bytes of host workspace triattn::paged_round needs for a batch whose sequences are at most
-/// max_len slots long: the raw scores of one sequence ([L, Hq, max_len] float) and its keep plan
-/// ([L, Hkv, max_len] int32), reused sequence after sequence.
+/// max_len slots long: the raw scores of one sequence ([L, Hq, max_len] float), reused sequence
+/// after sequence. (The host selection itself allocates its temporaries; the device round does not.)
 [[nodiscard]] inline std::size_t paged_round_workspace_size(const ModelGeometry& g, int max_len) noexcept {
   const std::size_t T = static_cast<std::size_t>(max_len > 0 ? max_len : 0);
   const std::size_t L = static_cast<std::size_t>(g.num_layers > 0 ? g.num_layers : 0);
   const std::size_t Hq = static_cast<std::size_t>(g.num_q_heads > 0 ? g.num_q_heads : 0);
-  const std::size_t Hkv = static_cast<std::size_t>(g.num_kv_heads > 0 ? g.num_kv_heads : 0);
-  const auto up = [](std::size_t x) { return (x + 255) / 256 * 256; };
-  return up(L * Hq * T * sizeof(float)) + up(L * Hkv * T * sizeof(std::int32_t));
+  return L * Hq * T * sizeof(float);
 }
 
-/// Checks a view before anything reads or writes through it, host side. Structure: non-null
-/// pointers, positive sizes, block_size, head_dim, strides; no two (block, token, head) vectors
-/// of one range overlap and K and V ranges of one layer do not overlap (for a single-base view).
-/// Contents (host-readable views only, `contents` true): every block id the first
-/// ceil(seq_lens[s] / block_size) entries of each row in `seqs` hold is in [0, num_blocks), and
-/// seq_lens[s] <= capacity_tokens(). @throws triattn::logic_error naming `what` and the bad field.
+namespace detail {
+
+/// One dimension of the lattice of head vectors: `count` positions `stride` elements apart.
+struct StrideDim {
+  std::int64_t stride;
+  std::int64_t count;
+  const char* name;
+};
+
+/// True when the dims nest: sorted by stride, each stride is at least the extent of everything
+/// below it (head_dim, then the smaller dims), so no two head vectors share an element. Every
+/// engine layout nests; dims of count 1 take no part. `bad` names the offending dim.
+inline bool strides_nest(std::vector<StrideDim> dims, std::int64_t head_dim, std::string* bad) {
+  dims.erase(std::remove_if(dims.begin(), dims.end(), [](const StrideDim& d) { return d.count <= 1; }), dims.end());
+  std::sort(dims.begin(), dims.end(), [](const StrideDim& a, const StrideDim& b) { return a.stride < b.stride; });
+  std::int64_t extent = head_dim;  // elements spanned by one position of the current dim
+  for (const StrideDim& d : dims) {
+    if (d.stride < extent) {
+      *bad = std::string(d.name) + " stride " + std::to_string(d.stride) + " is smaller than the " +
+             std::to_string(extent) + " elements the smaller strides span";
+      return false;
+    }
+    extent += (d.count - 1) * d.stride;
+  }
+  return true;
+}
+
+template <class T, class Id>
+std::vector<StrideDim> block_dims(const KvCacheView<T, Id>& v) {
+  return {{v.block.stride_head, v.block.num_kv_heads, "head"},
+          {v.block.stride_token, v.block.block_size, "token"},
+          {v.block.stride_block, v.num_blocks, "block"}};
+}
+
+}  // namespace detail
+
+/// Checks a view before anything reads or writes through it, host side. Structure (always):
+/// positive sizes, non-null base/tables/lengths, non-negative strides that nest (no two (block,
+/// token, head) vectors of one range share an element, and for a single-base view no two
+/// (layer, K|V) ranges either). Contents (`contents` true, host-readable views only): the
+/// `ranges` pointers are non-null and no two ranges overlap (except by an offset that nests, as
+/// K and V interleaved per block do), and for every sequence s of `seqs`: s is a row of the
+/// table, 0 <= seq_lens[s] <= capacity_tokens(), and the first ceil(seq_lens[s] / block_size)
+/// entries of row s are distinct block ids in [0, num_blocks).
+/// @throws triattn::logic_error naming `what` and the bad field.
 template <class T, class Id>
 void validate_view(const KvCacheView<T, Id>& view, std::span<const std::int32_t> seqs, bool contents,
-                   const std::string& what = "KvCacheView");
+                   const std::string& what = "KvCacheView") {
+  const BlockLayout& b = view.block;
+  const auto fail = [&](const std::string& msg) { TRIATTN_FAIL(what + ": " + msg); };
+  const auto positive = [&](long long v, const char* name) {
+    if (v <= 0) fail(std::string(name) + " = " + std::to_string(v) + " must be positive");
+  };
+  positive(view.num_layers, "num_layers");
+  positive(view.num_blocks, "num_blocks");
+  positive(view.max_seqs, "max_seqs");
+  positive(view.max_blocks_per_seq, "max_blocks_per_seq");
+  positive(b.block_size, "block.block_size");
+  positive(b.num_kv_heads, "block.num_kv_heads");
+  positive(b.head_dim, "block.head_dim");
+  if (view.capacity_tokens() > std::numeric_limits<std::int32_t>::max())
+    fail("max_blocks_per_seq * block_size = " + std::to_string(view.capacity_tokens()) + " overflows int32 slots");
+  if (view.block_tables == nullptr) fail("block_tables is null");
+  if (view.seq_lens == nullptr) fail("seq_lens is null");
+  if (view.ranges == nullptr && view.data == nullptr) fail("data and ranges are both null");
+  for (const auto& [v, name] : {std::pair{b.stride_block, "block.stride_block"}, std::pair{b.stride_token, "block.stride_token"},
+                                std::pair{b.stride_head, "block.stride_head"}, std::pair{view.layer_stride, "layer_stride"},
+                                std::pair{view.kind_stride, "kind_stride"}})
+    if (v < 0) fail(std::string(name) + " = " + std::to_string(v) + " must be non-negative");
+  std::vector<detail::StrideDim> dims = detail::block_dims(view);
+  if (view.ranges == nullptr) {
+    dims.push_back({view.kind_stride, 2, "kind"});
+    dims.push_back({view.layer_stride, view.num_layers, "layer"});
+  }
+  std::string bad;
+  if (!detail::strides_nest(dims, b.head_dim, &bad))
+    fail("strides overlap: " + bad + " (block " + std::to_string(b.stride_block) + ", token " +
+         std::to_string(b.stride_token) + ", head " + std::to_string(b.stride_head) + ", head_dim " +
+         std::to_string(b.head_dim) +
+         (view.ranges == nullptr ? ", kind " + std::to_string(view.kind_stride) + ", layer " +
+                                       std::to_string(view.layer_stride)
+                                 : std::string()) +
+         ")");
+  if (!contents) return;
+  if (view.ranges != nullptr) {
+    const std::int64_t extent = (view.num_blocks - 1) * b.stride_block + (b.block_size - 1) * b.stride_token +
+                                (b.num_kv_heads - 1) * b.stride_head + b.head_dim;  // elements one range spans
+    const int n = 2 * view.num_layers;
+    for (int i = 0; i < n; ++i)
+      if (view.ranges[i] == nullptr)
+        fail("ranges[" + std::to_string(i) + "] (layer " + std::to_string(i / 2) + (i % 2 ? ", V" : ", K") + ") is null");
+    for (int i = 0; i < n; ++i)
+      for (int j = i + 1; j < n; ++j) {
+        const auto pi = reinterpret_cast<std::uintptr_t>(view.ranges[i]);
+        const auto pj = reinterpret_cast<std::uintptr_t>(view.ranges[j]);
+        const std::uintptr_t lo = std::min(pi, pj), hi = std::max(pi, pj);
+        const std::uintptr_t gap = hi - lo;
+        if (gap >= static_cast<std::uintptr_t>(extent) * sizeof(T)) continue;  // disjoint spans
+        std::vector<detail::StrideDim> d2 = detail::block_dims(view);
+        d2.push_back({static_cast<std::int64_t>(gap / sizeof(T)), 2, "range offset"});
+        std::string why;
+        if (gap % sizeof(T) != 0 || !detail::strides_nest(d2, b.head_dim, &why))
+          fail("ranges[" + std::to_string(i) + "] and ranges[" + std::to_string(j) + "] overlap (" +
+               std::to_string(gap / sizeof(T)) + " elements apart, a range spans " + std::to_string(extent) + ")");
+      }
+  }
+  std::vector<std::uint8_t> seen;  // per block id: used by the current row
+  for (std::size_t k = 0; k < seqs.size(); ++k) {
+    const int s = seqs[k];
+    if (s < 0 || s >= view.max_seqs)
+      fail("sequence " + std::to_string(s) + " (batch entry " + std::to_string(k) + ") is not a row of the table [0, " +
+           std::to_string(view.max_seqs) + ")");
+    const std::int64_t len = view.seq_lens[s];
+    if (len < 0 || len > view.capacity_tokens())
+      fail("seq_lens[" + std::to_string(s) + "] = " + std::to_string(len) + " is outside [0, capacity " +
+           std::to_string(view.capacity_tokens()) + " = max_blocks_per_seq * block_size]");
+    const std::int64_t nb = (len + b.block_size - 1) / b.block_size;
+    seen.assign(static_cast<std::size_t>(view.num_blocks), 0);
+    for (std::int64_t j = 0; j < nb; ++j) {
+      const std::int64_t id = view.table_row(s)[j];
+      if (id < 0 || id >= view.num_blocks)
+        fail("block_tables[" + std::to_string(s) + "][" + std::to_string(j) + "] = " + std::to_string(id) +
+             " is outside [0, num_blocks = " + std::to_string(view.num_blocks) + ") (sequence length " +
+             std::to_string(len) + ")");
+      if (seen[static_cast<std::size_t>(id)]++)
+        fail("block_tables[" + std::to_string(s) + "][" + std::to_string(j) + "] = " + std::to_string(id) +
+             " appears twice in the sequence's row");
+    }
+  }
+}
 
-/// The batched round over host memory (the CPU oracle of cuda::paged_round).
+namespace detail {
+
+/// Plans the round of one sequence, writing nothing to the cache: scores its keys into `scores`
+/// ([L, Hq, len]) and selects. Returns kNonFinite (plan untouched) when `params` is given with
+/// NonFinitePolicy::kRefuse and a selectable score is not finite; else kCompressed with `plan`.
+/// `select(scores, geometry, len, prompt_len)` returns the KeepPlan (ref::select_keep, or a
+/// KvCache's selector policy).
+template <class T, class Id, class Scorer, class Select>
+RoundStatus plan_round_one(const KvCacheView<T, Id>& view, Scorer& scorer, Select&& select,
+                           const SelectionParams* params, const ModelGeometry& g, int seq, int len, int prompt_len,
+                           std::int64_t t0, std::span<float> scores, KeepPlan& plan) {
+  const std::span<float> sc = scores.first(static_cast<std::size_t>(g.num_layers) * g.num_q_heads * len);
+  scorer.score(view, seq, len, t0, sc);
+  if (params != nullptr && params->nonfinite == NonFinitePolicy::kRefuse) {
+    const ref::KeepCounts kc = ref::keep_counts(len, prompt_len, *params);
+    if (!ref::selectable_scores_finite(sc.data(), static_cast<std::size_t>(g.num_layers) * g.num_q_heads, kc))
+      return RoundStatus::kNonFinite;
+  }
+  plan = select(std::span<const float>(sc.data(), sc.size()), g, len, prompt_len);
+  return RoundStatus::kCompressed;
+}
+
+/// Writes the outputs of batch entry b: lengths, status, freed columns, and (kCompressed with
+/// out.kept set) the kept positions of every kept row.
+inline void write_round_outputs(const RoundOutputs& out, int b, int block_size, int num_kv_heads, int old_len,
+                                RoundStatus status, const KeepPlan* plan) {
+  const int new_len = status == RoundStatus::kCompressed ? plan->keep : old_len;
+  out.new_lens[b] = new_len;
+  out.status[b] = static_cast<std::int32_t>(status);
+  out.freed_begin[b] = static_cast<std::int32_t>(triattn::detail::ceil_div(new_len, block_size));
+  out.freed_end[b] = static_cast<std::int32_t>(triattn::detail::ceil_div(old_len, block_size));
+  if (status != RoundStatus::kCompressed || out.kept == nullptr) return;
+  for (int r = 0; r < out.kept_rows; ++r) {
+    int l = 0, h = 0;
+    kept_row_source(r, out.kept_rows, num_kv_heads, &l, &h);
+    const std::int32_t* row = plan->row(l, h);
+    std::int32_t* dst = out.kept + (static_cast<std::int64_t>(b) * out.kept_rows + r) * out.max_keep;
+    const std::int32_t* pos = out.slot_positions == nullptr
+                                  ? nullptr
+                                  : out.slot_positions + (static_cast<std::int64_t>(b) * out.kept_rows + r) *
+                                                             out.positions_stride;
+    for (int i = 0; i < plan->keep; ++i) dst[i] = pos != nullptr ? pos[row[i]] : row[i];
+  }
+}
+
+}  // namespace detail
+
+/// The batched round over host memory (the CPU oracle of cuda::paged_round). Sequences are
+/// processed one after another: score (scorer), select (ref::select_keep with `params`),
+/// compact in place (ref::compact), outputs.
 ///
-/// @param view      paged cache in host memory; K/V of the batch's sequences are compacted in place,
-///                  its tables and lengths are only read
+/// @param view      paged cache in host memory; K/V of the batch's sequences are compacted in
+///                  place, its tables and lengths are only read
 /// @param scorer    a host scorer policy: scorer.score(view, seq, len, t0, std::span<float> [L, Hq, len])
 ///                  (TriAttentionScorer holds the calibrated statistics; any KvCache scorer works)
 /// @param params    selection parameters (budget, slack, mode, protection, normalisation, nonfinite)
-/// @param geometry  the model's attention shape (num_q_heads for the score rows; layers, KV heads
-///                  and head_dim must match the view)
+/// @param geometry  the model's attention shape (num_q_heads sizes the score rows; layers, KV
+///                  heads and head_dim must match the view)
 /// @param trigger   which sequences are compressed
 /// @param batch     sequences of the round (host arrays)
 /// @param out       per-sequence outputs (host arrays)
-/// @param workspace caller-owned host memory of at least paged_round_workspace_size(geometry, batch.max_len) bytes
+/// @param workspace caller-owned host memory of at least paged_round_workspace_size(geometry,
+///                  batch.max_len) bytes, float-aligned
 /// @return the number of sequences compressed
-/// @throws triattn::logic_error (nothing written) on a bad view, batch, outputs, workspace or params.
+/// @throws triattn::logic_error (nothing written) on a bad view, batch, outputs, workspace or
+///         params; a sequence with non-finite scores is reported, not thrown (kNonFinite).
 template <class T, class Id, class Scorer>
 int paged_round(const KvCacheView<T, Id>& view, Scorer& scorer, const SelectionParams& params,
                 const ModelGeometry& geometry, RoundTrigger trigger, const RoundBatch& batch, const RoundOutputs& out,
-                void* workspace, std::size_t workspace_bytes);
+                void* workspace, std::size_t workspace_bytes) {
+  const ModelGeometry& g = geometry;
+  params.validate();
+  g.validate();
+  TRIATTN_EXPECTS(trigger == RoundTrigger::kIfDue || trigger == RoundTrigger::kAlways,
+                  "paged_round: trigger has invalid value " + std::to_string(static_cast<int>(trigger)));
+  TRIATTN_EXPECTS(view.num_layers == g.num_layers && view.block.num_kv_heads == g.num_kv_heads &&
+                      view.block.head_dim == g.head_dim,
+                  "paged_round: view geometry [layers " + std::to_string(view.num_layers) + ", kv heads " +
+                      std::to_string(view.block.num_kv_heads) + ", head_dim " + std::to_string(view.block.head_dim) +
+                      "] does not match the model's [" + std::to_string(g.num_layers) + ", " +
+                      std::to_string(g.num_kv_heads) + ", " + std::to_string(g.head_dim) + "]");
+  TRIATTN_EXPECTS(batch.batch >= 0 && batch.max_len >= 0,
+                  "paged_round: batch = " + std::to_string(batch.batch) + " and max_len = " +
+                      std::to_string(batch.max_len) + " must be non-negative");
+  if (batch.batch == 0) return 0;
+  TRIATTN_EXPECTS(batch.seq_ids != nullptr && batch.t0 != nullptr && batch.prompt_lens != nullptr,
+                  "paged_round: batch.seq_ids, batch.t0 and batch.prompt_lens must not be null");
+  TRIATTN_EXPECTS(out.new_lens != nullptr && out.status != nullptr && out.freed_begin != nullptr &&
+                      out.freed_end != nullptr,
+                  "paged_round: out.new_lens, out.status, out.freed_begin and out.freed_end must not be null");
+  const std::span<const std::int32_t> ids(batch.seq_ids, static_cast<std::size_t>(batch.batch));
+  validate_view(view, ids, true, "paged_round: view");
+  std::vector<std::uint8_t> in_batch(static_cast<std::size_t>(view.max_seqs), 0);
+  const int rows_mode = kept_rows(params.mode, g.num_layers, g.num_kv_heads);
+  if (out.kept != nullptr)
+    TRIATTN_EXPECTS(out.kept_rows == rows_mode || out.kept_rows == g.num_layers * g.num_kv_heads,
+                    "paged_round: out.kept_rows = " + std::to_string(out.kept_rows) + " must be " +
+                        std::to_string(rows_mode) + " (" + to_string(params.mode) + ") or layers * kv_heads = " +
+                        std::to_string(g.num_layers * g.num_kv_heads));
+  TRIATTN_EXPECTS(out.slot_positions == nullptr || (out.kept != nullptr && out.positions_stride >= batch.max_len),
+                  "paged_round: out.slot_positions needs out.kept and positions_stride (" +
+                      std::to_string(out.positions_stride) + ") >= batch.max_len (" + std::to_string(batch.max_len) + ")");
+  std::vector<std::uint8_t> due(static_cast<std::size_t>(batch.batch), 0);
+  for (int b = 0; b < batch.batch; ++b) {
+    const int s = batch.seq_ids[b];
+    const std::string who = "paged_round: batch entry " + std::to_string(b) + " (sequence " + std::to_string(s) + ")";
+    TRIATTN_EXPECTS(!in_batch[static_cast<std::size_t>(s)]++, who + " appears twice in the batch");
+    const int len = static_cast<int>(view.seq_lens[s]);
+    const int pl = batch.prompt_lens[b];
+    TRIATTN_EXPECTS(len <= batch.max_len, who + ": length " + std::to_string(len) + " exceeds batch.max_len = " +
+                                              std::to_string(batch.max_len));
+    TRIATTN_EXPECTS(pl >= 0 && pl <= len, who + ": prompt_len = " + std::to_string(pl) + " must be in [0, length " +
+                                              std::to_string(len) + "]");
+    TRIATTN_EXPECTS(batch.t0[b] >= len, who + ": t0 = " + std::to_string(batch.t0[b]) +
+                                            " (tokens processed) is smaller than its cached length " +
+                                            std::to_string(len));
+    const bool fire = trigger == RoundTrigger::kAlways ||
+                      CompressionTrigger::should_compress(CompressionTrigger::counted_length(len, pl, params), true, params);
+    due[static_cast<std::size_t>(b)] = fire;
+    if (fire && out.kept != nullptr) {
+      const int keep = ref::keep_counts(len, pl, params).keep;
+      TRIATTN_EXPECTS(keep <= out.max_keep, who + ": keeps " + std::to_string(keep) + " slots, more than out.max_keep = " +
+                                                std::to_string(out.max_keep));
+    }
+  }
+  const std::size_t need = paged_round_workspace_size(g, batch.max_len);
+  TRIATTN_EXPECTS(workspace_bytes >= need && (need == 0 || workspace != nullptr),
+                  "paged_round: workspace of " + std::to_string(workspace_bytes) + " bytes" +
+                      (workspace == nullptr ? " (null)" : "") + ", the round needs " + std::to_string(need) +
+                      " (paged_round_workspace_size)");
+  TRIATTN_EXPECTS(reinterpret_cast<std::uintptr_t>(workspace) % alignof(float) == 0,
+                  "paged_round: workspace is not aligned for float");
+  // Everything is checked: from here on, per-sequence problems are reported, not thrown.
+  const std::span<float> scores(static_cast<float*>(workspace), need / sizeof(float));
+  const auto select = [&params](std::span<const float> sc, const ModelGeometry& gm, int len, int pl) {
+    return ref::select_keep(sc.data(), gm.num_layers, gm.num_q_heads, gm.num_kv_heads, len, pl, params);
+  };
+  int compressed = 0;
+  KeepPlan plan;
+  for (int b = 0; b < batch.batch; ++b) {
+    const int s = batch.seq_ids[b];
+    const int len = static_cast<int>(view.seq_lens[s]);
+    RoundStatus st = RoundStatus::kNotDue;
+    if (due[static_cast<std::size_t>(b)]) {
+      st = detail::plan_round_one(view, scorer, select, &params, g, s, len, batch.prompt_lens[b], batch.t0[b], scores,
+                                  plan);
+      if (st == RoundStatus::kCompressed) {
+        ref::compact(view, s, plan);
+        ++compressed;
+      }
+    }
+    detail::write_round_outputs(out, b, view.block.block_size, g.num_kv_heads, len, st,
+                                st == RoundStatus::kCompressed ? &plan : nullptr);
+  }
+  return compressed;
+}
 
 }  // namespace triattn

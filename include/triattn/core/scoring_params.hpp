@@ -28,7 +28,8 @@ enum class PruningMode : int {
 /// (NaN or ±Inf: a NaN key, or finite keys whose scores overflow).
 enum class NonFinitePolicy : int {
   kRefuse = 0,      ///< leave the sequence unchanged and report it (RoundStatus::kNonFinite; ref::select_keep throws)
-  kEvictFirst = 1,  ///< non-finite scores rank below every finite one: those tokens go first, the round proceeds
+  kEvictFirst = 1,  ///< a token with a non-finite score in any row ranks below every finite one in every
+                    ///< row (after normalising over the finite tokens): it goes first, the round proceeds
 };
 
 /// How prompt tokens take part in selection (spec §5).

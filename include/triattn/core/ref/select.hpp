@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <functional>
+#include <limits>
 #include <mutex>
 #include <string>
 #include <string_view>
@@ -119,29 +120,51 @@ struct KeepCounts {
 
 /// Z-normalises every row over the slot range [begin, end): x ← (x − mean) / max(std, 1e-6),
 /// population std, mean and variance accumulated in float64; slots outside the range are left
-/// unchanged.
+/// unchanged. With `nonfinite_lowest` (NonFinitePolicy::kEvictFirst), NaN/±Inf values take no part
+/// in the mean and std and become the lowest float (they rank below every finite value); rows with
+/// only finite values come out exactly as without it.
 /// @param scores [rows, T] in place
-/// @throws triattn::logic_error on a bad range or a non-finite value inside the range.
-inline void normalize_scores(float* scores, int rows, int T, int begin, int end) {
+/// @throws triattn::logic_error on a bad range, or a non-finite value inside the range unless
+///         nonfinite_lowest.
+inline void normalize_scores(float* scores, int rows, int T, int begin, int end, bool nonfinite_lowest = false) {
   TRIATTN_EXPECTS(rows >= 0 && T >= 0 && begin >= 0 && begin <= end && end <= T,
                   "normalize_scores: bad shape/range (rows " + std::to_string(rows) + ", T " + std::to_string(T) +
                       ", range [" + std::to_string(begin) + ", " + std::to_string(end) + "))");
-  const int n = end - begin;
-  if (n == 0) return;
+  if (end == begin) return;
   for (int r = 0; r < rows; ++r) {
     float* x = scores + static_cast<std::size_t>(r) * T;
     double sum = 0.0;
+    int n = 0;
     for (int j = begin; j < end; ++j) {
-      TRIATTN_EXPECTS(std::isfinite(x[j]), "normalize_scores: row " + std::to_string(r) + ", slot " +
-                                               std::to_string(j) + " is not finite");
+      if (!std::isfinite(x[j])) {
+        TRIATTN_EXPECTS(nonfinite_lowest, "normalize_scores: row " + std::to_string(r) + ", slot " +
+                                              std::to_string(j) + " is not finite");
+        continue;
+      }
       sum += x[j];
+      ++n;
+    }
+    if (n == 0) {  // nothing finite: every value is the lowest
+      std::fill(x + begin, x + end, std::numeric_limits<float>::lowest());
+      continue;
     }
     const double mean = sum / n;
     double ss = 0.0;
-    for (int j = begin; j < end; ++j) ss += (x[j] - mean) * (x[j] - mean);
+    for (int j = begin; j < end; ++j)
+      if (std::isfinite(x[j])) ss += (x[j] - mean) * (x[j] - mean);
     const double sd = std::max(std::sqrt(ss / n), 1e-6);
-    for (int j = begin; j < end; ++j) x[j] = static_cast<float>((x[j] - mean) / sd);
+    for (int j = begin; j < end; ++j)
+      x[j] = std::isfinite(x[j]) ? static_cast<float>((x[j] - mean) / sd) : std::numeric_limits<float>::lowest();
   }
+}
+
+/// True when every score of the `rows` rows [rows, kc.length] is finite over the selectable range.
+[[nodiscard]] inline bool selectable_scores_finite(const float* scores, std::size_t rows, const KeepCounts& kc) {
+  const std::size_t T = static_cast<std::size_t>(kc.length);
+  for (std::size_t r = 0; r < rows; ++r)
+    for (int j = kc.selectable_begin; j < kc.selectable_end; ++j)
+      if (!std::isfinite(scores[r * T + j])) return false;
+  return true;
 }
 
 /// GQA reduction: out[l, g, j] = max over the query heads h of KV head g (h / (Hq/Hkv) == g) of
@@ -234,6 +257,7 @@ inline KeepCounts prepare_selection(const float* scores, int L, int Hq, int Hkv,
             "survives a round beyond sinks/window; consider PromptMode::kPinnedOnTop");
   }
   const std::size_t rows = static_cast<std::size_t>(L) * Hq;
+  if (params.nonfinite == NonFinitePolicy::kEvictFirst) return kc;  // selection_values ranks them lowest
   for (std::size_t r = 0; r < rows; ++r)
     for (int j = kc.selectable_begin; j < kc.selectable_end; ++j)
       TRIATTN_EXPECTS(std::isfinite(scores[r * T + j]),
@@ -242,12 +266,30 @@ inline KeepCounts prepare_selection(const float* scores, int L, int Hq, int Hkv,
   return kc;
 }
 
-// Ŝ: a copy of the scores, z-normalised per row over the selectable range when asked.
+// Ŝ: a copy of the scores, z-normalised per row over the selectable range when asked. With
+// NonFinitePolicy::kEvictFirst, a slot with a non-finite score in any row is a broken token: it
+// takes no part in any row's mean and std and becomes the lowest float in every row, so it ranks
+// below every finite value in every mode (union included); rows of finite slots are unchanged.
 inline std::vector<float> selection_values(const float* scores, std::size_t rows, const KeepCounts& kc,
                                            const SelectionParams& params) {
-  std::vector<float> s(scores, scores + rows * static_cast<std::size_t>(kc.length));  // [rows, T]
-  if (params.normalize)
-    normalize_scores(s.data(), static_cast<int>(rows), kc.length, kc.selectable_begin, kc.selectable_end);
+  const std::size_t T = static_cast<std::size_t>(kc.length);
+  std::vector<float> s(scores, scores + rows * T);  // [rows, T]
+  const bool evict_first = params.nonfinite == NonFinitePolicy::kEvictFirst;
+  if (evict_first) {
+    for (int j = kc.selectable_begin; j < kc.selectable_end; ++j) {
+      bool broken = false;
+      for (std::size_t r = 0; r < rows && !broken; ++r) broken = !std::isfinite(s[r * T + j]);
+      if (!broken) continue;
+      for (std::size_t r = 0; r < rows; ++r) s[r * T + j] = std::numeric_limits<float>::quiet_NaN();
+    }
+  }
+  if (params.normalize) {
+    normalize_scores(s.data(), static_cast<int>(rows), kc.length, kc.selectable_begin, kc.selectable_end, evict_first);
+  } else if (evict_first) {
+    for (std::size_t r = 0; r < rows; ++r)
+      for (int j = kc.selectable_begin; j < kc.selectable_end; ++j)
+        if (std::isnan(s[r * T + j])) s[r * T + j] = std::numeric_limits<float>::lowest();
+  }
   return s;
 }
 }  // namespace detail
@@ -322,7 +364,10 @@ inline void union_candidates(const float* s_hat, std::size_t rows, const KeepCou
 ///
 /// @param scores [L, Hq, T] raw scores (score_sequence); only the selectable range is read
 /// @return plan [L, Hkv, keep], rows ascending
-/// @throws triattn::logic_error on bad shapes or params, or a non-finite score in the selectable range.
+/// Non-finite scores in the selectable range throw (NonFinitePolicy::kRefuse) or rank below every
+/// finite one (kEvictFirst: the lowest float after normalising over the finite ones).
+/// @throws triattn::logic_error on bad shapes or params, or a non-finite score in the selectable
+///         range under kRefuse.
 [[nodiscard]] inline KeepPlan select_keep(const float* scores, int L, int Hq, int Hkv, int T, int prompt_len,
                                           const SelectionParams& params) {
   const KeepCounts kc = detail::prepare_selection(scores, L, Hq, Hkv, T, prompt_len, params);
