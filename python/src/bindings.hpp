@@ -48,6 +48,7 @@ void expect_contiguous(const A& a, std::size_t ndim, const std::string& what) {
   if (a.ndim() != ndim)
     throw logic_error("triattn: " + what + " has " + std::to_string(a.ndim()) + " dimensions; expected " +
                       std::to_string(ndim));
+  if (a.size() == 0) return;  // nothing is addressed: any strides will do
   std::int64_t expect = 1;
   for (std::size_t i = ndim; i-- > 0;) {
     if (a.shape(i) != 1 && a.stride(i) != expect)

@@ -292,10 +292,10 @@ nb::object run_round(Compressor& c, PagedCache& cache, const ConstArray& block_t
 }  // namespace
 
 void bind_paged(nb::module_& m) {
-  nb::enum_<RoundTrigger>(m, "RoundTrigger", "Which sequences of a batch a round compresses.")
+  nb::enum_<RoundTrigger>(m, "RoundTrigger", "Which sequences of a batch a round compresses.", nb::is_arithmetic())
       .value("IF_DUE", RoundTrigger::kIfDue)
       .value("ALWAYS", RoundTrigger::kAlways);
-  nb::enum_<RoundStatus>(m, "RoundStatus", "Outcome of one sequence of a round (the `status` output).")
+  nb::enum_<RoundStatus>(m, "RoundStatus", "Outcome of one sequence of a round (the `status` output).", nb::is_arithmetic())
       .value("COMPRESSED", RoundStatus::kCompressed)
       .value("NOT_DUE", RoundStatus::kNotDue)
       .value("NON_FINITE", RoundStatus::kNonFinite)
@@ -310,8 +310,18 @@ void bind_paged(nb::module_& m) {
       .def("__init__",
            [](PagedCache* self, nb::sequence k, nb::sequence v) {
              std::vector<Array> ks, vs;
-             for (nb::handle h : k) ks.push_back(nb::cast<Array>(h));
-             for (nb::handle h : v) vs.push_back(nb::cast<Array>(h));
+             for (int kind = 0; kind < 2; ++kind) {
+               std::size_t i = 0;
+               for (nb::handle h : kind == 0 ? k : v) {
+                 Array a;
+                 if (!nb::try_cast(h, a))
+                   throw nb::type_error(("triattn: PagedCache: " + std::string(kind == 0 ? "k[" : "v[") +
+                                         std::to_string(i) + "] is not an array (DLPack: numpy, torch, CuPy...)")
+                                            .c_str());
+                 (kind == 0 ? ks : vs).push_back(std::move(a));
+                 ++i;
+               }
+             }
              new (self) PagedCache(ks, vs, nb::make_tuple(k, v));
            },
            nb::arg("k"), nb::arg("v"))

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include <nanobind/stl/string.h>
-#include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/vector.h>
 
 #include <triattn/core/kv_cache.hpp>
 #include <triattn/core/policy/topk_selector.hpp>
@@ -63,7 +63,7 @@ void check_tokens(const HostCache& c, const ConstArray& a, const char* what, std
                       std::to_string(g.num_layers) + ", " + std::to_string(n) + ", " + std::to_string(g.num_kv_heads) +
                       ", " + std::to_string(g.head_dim) + "]");
   std::int64_t expect = 1;
-  for (std::size_t i = 4; i-- > 0;) {
+  for (std::size_t i = 4; a.size() != 0 && i-- > 0;) {
     if (a.shape(i) != 1 && a.stride(i) != expect)
       throw logic_error(std::string("triattn: ") + what + " must be C-contiguous");
     expect *= static_cast<std::int64_t>(a.shape(i));
@@ -123,7 +123,20 @@ void bind_round(nb::module_& m) {
       .def_ro("seq", &CompressionReport::seq)
       .def_ro("length_before", &CompressionReport::length_before)
       .def_ro("length_after", &CompressionReport::length_after)
-      .def_ro("blocks_freed", &CompressionReport::blocks_freed);
+      .def_ro("blocks_freed", &CompressionReport::blocks_freed)
+      .def_ro("status", &CompressionReport::status)
+      .def_ro("kept_rows", &CompressionReport::kept_rows)
+      .def_prop_ro("kept_positions",
+                   [](const CompressionReport& r) {
+                     const std::size_t n = r.kept_positions.size() * sizeof(std::int32_t);
+                     const std::size_t rows = static_cast<std::size_t>(r.kept_rows);
+                     NumpyArray out = owned_array(n, {rows, rows ? r.kept_positions.size() / rows : 0},
+                                                  nb::dtype<std::int32_t>());
+                     if (n) std::memcpy(out.data(), r.kept_positions.data(), n);
+                     return out;
+                   },
+                   nb::rv_policy::move,
+                   "[kept_rows, length_after] original logical positions of the kept tokens (a copy).");
 
   nb::class_<HostCache>(m, "KvCache",
                         "The library's own paged cache in host memory, with the TriAttention scorer and the top-k "
@@ -159,6 +172,9 @@ void bind_round(nb::module_& m) {
            "changed) when the pool is out of blocks.")
       .def("needs_compression", &HostCache::needs_compression, nb::arg("seq"))
       .def("compress", &HostCache::compress, nb::arg("seq"), "One round: score, select, compact, free tail blocks.")
+      .def("compress_if_needed",
+           [](HostCache& c, const std::vector<SeqId>& seqs) { return c.compress_if_needed(seqs); }, nb::arg("seqs"),
+           "The round over every sequence of `seqs` whose trigger fired; what was done.")
       .def("physical_length", &HostCache::physical_length, nb::arg("seq"))
       .def("logical_position", &HostCache::logical_position, nb::arg("seq"))
       .def("prompt_length", &HostCache::prompt_length, nb::arg("seq"))

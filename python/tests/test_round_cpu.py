@@ -51,8 +51,9 @@ def check_against_oracle(case, res, trigger, before):
         due = trigger == triattn.RoundTrigger.ALWAYS or case.oracle.needs_compression(sid)
         if due:
             rep = case.oracle.compress(sid)
-            assert rep.length_before == old
+            assert rep.length_before == old and rep.status == triattn.RoundStatus.COMPRESSED
             assert res.status[b] == int(triattn.RoundStatus.COMPRESSED)
+            np.testing.assert_array_equal(res.kept[b, :, :rep.length_after], rep.kept_positions)
         else:
             assert res.status[b] == int(triattn.RoundStatus.NOT_DUE)
         new = case.oracle.physical_length(sid)
@@ -175,9 +176,10 @@ def test_second_round_reports_original_positions(layout, mode):
         slot_pos[b, :, new:new + n] = np.arange(old_total, old_total + n, dtype=np.int32)
     _, res2 = run_round(case, sel, triattn.RoundTrigger.ALWAYS, slot_positions=slot_pos)
     for b, (row, sid) in enumerate(zip(case.rows, case.oracle_ids)):
-        case.oracle.compress(sid)
+        rep = case.oracle.compress(sid)
         new2 = case.oracle.physical_length(sid)
         assert res2.new_lens[b] == new2
+        np.testing.assert_array_equal(res2.kept[b, :, :new2], rep.kept_positions)
         k_eng, v_eng = engine_gather(case, row, new2)
         k_ref, v_ref = case.oracle.gather(sid)
         np.testing.assert_array_equal(bits(k_eng), bits(k_ref))

@@ -53,7 +53,7 @@ def test_max_resident_tokens_is_the_real_peak(prompt_mode, prompt, new):
     max_resident_tokens, and reaches it exactly."""
     sel = triattn.SelectionParams(budget=32, divide_length=16, prompt=prompt_mode, window=4)
     geom = triattn.ModelGeometry(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=8)
-    cfg = triattn.CacheConfig(geom, block_size=4, num_blocks=128, max_seqs=1)
+    cfg = triattn.CacheConfig(geom, block_size=4, num_blocks=128, max_seqs=1, dtype=triattn.DType.FLOAT32)
     cache = triattn.KvCache(cfg, triattn.random_query_stats(1, 1, 2, 8), triattn.RopeConfig(), sel)
     rng = np.random.default_rng(0)
     sid = cache.add_sequence()
