@@ -6,7 +6,8 @@
 #   3. AddressSanitizer + UBSan build of the core tests, run
 #   4. install to a staging prefix; build and run the two downstream consumers
 #   5. fuzz each loader for a bounded time (when clang's libFuzzer runtime is available)
-#   6. last: ctest on the full build, everything but the `gpu` label (its summary ends the log)
+#   6. the Python package (pip install ., CPU only) and its pytest suite (numpy; no torch needed)
+#   7. last: ctest on the full build, everything but the `gpu` label (its summary ends the log)
 # GPU tests (`ctest -L gpu`) and GPU benchmarks run on a GPU machine: benchmarks/run_gpu.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -76,5 +77,25 @@ if [ -f fuzz/run_fuzzers.sh ] && command -v clang++-14 >/dev/null 2>&1; then
   bash fuzz/run_fuzzers.sh "$B/fuzz" "$FUZZ_SECONDS"
 fi
 
-step "6. all host tests of the full build (ctest -LE gpu)"
+step "6. Python package (CPU extension) and its pytest suite"
+PY=${PYTHON:-python3}
+pymissing=()
+for m in nanobind scikit_build_core numpy pytest; do
+  "$PY" -c "import $m" >/dev/null 2>&1 || pymissing+=("$m")
+done
+if [ ${#pymissing[@]} -gt 0 ]; then
+  pkgs=("${pymissing[@]/scikit_build_core/scikit-build-core}")
+  echo "pip installing: ${pkgs[*]}"
+  "$PY" -m pip install -q "${pkgs[@]}"
+fi
+# Build in place of the wheel cache under $B (no build isolation: the packages above are used),
+# then test the installed package from outside the source tree.
+CMAKE_BUILD_PARALLEL_LEVEL=$JOBS "$PY" -m pip install -q --no-build-isolation \
+  --config-settings=build-dir="$B/python" .
+rc=0
+(cd "$B" && "$PY" -m pytest -q -p no:cacheprovider "$ROOT/python/tests") || rc=$?
+[ "$rc" -eq 5 ] && { echo "pytest collected no tests" >&2; exit 1; }
+[ "$rc" -ne 0 ] && exit "$rc"
+
+step "7. all host tests of the full build (ctest -LE gpu)"
 ctest --test-dir "$B/full" -LE gpu -j "$JOBS" --output-on-failure

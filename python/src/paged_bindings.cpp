@@ -6,6 +6,8 @@
 // before the library is called, and the library checks the view's contents before it writes.
 #include "bindings.hpp"
 
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <mutex>
 #include <optional>
@@ -28,6 +30,14 @@ namespace triattn::python {
 namespace {
 
 constexpr int kCpu = nb::device::cpu::value;
+
+/// Host nanoseconds the last round spent inside the library call (the C++ launch on the GPU):
+/// what benchmarks/python/bench_round.py subtracts from the Python call's time.
+std::atomic<long long> g_last_round_ns{0};
+
+long long since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t).count();
+}
 constexpr int kCuda = nb::device::cuda::value;
 
 std::string device_str(int type, int id) {
@@ -255,20 +265,23 @@ nb::object run_round(Compressor& c, PagedCache& cache, const ConstArray& block_t
   std::lock_guard<std::mutex> lock(c.mutex);
   if (dt == kCpu) {
     int done = 0;
-    nb::gil_scoped_release release;
-    auto go = [&](auto tag) {
-      using T = typename decltype(tag)::type;
-      std::vector<T*> r(cache.ranges.size());
-      for (std::size_t i = 0; i < r.size(); ++i) r[i] = static_cast<T*>(cache.ranges[i]);
-      const auto view = cache.host_view<T>(r.data(), max_seqs, max_blocks_per_seq, tables, lens);
-      done = paged_round(view, c.host, c.selection, c.geometry, trigger, batch, out, workspace.data(), workspace.nbytes());
-    };
-    switch (cache.dtype) {
-      case DType::kF32: go(std::type_identity<float>{}); break;
-      case DType::kF16: go(std::type_identity<f16_storage>{}); break;
-      case DType::kBF16: go(std::type_identity<bf16_storage>{}); break;
+    {
+      nb::gil_scoped_release release;  // the caller's arrays stay alive: they are this call's arguments
+      auto go = [&](auto tag) {
+        using T = typename decltype(tag)::type;
+        std::vector<T*> r(cache.ranges.size());
+        for (std::size_t i = 0; i < r.size(); ++i) r[i] = static_cast<T*>(cache.ranges[i]);
+        const auto view = cache.host_view<T>(r.data(), max_seqs, max_blocks_per_seq, tables, lens);
+        const auto t = std::chrono::steady_clock::now();
+        done = paged_round(view, c.host, c.selection, c.geometry, trigger, batch, out, workspace.data(), workspace.nbytes());
+        g_last_round_ns = since(t);
+      };
+      switch (cache.dtype) {
+        case DType::kF32: go(std::type_identity<float>{}); break;
+        case DType::kF16: go(std::type_identity<f16_storage>{}); break;
+        case DType::kBF16: go(std::type_identity<bf16_storage>{}); break;
+      }
     }
-    nb::gil_scoped_acquire acquire;
     return nb::int_(done);
   }
 #ifdef TRIATTN_PYTHON_WITH_CUDA
@@ -281,8 +294,11 @@ nb::object run_round(Compressor& c, PagedCache& cache, const ConstArray& block_t
   v.max_blocks_per_seq = max_blocks_per_seq;
   v.block_tables = tables;
   v.seq_lens = lens;
-  cuda_glue::run_round(cache.dtype, v, c.device_model(di), c.selection, trigger, batch, out, workspace.data(),
-                       workspace.nbytes(), stream, di);
+  cuda_glue::DeviceModel* model = c.device_model(di);
+  const auto t = std::chrono::steady_clock::now();
+  cuda_glue::run_round(cache.dtype, v, model, c.selection, trigger, batch, out, workspace.data(), workspace.nbytes(),
+                       stream, di);
+  g_last_round_ns = since(t);
   return nb::none();
 #else
   throw logic_error("triattn: built without CUDA");
@@ -300,6 +316,8 @@ void bind_paged(nb::module_& m) {
       .value("NOT_DUE", RoundStatus::kNotDue)
       .value("NON_FINITE", RoundStatus::kNonFinite)
       .value("NO_ROOM", RoundStatus::kNoRoom);
+  m.def("_last_round_ns", [] { return g_last_round_ns.load(); },
+        "Host nanoseconds the last round spent inside the library call (benchmarks).");
   m.def("kept_rows", &kept_rows, nb::arg("mode"), nb::arg("num_layers"), nb::arg("num_kv_heads"),
         "Rows of kept positions one sequence has in `mode` (per_head: kv heads; per_layer_per_head: layers * kv "
         "heads; union: 1).");
