@@ -120,7 +120,9 @@ class TorchRound:
 
 def main():
     ap = argparse.ArgumentParser()
-    default_stats = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "calibration" / "qwen3_8b.pt"
+    root = Path(__file__).resolve().parents[2]
+    found = [p for p in (root / ".." / "shared", root / "shared") if (p / "data" / "calibration" / "qwen3_8b.pt").exists()]
+    default_stats = (found[0] if found else root / ".." / "shared") / "data" / "calibration" / "qwen3_8b.pt"
     ap.add_argument("--stats", default=str(default_stats))
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--json", default=None)

@@ -8,7 +8,10 @@ import pytest
 
 import triattn
 
-SHARED = Path(os.environ.get("TRIATTN_SHARED_DATA_DIR", Path(__file__).resolve().parents[2] / ".." / "shared" / "data"))
+_ROOT = Path(__file__).resolve().parents[2]
+SHARED = Path(os.environ.get("TRIATTN_SHARED_DATA_DIR", _ROOT / ".." / "shared" / "data"))
+if not SHARED.exists() and (_ROOT / "shared" / "data").exists():
+    SHARED = _ROOT / "shared" / "data"
 QWEN = SHARED / "calibration" / "qwen3_8b.pt"
 
 
