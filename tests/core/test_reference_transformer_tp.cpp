@@ -133,7 +133,11 @@ RankOut run_rank(const RunSpec& spec, ex::Model<>& model, const triattn::QuerySt
       cache.scorer().score(cache.template view<float>(), s, len, cache.logical_position(s), scores);
       triattn::KeepPlan plan = cache.selector().select(scores, g, len, cache.prompt_length(s));
       cache.apply_keep_plan(s, plan);
-      done.push_back(triattn::CompressionReport{s, len, cache.physical_length(s), 0});
+      triattn::CompressionReport rep;
+      rep.seq = s;
+      rep.length_before = len;
+      rep.length_after = cache.physical_length(s);
+      done.push_back(rep);
       out.rounds.push_back(Round{s, std::move(plan)});
     }
     return done;

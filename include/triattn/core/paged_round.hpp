@@ -129,6 +129,44 @@ struct RoundOutputs {
 };
 static_assert(std::is_trivially_copyable_v<RoundOutputs>);
 
+/// Host-owned output arrays of a round for `batch` sequences (the CPU path, or the host copy of a
+/// device round's outputs). kept is allocated when kept_rows > 0.
+struct RoundResult {
+  std::vector<std::int32_t> new_lens, status, freed_begin, freed_end, kept;
+  int kept_rows = 0;
+  int max_keep = 0;
+
+  explicit RoundResult(int batch, int rows = 0, int max_keep_count = 0)
+      : new_lens(static_cast<std::size_t>(batch > 0 ? batch : 0)), status(new_lens.size()),
+        freed_begin(new_lens.size()), freed_end(new_lens.size()),
+        kept(rows > 0 && max_keep_count > 0 ? new_lens.size() * static_cast<std::size_t>(rows) *
+                                                  static_cast<std::size_t>(max_keep_count)
+                                            : 0),
+        kept_rows(rows > 0 ? rows : 0), max_keep(max_keep_count > 0 ? max_keep_count : 0) {}
+
+  /// The RoundOutputs pointing at these arrays (valid while *this lives and is not resized).
+  [[nodiscard]] RoundOutputs outputs() {
+    RoundOutputs o;
+    o.new_lens = new_lens.data();
+    o.status = status.data();
+    o.freed_begin = freed_begin.data();
+    o.freed_end = freed_end.data();
+    o.kept = kept.empty() ? nullptr : kept.data();
+    o.kept_rows = kept_rows;
+    o.max_keep = max_keep;
+    return o;
+  }
+  [[nodiscard]] RoundStatus status_of(int b) const { return static_cast<RoundStatus>(status.at(static_cast<std::size_t>(b))); }
+  /// Kept positions of row r of batch entry b ([new_lens[b]] entries; kCompressed entries only).
+  [[nodiscard]] std::span<const std::int32_t> kept_positions(int b, int r) const {
+    TRIATTN_EXPECTS(!kept.empty() && b >= 0 && static_cast<std::size_t>(b) < new_lens.size() && r >= 0 && r < kept_rows,
+                    "RoundResult::kept_positions: entry " + std::to_string(b) + ", row " + std::to_string(r) +
+                        " is not held (kept_rows " + std::to_string(kept_rows) + ")");
+    return {kept.data() + (static_cast<std::size_t>(b) * kept_rows + r) * max_keep,
+            static_cast<std::size_t>(new_lens[static_cast<std::size_t>(b)])};
+  }
+};
+
 /// Bytes of host workspace triattn::paged_round needs for a batch whose sequences are at most
 /// max_len slots long: the raw scores of one sequence ([L, Hq, max_len] float), reused sequence
 /// after sequence. (The host selection itself allocates its temporaries; the device round does not.)
