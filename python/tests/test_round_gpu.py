@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 
 POISON = -7
 L, HQ, HKV, D = 3, 8, 2, 128
+IF_DUE = int(triattn.RoundTrigger.IF_DUE)  # a plain int: what the op takes (and torch.compile sees)
 
 
 @pytest.fixture(autouse=True)
@@ -98,7 +99,7 @@ def test_cuda_round_equals_cpu(layout, dtype, mode):
 
 def _op_args(comp, cache, kv, tables, lens, ids, t0, prompts, out, ws, max_len, handle):
     return (handle, kv, tables, lens, ids, t0, prompts, out.new_lens, out.status, out.freed_begin, out.freed_end,
-            out.kept, None, ws, max_len, int(triattn.RoundTrigger.IF_DUE))
+            out.kept, None, ws, max_len, IF_DUE)
 
 
 def test_custom_op_graph_capture_and_compile():
@@ -149,7 +150,7 @@ def test_custom_op_graph_capture_and_compile():
     @torch.compile(fullgraph=True)
     def step(kv, tables, lens, ids, t0, prompts, new_lens, status, fb, fe, kept, ws):
         torch.ops.triattn.round(handle, kv, tables, lens, ids, t0, prompts, new_lens, status, fb, fe, kept, None, ws,
-                                max_len, int(triattn.RoundTrigger.IF_DUE))
+                                max_len, IF_DUE)
         return new_lens.sum()
 
     total = step(dev, *args, *compiled_out[:5], ws)
