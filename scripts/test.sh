@@ -8,9 +8,10 @@
 #      block against the CPU-only and the full install, and an add_subdirectory consumer)
 #   5. fuzz each loader for a bounded time (when clang's libFuzzer runtime is available)
 #   6. mutation check: deliberate bugs, each must fail a named test (docs/testing.md)
-#   7. last: ctest on the full build, everything but the `gpu` label (its summary ends the log)
+#   7. the Python package (pip install ., CPU only) and its pytest suite (numpy; no torch needed)
+#   8. last: ctest on the full build, everything but the `gpu` label (its summary ends the log)
 # Without a CUDA toolkit (no nvcc), or with TRIATTN_TEST_CUDA=0, the CUDA parts (step 2, the
-# CUDA consumer, step 7) are skipped and listed at the end; the rest must pass.
+# CUDA consumer, step 8) are skipped and listed at the end; the rest must pass.
 # TRIATTN_TEST_STEPS="1 4" runs only the listed steps (default: all).
 # GPU tests (`ctest -L gpu`) and GPU benchmarks run on a GPU machine: benchmarks/run_gpu.sh.
 set -euo pipefail
@@ -19,7 +20,7 @@ ROOT=$PWD
 JOBS=${JOBS:-$(nproc)}
 B=${BUILD_ROOT:-$ROOT/build-ci}
 FUZZ_SECONDS=${FUZZ_SECONDS:-20}
-STEPS=" ${TRIATTN_TEST_STEPS:-1 2 3 4 5 6 7} "
+STEPS=" ${TRIATTN_TEST_STEPS:-1 2 3 4 5 6 7 8} "
 step() { printf '\n=== %s [%s] ===\n' "$*" "$(date +%T)"; }
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 skipped=()
@@ -126,11 +127,33 @@ if want 6; then
 fi
 
 if want 7; then
+  step "7. Python package (CPU extension) and its pytest suite"
+  PY=${PYTHON:-python3}
+  pymissing=()
+  for m in nanobind scikit_build_core numpy pytest; do
+    "$PY" -c "import $m" >/dev/null 2>&1 || pymissing+=("$m")
+  done
+  if [ ${#pymissing[@]} -gt 0 ]; then
+    pkgs=("${pymissing[@]/scikit_build_core/scikit-build-core}")
+    echo "pip installing: ${pkgs[*]}"
+    "$PY" -m pip install -q "${pkgs[@]}"
+  fi
+  # Build in place of the wheel cache under $B (no build isolation: the packages above are used),
+  # then test the installed package from outside the source tree.
+  CMAKE_BUILD_PARALLEL_LEVEL=$JOBS "$PY" -m pip install -q --no-build-isolation \
+    --config-settings=build-dir="$B/python" .
+  rc=0
+  (cd "$B" && "$PY" -m pytest -q -p no:cacheprovider "$ROOT/python/tests") || rc=$?
+  [ "$rc" -eq 5 ] && { echo "pytest collected no tests" >&2; exit 1; }
+  [ "$rc" -ne 0 ] && exit "$rc"
+fi
+
+if want 8; then
   if [ "$HAVE_NVCC" = 1 ]; then
-    step "7. all host tests of the full build (ctest -LE gpu)"
+    step "8. all host tests of the full build (ctest -LE gpu)"
     ctest --test-dir "$B/full" -LE gpu -j "$JOBS" --output-on-failure
   else
-    skip "7. host tests of the full build (no nvcc; step 1 ran the CPU build's)"
+    skip "8. host tests of the full build (no nvcc; step 1 ran the CPU build's)"
   fi
 fi
 

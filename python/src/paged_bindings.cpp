@@ -1,0 +1,423 @@
+// SPDX-License-Identifier: Apache-2.0
+// The batched compression round over an engine's own paged cache: PagedCache (a view of the
+// engine's per-layer K and V tensors, any strides), Compressor (statistics, RoPE, parameters)
+// and its round over host arrays (the library's CPU round) or CUDA arrays (the kernels, on the
+// caller's stream; CUDA builds only). Every array is checked (dtype, device, shape, contiguity)
+// before the library is called, and the library checks the view's contents before it writes.
+#include "bindings.hpp"
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <triattn/core/admission.hpp>
+#include <triattn/core/paged_round.hpp>
+#include <triattn/core/policy/triattention_scorer.hpp>
+
+#ifdef TRIATTN_PYTHON_WITH_CUDA
+#include "cuda_glue.hpp"
+#endif
+
+namespace triattn::python {
+namespace {
+
+constexpr int kCpu = nb::device::cpu::value;
+
+/// Host nanoseconds the last round spent inside the library call (the C++ launch on the GPU):
+/// what benchmarks/python/bench_round.py subtracts from the Python call's time.
+std::atomic<long long> g_last_round_ns{0};
+
+long long since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t).count();
+}
+constexpr int kCuda = nb::device::cuda::value;
+
+std::string device_str(int type, int id) {
+  if (type == kCpu) return "cpu";
+  if (type == kCuda) return "cuda:" + std::to_string(id);
+  return "DLPack device type " + std::to_string(type) + ":" + std::to_string(id);
+}
+
+/// An engine's per-layer K and V tensors, viewed in place: each [num_blocks, block_size,
+/// num_kv_heads, head_dim] with any strides (head_dim contiguous), all of one shape, strides,
+/// dtype and device. The tensors stay alive as long as this object.
+struct PagedCache {
+  DType dtype = DType::kF32;
+  int device_type = kCpu;
+  int device_id = 0;
+  BlockLayout block{};
+  int num_layers = 0;
+  int num_blocks = 0;
+  std::vector<void*> ranges;     // [2 * num_layers] (layer, K|V) bases, host copy
+  void* device_ranges = nullptr; // the same on the device (CUDA caches)
+  nb::object keep_alive;
+
+  PagedCache(const std::vector<Array>& k, const std::vector<Array>& v, nb::object owners) : keep_alive(std::move(owners)) {
+    if (k.empty() || k.size() != v.size())
+      throw logic_error("triattn: PagedCache needs one K and one V tensor per layer; got " + std::to_string(k.size()) +
+                        " K and " + std::to_string(v.size()) + " V tensors");
+    const Array& a0 = k[0];
+    dtype = cache_dtype(a0, "k[0]");
+    device_type = a0.device_type();
+    device_id = a0.device_id();
+    if (device_type != kCpu && device_type != kCuda)
+      throw logic_error("triattn: k[0] is on " + device_str(device_type, device_id) + "; expected cpu or cuda");
+    if (a0.ndim() != 4)
+      throw logic_error("triattn: k[0] has " + std::to_string(a0.ndim()) +
+                        " dimensions; expected 4: [num_blocks, block_size, num_kv_heads, head_dim] (a view of the "
+                        "engine's tensor, see triattn.vllm_cache / triattn.sglang_cache)");
+    std::int64_t shape[4], stride[4];
+    for (int i = 0; i < 4; ++i) {
+      shape[i] = static_cast<std::int64_t>(a0.shape(i));
+      // A dimension of extent 1 is never stepped over; give it the dense stride so that numpy's
+      // 0 strides of inserted axes do not look like overlapping vectors.
+      stride[i] = a0.stride(i);
+    }
+    for (int i = 0; i < 4; ++i) {
+      if (shape[i] < 1 || shape[i] > 0x7fffffff)
+        throw logic_error("triattn: k[0] dimension " + std::to_string(i) + " has extent " + std::to_string(shape[i]));
+      if (shape[i] == 1) {
+        std::int64_t dense = 1;
+        for (int j = i + 1; j < 4; ++j) dense *= shape[j];
+        stride[i] = dense;
+      }
+    }
+    if (stride[3] != 1)
+      throw logic_error("triattn: k[0]'s head_dim is not contiguous (stride " + std::to_string(stride[3]) +
+                        " elements); every head vector must be contiguous");
+    for (int i = 0; i < 3; ++i)
+      if (stride[i] <= 0)
+        throw logic_error("triattn: k[0] has a non-positive stride " + std::to_string(stride[i]) + " in dimension " +
+                          std::to_string(i));
+    num_layers = static_cast<int>(k.size());
+    num_blocks = static_cast<int>(shape[0]);
+    block = BlockLayout::strided(static_cast<int>(shape[1]), static_cast<int>(shape[2]), static_cast<int>(shape[3]),
+                                 stride[0], stride[1], stride[2]);
+    ranges.resize(2 * k.size());
+    for (std::size_t l = 0; l < k.size(); ++l) {
+      for (int kind = 0; kind < 2; ++kind) {
+        const Array& a = kind == 0 ? k[l] : v[l];
+        const std::string name = std::string(kind == 0 ? "k[" : "v[") + std::to_string(l) + "]";
+        if (cache_dtype(a, name) != dtype)
+          throw logic_error("triattn: " + name + " has dtype " + dtype_name(cache_dtype(a, name)) + " but k[0] has " +
+                            dtype_name(dtype));
+        if (a.device_type() != device_type || a.device_id() != device_id)
+          throw logic_error("triattn: " + name + " is on " + device_str(a.device_type(), a.device_id()) +
+                            " but k[0] is on " + device_str(device_type, device_id));
+        bool same = a.ndim() == 4;
+        for (int i = 0; same && i < 4; ++i)
+          same = static_cast<std::int64_t>(a.shape(i)) == shape[i] && (shape[i] == 1 || a.stride(i) == stride[i]);
+        if (!same)
+          throw logic_error("triattn: " + name + " differs from k[0] in shape or strides; every layer's K and V must "
+                            "share one layout");
+        ranges[2 * l + kind] = a.data();
+      }
+    }
+    for (std::size_t i = 0; i < ranges.size(); ++i)
+      for (std::size_t j = i + 1; j < ranges.size(); ++j)
+        if (ranges[i] == ranges[j])
+          throw logic_error("triattn: " + std::string(i % 2 ? "v[" : "k[") + std::to_string(i / 2) + "] and " +
+                            (j % 2 ? "v[" : "k[") + std::to_string(j / 2) +
+                            "] are the same memory; every (layer, K|V) needs its own");
+    if (device_type == kCuda) {
+#ifdef TRIATTN_PYTHON_WITH_CUDA
+      device_ranges = cuda_glue::upload_pointers(ranges.data(), ranges.size(), device_id);
+#else
+      throw logic_error("triattn: the cache tensors are CUDA tensors but this triattn was built without CUDA "
+                        "(rebuild with TRIATTN_PYTHON_CUDA=ON)");
+#endif
+    }
+  }
+  PagedCache(const PagedCache&) = delete;
+  PagedCache& operator=(const PagedCache&) = delete;
+  ~PagedCache() {
+#ifdef TRIATTN_PYTHON_WITH_CUDA
+    if (device_ranges) cuda_glue::free_pointers(device_ranges, device_id);
+#endif
+  }
+
+  template <class T>
+  [[nodiscard]] KvCacheView<T, std::int32_t> host_view(T* const* r, int max_seqs, int max_blocks_per_seq,
+                                                       const std::int32_t* tables, const std::int32_t* lens) const {
+    KvCacheView<T, std::int32_t> view;
+    view.ranges = r;
+    view.block = block;
+    view.num_layers = num_layers;
+    view.num_blocks = num_blocks;
+    view.max_seqs = max_seqs;
+    view.max_blocks_per_seq = max_blocks_per_seq;
+    view.block_tables = tables;
+    view.seq_lens = lens;
+    return view;
+  }
+};
+
+/// Statistics, RoPE and parameters of the round; the host scorer and, per device, the scorer's
+/// constants on the GPU. One round at a time per Compressor (the host scorer has scratch).
+struct Compressor {
+  QueryStats stats;
+  RopeConfig rope;
+  ScoringParams scoring;
+  SelectionParams selection;
+  ModelGeometry geometry;
+  TriAttentionScorer host;
+  std::mutex mutex;
+#ifdef TRIATTN_PYTHON_WITH_CUDA
+  std::vector<std::pair<int, cuda_glue::DeviceModel*>> device_models;
+#endif
+
+  Compressor(const QueryStats& s, const RopeConfig& r, const SelectionParams& sel, const ScoringParams& sc, int num_kv_heads)
+      : stats(s), rope(r), scoring(sc), selection(validated(sel)),
+        geometry{s.num_layers, s.num_q_heads, num_kv_heads, s.head_dim}, host(s, r, sc, num_kv_heads) {
+    geometry.validate();
+  }
+  Compressor(const Compressor&) = delete;
+  Compressor& operator=(const Compressor&) = delete;
+  ~Compressor() {
+#ifdef TRIATTN_PYTHON_WITH_CUDA
+    for (auto& [dev, m] : device_models) cuda_glue::free_device_model(m);
+#endif
+  }
+  static const SelectionParams& validated(const SelectionParams& p) {
+    p.validate();
+    return p;
+  }
+#ifdef TRIATTN_PYTHON_WITH_CUDA
+  cuda_glue::DeviceModel* device_model(int device) {
+    for (auto& [dev, m] : device_models)
+      if (dev == device) return m;
+    device_models.emplace_back(device, cuda_glue::make_device_model(stats, rope, scoring, geometry.num_kv_heads, device));
+    return device_models.back().second;
+  }
+#endif
+};
+
+/// Checks a [batch] (or [batch, rows, n]) int array of the round: dtype, device, shape, C order.
+template <class Int, class A>
+const Int* round_array(const A& a, const char* name, std::size_t ndim, std::int64_t batch, int dev_type, int dev_id) {
+  if (a.device_type() != dev_type || a.device_id() != dev_id)
+    throw logic_error(std::string("triattn: ") + name + " is on " + device_str(a.device_type(), a.device_id()) +
+                      " but the cache is on " + device_str(dev_type, dev_id));
+  expect_contiguous<Int>(a, ndim, name);
+  if (batch >= 0 && static_cast<std::int64_t>(a.shape(0)) != batch)
+    throw logic_error(std::string("triattn: ") + name + " has " + std::to_string(a.shape(0)) +
+                      " entries in its first dimension; expected batch = " + std::to_string(batch));
+  return static_cast<const Int*>(a.data());
+}
+
+nb::object run_round(Compressor& c, PagedCache& cache, const ConstArray& block_tables, const ConstArray& seq_lens,
+                     const ConstArray& seq_ids, const ConstArray& t0, const ConstArray& prompt_lens, Array& new_lens,
+                     Array& status, Array& freed_begin, Array& freed_end, std::optional<Array>& kept,
+                     std::optional<ConstArray>& slot_positions, Array& workspace, int max_len, RoundTrigger trigger,
+                     std::uintptr_t stream) {
+  const int dt = cache.device_type, di = cache.device_id;
+  // Geometry: the statistics and the cache must describe the same model.
+  if (cache.num_layers != c.geometry.num_layers || cache.block.num_kv_heads != c.geometry.num_kv_heads ||
+      cache.block.head_dim != c.geometry.head_dim)
+    throw logic_error("triattn: the cache has [layers " + std::to_string(cache.num_layers) + ", kv heads " +
+                      std::to_string(cache.block.num_kv_heads) + ", head_dim " + std::to_string(cache.block.head_dim) +
+                      "] but the compressor's statistics describe [" + std::to_string(c.geometry.num_layers) + ", " +
+                      std::to_string(c.geometry.num_kv_heads) + ", " + std::to_string(c.geometry.head_dim) + "]");
+  const auto* tables = round_array<std::int32_t>(block_tables, "block_tables", 2, -1, dt, di);
+  const int max_seqs = static_cast<int>(block_tables.shape(0));
+  const int max_blocks_per_seq = static_cast<int>(block_tables.shape(1));
+  const auto* lens = round_array<std::int32_t>(seq_lens, "seq_lens", 1, max_seqs, dt, di);
+  const std::int64_t B = seq_ids.ndim() == 1 ? static_cast<std::int64_t>(seq_ids.shape(0)) : -1;
+  RoundBatch batch;
+  batch.seq_ids = round_array<std::int32_t>(seq_ids, "seq_ids", 1, -1, dt, di);
+  batch.t0 = round_array<std::int64_t>(t0, "t0", 1, B, dt, di);
+  batch.prompt_lens = round_array<std::int32_t>(prompt_lens, "prompt_lens", 1, B, dt, di);
+  batch.batch = static_cast<int>(B);
+  batch.max_len = max_len;
+  RoundOutputs out;
+  out.new_lens = const_cast<std::int32_t*>(round_array<std::int32_t>(new_lens, "new_lens", 1, B, dt, di));
+  out.status = const_cast<std::int32_t*>(round_array<std::int32_t>(status, "status", 1, B, dt, di));
+  out.freed_begin = const_cast<std::int32_t*>(round_array<std::int32_t>(freed_begin, "freed_begin", 1, B, dt, di));
+  out.freed_end = const_cast<std::int32_t*>(round_array<std::int32_t>(freed_end, "freed_end", 1, B, dt, di));
+  if (kept) {
+    out.kept = const_cast<std::int32_t*>(round_array<std::int32_t>(*kept, "kept", 3, B, dt, di));
+    out.kept_rows = static_cast<int>(kept->shape(1));
+    out.max_keep = static_cast<int>(kept->shape(2));
+  }
+  if (slot_positions) {
+    out.slot_positions = round_array<std::int32_t>(*slot_positions, "slot_positions", 3, B, dt, di);
+    out.positions_stride = static_cast<std::int64_t>(slot_positions->shape(2));
+    const int rows = static_cast<int>(slot_positions->shape(1));
+    if (kept && rows != out.kept_rows)
+      throw logic_error("triattn: slot_positions has " + std::to_string(rows) + " rows per sequence but kept has " +
+                        std::to_string(out.kept_rows) + "; both hold one row per kept_rows(mode, layers, kv_heads)");
+    out.kept_rows = rows;
+  }
+  if (workspace.device_type() != dt || workspace.device_id() != di)
+    throw logic_error("triattn: workspace is on " + device_str(workspace.device_type(), workspace.device_id()) +
+                      " but the cache is on " + device_str(dt, di));
+  expect_contiguous<std::uint8_t>(workspace, workspace.ndim(), "workspace");
+
+  // The outputs must not alias each other or the inputs (the round reads while it writes).
+  std::lock_guard<std::mutex> lock(c.mutex);
+  if (dt == kCpu) {
+    int done = 0;
+    {
+      nb::gil_scoped_release release;  // the caller's arrays stay alive: they are this call's arguments
+      auto go = [&](auto tag) {
+        using T = typename decltype(tag)::type;
+        std::vector<T*> r(cache.ranges.size());
+        for (std::size_t i = 0; i < r.size(); ++i) r[i] = static_cast<T*>(cache.ranges[i]);
+        const auto view = cache.host_view<T>(r.data(), max_seqs, max_blocks_per_seq, tables, lens);
+        const auto t = std::chrono::steady_clock::now();
+        done = paged_round(view, c.host, c.selection, c.geometry, trigger, batch, out, workspace.data(), workspace.nbytes());
+        g_last_round_ns = since(t);
+      };
+      switch (cache.dtype) {
+        case DType::kF32: go(std::type_identity<float>{}); break;
+        case DType::kF16: go(std::type_identity<f16_storage>{}); break;
+        case DType::kBF16: go(std::type_identity<bf16_storage>{}); break;
+      }
+    }
+    return nb::int_(done);
+  }
+#ifdef TRIATTN_PYTHON_WITH_CUDA
+  cuda_glue::ViewParts v;
+  v.ranges = static_cast<void* const*>(cache.device_ranges);
+  v.block = cache.block;
+  v.num_layers = cache.num_layers;
+  v.num_blocks = cache.num_blocks;
+  v.max_seqs = max_seqs;
+  v.max_blocks_per_seq = max_blocks_per_seq;
+  v.block_tables = tables;
+  v.seq_lens = lens;
+  cuda_glue::DeviceModel* model = c.device_model(di);
+  const auto t = std::chrono::steady_clock::now();
+  cuda_glue::run_round(cache.dtype, v, model, c.selection, trigger, batch, out, workspace.data(), workspace.nbytes(),
+                       stream, di);
+  g_last_round_ns = since(t);
+  return nb::none();
+#else
+  throw logic_error("triattn: built without CUDA");
+#endif
+}
+
+}  // namespace
+
+void bind_paged(nb::module_& m) {
+  nb::enum_<RoundTrigger>(m, "RoundTrigger", "Which sequences of a batch a round compresses.", nb::is_arithmetic())
+      .value("IF_DUE", RoundTrigger::kIfDue)
+      .value("ALWAYS", RoundTrigger::kAlways);
+  nb::enum_<RoundStatus>(m, "RoundStatus", "Outcome of one sequence of a round (the `status` output).", nb::is_arithmetic())
+      .value("COMPRESSED", RoundStatus::kCompressed)
+      .value("NOT_DUE", RoundStatus::kNotDue)
+      .value("NON_FINITE", RoundStatus::kNonFinite)
+      .value("NO_ROOM", RoundStatus::kNoRoom);
+  m.def("_last_round_ns", [] { return g_last_round_ns.load(); },
+        "Host nanoseconds the last round spent inside the library call (benchmarks).");
+  m.def("kept_rows", &kept_rows, nb::arg("mode"), nb::arg("num_layers"), nb::arg("num_kv_heads"),
+        "Rows of kept positions one sequence has in `mode` (per_head: kv heads; per_layer_per_head: layers * kv "
+        "heads; union: 1).");
+
+  nb::class_<PagedCache>(m, "PagedCache",
+                         "An engine's per-layer K and V tensors viewed in place (no copy): each [num_blocks, "
+                         "block_size, num_kv_heads, head_dim] with any strides, head_dim contiguous.")
+      .def("__init__",
+           [](PagedCache* self, nb::sequence k, nb::sequence v) {
+             std::vector<Array> ks, vs;
+             for (int kind = 0; kind < 2; ++kind) {
+               std::size_t i = 0;
+               for (nb::handle h : kind == 0 ? k : v) {
+                 Array a;
+                 if (!nb::try_cast(h, a))
+                   throw nb::type_error(("triattn: PagedCache: " + std::string(kind == 0 ? "k[" : "v[") +
+                                         std::to_string(i) + "] is not an array (DLPack: numpy, torch, CuPy...)")
+                                            .c_str());
+                 (kind == 0 ? ks : vs).push_back(std::move(a));
+                 ++i;
+               }
+             }
+             new (self) PagedCache(ks, vs, nb::make_tuple(k, v));
+           },
+           nb::arg("k"), nb::arg("v"))
+      .def_prop_ro("num_layers", [](const PagedCache& c) { return c.num_layers; })
+      .def_prop_ro("num_blocks", [](const PagedCache& c) { return c.num_blocks; })
+      .def_prop_ro("block_size", [](const PagedCache& c) { return c.block.block_size; })
+      .def_prop_ro("num_kv_heads", [](const PagedCache& c) { return c.block.num_kv_heads; })
+      .def_prop_ro("head_dim", [](const PagedCache& c) { return c.block.head_dim; })
+      .def_prop_ro("dtype", [](const PagedCache& c) { return c.dtype; })
+      .def_prop_ro("device", [](const PagedCache& c) { return device_str(c.device_type, c.device_id); })
+      .def_prop_ro("strides", [](const PagedCache& c) {
+        return nb::make_tuple(c.block.stride_block, c.block.stride_token, c.block.stride_head);
+      }, "Element strides (block, token, head) inside one range.");
+
+  nb::class_<Compressor>(m, "Compressor",
+                         "TriAttention's compression round: statistics, RoPE, selection and scoring parameters.")
+      .def(nb::init<const QueryStats&, const RopeConfig&, const SelectionParams&, const ScoringParams&, int>(),
+           nb::arg("stats"), nb::arg("rope"), nb::arg("selection"), nb::arg("scoring") = ScoringParams{}, nb::kw_only(),
+           nb::arg("num_kv_heads"))
+      .def_prop_rw("selection", [](const Compressor& c) { return c.selection; },
+                   [](Compressor& c, const SelectionParams& p) {
+                     p.validate();
+                     std::lock_guard<std::mutex> lock(c.mutex);
+                     c.selection = p;
+                   })
+      .def_prop_ro("scoring", [](const Compressor& c) { return c.scoring; })
+      .def_prop_ro("rope", [](const Compressor& c) { return c.rope; })
+      .def_prop_ro("geometry", [](const Compressor& c) { return c.geometry; })
+      .def("kept_rows", [](const Compressor& c) {
+        return kept_rows(c.selection.mode, c.geometry.num_layers, c.geometry.num_kv_heads);
+      }, "Rows of kept positions per sequence under the current mode.")
+      .def("workspace_size",
+           [](Compressor& c, int batch, int max_len, const std::string& device, int max_seqs) -> std::size_t {
+             if (batch < 0 || max_len < 0)
+               throw logic_error("triattn: workspace_size: batch = " + std::to_string(batch) + " and max_len = " +
+                                 std::to_string(max_len) + " must be non-negative");
+             if (device == "cpu") return paged_round_workspace_size(c.geometry, max_len);
+#ifdef TRIATTN_PYTHON_WITH_CUDA
+             if (device.rfind("cuda", 0) == 0) {
+               const int id = device.size() > 5 ? std::stoi(device.substr(5)) : 0;
+               return cuda_glue::workspace_size(c.device_model(id), c.selection, batch, max_len, max_seqs);
+             }
+#endif
+             throw logic_error("triattn: workspace_size: unknown or unsupported device '" + device + "'");
+           },
+           nb::arg("batch"), nb::arg("max_len"), nb::arg("device") = "cpu", nb::arg("max_seqs") = 0,
+           "Workspace bytes of a round of `batch` sequences of at most `max_len` slots on `device` (\"cpu\" or "
+           "\"cuda:N\"); the device round also needs the view's rows, `max_seqs`.")
+      .def("_round", &run_round, nb::arg("cache"), nb::arg("block_tables"), nb::arg("seq_lens"), nb::arg("seq_ids"),
+           nb::arg("t0"), nb::arg("prompt_lens"), nb::arg("new_lens"), nb::arg("status"), nb::arg("freed_begin"),
+           nb::arg("freed_end"), nb::arg("kept").none(), nb::arg("slot_positions").none(), nb::arg("workspace"),
+           nb::arg("max_len"), nb::arg("trigger"), nb::arg("stream"),
+           "The round with every array given (see triattn.Compressor.round for the documented entry point).");
+
+  // ---- admission ------------------------------------------------------------------------------
+  nb::class_<AdmissionRequest>(m, "AdmissionRequest")
+      .def(nb::init<>())
+      .def("__init__", [](AdmissionRequest* self, int p, int n) { new (self) AdmissionRequest{p, n}; },
+           nb::arg("prompt_len"), nb::arg("max_new_tokens"))
+      .def_rw("prompt_len", &AdmissionRequest::prompt_len)
+      .def_rw("max_new_tokens", &AdmissionRequest::max_new_tokens);
+  nb::class_<RequestFootprint>(m, "RequestFootprint", "Worst-case resources of one request over its life.")
+      .def_ro("max_tokens", &RequestFootprint::max_tokens)
+      .def_ro("max_blocks", &RequestFootprint::max_blocks)
+      .def_ro("kv_bytes", &RequestFootprint::kv_bytes)
+      .def_ro("round_workspace_bytes", &RequestFootprint::round_workspace_bytes)
+      .def_ro("uncompressed_tokens", &RequestFootprint::uncompressed_tokens);
+  m.def("max_resident_tokens", &max_resident_tokens, nb::arg("prompt_len"), nb::arg("max_new_tokens"),
+        nb::arg("params"), "Most tokens a request ever holds with rounds after every decode step.");
+  m.def("request_footprint", &request_footprint, nb::arg("config"), nb::arg("request"), nb::arg("params"),
+        "Exact worst-case blocks and bytes of one request.");
+  m.def("admissible_prefix",
+        [](const CacheConfig& cfg, const std::vector<AdmissionRequest>& requests, const SelectionParams& params,
+           std::int64_t free_blocks, std::int64_t reserved_blocks) {
+          return admissible_prefix(cfg, requests, params, free_blocks, reserved_blocks);
+        },
+        nb::arg("config"), nb::arg("requests"), nb::arg("params"), nb::arg("free_blocks"), nb::arg("reserved_blocks") = 0,
+        "How many leading requests fit in `free_blocks` next to `reserved_blocks` running ones may still need.");
+}
+
+}  // namespace triattn::python
