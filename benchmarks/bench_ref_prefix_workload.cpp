@@ -26,7 +26,7 @@
 #include <triattn/core/policy/topk_selector.hpp>
 #include <triattn/core/prefix_cache.hpp>
 #include <triattn/core/ref/select.hpp>
-#include <triattn/core/vmm/fake_driver.hpp>
+#include "common/vmm/fake_driver.hpp"
 #include <triattn/core/vmm/vmm_allocator_core.hpp>
 
 namespace {
@@ -57,7 +57,7 @@ struct CountSelector {
   using policy_role = selector_role;
   SelectionParams p;
   bool should_compress(int len, int prompt_len, bool decode) const { return TopKSelector(p).should_compress(len, prompt_len, decode); }
-  KeepPlan select(std::span<const float>, const ModelGeometry& g, int len, int prompt_len, int protected_prefix) const {
+  KeepPlan select(std::span<const float>, const ModelGeometry& g, int len, int prompt_len, int protected_prefix = 0) const {
     const ref::KeepCounts kc = ref::keep_counts(len, prompt_len, p, protected_prefix);
     KeepPlan plan(g.num_layers, g.num_kv_heads, kc.keep);
     for (int l = 0; l < g.num_layers; ++l)

@@ -763,6 +763,8 @@ TEST_CASE("admission: max_resident_tokens is the simulated peak of every schedul
     sp.mode = static_cast<PruningMode>(u(rng) % 3);
     sp.n_sink = u(rng) % 3 == 0 ? u(rng) % 12 : 0;
     sp.window = u(rng) % 3 == 0 ? u(rng) % 12 : 0;
+    sp.n_sink = std::min(sp.n_sink, sp.budget);  // sinks + window must fit the budget (validate)
+    sp.window = std::min(sp.window, sp.budget - sp.n_sink);
     const int P = u(rng) % 50, N = u(rng) % 120;
     const int bs = 1 + u(rng) % 8;
     CAPTURE(k);

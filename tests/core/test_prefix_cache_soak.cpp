@@ -32,8 +32,8 @@
 #include <triattn/core/kv_cache.hpp>
 #include <triattn/core/policy/topk_selector.hpp>
 #include <triattn/core/prefix_cache.hpp>
-#include <triattn/core/vmm/fake_driver.hpp>
-#include <triattn/core/vmm/testing.hpp>
+#include "common/vmm/fake_driver.hpp"
+#include "common/vmm/testing.hpp"
 #include <triattn/core/vmm/vmm_allocator_core.hpp>
 
 namespace {
