@@ -18,8 +18,8 @@ B=$WORK/build
 # Text and replacement are perl-quoted literals (\n is a newline).
 MUTANTS=(
 "rope-at-physical-position|examples/reference_transformer/model.hpp|p0 + static_cast<std::int64_t>(t)});|r.first_slot + static_cast<std::int64_t>(t)});|test_core_test_reference_transformer|*saw-tooth cache and RoPE at logical positions"
-"keep-count-off-by-one|include/triattn/core/ref/select.hpp|std::max<long long>(0, total - k.num_protected)|std::max<long long>(0, total - k.num_protected - 1)|test_core_test_select|sinks and recent window are kept*"
-"prompt-prefix-not-protected|include/triattn/core/ref/select.hpp|const int pinned = p.prompt_pinned() ? prompt_len : 0;|const int pinned = 0;|test_core_test_select|prompt pinned in budget vs pinned on top*"
+"keep-count-off-by-one|include/triattn/core/keep_counts.hpp|const long long quota = total - k.num_protected;|const long long quota = total - k.num_protected - 1;|test_core_test_select|sinks and recent window are kept*"
+"prompt-prefix-not-protected|include/triattn/core/keep_counts.hpp|const int pinned = p.prompt != PromptMode::kCompete ? prompt_len : 0;|const int pinned = 0;|test_core_test_select|prompt pinned in budget vs pinned on top*"
 "ties-to-higher-slot|include/triattn/core/ref/select.hpp|(values[a] == values[b] && a < b)|(values[a] == values[b] && a > b)|test_core_test_select|exact ties keep the lower slot*"
 "normalise-with-sample-std|include/triattn/core/ref/select.hpp|std::sqrt(ss / n)|std::sqrt(ss / (n - 1))|test_core_test_select|normalize_scores: population z-score*"
 "shared-block-freed-at-first-release|include/triattn/core/block_pool.hpp|if (--ref_count_[static_cast<std::size_t>(b)] > 0) return false;|--ref_count_[static_cast<std::size_t>(b)];|test_core_test_block_pool|block pool: reference counts*"
