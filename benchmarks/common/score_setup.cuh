@@ -89,7 +89,8 @@ struct Setup {
       cudaFree(p);
   }
   KvCacheView<T, std::int32_t> view() const {
-    return {data, static_cast<std::int64_t>(blocks) * bl.block_elems(), bl, L, blocks, seqs, per_seq, tables, lens};
+    return KvCacheView<T, std::int32_t>::contiguous(data, static_cast<std::int64_t>(blocks) * bl.block_elems(), bl, L,
+                                                    blocks, seqs, per_seq, tables, lens);
   }
   /// The timed loop of the rotating benchmarks: iteration k launches launch(batch) on sequence
   /// k % seqs (so L2 never holds its K), after a GPU spin kernel when `queued`.

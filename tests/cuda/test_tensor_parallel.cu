@@ -141,7 +141,7 @@ void check_identity_split(const TpCase& c, std::uint32_t s) {
                                                   split.plan(), split.ws.p, split.ws_bytes, cuda::IdentityAgreement{},
                                                   nullptr));
   TRIATTN_TEST_CUDA(cudaDeviceSynchronize());
-  RoundResult<T> a, b;
+  TpRoundResult<T> a, b;
   download(one, a);
   download(split, b);
   test::require_bitwise_equal(b.keep, a.keep, "keep counts of the split round");
@@ -165,7 +165,7 @@ void check_identity_split(const TpCase& c, std::uint32_t s) {
   TRIATTN_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
   TRIATTN_TEST_CUDA(cudaGraphLaunch(exec, stream));
   TRIATTN_TEST_CUDA(cudaStreamSynchronize(stream));
-  RoundResult<T> g;
+  TpRoundResult<T> g;
   download(split, g);
   test::require_bitwise_equal(g.kept, a.kept, "keep plan of the split round replayed from a graph");
   (void)cudaGraphExecDestroy(exec);
@@ -184,7 +184,7 @@ void check_ranks_on_one_gpu(const TpCase& c, int tp, std::uint32_t s) {
   TRIATTN_TEST_CUDA(cuda::compression_round::run(full.view(), full.scorer->device_model(), dp, full.round_batch(),
                                                  full.plan(), full.ws.p, full.ws_bytes));
   TRIATTN_TEST_CUDA(cudaDeviceSynchronize());
-  RoundResult<T> want;
+  TpRoundResult<T> want;
   download(full, want);
   check_full_against_ref(h, raw, full, want);
 
@@ -218,7 +218,7 @@ void check_ranks_on_one_gpu(const TpCase& c, int tp, std::uint32_t s) {
     TRIATTN_TEST_CUDA(status[r]);
   }
   for (int r = 0; r < tp; ++r) {
-    RoundResult<T> got;
+    TpRoundResult<T> got;
     download(*ranks[r], got);
     check_rank_against_full(h, full, want, *ranks[r], got, tp, r);
     (void)cudaStreamDestroy(streams[r]);

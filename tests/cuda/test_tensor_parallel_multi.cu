@@ -136,7 +136,7 @@ void check_round_tp2(const TpCase& c, std::uint32_t s, std::vector<cuda::NcclCom
   TRIATTN_TEST_CUDA(cuda::compression_round::run(full.view(), full.scorer->device_model(), dp, full.round_batch(),
                                                  full.plan(), full.ws.p, full.ws_bytes));
   TRIATTN_TEST_CUDA(cudaDeviceSynchronize());
-  RoundResult<T> want;
+  TpRoundResult<T> want;
   download(full, want);
   check_full_against_ref(h, raw, full, want);
 
@@ -175,7 +175,7 @@ void check_round_tp2(const TpCase& c, std::uint32_t s, std::vector<cuda::NcclCom
   }
   for (int r = 0; r < kRanks; ++r) {
     TRIATTN_TEST_CUDA(cudaSetDevice(r));
-    RoundResult<T> got;
+    TpRoundResult<T> got;
     download(*ranks[r], got);
     check_rank_against_full(h, full, want, *ranks[r], got, kRanks, r);
     (void)cudaStreamDestroy(streams[r]);

@@ -278,14 +278,14 @@ struct DeviceRound {
 
 /// What a finished round left, downloaded.
 template <class T>
-struct RoundResult {
+struct TpRoundResult {
   std::vector<std::int32_t> kept, keep;
   std::vector<T> data;
   std::vector<float> scores;
 };
 
 template <class T>
-void download(const DeviceRound<T>& d, RoundResult<T>& out) {
+void download(const DeviceRound<T>& d, TpRoundResult<T>& out) {
   TRIATTN_TEST_CUDA(d.kept.download(out.kept));
   TRIATTN_TEST_CUDA(d.keep.download(out.keep));
   TRIATTN_TEST_CUDA(d.data.download(out.data));
@@ -295,8 +295,8 @@ void download(const DeviceRound<T>& d, RoundResult<T>& out) {
 /// Rank r's round equals the tp = 1 round on its heads: keep counts, plan rows (l, g) against
 /// (l, r·hkv + g), the compacted bytes of its KV heads, and (diagnostic) its score rows.
 template <class T>
-void check_rank_against_full(HostRound<T>& h, const DeviceRound<T>& full_dev, const RoundResult<T>& full,
-                             const DeviceRound<T>& rank_dev, RoundResult<T>& rank, int tp, int r) {
+void check_rank_against_full(HostRound<T>& h, const DeviceRound<T>& full_dev, const TpRoundResult<T>& full,
+                             const DeviceRound<T>& rank_dev, TpRoundResult<T>& rank, int tp, int r) {
   const TpCase& c = h.c;
   const int hkv = c.Hkv / tp, hq = c.Hq / tp;
   INFO("rank ", r, " of tp ", tp);
@@ -338,7 +338,7 @@ void check_rank_against_full(HostRound<T>& h, const DeviceRound<T>& full_dev, co
 /// @param raw [batch, L, Hq, max_len] raw scores of a separate cuda::score launch before the round
 template <class T>
 void check_full_against_ref(const HostRound<T>& h, const std::vector<float>& raw, const DeviceRound<T>& dev,
-                            const RoundResult<T>& full) {
+                            const TpRoundResult<T>& full) {
   const TpCase& c = h.c;
   for (int b = 0; b < h.batch; ++b) {
     const int len = c.lens[b];

@@ -104,7 +104,11 @@ class DeviceCompactor {
   template <class T, class Id>
   void copy_block(const KvCacheView<T, Id>& view, Id src, Id dst) {
     const std::size_t bytes = sizeof(T) * static_cast<std::size_t>(view.block.block_elems());
-    const std::size_t pitch = sizeof(T) * static_cast<std::size_t>(view.range_stride);
+    // KvCache's own layout: every (layer, K|V) range kind_stride apart, so one 2D copy does all.
+    TRIATTN_EXPECTS(view.ranges == nullptr && view.layer_stride == 2 * view.kind_stride,
+                    "DeviceCompactor::copy_block: needs KvCache's contiguous view (no per-range pointers, "
+                    "layer_stride = 2 * kind_stride)");
+    const std::size_t pitch = sizeof(T) * static_cast<std::size_t>(view.kind_stride);
     TRIATTN_CUDA_TRY(cudaMemcpy2DAsync(view.data + static_cast<std::int64_t>(dst) * view.block.block_elems(), pitch,
                                        view.data + static_cast<std::int64_t>(src) * view.block.block_elems(), pitch,
                                        bytes, 2 * static_cast<std::size_t>(view.num_layers), cudaMemcpyDeviceToDevice,
