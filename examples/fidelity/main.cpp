@@ -36,6 +36,10 @@
 #include <triattn/core/policy/triattention_scorer.hpp>
 #include <triattn/core/stats/calibrator.hpp>
 
+#include "bpe_tokenizer.hpp"
+#include "document.hpp"
+#include "gguf.hpp"
+#include "gguf_llama.hpp"
 #include "harness.hpp"
 #include "llama2c.hpp"
 #include "synthetic.hpp"
@@ -92,6 +96,19 @@ struct Options {
   int synthetic_gen = 256;
   std::vector<int> synthetic_budgets;
   std::uint64_t synthetic_seed = 42;
+  // SmolLM2-135M (long documents of real text)
+  int doc_tokens = 4096;
+  int docs = 1;
+  std::vector<int> doc_budgets = {128, 256, 512, 1024, 2048};
+  std::vector<std::string> doc_policies = {"triattention", "triattention_plh", "triattention_union", "recency+sinks",
+                                           "snapkv", "key_norm", "random"};
+  int doc_divide = 128;
+  int doc_calib_tokens = 4096;
+  int retrieval_tokens = 2048;
+  std::vector<int> retrieval_budgets = {256, 1024};
+  std::vector<std::string> retrieval_policies = {"triattention", "recency+sinks", "snapkv", "key_norm", "random"};
+  int threads = 2;
+  std::string doc_csv_path;
   // shared
   int divide_length = 32;
   std::uint64_t random_seed = 1234;
@@ -102,7 +119,7 @@ struct Options {
 void usage() {
   std::printf(
       "usage: triattn_fidelity [options]\n"
-      "  --models LIST            comma list of stories,synthetic (default both)\n"
+      "  --models LIST            comma list of stories,synthetic,smollm2 (default stories,synthetic)\n"
       "  --prompts N              stories260K evaluation prompts (default 8, at most %zu)\n"
       "  --gen N                  stories260K generated tokens per prompt (default 384)\n"
       "  --budgets LIST           stories260K budgets (default gen/8,gen/4,gen/2)\n"
@@ -113,6 +130,20 @@ void usage() {
       "  --synthetic-gen N        synthetic generated tokens per prompt (default 256)\n"
       "  --synthetic-budgets LIST synthetic budgets (default gen/8,gen/4,gen/2)\n"
       "  --divide-length N        compression slack (default 32)\n"
+      "SmolLM2-135M (--models smollm2; documents of real text, teacher-forced):\n"
+      "  --doc-tokens N           tokens per evaluation document (default 4096)\n"
+      "  --docs N                 evaluation documents from Pride and Prejudice (default 1)\n"
+      "  --doc-budgets LIST       budgets, multiples of --doc-divide (default 128,256,512,1024,2048)\n"
+      "  --doc-policies LIST      scorers (default triattention,triattention_plh,triattention_union,\n"
+      "                           recency+sinks,snapkv,key_norm,random)\n"
+      "  --doc-divide N           divide_length = chunk size (default 128)\n"
+      "  --doc-calib-tokens N     Shakespeare tokens for calibration (default 4096)\n"
+      "  --retrieval-tokens N     document length of the retrieval task (default 2048; 0 = skip)\n"
+      "  --retrieval-budgets LIST budgets of the retrieval task (default 256,1024)\n"
+      "  --retrieval-policies LIST scorers of the retrieval task (default triattention,recency+sinks,\n"
+      "                           snapkv,key_norm,random)\n"
+      "  --threads N              threads over the compressed runs (default 2)\n"
+      "  --doc-csv PATH           the SmolLM2 numbers as CSV (scripts/fidelity_plot.py --smollm2 reads it)\n"
       "  --random-seed N          seed of the random scorer (default 1234)\n"
       "  --md PATH                write the markdown tables there\n"
       "  --csv PATH               write the numbers as CSV there (scripts/fidelity_plot.py reads it)\n",
@@ -167,13 +198,38 @@ Options parse_args(int argc, char** argv) {
     else if (a == "--synthetic-gen") o.synthetic_gen = to_int(a, need(i));
     else if (a == "--synthetic-budgets") o.synthetic_budgets = int_list(a, need(i));
     else if (a == "--divide-length") o.divide_length = to_int(a, need(i));
+    else if (a == "--doc-tokens") o.doc_tokens = to_int(a, need(i));
+    else if (a == "--docs") o.docs = to_int(a, need(i));
+    else if (a == "--doc-budgets") o.doc_budgets = int_list(a, need(i));
+    else if (a == "--doc-policies") o.doc_policies = split(need(i));
+    else if (a == "--doc-divide") o.doc_divide = to_int(a, need(i));
+    else if (a == "--doc-calib-tokens") o.doc_calib_tokens = to_int(a, need(i));
+    else if (a == "--retrieval-tokens") o.retrieval_tokens = to_int(a, need(i));
+    else if (a == "--retrieval-budgets") o.retrieval_budgets = int_list(a, need(i));
+    else if (a == "--retrieval-policies") o.retrieval_policies = split(need(i));
+    else if (a == "--threads") o.threads = to_int(a, need(i));
+    else if (a == "--doc-csv") o.doc_csv_path = need(i);
     else if (a == "--random-seed") o.random_seed = static_cast<std::uint64_t>(to_int(a, need(i)));
     else if (a == "--md") o.md_path = need(i);
     else if (a == "--csv") o.csv_path = need(i);
     else throw std::runtime_error("unknown option '" + a + "' (--help lists them)");
   }
   for (const std::string& m : o.models)
-    if (m != "stories" && m != "synthetic") throw std::runtime_error("--models: unknown model '" + m + "'");
+    if (m != "stories" && m != "synthetic" && m != "smollm2")
+      throw std::runtime_error("--models: unknown model '" + m + "'");
+  const std::vector<std::string> known = {"triattention", "triattention_plh", "triattention_union", "recency+sinks",
+                                          "snapkv", "key_norm", "random"};
+  for (const auto* list : {&o.doc_policies, &o.retrieval_policies})
+    for (const std::string& p : *list)
+      if (std::find(known.begin(), known.end(), p) == known.end())
+        throw std::runtime_error("unknown scorer '" + p + "' (--doc-policies / --retrieval-policies)");
+  if (o.doc_divide < 1 || o.docs < 1 || o.doc_tokens < 2 || o.threads < 1 || o.doc_calib_tokens < 1)
+    throw std::runtime_error("--doc-divide, --docs, --threads, --doc-calib-tokens must be >= 1, --doc-tokens >= 2");
+  for (const auto* list : {&o.doc_budgets, &o.retrieval_budgets})
+    for (int b : *list)
+      if (b < o.doc_divide || b % o.doc_divide != 0)
+        throw std::runtime_error("budget " + std::to_string(b) + " is not a positive multiple of --doc-divide " +
+                                 std::to_string(o.doc_divide) + " (rounds must fall on chunk boundaries)");
   if (o.prompts < 1 || o.prompts > static_cast<int>(kEvalTexts.size()))
     throw std::runtime_error("--prompts must be in [1, " + std::to_string(kEvalTexts.size()) + "]");
   if (o.calib_prompts < 1 || o.calib_prompts > static_cast<int>(kCalibTexts.size()))
@@ -280,6 +336,7 @@ std::string utc_now() {
 struct Report {
   std::ostringstream md;
   std::ostringstream csv;
+  std::ostringstream doc_csv;  ///< SmolLM2 documents and retrieval
 };
 
 void run_experiment(const Experiment& e, const Options& o, Report& rep) {
@@ -415,6 +472,282 @@ std::vector<int> random_prompt(int vocab, std::uint64_t seed) {
   return p;
 }
 
+// ---- SmolLM2-135M: long documents of real text (document.hpp) ----
+
+std::string read_text(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw std::runtime_error("cannot read " + path);
+  std::ostringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+/// `n` tokens of `text` from the first paragraph start at or after `frac` of it.
+std::vector<int> excerpt_tokens(const ex::BpeTokenizer& tok, const std::string& text, double frac, int n) {
+  std::size_t start = text.find("\n\n", static_cast<std::size_t>(frac * static_cast<double>(text.size())));
+  start = start == std::string::npos ? 0 : start + 2;
+  for (std::size_t chars = static_cast<std::size_t>(n) * 6;; chars *= 2) {
+    std::vector<int> ids = tok.encode(std::string_view(text).substr(start, chars), false);
+    if (static_cast<int>(ids.size()) >= n) {
+      ids.resize(static_cast<std::size_t>(n));
+      return ids;
+    }
+    if (start + chars >= text.size())
+      throw std::runtime_error("text too short for " + std::to_string(n) + " tokens from " + fmt("%.2f", frac));
+  }
+}
+
+using SmolModel = ex::Model<ex::CpuBackend>;
+
+/// A compressing cache for `name` at `budget` (document setting: no prompt, chunks of `divide`).
+std::unique_ptr<fid::DocumentPolicy> make_doc_policy(const std::string& name, int budget, int divide,
+                                                     const triattn::QueryStats& stats, SmolModel& model,
+                                                     std::uint64_t random_seed) {
+  using namespace triattn;
+  const ex::ModelConfig& mc = model.config();
+  const CacheConfig cfg = fid::cache_config(mc, 1, budget + divide);
+  SelectionParams sel;
+  sel.budget = budget;
+  sel.divide_length = divide;
+  auto wrap = [&](auto cache) -> std::unique_ptr<fid::DocumentPolicy> {
+    using C = typename decltype(cache)::element_type;
+    return std::make_unique<fid::DocumentPolicyImpl<SmolModel, C>>(model, name, budget, std::move(cache));
+  };
+  if (name.rfind("triattention", 0) == 0) {
+    sel.mode = name == "triattention_plh" ? PruningMode::kPerLayerPerHead
+               : name == "triattention_union" ? PruningMode::kUnion
+                                              : PruningMode::kPerHead;
+    RopeConfig rope;
+    rope.style = mc.rope_style;
+    rope.theta = mc.rope_theta;
+    return wrap(std::make_unique<fid::HostCache<TriAttentionScorer>>(
+        cfg, TopKSelector(sel), TriAttentionScorer(stats, rope, ScoringParams{}, mc.n_kv_heads)));
+  }
+  if (name == "recency+sinks") {
+    sel.n_sink = kStreamingSinks;
+    return wrap(std::make_unique<fid::HostCache<RecencyScorer>>(cfg, TopKSelector(sel)));
+  }
+  if (name == "key_norm") return wrap(std::make_unique<fid::HostCache<KeyNormScorer>>(cfg, TopKSelector(sel)));
+  if (name == "random")
+    return wrap(std::make_unique<fid::HostCache<RandomScorer>>(cfg, TopKSelector(sel), RandomScorer(random_seed)));
+  if (name == "snapkv") {
+    sel.window = std::min(kSnapWindow, budget);
+    return wrap(std::make_unique<fid::HostCache<SnapKvScorer>>(cfg, TopKSelector(sel),
+                                                                SnapKvScorer(cfg, SnapKvParams{kSnapWindow, kSnapPool})));
+  }
+  throw std::runtime_error("unknown scorer " + name);
+}
+
+/// Standard error of the mean of `v` over consecutive blocks of `block` values (neighbouring
+/// positions are correlated; block means are closer to independent).
+double blocked_se(const std::vector<double>& v, std::size_t block) {
+  std::vector<double> means;
+  for (std::size_t i = 0; i + block <= v.size(); i += block)
+    means.push_back(fid::mean(std::vector<double>(v.begin() + static_cast<std::ptrdiff_t>(i),
+                                                  v.begin() + static_cast<std::ptrdiff_t>(i + block))));
+  return fid::standard_error(means);
+}
+
+std::vector<double> finite(const std::vector<double>& v) {
+  std::vector<double> out;
+  for (double x : v)
+    if (std::isfinite(x)) out.push_back(x);
+  return out;
+}
+
+void run_smollm2(const Options& o, Report& rep) {
+  const auto t_model = clk::now();
+  const std::string data = TRIATTN_SHARED_DATA_DIR;
+  const std::string path = data + "/models/SmolLM2-135M-Instruct.Q4_1.gguf";
+  const ex::gguf::File file = ex::gguf::File::load(path);
+  const ex::ModelWeights weights = ex::gguf_llama_weights(file);
+  const ex::BpeTokenizer tok = ex::BpeTokenizer::from_gguf(file);
+  std::vector<std::unique_ptr<SmolModel>> models;
+  for (int t = 0; t < o.threads; ++t) models.push_back(std::make_unique<SmolModel>(weights));
+  SmolModel& model = *models.front();
+  const ex::ModelConfig& mc = model.config();
+  std::fprintf(stderr, "\n=== SmolLM2-135M-Instruct: %d layers, dim %d, %d q / %d kv heads, head_dim %d, theta %g ===\n",
+               mc.n_layers, mc.dim, mc.n_heads, mc.n_kv_heads, mc.head_dim, mc.rope_theta);
+
+  // 1. Calibration: pre-RoPE queries of Shakespeare (never evaluated on), 2,048-token passages.
+  auto t0 = clk::now();
+  const std::string calib_text = read_text(data + "/text/shakespeare.txt");
+  triattn::Calibrator cal(mc.n_layers, mc.n_heads, mc.head_dim, mc.rope_style, mc.name);
+  model.set_query_observer([&](int layer, const float* q, int n) { cal.add(layer, q, n); });
+  for (int done = 0, k = 0; done < o.doc_calib_tokens; ++k) {
+    const int n = std::min(2048, o.doc_calib_tokens - done);
+    const std::vector<int> ids = excerpt_tokens(tok, calib_text, 0.1 + 0.2 * k, n);
+    fid::PlainCache cache(fid::cache_config(mc, 1, n));
+    const triattn::SeqId seq = cache.add_sequence();
+    ex::Chunk ch{seq, ids, triattn::Phase::kPrefill};
+    (void)model.step(cache, std::span<const ex::Chunk>(&ch, 1), ex::LogitsFor::kNone);
+    cache.release(seq);
+    done += n;
+  }
+  model.set_query_observer({});
+  const triattn::QueryStats stats = cal.finish();
+  const double calib_s = since(t0);
+  std::fprintf(stderr, "[smollm2] calibration: %d Shakespeare tokens, %.1f s\n", o.doc_calib_tokens, calib_s);
+
+  // 2. Documents: full KV and every (scorer, budget) in lock step.
+  const std::string eval_text = read_text(data + "/text/pride_and_prejudice.txt");
+  struct DocCell {
+    std::vector<double> kl, recall, nll, nll_full;
+    std::size_t top1 = 0, counted = 0;
+    double first_round = 0;
+    int max_kept = 0;
+  };
+  const std::size_t nb = o.doc_budgets.size();
+  std::vector<DocCell> cells(o.doc_policies.size() * nb);
+  double doc_s = 0;
+  for (int d = 0; d < o.docs; ++d) {
+    const std::vector<int> doc = excerpt_tokens(tok, eval_text, (d + 1.0) / (o.docs + 1.0), o.doc_tokens);
+    std::vector<std::unique_ptr<fid::DocumentPolicy>> pols;
+    for (const std::string& name : o.doc_policies)
+      for (int b : o.doc_budgets)
+        pols.push_back(make_doc_policy(name, b, o.doc_divide, stats, *models[pols.size() % models.size()], o.random_seed));
+    fid::FullDocument<SmolModel> full(model, o.doc_tokens);
+    t0 = clk::now();
+    auto t_report = clk::now();
+    fid::run_document(full, std::span<const std::unique_ptr<fid::DocumentPolicy>>(pols), o.threads, doc, o.doc_divide, true,
+                      [&](std::int64_t pos) {
+                        if (since(t_report) < 30 && pos < o.doc_tokens) return;
+                        t_report = clk::now();
+                        std::fprintf(stderr, "[smollm2] document %d/%d: %lld / %d tokens, %.0f s\n", d + 1, o.docs,
+                                     static_cast<long long>(pos), o.doc_tokens, since(t0));
+                      });
+    doc_s += since(t0);
+    for (std::size_t i = 0; i < pols.size(); ++i) {
+      const fid::DocumentStats& st = pols[i]->stats();
+      DocCell& c = cells[i];
+      c.kl.insert(c.kl.end(), st.kl.begin(), st.kl.end());
+      c.recall.insert(c.recall.end(), st.recall.begin(), st.recall.end());
+      c.nll.insert(c.nll.end(), st.nll.begin(), st.nll.end());
+      c.nll_full.insert(c.nll_full.end(), st.nll_full.begin(), st.nll_full.end());
+      for (char t : st.top1) c.top1 += t != 0 ? 1 : 0;
+      c.counted += st.top1.size();
+      c.first_round += static_cast<double>(st.first_round_pos) / o.docs;
+      c.max_kept = std::max(c.max_kept, st.max_kept);
+      TRIATTN_EXPECTS(st.max_kept <= pols[i]->budget(), pols[i]->name() + " kept more than its budget");
+    }
+  }
+  const double doc_tokens_total = static_cast<double>(o.docs) * o.doc_tokens;
+
+  std::ostringstream& md = rep.md;
+  md << "### SmolLM2-135M-Instruct: long documents\n\n"
+     << "30 layers, 9 q / 3 KV heads, head_dim 64 (32 RoPE frequencies, half pairing, theta 1e5), Q4_1 weights "
+        "dequantised to float32, CPU path. Calibration: "
+     << o.doc_calib_tokens << " tokens of Shakespeare (" << fmt("%.1f", calib_s)
+     << " s). Evaluation: " << o.docs << " excerpt(s) of Pride and Prejudice of " << o.doc_tokens
+     << " tokens each, teacher-forced in chunks of " << o.doc_divide << " (= divide_length). Prompt setting: the whole "
+     << "document competes for the budget (no pinned prompt); rounds whenever the cache reaches budget + "
+     << o.doc_divide << ". Metrics over every position after a cell's first round; ± is the standard error over "
+     << "256-position blocks. Lock-step run " << fmt("%.0f", doc_s) << " s on " << o.threads << " thread(s).\n\n";
+  md << "| scorer | budget | KL full‖comp (nats) | top-1 = full | PPL comp / full | ΔPPL | attention recall | positions |\n";
+  md << "|---|---:|---:|---:|---:|---:|---:|---:|\n";
+  for (std::size_t bi = 0; bi < nb; ++bi)
+    for (std::size_t pi = 0; pi < o.doc_policies.size(); ++pi) {
+      const DocCell& c = cells[pi * nb + bi];
+      const std::vector<double> nll = finite(c.nll), nll_full = finite(c.nll_full);
+      const double ppl = std::exp(fid::mean(nll)), ppl_full = std::exp(fid::mean(nll_full));
+      const double top1 = c.counted ? static_cast<double>(c.top1) / static_cast<double>(c.counted) : 1.0;
+      md << "| " << o.doc_policies[pi] << " | " << o.doc_budgets[bi] << " | " << fmt("%.4f", fid::mean(c.kl)) << " ± "
+         << fmt("%.4f", blocked_se(c.kl, 256)) << " | " << fmt("%.3f", top1) << " | " << fmt("%.2f", ppl) << " / "
+         << fmt("%.2f", ppl_full) << " | " << fmt("%+.1f%%", 100.0 * (ppl / ppl_full - 1.0)) << " | "
+         << fmt("%.3f", fid::mean(c.recall)) << " ± " << fmt("%.3f", blocked_se(c.recall, 256)) << " | " << c.counted
+         << " |\n";
+      rep.doc_csv << "doc," << o.doc_policies[pi] << "," << o.doc_budgets[bi] << "," << fmt("%.6f", fid::mean(c.kl)) << ","
+                  << fmt("%.6f", blocked_se(c.kl, 256)) << "," << fmt("%.6f", top1) << "," << fmt("%.4f", ppl) << ","
+                  << fmt("%.4f", ppl_full) << "," << fmt("%.6f", fid::mean(c.recall)) << ","
+                  << fmt("%.6f", blocked_se(c.recall, 256)) << "," << c.counted << "," << o.doc_tokens << "\n";
+    }
+  md << "\n";
+
+  // 3. Retrieval: a fact at depth 10 / 50 / 90 % of a document, asked about at the end.
+  if (o.retrieval_tokens > 0) {
+    t0 = clk::now();
+    const double depths[] = {0.1, 0.5, 0.9};
+    const char* codes[] = {"4817", "2963", "7350"};
+    const int answer_len = 6;
+    const std::vector<int> question =
+        tok.encode("\n\nQuestion: What is the secret number mentioned in the text above?\nAnswer: The secret number is", false);
+    struct RetCell {
+      int equal = 0, has_fact = 0;
+      std::string answers;
+    };
+    const std::size_t rb = o.retrieval_budgets.size();
+    std::vector<RetCell> ret(o.retrieval_policies.size() * rb);
+    int full_has = 0;
+    std::string full_answers;
+    for (int di = 0; di < 3; ++di) {
+      const std::vector<int> fact = tok.encode(std::string(" The secret number is ") + codes[di] + ". Remember it. ", false);
+      const int filler_n = o.retrieval_tokens - static_cast<int>(fact.size() + question.size());
+      if (filler_n < 16) throw std::runtime_error("--retrieval-tokens too small for the fact and the question");
+      const std::vector<int> filler = excerpt_tokens(tok, eval_text, 0.05 + 0.3 * di, filler_n);
+      const auto at = static_cast<std::ptrdiff_t>(depths[di] * filler_n);
+      std::vector<int> ctx(filler.begin(), filler.begin() + at);
+      ctx.insert(ctx.end(), fact.begin(), fact.end());
+      ctx.insert(ctx.end(), filler.begin() + at, filler.end());
+      ctx.insert(ctx.end(), question.begin(), question.end());
+      fid::FullDocument<SmolModel> full(model, o.retrieval_tokens + answer_len);
+      full.start();
+      fid::FullChunk fc;
+      const std::vector<int> ref = fid::answer_greedy(ctx, o.doc_divide, answer_len, [&](std::span<const int> t, std::int64_t p0) {
+        full.feed(t, p0, false, fc);
+        const std::span<const float> last = fc.row(fc.rows - 1);
+        return std::vector<float>(last.begin(), last.end());
+      });
+      const std::string ref_text = tok.decode(ref, false);
+      full_has += ref_text.find(codes[di]) != std::string::npos ? 1 : 0;
+      full_answers += (di ? " / " : "") + std::string("`") + ref_text + "`";
+      std::vector<std::unique_ptr<fid::DocumentPolicy>> pols;
+      for (const std::string& name : o.retrieval_policies)
+        for (int b : o.retrieval_budgets)
+          pols.push_back(make_doc_policy(name, b, o.doc_divide, stats, *models[pols.size() % models.size()], o.random_seed));
+      std::vector<std::vector<int>> answers(pols.size());
+      fid::parallel_for(static_cast<int>(pols.size()), o.threads, [&](int, int i) {
+        fid::DocumentPolicy& p = *pols[static_cast<std::size_t>(i)];
+        p.start();
+        answers[static_cast<std::size_t>(i)] = fid::answer_greedy(
+            ctx, o.doc_divide, answer_len, [&](std::span<const int> t, std::int64_t p0) { return p.feed(t, p0, nullptr, {}); });
+      });
+      for (std::size_t i = 0; i < pols.size(); ++i) {
+        const std::string text = tok.decode(answers[i], false);
+        ret[i].equal += answers[i] == ref ? 1 : 0;
+        ret[i].has_fact += text.find(codes[di]) != std::string::npos ? 1 : 0;
+        ret[i].answers += (di ? " / " : "") + std::string("`") + text + "`";
+      }
+      std::fprintf(stderr, "[smollm2] retrieval depth %.0f%%: full KV answers \"%s\" (%.0f s)\n", 100 * depths[di],
+                   ref_text.c_str(), since(t0));
+    }
+    md << "### SmolLM2-135M-Instruct: retrieval\n\n"
+       << "A sentence \"The secret number is N. Remember it.\" planted at 10 %, 50 % and 90 % of a " << o.retrieval_tokens
+       << "-token context (Pride and Prejudice filler), then \"Question: What is the secret number mentioned in the "
+          "text above? Answer: The secret number is\" and "
+       << answer_len << " greedy tokens. Same prompt setting as above (everything competes; rounds during the long "
+                        "prefill). Full KV answers: "
+       << full_answers << " (" << full_has << "/3 contain N). Run " << fmt("%.0f", since(t0)) << " s.\n\n";
+    md << "| scorer | budget | answer = full KV (of 3) | contains N (of 3) | answers (10 % / 50 % / 90 %) |\n";
+    md << "|---|---:|---:|---:|---|\n";
+    for (std::size_t bi = 0; bi < rb; ++bi)
+      for (std::size_t pi = 0; pi < o.retrieval_policies.size(); ++pi) {
+        const RetCell& c = ret[pi * rb + bi];
+        std::string answers = c.answers;
+        std::replace(answers.begin(), answers.end(), '\n', ' ');
+        std::replace(answers.begin(), answers.end(), '|', '/');
+        md << "| " << o.retrieval_policies[pi] << " | " << o.retrieval_budgets[bi] << " | " << c.equal << " | "
+           << c.has_fact << " | " << answers << " |\n";
+        rep.doc_csv << "retrieval," << o.retrieval_policies[pi] << "," << o.retrieval_budgets[bi] << "," << c.equal << ","
+                    << c.has_fact << ",,,,,,," << o.retrieval_tokens << "\n";
+      }
+    md << "\n";
+  }
+  md << "SmolLM2 CPU path: " << fmt("%.1f", 1000.0 * doc_s / doc_tokens_total)
+     << " ms of wall time per document token for the whole lock-step run (full KV + " << o.doc_policies.size() * nb
+     << " compressed caches on " << o.threads << " thread(s)). Total " << fmt("%.0f", since(t_model)) << " s.\n\n";
+  std::fprintf(stderr, "[smollm2] done in %.1f s\n", since(t_model));
+}
+
 int real_main(int argc, char** argv) {
   const Options o = parse_args(argc, argv);
   const auto t_all = clk::now();
@@ -422,7 +755,12 @@ int real_main(int argc, char** argv) {
   Report rep;
   rep.csv << "model,scorer,budget,recall,agreement,first_div_mean,first_div_median,censored,kl,tf_top1,prompts,gen,"
              "first_round_mean,recency_overlap,recall_se,kl_se,seconds\n";
+  rep.doc_csv << "task,scorer,budget,kl,kl_se,top1,ppl,ppl_full,recall,recall_se,positions,tokens\n";
   for (const std::string& m : o.models) {
+    if (m == "smollm2") {
+      run_smollm2(o, rep);
+      continue;
+    }
     Experiment e;
     if (m == "stories") {
       const std::string dir = std::string(TRIATTN_SHARED_DATA_DIR) + "/models";
@@ -475,6 +813,11 @@ int real_main(int argc, char** argv) {
     std::ofstream f(o.csv_path);
     if (!f) throw std::runtime_error("cannot write " + o.csv_path);
     f << rep.csv.str();
+  }
+  if (!o.doc_csv_path.empty()) {
+    std::ofstream f(o.doc_csv_path);
+    if (!f) throw std::runtime_error("cannot write " + o.doc_csv_path);
+    f << rep.doc_csv.str();
   }
   std::fprintf(stderr, "\ntotal runtime %.1f s\n", total);
   return 0;

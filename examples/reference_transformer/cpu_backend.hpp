@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // The CPU reference backend of Model<Backend>: plain loops in float32, in the order of llama2.c's
 // run.c (RMSNorm sum of squares; softmax with max subtraction; value accumulation in slot order)
-// except that matmul's dot products run in 8 interleaved lanes (vectorisable; stories260K stays
-// within 1e-5 of run.c's logits).
+// except that the dot products of matmul and of attention scores run in 8 interleaved lanes
+// (vectorisable; stories260K stays within 1e-5 of run.c's logits).
 // K/V go through triattn::KvCache::write (converted to the cache dtype) and attention reads them
 // back through the cache's KvCacheView, slot by slot, via the block table.
 #pragma once
@@ -89,33 +89,52 @@ class CpuBackend {
 
   /// out[r, i] = Σ_j W[i, j] · x[r, j] (W row-major [out_dim, in_dim]).
   /// Each dot product runs in 8 lanes (lane u sums j ≡ u mod 8 from j = 0 up; the lanes are then
-  /// added pairwise, then the tail), so the compiler can vectorise it without reassociating; up
-  /// to kRows rows share one pass over a weight row. A row's result does not depend on how many
-  /// rows are computed with it (prefill and decode agree bit for bit).
+  /// added pairwise, then the tail), so the compiler can vectorise it without reassociating;
+  /// blocks of 8 rows share one pass over a weight row, the rest go one by one. A row's result
+  /// does not depend on how many rows are computed with it (prefill and decode agree bit for bit).
   void matmul(float* out, const float* W, const float* x, int n, int out_dim, int in_dim) const {
-    constexpr int kRows = 4;
+    constexpr int kRows = 8;
+    int r0 = 0;
+    for (; r0 + kRows <= n; r0 += kRows) matmul_rows<kRows>(out, W, x, r0, out_dim, in_dim);
+    for (; r0 < n; ++r0) matmul_rows<1>(out, W, x, r0, out_dim, in_dim);
+  }
+
+  // Rows [r0, r0 + NR) of matmul(); NR is a constant so that the accumulators stay in registers.
+  template <int NR>
+  static void matmul_rows(float* out, const float* W, const float* x, int r0, int out_dim, int in_dim) {
     constexpr int kLanes = 8;
     const int body = in_dim / kLanes * kLanes;
-    for (int r0 = 0; r0 < n; r0 += kRows) {
-      const int nr = n - r0 < kRows ? n - r0 : kRows;
-      for (int i = 0; i < out_dim; ++i) {
-        const float* wi = W + static_cast<std::size_t>(i) * in_dim;
-        float acc[kRows][kLanes] = {};
-        for (int j = 0; j < body; j += kLanes) {
-          for (int r = 0; r < nr; ++r) {
-            const float* xr = x + static_cast<std::size_t>(r0 + r) * in_dim + j;
-            for (int u = 0; u < kLanes; ++u) acc[r][u] += wi[j + u] * xr[u];
-          }
+    const float* xs = x + static_cast<std::size_t>(r0) * in_dim;
+    for (int i = 0; i < out_dim; ++i) {
+      const float* wi = W + static_cast<std::size_t>(i) * in_dim;
+      float acc[NR][kLanes] = {};
+      for (int j = 0; j < body; j += kLanes)
+        for (int r = 0; r < NR; ++r) {
+          const float* xr = xs + static_cast<std::size_t>(r) * in_dim + j;
+          for (int u = 0; u < kLanes; ++u) acc[r][u] += wi[j + u] * xr[u];
         }
-        for (int r = 0; r < nr; ++r) {
-          const float* xr = x + static_cast<std::size_t>(r0 + r) * in_dim;
-          const float* a = acc[r];
-          float val = ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
-          for (int j = body; j < in_dim; ++j) val += wi[j] * xr[j];
-          out[static_cast<std::size_t>(r0 + r) * out_dim + i] = val;
-        }
+      for (int r = 0; r < NR; ++r) {
+        const float* xr = xs + static_cast<std::size_t>(r) * in_dim;
+        const float* a = acc[r];
+        float val = ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+        for (int j = body; j < in_dim; ++j) val += wi[j] * xr[j];
+        out[static_cast<std::size_t>(r0 + r) * out_dim + i] = val;
       }
     }
+  }
+
+  // Σ_i a[i]·b[i] in 8 lanes (lane u sums i ≡ u mod 8; lanes added pairwise, then the tail):
+  // vectorisable without reassociation, like matmul's dot products.
+  template <class T>
+  static float dot_lanes(const float* a, const T* b, int n) {
+    constexpr int kLanes = 8;
+    const int body = n / kLanes * kLanes;
+    float acc[kLanes] = {};
+    for (int i = 0; i < body; i += kLanes)
+      for (int u = 0; u < kLanes; ++u) acc[u] += a[i + u] * triattn::to_float(b[i + u]);
+    float val = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (int i = body; i < n; ++i) val += a[i] * triattn::to_float(b[i]);
+    return val;
   }
 
   void add_bias(float* y, const float* b, int n, int dim) const {
@@ -182,9 +201,7 @@ class CpuBackend {
         const int kvh = h / group;
         for (int t = 0; t < len; ++t) {
           const T* k = view.token(layer, triattn::KvKind::kKey, info.seq, t, kvh);
-          float score = 0.0f;
-          for (int i = 0; i < d; ++i) score += qh[i] * triattn::to_float(k[i]);
-          att_[static_cast<std::size_t>(t)] = score / sqrt_d;  // run.c divides
+          att_[static_cast<std::size_t>(t)] = dot_lanes(qh, k, d) / sqrt_d;  // run.c divides
         }
         softmax(att_.data(), len);
         if (observer != nullptr && *observer)

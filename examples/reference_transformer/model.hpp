@@ -310,10 +310,16 @@ class Model {
     float* x = backend_.data(x_);
     float* xb = backend_.data(xb_);
     float* logits = backend_.data(logits_);
-    for (std::size_t i = 0; i < pick.size(); ++i) {
-      const std::size_t r = static_cast<std::size_t>(pick[i]);
-      backend_.rmsnorm(xb + r * D, x + r * D, w.rms_final, 1, c.dim, c.rms_eps);
-      backend_.matmul(logits + i * V, w.wcls, xb + r * D, 1, c.vocab_size, c.dim);
+    if (which == LogitsFor::kAllRows) {  // every row: one matmul shares the pass over the classifier
+      const int n = static_cast<int>(pick.size());
+      backend_.rmsnorm(xb, x, w.rms_final, n, c.dim, c.rms_eps);
+      backend_.matmul(logits, w.wcls, xb, n, c.vocab_size, c.dim);
+    } else {
+      for (std::size_t i = 0; i < pick.size(); ++i) {
+        const std::size_t r = static_cast<std::size_t>(pick[i]);
+        backend_.rmsnorm(xb + r * D, x + r * D, w.rms_final, 1, c.dim, c.rms_eps);
+        backend_.matmul(logits + i * V, w.wcls, xb + r * D, 1, c.vocab_size, c.dim);
+      }
     }
     const float* host = backend_.host_view(logits, pick.size() * V);
     out.logits.assign(host, host + pick.size() * V);

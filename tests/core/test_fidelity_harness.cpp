@@ -3,7 +3,9 @@
 // recall, greedy agreement, position tracking through keep plans) and, on the synthetic 'tiny'
 // model, that its runs measure what they claim: recall 1 and KL 0 when nothing is evicted, the
 // tracked positions of kept slots are the tokens really in the cache, and the post-RoPE queries
-// given to SnapKV are the ones attention uses.
+// given to SnapKV are the ones attention uses. Long-document runs (document.hpp): chunked
+// teacher forcing equals token-by-token, rounds fall where single steps put them, and recall
+// ignores later rows of a chunk.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -19,6 +21,7 @@
 #include <triattn/core/policy/topk_selector.hpp>
 
 // Relative paths, so this test also builds when the examples are not configured.
+#include "../../examples/fidelity/document.hpp"
 #include "../../examples/fidelity/harness.hpp"
 #include "../../examples/fidelity/metrics.hpp"
 #include "../../examples/reference_transformer/synthetic.hpp"
@@ -295,6 +298,134 @@ TEST_CASE("harness on the tiny model: SnapKV gets the post-RoPE queries attentio
     CHECK(x > 0.0);
     CHECK(x <= 1.0 + 1e-6);
   }
+}
+
+
+TEST_CASE("causal attention recall: later rows of the chunk carry no mass and held positions count") {
+  // 1 layer, 2 q heads over 1 KV head, T = 3; held positions 0, 2 and 5 (5 is a later chunk row).
+  fid::PositionTracker held(1, 1);
+  held.append(0, 6);
+  held.apply(plan_from(1, 1, {{0, 2, 5}}));
+  const std::vector<float> probs = {0.5f, 0.3f, 0.2f, 0.1f, 0.1f, 0.8f};
+  CHECK(fid::causal_attention_recall(probs, 2, 3, held) == doctest::Approx(((0.5 + 0.2) + (0.1 + 0.8)) / 2).epsilon(1e-6));
+  // attention_recall refuses a held position beyond the row; the causal version is for chunks.
+  CHECK_THROWS((void)fid::attention_recall(probs, 2, 3, held));
+  CHECK_THROWS((void)fid::causal_attention_recall(std::vector<float>(5, 0.2f), 2, 3, held));
+  CHECK(fid::token_nll(std::vector<float>{0.0f, 0.0f}, 1) == doctest::Approx(std::log(2.0)).epsilon(1e-12));
+}
+
+TEST_CASE("document runs on the tiny model: chunks give the rounds and numbers of single steps") {
+  const ex::ModelWeights w = ex::make_synthetic_weights(ex::synthetic_config("tiny"), 42);
+  ex::Model<ex::CpuBackend> model(w);
+  const ex::ModelConfig& mc = model.config();
+  std::vector<int> doc;
+  for (int i = 0; i < 70; ++i) doc.push_back(3 + (i * 37) % (mc.vocab_size - 3));
+  const int divide = 8, budget = 24;
+  triattn::SelectionParams sel;
+  sel.budget = budget;
+  sel.divide_length = divide;
+  auto policy = [&](triattn::SelectionParams s) -> std::unique_ptr<fid::DocumentPolicy> {
+    using C = fid::HostCache<triattn::KeyNormScorer>;
+    return std::make_unique<fid::DocumentPolicyImpl<ex::Model<ex::CpuBackend>, C>>(
+        model, "key_norm", s.budget, std::make_unique<C>(fid::cache_config(mc, 1, s.budget + divide), triattn::TopKSelector(s)));
+  };
+  std::vector<std::unique_ptr<fid::DocumentPolicy>> chunked, single;
+  chunked.push_back(policy(sel));
+  single.push_back(policy(sel));
+  fid::FullDocument<ex::Model<ex::CpuBackend>> full_a(model, 70), full_b(model, 70);
+  std::vector<std::int64_t> progress;
+  fid::run_document(full_a, std::span<const std::unique_ptr<fid::DocumentPolicy>>(chunked), 1, doc, divide, true,
+                    [&](std::int64_t p) { progress.push_back(p); });
+  fid::run_document(full_b, std::span<const std::unique_ptr<fid::DocumentPolicy>>(single), 1, doc, 1, true);
+  CHECK(progress == std::vector<std::int64_t>{8, 16, 24, 32, 40, 48, 56, 64, 70});
+  const fid::DocumentStats& a = chunked[0]->stats();
+  const fid::DocumentStats& b = single[0]->stats();
+  // The first round runs once budget + divide tokens are cached, then every divide tokens.
+  CHECK(a.first_round_pos == budget + divide - 1);
+  CHECK(b.first_round_pos == a.first_round_pos);
+  CHECK(a.rounds == (70 - budget) / divide);
+  CHECK(b.rounds == a.rounds);
+  CHECK(a.max_kept == budget);
+  REQUIRE(a.pos.size() == static_cast<std::size_t>(70 - budget - divide));
+  REQUIRE(b.pos == a.pos);
+  CHECK(a.pos.front() == budget + divide);
+  bool evicted_mass = false;
+  for (std::size_t i = 0; i < a.pos.size(); ++i) {
+    CHECK(a.kl[i] == doctest::Approx(b.kl[i]).epsilon(1e-9));
+    CHECK(a.recall[i] == doctest::Approx(b.recall[i]).epsilon(1e-6));
+    CHECK(a.top1[i] == b.top1[i]);
+    CHECK(a.kl[i] >= 0.0);
+    CHECK(a.recall[i] <= 1.0 + 1e-6);
+    evicted_mass = evicted_mass || a.recall[i] < 0.999;
+    if (a.pos[i] + 1 < 70) {
+      CHECK(a.nll[i] == doctest::Approx(b.nll[i]).epsilon(1e-9));
+      CHECK(a.nll_full[i] == doctest::Approx(b.nll_full[i]).epsilon(1e-9));
+    } else {
+      CHECK(std::isnan(a.nll[i]));  // the document's last token predicts nothing
+    }
+  }
+  CHECK(evicted_mass);  // rounds evicted tokens the full model attends to
+
+  // Nothing evicted (budget above the document): recall 1, KL 0, the full-KV NLL.
+  sel.budget = 96;
+  std::vector<std::unique_ptr<fid::DocumentPolicy>> roomy;
+  roomy.push_back(policy(sel));
+  fid::run_document(full_a, std::span<const std::unique_ptr<fid::DocumentPolicy>>(roomy), 1, doc, divide, true);
+  CHECK(roomy[0]->stats().rounds == 0);
+  CHECK(roomy[0]->stats().pos.empty());
+
+  // Two workers give the numbers of one.
+  std::vector<std::unique_ptr<fid::DocumentPolicy>> two;
+  ex::Model<ex::CpuBackend> model2(w);
+  sel.budget = budget;
+  two.push_back(policy(sel));
+  {
+    using C = fid::HostCache<triattn::KeyNormScorer>;
+    two.push_back(std::make_unique<fid::DocumentPolicyImpl<ex::Model<ex::CpuBackend>, C>>(
+        model2, "key_norm", budget, std::make_unique<C>(fid::cache_config(mc, 1, budget + divide), triattn::TopKSelector(sel))));
+  }
+  fid::run_document(full_a, std::span<const std::unique_ptr<fid::DocumentPolicy>>(two), 2, doc, divide, true);
+  CHECK(two[0]->stats().kl == a.kl);
+  CHECK(two[1]->stats().kl == a.kl);
+  CHECK(two[1]->stats().recall == a.recall);
+}
+
+TEST_CASE("retrieval answers: a cache that evicts nothing answers like the full model") {
+  const ex::ModelWeights w = ex::make_synthetic_weights(ex::synthetic_config("tiny"), 42);
+  ex::Model<ex::CpuBackend> model(w);
+  const ex::ModelConfig& mc = model.config();
+  std::vector<int> ctx;
+  for (int i = 0; i < 40; ++i) ctx.push_back(3 + (i * 11) % (mc.vocab_size - 3));
+  fid::FullDocument<ex::Model<ex::CpuBackend>> full(model, 48);
+  full.start();
+  fid::FullChunk fc;
+  const std::vector<int> ref = fid::answer_greedy(ctx, 8, 6, [&](std::span<const int> t, std::int64_t p0) {
+    full.feed(t, p0, false, fc);
+    CHECK(fc.probs.empty());
+    const std::span<const float> last = fc.row(fc.rows - 1);
+    return std::vector<float>(last.begin(), last.end());
+  });
+  REQUIRE(ref.size() == 6u);
+  triattn::SelectionParams sel;
+  sel.budget = 64;
+  sel.divide_length = 8;
+  using C = fid::HostCache<triattn::RecencyScorer>;
+  fid::DocumentPolicyImpl<ex::Model<ex::CpuBackend>, C> roomy(model, "recency", 64,
+                                                             std::make_unique<C>(fid::cache_config(mc, 1, 72), triattn::TopKSelector(sel)));
+  roomy.start();
+  const std::vector<int> same =
+      fid::answer_greedy(ctx, 8, 6, [&](std::span<const int> t, std::int64_t p0) { return roomy.feed(t, p0, nullptr, {}); });
+  CHECK(same == ref);
+  // A tiny budget keeps only the newest tokens: the run completes and rounds fired.
+  sel.budget = 8;
+  fid::DocumentPolicyImpl<ex::Model<ex::CpuBackend>, C> tight(model, "recency", 8,
+                                                             std::make_unique<C>(fid::cache_config(mc, 1, 16), triattn::TopKSelector(sel)));
+  tight.start();
+  const std::vector<int> other =
+      fid::answer_greedy(ctx, 8, 6, [&](std::span<const int> t, std::int64_t p0) { return tight.feed(t, p0, nullptr, {}); });
+  CHECK(other.size() == 6u);
+  CHECK(tight.stats().rounds > 0);
+  CHECK(tight.stats().max_kept == 8);
 }
 
 }  // TEST_SUITE
