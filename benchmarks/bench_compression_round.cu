@@ -95,7 +95,7 @@ void BM_compression_round(benchmark::State& state) {
   SelectionParams sp;
   sp.budget = kBudget;
   sp.mode = PruningMode::kPerHead;
-  const cuda::DeviceSelectParams dp(sp);
+  const SelectionParams dp = sp;
   const cuda::RoundShape shape{kL, kHq, kHkv};
   const int max_keep = kBudget;  // rounds here always keep exactly the budget
   std::int32_t* kept = device_alloc<std::int32_t>(static_cast<std::size_t>(batch) * kL * kHkv * max_keep);

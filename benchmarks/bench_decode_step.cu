@@ -503,7 +503,7 @@ void compression_round(benchmark::State& state) {
   const auto view = sc.cache->view<triattn::bf16_storage>();  // tables published by append_tokens
   auto round = [&] {
     TRIATTN_BENCH_CUDA(triattn::cuda::compression_round::run(view, scorer.device_model(),
-                                                             triattn::cuda::DeviceSelectParams(sp), rb, pv, ws.get(),
+                                                             sp, rb, pv, ws.get(),
                                                              ws_bytes, stream));
   };
   round();  // warm-up (first launches set kernel attributes)

@@ -62,7 +62,7 @@ void BM_select(benchmark::State& state) {
   SelectionParams sp;
   sp.budget = kBudget;
   sp.mode = mode;
-  const cuda::DeviceSelectParams dp(sp);
+  const SelectionParams dp = sp;
   const cuda::RoundSeqs<std::int32_t> seqs{d_ids, d_lens, d_prompts, batch, T};
   const cuda::DeviceKeepPlanView plan{kept, keep, T};
   cudaStream_t stream;

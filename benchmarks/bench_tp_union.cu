@@ -75,7 +75,7 @@ struct RankRound {
   std::size_t ws_bytes = 0;
   std::unique_ptr<cuda::TriAttentionDeviceScorer> scorer;
   KvCacheView<T, std::int32_t> view{};
-  cuda::DeviceSelectParams dp;
+  SelectionParams dp;
   cudaStream_t stream = nullptr;
   std::unique_ptr<L2Flusher> flush;
 
@@ -105,7 +105,7 @@ struct RankRound {
     SelectionParams sp;
     sp.budget = kBudget;
     sp.mode = PruningMode::kUnion;
-    dp = cuda::DeviceSelectParams(sp);
+    dp = sp;
     kept = device_alloc<std::int32_t>(static_cast<std::size_t>(batch) * kL * hkv * kLen);
     keep = device_alloc<std::int32_t>(static_cast<std::size_t>(batch));
     ws_bytes = cuda::compression_round::workspace_size(shape(), sp.mode, batch, kLen);

@@ -6,7 +6,7 @@
 namespace tc = triattn::cuda;
 
 cudaError_t downstream_round(const triattn::KvCacheView<triattn::bf16_storage>& view, const tc::ScoreModelView& model,
-                             const tc::DeviceSelectParams& params, const tc::RoundBatch& batch,
+                             const triattn::SelectionParams& params, const tc::RoundBatch& batch,
                              const tc::DeviceKeepPlanView& plan, void* workspace, std::size_t workspace_bytes,
                              cudaStream_t stream) {
   return tc::compression_round::run(view, model, params, batch, plan, workspace, workspace_bytes, stream);

@@ -211,7 +211,7 @@ class Model {
       if (new_len > row_cap)
         return "sequence " + std::to_string(ch.seq) + " would hold " + std::to_string(new_len) +
                " tokens, more than its block-table row (" + std::to_string(row_cap) + ")";
-      need += (new_len + cfg.block_size - 1) / cfg.block_size - (len + cfg.block_size - 1) / cfg.block_size;
+      need += cache.blocks_to_extend(ch.seq, static_cast<int>(ch.tokens.size()));  // incl. a copy-on-write block
     }
     const auto free_blocks = static_cast<std::int64_t>(cache.allocator().num_free());
     if (need > free_blocks)

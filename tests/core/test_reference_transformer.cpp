@@ -475,6 +475,39 @@ TEST_CASE("Model::step: argument errors and a full pool leave the cache unchange
   CHECK_THROWS_AS((void)m.step(wrong, std::span<const ex::Chunk>(&cz, 1)), triattn::logic_error);
 }
 
+TEST_CASE("Model::step: a write past a shared partly filled block counts its copy-on-write block") {
+  const ex::ModelWeights w = ex::make_synthetic_weights(ex::synthetic_config("tiny"), 5);
+  ex::Model<> m(w);
+  triattn::CacheConfig cfg = cache_config(w.config, 8, 3, 4);
+  cfg.num_blocks = 3;
+  PlainCache cache(cfg);
+  const triattn::SeqId a = cache.add_sequence();
+  const std::vector<int> six(6, 7), one(1, 9);
+  const ex::Chunk ca{a, six, triattn::Phase::kPrefill};
+  REQUIRE_NOTHROW((void)m.step(cache, std::span<const ex::Chunk>(&ca, 1)));
+  // b shares a's 6 tokens: one full block and one holding 2 of its 4 slots.
+  const std::vector<int> blocks(cache.block_table(a).begin(), cache.block_table(a).begin() + 2);
+  const triattn::SeqId b = cache.add_sequence(blocks, 6);
+  CHECK(cache.blocks_to_extend(b, 1) == 1);  // no new block past the last, but its copy
+  CHECK(cache.blocks_to_extend(b, 3) == 2);
+  CHECK(cache.blocks_to_extend(b, 0) == 0);
+  // The pool's last block goes to c: b's first write cannot copy the shared block.
+  const triattn::SeqId c = cache.add_sequence();
+  const ex::Chunk cc{c, one, triattn::Phase::kPrefill};
+  REQUIRE_NOTHROW((void)m.step(cache, std::span<const ex::Chunk>(&cc, 1)));
+  REQUIRE(cache.allocator().num_free() == 0);
+  const ex::Chunk cb{b, one, triattn::Phase::kPrefill};
+  CHECK_FALSE(ex::Model<>::fits(cache, std::span<const ex::Chunk>(&cb, 1)));
+  CHECK_THROWS_AS((void)m.step(cache, std::span<const ex::Chunk>(&cb, 1)), ex::OutOfKvBlocks);
+  CHECK(cache.physical_length(b) == 6);
+  CHECK(cache.block_table(b)[1] == cache.block_table(a)[1]);  // still shared, nothing copied
+  // Once c is gone the copy fits and b continues in a block of its own.
+  cache.release(c);
+  REQUIRE_NOTHROW((void)m.step(cache, std::span<const ex::Chunk>(&cb, 1)));
+  CHECK(cache.physical_length(b) == 7);
+  CHECK(cache.block_table(b)[1] != cache.block_table(a)[1]);
+}
+
 TEST_CASE("stories260K with TriAttention compression: saw-tooth cache and RoPE at logical positions") {
   const Stories& s = Stories::get();
   const ex::ModelConfig& mc = s.weights.config;

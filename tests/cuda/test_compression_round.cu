@@ -25,7 +25,7 @@ void check_round(const RoundCase& rc, std::uint32_t seed) {
   f.d_ws.poison();
   f.d_kept.poison();
   f.d_keep.poison();
-  TRIATTN_TEST_CUDA(cuda::compression_round::run(f.device_view(), f.scorer->device_model(), cuda::DeviceSelectParams(c.sp),
+  TRIATTN_TEST_CUDA(cuda::compression_round::run(f.device_view(), f.scorer->device_model(), c.sp,
                                          f.round_batch(), f.plan(), f.d_ws.get(), f.ws_bytes));
   TRIATTN_TEST_CUDA(cudaDeviceSynchronize());
   const std::vector<float> scores = f.round_scores();

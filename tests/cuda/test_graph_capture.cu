@@ -47,7 +47,7 @@ Outcome collect(const RoundFixture<T>& f) {
 
 template <class T>
 cudaError_t eager_round(RoundFixture<T>& f, cudaStream_t s) {
-  return cuda::compression_round::run(f.device_view(), f.scorer->device_model(), cuda::DeviceSelectParams(f.c.sp),
+  return cuda::compression_round::run(f.device_view(), f.scorer->device_model(), f.c.sp,
                                       f.round_batch(), f.plan(), f.d_ws.get(), f.ws_bytes, s);
 }
 

@@ -141,7 +141,7 @@ void check_select(const SelCase& c, std::uint32_t seed) {
   d_kept.poison();
   d_keep.poison();
 
-  const cuda::DeviceSelectParams dp(c.sp);
+  const SelectionParams dp = c.sp;
   const cuda::RoundSeqs<int> seqs{d_seq_ids.get(), d_lens.get(), d_prompts.get(), batch, max_len};
   const cuda::DeviceKeepPlanView plan{d_kept.get(), d_keep.get(), max_keep};
   if (c.sp.normalize) TRIATTN_TEST_CUDA(cuda::row_stats(d_scores.get(), d_stats.get(), seqs, dp, shape));
@@ -208,7 +208,7 @@ SelectionParams params(int budget, PruningMode mode, PromptMode prompt, int sink
 
 }  // namespace
 
-TEST_CASE("the device round's keep counts (DeviceSelectParams) equal ref::keep_counts and clamp lengths") {
+TEST_CASE("the device round's keep counts equal ref::keep_counts and clamp lengths") {
   std::mt19937 rng(7);
   std::uniform_int_distribution<int> u(0, 400);
   for (int i = 0; i < 200000; ++i) {
@@ -219,7 +219,7 @@ TEST_CASE("the device round's keep counts (DeviceSelectParams) equal ref::keep_c
     p.prompt = static_cast<PromptMode>(u(rng) % 3);
     const int T = u(rng), prompt = T ? u(rng) % (T + 1) : 0;
     const ref::KeepCounts r = ref::keep_counts(T, prompt, p);
-    const KeepCounts d = keep_counts_unchecked(T, prompt, cuda::DeviceSelectParams(p));
+    const KeepCounts d = keep_counts_unchecked(T, prompt, p);
     REQUIRE_EQ(d.selectable_begin, r.selectable_begin);
     REQUIRE_EQ(d.selectable_end, r.selectable_end);
     REQUIRE_EQ(d.num_protected, r.num_protected);
@@ -227,11 +227,11 @@ TEST_CASE("the device round's keep counts (DeviceSelectParams) equal ref::keep_c
     REQUIRE_EQ(d.keep, r.keep);
     REQUIRE_EQ(d.identity, r.identity);
     // out-of-range inputs (the device clamps where the reference throws)
-    const KeepCounts lo = keep_counts_unchecked(T, -1 - prompt, cuda::DeviceSelectParams(p));
-    const KeepCounts hi = keep_counts_unchecked(T, T + 1 + prompt, cuda::DeviceSelectParams(p));
+    const KeepCounts lo = keep_counts_unchecked(T, -1 - prompt, p);
+    const KeepCounts hi = keep_counts_unchecked(T, T + 1 + prompt, p);
     REQUIRE_EQ(lo.keep, ref::keep_counts(T, 0, p).keep);
     REQUIRE_EQ(hi.keep, ref::keep_counts(T, T, p).keep);
-    REQUIRE_EQ(keep_counts_unchecked(-1 - T, 0, cuda::DeviceSelectParams(p)).keep, 0);
+    REQUIRE_EQ(keep_counts_unchecked(-1 - T, 0, p).keep, 0);
   }
 }
 
@@ -307,7 +307,7 @@ TEST_SUITE("gpu") {
     prompts.upload({0});
     SelectionParams sp;
     sp.budget = 50;  // keep 50 > max_keep 10
-    const cuda::DeviceSelectParams dp(sp);
+    const SelectionParams dp = sp;
     const cuda::RoundShape shape{1, 2, 2};
     const cuda::RoundSeqs<int> seqs{ids.get(), lens.get(), prompts.get(), 1, 100};
     TRIATTN_TEST_CUDA(cuda::row_stats(scores.get(), stats.get(), seqs, dp, shape));

@@ -134,7 +134,7 @@ void check_identity_split(const TpCase& c, std::uint32_t s) {
   TRIATTN_TEST_CUDA(one.status);
   TRIATTN_TEST_CUDA(split.status);
   const std::vector<float> raw = raw_scores(one);
-  const cuda::DeviceSelectParams dp(c.sp);
+  const SelectionParams dp = c.sp;
   TRIATTN_TEST_CUDA(cuda::compression_round::plan(one.view(), one.scorer->device_model(), dp, one.round_batch(),
                                                   one.plan(), one.ws.p, one.ws_bytes));
   TRIATTN_TEST_CUDA(cuda::compression_round::plan(split.view(), split.scorer->device_model(), dp, split.round_batch(),
@@ -180,7 +180,7 @@ void check_ranks_on_one_gpu(const TpCase& c, int tp, std::uint32_t s) {
   DeviceRound<T> full(h, 1, 0);
   TRIATTN_TEST_CUDA(full.status);
   const std::vector<float> raw = raw_scores(full);
-  const cuda::DeviceSelectParams dp(c.sp);
+  const SelectionParams dp = c.sp;
   TRIATTN_TEST_CUDA(cuda::compression_round::run(full.view(), full.scorer->device_model(), dp, full.round_batch(),
                                                  full.plan(), full.ws.p, full.ws_bytes));
   TRIATTN_TEST_CUDA(cudaDeviceSynchronize());
@@ -267,7 +267,7 @@ TEST_SUITE("gpu") {
     test::require_device();
     const cuda::RoundShape shape{2, 4, 2};
     const cuda::RoundSeqs<int> seqs{nullptr, nullptr, nullptr, 1, 8};
-    cuda::DeviceSelectParams p;
+    SelectionParams p;
     p.mode = PruningMode::kPerHead;  // the split launchers are union-only
     float f = 0;
     std::uint8_t u = 0;

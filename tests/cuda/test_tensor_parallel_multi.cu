@@ -132,7 +132,7 @@ void check_round_tp2(const TpCase& c, std::uint32_t s, std::vector<cuda::NcclCom
   DeviceRound<T> full(h, 1, 0);
   TRIATTN_TEST_CUDA(full.status);
   const std::vector<float> raw = raw_scores(full);
-  const cuda::DeviceSelectParams dp(c.sp);
+  const SelectionParams dp = c.sp;
   TRIATTN_TEST_CUDA(cuda::compression_round::run(full.view(), full.scorer->device_model(), dp, full.round_batch(),
                                                  full.plan(), full.ws.p, full.ws_bytes));
   TRIATTN_TEST_CUDA(cudaDeviceSynchronize());

@@ -30,7 +30,7 @@ struct KeepCounts {
 ///   protected = begin + (T − end),  total = budget (+ prompt_len with kPinnedOnTop),
 ///   quota = max(0, total − protected),  keep = identity ? T : protected + quota.
 /// No validation: a negative length counts as 0 and prompt_len is clamped to [0, length].
-/// Params: SelectionParams, or a struct with its budget, n_sink, window and prompt (the device's).
+/// Params: SelectionParams, or a struct with its budget, n_sink, window and prompt.
 template <class Params = SelectionParams>
 TRIATTN_HOST_DEVICE constexpr KeepCounts keep_counts_unchecked(int length, int prompt_len, const Params& p,
                                                                 int protected_prefix = 0) noexcept {

@@ -253,6 +253,15 @@ class KvCache {
 
   // ---- appending ------------------------------------------------------------------------------
 
+  /// Blocks extend(seq, n) would allocate: those past the sequence's current blocks, plus one
+  /// when its last block is shared and partly filled (copied before the first write into it).
+  [[nodiscard]] int blocks_to_extend(SeqId seq, int n) const {
+    (void)state(seq, "blocks_to_extend");
+    TRIATTN_EXPECTS(n >= 0, "blocks_to_extend: n = " + std::to_string(n) + " must be non-negative");
+    const ExtendNeed en = extend_need(seq, n);
+    return (en.fresh > 0 ? en.fresh : 0) + (en.cow ? 1 : 0);
+  }
+
   /// Makes room for n new tokens at the end of `seq` (allocating blocks all-or-nothing) and
   /// advances its physical length and logical position by n. The caller then writes the
   /// tokens' K/V at slots [first_slot, first_slot + n), layer by layer (write() on the CPU, the
@@ -269,12 +278,9 @@ class KvCache {
     const std::int64_t new_len = static_cast<std::int64_t>(len) + n;
     const std::int64_t cap = static_cast<std::int64_t>(config_.blocks_per_seq()) * config_.block_size;
     const int have = num_blocks_of(seq);
-    // int64: with block_size 1 an absurd n would overflow int before the capacity check.
-    const std::int64_t need64 = detail::ceil_div<std::int64_t>(new_len, config_.block_size) - have;
-    const int need = static_cast<int>(std::min<std::int64_t>(need64, std::numeric_limits<int>::max()));
-    // The first write past a shared prefix that ends inside a block copies that block first.
-    const bool cow = n > 0 && len % config_.block_size != 0 &&
-                     allocator_.ref_count(tables_[row(seq) + static_cast<std::size_t>(have - 1)]) > 1;
+    const ExtendNeed en = extend_need(seq, n);
+    const int need = en.fresh;
+    const bool cow = en.cow;
     TRIATTN_EXPECTS(!cow || copies_blocks, "extend: sequence " + std::to_string(seq) +
                                                " would write into a shared block and the compactor cannot copy it");
     AppendResult r{AppendStatus::kOk, len, (need > 0 ? need : 0) + (cow ? 1 : 0)};
@@ -776,6 +782,22 @@ class KvCache {
     seqs_[idx(s)] = SeqState{true, tokens, prompt, decoded, std::numeric_limits<int>::max(), {}};
     lens_[idx(s)] = tokens;
     return s;
+  }
+
+  struct ExtendNeed {
+    int fresh;  ///< blocks past the current ones (may be <= 0)
+    bool cow;   ///< the last block is shared and partly filled: the first write copies it
+  };
+  [[nodiscard]] ExtendNeed extend_need(SeqId seq, int n) const {
+    const int len = lens_[idx(seq)];
+    const int have = num_blocks_of(seq);
+    // int64: with block_size 1 an absurd n would overflow int before the capacity check.
+    const std::int64_t need64 =
+        detail::ceil_div<std::int64_t>(static_cast<std::int64_t>(len) + n, config_.block_size) - have;
+    const int fresh = static_cast<int>(std::min<std::int64_t>(need64, std::numeric_limits<int>::max()));
+    const bool cow = n > 0 && len % config_.block_size != 0 &&
+                     allocator_.ref_count(tables_[row(seq) + static_cast<std::size_t>(have - 1)]) > 1;
+    return {fresh, cow};
   }
 
   // Replaces block j of `seq` (shared) by its copy in `fresh` and drops the reference to the old

@@ -95,7 +95,7 @@ struct compression_round {
   /// @note asynchronous on `stream`; never allocates, synchronises or throws; capturable.
   template <class T, class Id>
   [[nodiscard]] static cudaError_t plan(const KvCacheView<T, Id>& view, const ScoreModelView& model,
-                                        const DeviceSelectParams& params, const RoundBatch& batch,
+                                        const SelectionParams& params, const RoundBatch& batch,
                                         const DeviceKeepPlanView& plan, void* workspace, std::size_t workspace_bytes,
                                         cudaStream_t stream = nullptr) noexcept {
     Front<Id> f;
@@ -114,7 +114,7 @@ struct compression_round {
   /// Same contract as plan(); an agreement's error is returned as is.
   template <class T, class Id, UnionAgreement Agreement>
   [[nodiscard]] static cudaError_t plan(const KvCacheView<T, Id>& view, const ScoreModelView& model,
-                                        const DeviceSelectParams& params, const RoundBatch& batch,
+                                        const SelectionParams& params, const RoundBatch& batch,
                                         const DeviceKeepPlanView& plan, void* workspace, std::size_t workspace_bytes,
                                         Agreement&& agreement, cudaStream_t stream) noexcept {
     Front<Id> f;
@@ -132,7 +132,7 @@ struct compression_round {
   /// The whole round: plan(...) then cuda::compact::run on the same plan. Same contract as plan().
   template <class T, class Id>
   [[nodiscard]] static cudaError_t run(const KvCacheView<T, Id>& view, const ScoreModelView& model,
-                                       const DeviceSelectParams& params, const RoundBatch& batch,
+                                       const SelectionParams& params, const RoundBatch& batch,
                                        const DeviceKeepPlanView& plan_out, void* workspace,
                                        std::size_t workspace_bytes, cudaStream_t stream = nullptr) noexcept {
     TRIATTN_CUDA_RETURN_IF_ERROR(plan(view, model, params, batch, plan_out, workspace, workspace_bytes, stream));
@@ -145,7 +145,7 @@ struct compression_round {
   /// this rank's KV heads. Same contract as the plan() overload with an agreement.
   template <class T, class Id, UnionAgreement Agreement>
   [[nodiscard]] static cudaError_t run(const KvCacheView<T, Id>& view, const ScoreModelView& model,
-                                       const DeviceSelectParams& params, const RoundBatch& batch,
+                                       const SelectionParams& params, const RoundBatch& batch,
                                        const DeviceKeepPlanView& plan_out, void* workspace,
                                        std::size_t workspace_bytes, Agreement&& agreement,
                                        cudaStream_t stream) noexcept {
@@ -168,7 +168,7 @@ struct compression_round {
 
   template <class T, class Id>
   [[nodiscard]] static cudaError_t front(const KvCacheView<T, Id>& view, const ScoreModelView& model,
-                                         const DeviceSelectParams& params, const RoundBatch& batch, void* workspace,
+                                         const SelectionParams& params, const RoundBatch& batch, void* workspace,
                                          std::size_t workspace_bytes, cudaStream_t stream, Front<Id>* f) noexcept {
     f->shape = RoundShape{model.num_layers, model.num_q_heads, model.num_kv_heads};
     if (!f->shape.valid() || batch.batch < 0 || batch.max_len < 0 || batch.batch > 65535) return cudaErrorInvalidValue;

@@ -44,7 +44,7 @@ struct RoundShape {
 /// @note asynchronous on `stream`; capturable.
 template <class Id>
 [[nodiscard]] cudaError_t row_stats(const float* scores, RowStats* stats, const RoundSeqs<Id>& seqs,
-                                    const DeviceSelectParams& params, const RoundShape& shape,
+                                    const SelectionParams& params, const RoundShape& shape,
                                     cudaStream_t stream = nullptr) noexcept {
   if (!shape.valid() || seqs.batch < 0 || seqs.max_len < 0) return cudaErrorInvalidValue;
   if (seqs.batch == 0 || seqs.max_len == 0) return cudaSuccess;
@@ -65,7 +65,7 @@ template <class Id>
 /// @note asynchronous on `stream`; capturable.
 template <class Id>
 [[nodiscard]] cudaError_t gqa_reduce(float* scores, const RowStats* stats, float* out, std::uint8_t* flags,
-                                     const RoundSeqs<Id>& seqs, const DeviceSelectParams& params,
+                                     const RoundSeqs<Id>& seqs, const SelectionParams& params,
                                      const RoundShape& shape, cudaStream_t stream = nullptr) noexcept {
   if (!shape.valid() || seqs.batch < 0 || seqs.max_len < 0 || seqs.batch > 65535) return cudaErrorInvalidValue;
   if (params.normalize && stats == nullptr) return cudaErrorInvalidValue;

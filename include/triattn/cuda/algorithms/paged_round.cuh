@@ -149,7 +149,7 @@ void paged_round(const KvCacheView<T, Id>& view, const ScoreModelView& model, co
                                                std::to_string(need) + " (paged_round_workspace_size)");
 
   PagedRoundParams p;
-  p.select = DeviceSelectParams(params);
+  p.select = params;
   p.threshold = params.budget + params.divide_length;
   p.if_due = trigger == RoundTrigger::kIfDue;
   p.refuse_nonfinite = params.nonfinite == NonFinitePolicy::kRefuse;

@@ -22,7 +22,7 @@ namespace detail {
 template <class Id>
 [[nodiscard]] inline cudaError_t launch_select(const SelectInput& in, const DeviceKeepPlanView& plan,
                                                std::uint8_t* flags, const RoundSeqs<Id>& seqs,
-                                               const DeviceSelectParams& params, const RoundShape& shape,
+                                               const SelectionParams& params, const RoundShape& shape,
                                                SelectTarget target, cudaStream_t stream) noexcept {
   if (in.rows <= 0 || in.planes <= 0 || seqs.batch > 65535) return cudaErrorInvalidValue;
   // Plan rows each ranked row feeds: per_head L, union L·Hkv. Split those writes over up to one
@@ -68,7 +68,7 @@ template <class Id>
 template <class Id>
 [[nodiscard]] cudaError_t select_keep(const float* scores, const float* reduced, std::uint8_t* flags,
                                       const DeviceKeepPlanView& plan, const RoundSeqs<Id>& seqs,
-                                      const DeviceSelectParams& params, const RoundShape& shape,
+                                      const SelectionParams& params, const RoundShape& shape,
                                       cudaStream_t stream = nullptr) noexcept {
   if (!shape.valid() || seqs.batch < 0 || seqs.max_len < 0 || plan.max_keep < 0) return cudaErrorInvalidValue;
   if (plan.kept == nullptr || plan.keep == nullptr) return cudaErrorInvalidValue;
@@ -131,7 +131,7 @@ static_assert(UnionAgreement<IdentityAgreement>);
 template <class Id>
 [[nodiscard]] cudaError_t select_union_candidates(const float* scores, const float* reduced, std::uint8_t* flags,
                                                   float* vmax, const RoundSeqs<Id>& seqs,
-                                                  const DeviceSelectParams& params, const RoundShape& shape,
+                                                  const SelectionParams& params, const RoundShape& shape,
                                                   cudaStream_t stream = nullptr) noexcept {
   if (!shape.valid() || seqs.batch < 0 || seqs.max_len < 0 || seqs.batch > 65535 ||
       params.mode != PruningMode::kUnion)
@@ -157,7 +157,7 @@ template <class Id>
 template <class Id>
 [[nodiscard]] cudaError_t select_union_finish(const std::uint8_t* flags, const float* vmax,
                                               const DeviceKeepPlanView& plan, const RoundSeqs<Id>& seqs,
-                                              const DeviceSelectParams& params, const RoundShape& shape,
+                                              const SelectionParams& params, const RoundShape& shape,
                                               cudaStream_t stream = nullptr) noexcept {
   if (!shape.valid() || seqs.batch < 0 || seqs.max_len < 0 || plan.max_keep < 0 ||
       params.mode != PruningMode::kUnion)

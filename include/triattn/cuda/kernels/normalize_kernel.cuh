@@ -24,24 +24,8 @@
 
 namespace triattn::cuda {
 
-/// Selection parameters the device needs (plain data; built from SelectionParams).
-struct DeviceSelectParams {
-  int budget = 2048;
-  int n_sink = 0;
-  int window = 0;
-  PruningMode mode = PruningMode::kPerHead;
-  PromptMode prompt = PromptMode::kPinnedInBudget;
-  bool normalize = true;
-  /// NonFinitePolicy::kEvictFirst: row statistics over the finite values only (paged_round marks
-  /// broken slots NaN in every row first; NaN ranks lowest in selection).
-  bool skip_nonfinite = false;
-
-  DeviceSelectParams() = default;
-  explicit DeviceSelectParams(const SelectionParams& p)
-      : budget(p.budget), n_sink(p.n_sink), window(p.window), mode(p.mode), prompt(p.prompt), normalize(p.normalize),
-        skip_nonfinite(p.nonfinite == NonFinitePolicy::kEvictFirst) {}
-};
-static_assert(std::is_trivially_copyable_v<DeviceSelectParams>);
+// Kernels take SelectionParams by value (trivially copyable, read on the device as on the host).
+static_assert(std::is_trivially_copyable_v<SelectionParams>);
 
 /// Per-sequence inputs of a round, in device memory.
 template <class Id>
@@ -52,7 +36,7 @@ struct RoundSeqs {
   int batch = 0;
   int max_len = 0;                            ///< row capacity of every per-slot buffer
 
-  [[nodiscard]] __device__ __forceinline__ KeepCounts counts(int b, const DeviceSelectParams& p) const {
+  [[nodiscard]] __device__ __forceinline__ KeepCounts counts(int b, const SelectionParams& p) const {
     const int len = static_cast<int>(seq_lens[seq_ids[b]]);
     return keep_counts_unchecked(len < max_len ? len : max_len, prompt_lens[b], p);
   }
@@ -111,7 +95,7 @@ inline constexpr int kRowStatsMinCtas = 9;
 template <class Id>
 __global__ void __launch_bounds__(kRowStatsThreads, kRowStatsMinCtas)
     row_stats_kernel(const float* __restrict__ scores, RowStats* __restrict__ stats, RoundSeqs<Id> seqs,
-                     DeviceSelectParams p, int rows_per_seq) {
+                     SelectionParams p, int rows_per_seq) {
   __shared__ double scratch[kRowStatsThreads / 32];
   detail::griddep_launch_dependents();
   const long long row = blockIdx.x;
@@ -125,7 +109,7 @@ __global__ void __launch_bounds__(kRowStatsThreads, kRowStatsMinCtas)
   }
   const int tid = static_cast<int>(threadIdx.x);
   const float* x = scores + row * seqs.max_len + kc.selectable_begin;
-  if (p.skip_nonfinite) {  // mean and std over the finite values only (evict-first rounds)
+  if (p.nonfinite == NonFinitePolicy::kEvictFirst) {  // mean and std over the finite values only (evict-first rounds)
     double sum = 0.0, cnt = 0.0;
     for (int j = tid; j < n; j += kRowStatsThreads)
       if (isfinite(x[j])) {
@@ -228,7 +212,7 @@ inline constexpr int kReduceGenericHeads = 8;     // per_head, any group size: h
 template <class Id, int kG>
 __global__ void __launch_bounds__(kReduceThreads, kReduceMinCtas)
     gqa_reduce_kernel(float* __restrict__ scores, const RowStats* __restrict__ stats, float* __restrict__ out,
-                      std::uint8_t* __restrict__ flags, RoundSeqs<Id> seqs, DeviceSelectParams p, int L, int Hq,
+                      std::uint8_t* __restrict__ flags, RoundSeqs<Id> seqs, SelectionParams p, int L, int Hq,
                       int Hkv) {
   extern __shared__ __align__(16) unsigned char s_raw[];
   detail::griddep_launch_dependents();

@@ -19,7 +19,7 @@ namespace triattn::cuda {
 
 /// What the round's small kernels need besides the view (trivially copyable).
 struct PagedRoundParams {
-  DeviceSelectParams select;
+  SelectionParams select;
   int threshold = 0;       ///< budget + divide_length (RoundTrigger::kIfDue)
   bool if_due = false;     ///< RoundTrigger::kIfDue
   bool refuse_nonfinite = true;

@@ -115,7 +115,7 @@ __device__ __forceinline__ void block_exclusive_scan2(int a, int b, int& pre_a, 
 template <class Id, bool kCache>
 __global__ void __launch_bounds__(kSelectThreads)
     select_kernel(SelectInput in, DeviceKeepPlanView plan, std::uint8_t* __restrict__ flags, RoundSeqs<Id> seqs,
-                  DeviceSelectParams p, int L, int Hkv, SelectTarget target, int splits) {
+                  SelectionParams p, int L, int Hkv, SelectTarget target, int splits) {
   extern __shared__ std::uint32_t s_keys[];
   __shared__ unsigned s_hist[2][256];
   __shared__ unsigned s_sel[3];

@@ -25,7 +25,7 @@ inline constexpr int kUnionLayerMaxThreads = 256;
 template <class Id>
 __global__ void __launch_bounds__(kUnionLayerMaxThreads)
     union_layer_max_kernel(const float* __restrict__ reduced, std::uint8_t* __restrict__ flags,
-                           float* __restrict__ vmax, RoundSeqs<Id> seqs, DeviceSelectParams p, int L) {
+                           float* __restrict__ vmax, RoundSeqs<Id> seqs, SelectionParams p, int L) {
   const int b = blockIdx.y;
   const int t = blockIdx.x * kUnionLayerMaxThreads + threadIdx.x;
   const long long T = seqs.max_len;
