@@ -149,7 +149,7 @@ void bind_round(nb::module_& m) {
            },
            nb::arg("config"), nb::arg("stats"), nb::arg("rope"), nb::arg("selection"),
            nb::arg("scoring") = ScoringParams{})
-      .def("add_sequence", &HostCache::add_sequence)
+      .def("add_sequence", [](HostCache& c) { return c.add_sequence(); })
       .def("release", &HostCache::release, nb::arg("seq"))
       .def("append",
            [](HostCache& c, SeqId seq, const ConstArray& k, const ConstArray& v, Phase phase) {

@@ -147,7 +147,9 @@ void bind_params(nb::module_& m) {
       .def_ro("keep", &ref::KeepCounts::keep)
       .def_ro("identity", &ref::KeepCounts::identity);
   m.def("keep_counts", &ref::keep_counts, nb::arg("length"), nb::arg("prompt_len"), nb::arg("params"),
-        "Protected / selectable split and kept count of a round over `length` slots.");
+        nb::arg("protected_prefix") = 0,
+        "Protected / selectable split and kept count of a round over `length` slots (the first "
+        "`protected_prefix` of them, e.g. a shared prefix, kept in place).");
   m.def("counted_length", &CompressionTrigger::counted_length, nb::arg("phys_len"), nb::arg("prompt_len"),
         nb::arg("params"), "Length the trigger compares with budget + divide_length.");
   m.def("should_compress", &CompressionTrigger::should_compress, nb::arg("counted_len"), nb::arg("is_decode_step"),
