@@ -27,25 +27,6 @@
 
 namespace triattn_fidelity {
 
-/// Share of the full-KV attention of one query row (position T − 1; probs [L, Hq, T]) on the
-/// positions `held` holds; held positions >= T (later rows of the same chunk) carry no mass.
-[[nodiscard]] inline double causal_attention_recall(std::span<const float> probs, int num_q_heads, int T,
-                                                    const PositionTracker& held) {
-  const int L = held.num_layers(), Hkv = held.num_kv_heads();
-  TRIATTN_EXPECTS(num_q_heads > 0 && num_q_heads % Hkv == 0, "causal_attention_recall: q heads must be a multiple of kv heads");
-  TRIATTN_EXPECTS(T > 0 && probs.size() == static_cast<std::size_t>(L) * num_q_heads * T,
-                  "causal_attention_recall: probs must hold L * Hq * T values");
-  const int G = num_q_heads / Hkv;
-  double s = 0.0;
-  for (int l = 0; l < L; ++l)
-    for (int h = 0; h < num_q_heads; ++h) {
-      const float* p = probs.data() + (static_cast<std::size_t>(l) * num_q_heads + h) * static_cast<std::size_t>(T);
-      for (std::int64_t pos : held.row(l, h / G))
-        if (pos < T) s += p[pos];
-    }
-  return s / (static_cast<double>(L) * num_q_heads);
-}
-
 /// Negative log-likelihood (nats) of token `target` under `logits`, in float64.
 [[nodiscard]] inline double token_nll(std::span<const float> logits, int target) {
   TRIATTN_EXPECTS(target >= 0 && static_cast<std::size_t>(target) < logits.size(), "token_nll: target outside the vocabulary");
@@ -141,7 +122,7 @@ class DocumentPolicyImpl final : public DocumentPolicy {
         stats_.nll_full.push_back(target >= 0 ? token_nll(ref, target) : std::nan(""));
         const std::vector<float>& pr = full->probs[static_cast<std::size_t>(r)];
         stats_.recall.push_back(pr.empty() ? std::nan("")
-                                           : causal_attention_recall(pr, mc.n_heads, static_cast<int>(p0 + r + 1), held_));
+                                           : attention_recall(pr, mc.n_heads, static_cast<int>(p0 + r + 1), held_, true));
       }
     }
     if (cache_->needs_compression(seq_)) {

@@ -1,9 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 // triattn_fidelity: how much of the full-KV model's behaviour each KV-compression scorer keeps,
-// on the reference transformer (stories260K and a synthetic model), at several budgets.
+// on the reference transformer (SmolLM2-135M, stories260K and a synthetic model), at several
+// budgets.
 //
-//   triattn_fidelity                                  # both models, the settings of docs/fidelity.md
+//   triattn_fidelity                                  # stories260K and synthetic
 //   triattn_fidelity --models stories --prompts 2 --gen 128 --md out.md --csv out.csv
+//   triattn_fidelity --models smollm2 --doc-tokens 2048 --doc-csv doc.csv   # real text (document.hpp)
 //
 // Per model: TriAttention statistics are calibrated first, on calibration prompts that are not
 // evaluation prompts. Then per evaluation prompt: one full-KV greedy run (the reference: its

@@ -96,10 +96,14 @@ class PositionTracker {
   return static_cast<double>(hits) / (static_cast<double>(rows) * plan.keep);
 }
 
-/// Σ probs[p] over the given positions, in float64 (positions must lie in [0, probs.size())).
-[[nodiscard]] inline double mass_on(std::span<const float> probs, std::span<const std::int64_t> positions) {
+/// Σ probs[p] over the given positions, in float64. Positions must lie in [0, probs.size()),
+/// except with `causal`, where positions past the end (later rows of the same chunk, which the
+/// query cannot see) carry no mass.
+[[nodiscard]] inline double mass_on(std::span<const float> probs, std::span<const std::int64_t> positions,
+                                    bool causal = false) {
   double s = 0.0;
   for (std::int64_t p : positions) {
+    if (causal && p >= static_cast<std::int64_t>(probs.size())) continue;
     TRIATTN_EXPECTS(p >= 0 && static_cast<std::size_t>(p) < probs.size(),
                     "mass_on: position " + std::to_string(p) + " outside the distribution's " +
                         std::to_string(probs.size()) + " entries");
@@ -110,10 +114,11 @@ class PositionTracker {
 
 /// Attention recall of one query: for every layer l and query head h, the full-KV attention
 /// probabilities probs[l, h, 0..T) over token positions, summed over the positions that the
-/// compressed cache holds for (l, KV head h / G); the mean over all (l, h).
+/// compressed cache holds for (l, KV head h / G); the mean over all (l, h). `causal`: held
+/// positions >= T (later rows of a chunk fed together, document.hpp) are skipped, not refused.
 /// @param probs [L, Hq, T] full-KV softmax probabilities of one query row
 [[nodiscard]] inline double attention_recall(std::span<const float> probs, int num_q_heads, int T,
-                                             const PositionTracker& held) {
+                                             const PositionTracker& held, bool causal = false) {
   const int L = held.num_layers(), Hkv = held.num_kv_heads();
   TRIATTN_EXPECTS(num_q_heads > 0 && num_q_heads % Hkv == 0, "attention_recall: q heads must be a multiple of kv heads");
   TRIATTN_EXPECTS(T > 0 && probs.size() == static_cast<std::size_t>(L) * num_q_heads * T,
@@ -124,7 +129,7 @@ class PositionTracker {
     for (int h = 0; h < num_q_heads; ++h)
       s += mass_on(probs.subspan((static_cast<std::size_t>(l) * num_q_heads + h) * static_cast<std::size_t>(T),
                                  static_cast<std::size_t>(T)),
-                   held.row(l, h / G));
+                   held.row(l, h / G), causal);
   return s / (static_cast<double>(L) * num_q_heads);
 }
 

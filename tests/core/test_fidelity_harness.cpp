@@ -307,10 +307,10 @@ TEST_CASE("causal attention recall: later rows of the chunk carry no mass and he
   held.append(0, 6);
   held.apply(plan_from(1, 1, {{0, 2, 5}}));
   const std::vector<float> probs = {0.5f, 0.3f, 0.2f, 0.1f, 0.1f, 0.8f};
-  CHECK(fid::causal_attention_recall(probs, 2, 3, held) == doctest::Approx(((0.5 + 0.2) + (0.1 + 0.8)) / 2).epsilon(1e-6));
-  // attention_recall refuses a held position beyond the row; the causal version is for chunks.
+  CHECK(fid::attention_recall(probs, 2, 3, held, true) == doctest::Approx(((0.5 + 0.2) + (0.1 + 0.8)) / 2).epsilon(1e-6));
+  // Without `causal` a held position beyond the row is refused; the causal form is for chunks.
   CHECK_THROWS((void)fid::attention_recall(probs, 2, 3, held));
-  CHECK_THROWS((void)fid::causal_attention_recall(std::vector<float>(5, 0.2f), 2, 3, held));
+  CHECK_THROWS((void)fid::attention_recall(std::vector<float>(5, 0.2f), 2, 3, held, true));
   CHECK(fid::token_nll(std::vector<float>{0.0f, 0.0f}, 1) == doctest::Approx(std::log(2.0)).epsilon(1e-12));
 }
 
