@@ -24,7 +24,17 @@ STYLE = {
     "random": dict(color="tab:gray", marker="x", linestyle="--"),
     "snapkv": dict(color="tab:purple", marker="D"),
     "snapkv_nowin": dict(color="tab:purple", marker="d", linestyle=":"),
+    "triattention_plh": dict(color="tab:orange", marker="o", linestyle="--"),
+    "triattention_union": dict(color="tab:brown", marker="o", linestyle=":"),
 }
+
+
+def budget_axis(ax, budgets):
+    """x = budget on a log2 axis with a tick per budget, and a light grid."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(budgets)
+    ax.set_xticklabels([str(b) for b in budgets])
+    ax.grid(True, which="both", alpha=0.3)
 
 
 def main(argv):
@@ -49,11 +59,8 @@ def main(argv):
             bottom.plot(xs, [max(1.0 - p[1], 1e-6) for p in pts], label=scorer, **style)
         budgets = sorted({p[0] for pts in data[model].values() for p in pts})
         for ax in (top, bottom):
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(budgets)
-            ax.set_xticklabels([str(b) for b in budgets])
+            budget_axis(ax, budgets)
             ax.set_xlabel(f"budget (tokens; {gen} generated per prompt)")
-            ax.grid(True, which="both", alpha=0.3)
         top.set_ylabel("attention recall (full-KV mass on kept keys)")
         top.set_title(f"{model}: recall vs budget")
         top.legend(fontsize=8, loc="lower right")

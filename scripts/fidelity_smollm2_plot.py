@@ -17,15 +17,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-STYLE = {
-    "triattention": dict(color="tab:red", marker="o", linewidth=2.2),
-    "triattention_plh": dict(color="tab:orange", marker="o", linestyle="--"),
-    "triattention_union": dict(color="tab:brown", marker="o", linestyle=":"),
-    "recency+sinks": dict(color="tab:blue", marker="s"),
-    "snapkv": dict(color="tab:purple", marker="D"),
-    "key_norm": dict(color="tab:green", marker="^"),
-    "random": dict(color="tab:gray", marker="x", linestyle="--"),
-}
+from fidelity_plot import STYLE, budget_axis  # noqa: E402  (same folder)
+
 PANELS = [
     ("kl", "KL full‖compressed (nats, log)", True),
     ("top1", "top-1 = full KV", False),
@@ -65,13 +58,10 @@ def main(argv):
                 if log:
                     ys = [max(y, 1e-5) for y in ys]
                 ax.plot([b for b, _ in pts], ys, label=scorer, **STYLE.get(scorer, {}))
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(budgets)
-            ax.set_xticklabels([str(b) for b in budgets])
+            budget_axis(ax, budgets)
             if log:
                 ax.set_yscale("log")
             ax.set_ylabel(label)
-            ax.grid(True, which="both", alpha=0.3)
             if row == 0:
                 ax.set_title(f"SmolLM2-135M, {tokens}-token document")
             if row == len(PANELS) - 1:
