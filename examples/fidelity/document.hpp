@@ -168,7 +168,7 @@ class FullDocument {
     TRIATTN_EXPECTS(cache_.logical_position(seq_) == p0, "FullDocument::feed: chunk out of order");
     out.p0 = p0;
     out.rows = n;
-    out.probs.assign(static_cast<std::size_t>(record_attention ? n : 0), {});
+    out.probs.resize(static_cast<std::size_t>(record_attention ? n : 0));  // rows keep their capacity
     for (int r = 0; r < static_cast<int>(out.probs.size()); ++r)
       out.probs[static_cast<std::size_t>(r)].assign(static_cast<std::size_t>(mc.n_layers) * mc.n_heads *
                                                         static_cast<std::size_t>(p0 + r + 1),

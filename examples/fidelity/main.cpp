@@ -23,6 +23,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <span>
 #include <sstream>
@@ -287,35 +288,37 @@ std::vector<Policy> policies(int divide_length) {
   return p;
 }
 
-/// Builds the cache of `policy` and hands it to fn (a generic lambda taking the cache).
+/// Builds the cache of `policy` (on the heap, so that fn may keep it) and hands it to fn as a
+/// std::unique_ptr. `prompt_len` caps SnapKV's protected window; triattention_plh / _union are
+/// TriAttention in the per_layer_per_head / union selection modes.
 template <class Fn>
-void with_cache(const std::string& policy, const triattn::CacheConfig& cfg, triattn::SelectionParams sel, int prompt_len,
+void make_cache(const std::string& policy, const triattn::CacheConfig& cfg, triattn::SelectionParams sel, int prompt_len,
                 const triattn::QueryStats& stats, const ex::ModelConfig& mc, std::uint64_t random_seed, Fn&& fn) {
   using namespace triattn;
-  if (policy == "triattention") {
+  if (policy.rfind("triattention", 0) == 0) {
+    if (policy == "triattention_plh") sel.mode = PruningMode::kPerLayerPerHead;
+    else if (policy == "triattention_union") sel.mode = PruningMode::kUnion;
+    else if (policy != "triattention") throw std::runtime_error("unknown policy " + policy);
     RopeConfig rope;
     rope.style = mc.rope_style;
     rope.theta = mc.rope_theta;
-    fid::HostCache<TriAttentionScorer> c(cfg, TopKSelector(sel), TriAttentionScorer(stats, rope, ScoringParams{}, mc.n_kv_heads));
-    fn(c);
+    fn(std::make_unique<fid::HostCache<TriAttentionScorer>>(
+        cfg, TopKSelector(sel), TriAttentionScorer(stats, rope, ScoringParams{}, mc.n_kv_heads)));
   } else if (policy == "recency+sinks") {
     sel.n_sink = kStreamingSinks;
-    fid::HostCache<RecencyScorer> c(cfg, TopKSelector(sel));
-    fn(c);
+    fn(std::make_unique<fid::HostCache<RecencyScorer>>(cfg, TopKSelector(sel)));
   } else if (policy == "key_norm") {
-    fid::HostCache<KeyNormScorer> c(cfg, TopKSelector(sel));
-    fn(c);
+    fn(std::make_unique<fid::HostCache<KeyNormScorer>>(cfg, TopKSelector(sel)));
   } else if (policy == "random") {
-    fid::HostCache<RandomScorer> c(cfg, TopKSelector(sel), RandomScorer(random_seed));
-    fn(c);
+    fn(std::make_unique<fid::HostCache<RandomScorer>>(cfg, TopKSelector(sel), RandomScorer(random_seed)));
   } else if (policy == "snapkv" || policy == "snapkv_nowin") {
     // The protected window is capped so that pinned prompt + window fit in the budget: every
     // scorer then runs at the same cache size (uncapped, a long prompt would push SnapKV's
     // cache above the budget). Rounds are divide_length >= w apart, so the causal limits of
     // SnapKvScorer hold with any window.
     if (policy == "snapkv") sel.window = std::min(kSnapWindow, std::max(0, sel.budget - prompt_len));
-    fid::HostCache<SnapKvScorer> c(cfg, TopKSelector(sel), SnapKvScorer(cfg, SnapKvParams{kSnapWindow, kSnapPool}));
-    fn(c);
+    fn(std::make_unique<fid::HostCache<SnapKvScorer>>(cfg, TopKSelector(sel),
+                                                       SnapKvScorer(cfg, SnapKvParams{kSnapWindow, kSnapPool})));
   } else {
     throw std::runtime_error("unknown policy " + policy);
   }
@@ -381,10 +384,10 @@ void run_experiment(const Experiment& e, const Options& o, Report& rep) {
         const auto t_cell = clk::now();
         fid::PolicyRun tf, fr;
         const int P = static_cast<int>(full.prompt.size());
-        with_cache(pols[pi].name, cfg, sel, P, stats, mc, o.random_seed,
-                   [&](auto& cache) { tf = fid::run_policy(model, cache, full, true); });
-        with_cache(pols[pi].name, cfg, sel, P, stats, mc, o.random_seed,
-                   [&](auto& cache) { fr = fid::run_policy(model, cache, full, false); });
+        make_cache(pols[pi].name, cfg, sel, P, stats, mc, o.random_seed,
+                   [&](auto cache) { tf = fid::run_policy(model, *cache, full, true); });
+        make_cache(pols[pi].name, cfg, sel, P, stats, mc, o.random_seed,
+                   [&](auto cache) { fr = fid::run_policy(model, *cache, full, false); });
         TRIATTN_EXPECTS(tf.first_round_pass == fr.first_round_pass, "round timing differs between runs");
         TRIATTN_EXPECTS(P >= sel.budget || (tf.max_kept <= sel.budget && fr.max_kept <= sel.budget),
                         pols[pi].name + " kept more than the budget " + std::to_string(sel.budget));
@@ -505,39 +508,16 @@ using SmolModel = ex::Model<ex::CpuBackend>;
 std::unique_ptr<fid::DocumentPolicy> make_doc_policy(const std::string& name, int budget, int divide,
                                                      const triattn::QueryStats& stats, SmolModel& model,
                                                      std::uint64_t random_seed) {
-  using namespace triattn;
-  const ex::ModelConfig& mc = model.config();
-  const CacheConfig cfg = fid::cache_config(mc, 1, budget + divide);
-  SelectionParams sel;
+  triattn::SelectionParams sel;
   sel.budget = budget;
   sel.divide_length = divide;
-  auto wrap = [&](auto cache) -> std::unique_ptr<fid::DocumentPolicy> {
-    using C = typename decltype(cache)::element_type;
-    return std::make_unique<fid::DocumentPolicyImpl<SmolModel, C>>(model, name, budget, std::move(cache));
-  };
-  if (name.rfind("triattention", 0) == 0) {
-    sel.mode = name == "triattention_plh" ? PruningMode::kPerLayerPerHead
-               : name == "triattention_union" ? PruningMode::kUnion
-                                              : PruningMode::kPerHead;
-    RopeConfig rope;
-    rope.style = mc.rope_style;
-    rope.theta = mc.rope_theta;
-    return wrap(std::make_unique<fid::HostCache<TriAttentionScorer>>(
-        cfg, TopKSelector(sel), TriAttentionScorer(stats, rope, ScoringParams{}, mc.n_kv_heads)));
-  }
-  if (name == "recency+sinks") {
-    sel.n_sink = kStreamingSinks;
-    return wrap(std::make_unique<fid::HostCache<RecencyScorer>>(cfg, TopKSelector(sel)));
-  }
-  if (name == "key_norm") return wrap(std::make_unique<fid::HostCache<KeyNormScorer>>(cfg, TopKSelector(sel)));
-  if (name == "random")
-    return wrap(std::make_unique<fid::HostCache<RandomScorer>>(cfg, TopKSelector(sel), RandomScorer(random_seed)));
-  if (name == "snapkv") {
-    sel.window = std::min(kSnapWindow, budget);
-    return wrap(std::make_unique<fid::HostCache<SnapKvScorer>>(cfg, TopKSelector(sel),
-                                                                SnapKvScorer(cfg, SnapKvParams{kSnapWindow, kSnapPool})));
-  }
-  throw std::runtime_error("unknown scorer " + name);
+  std::unique_ptr<fid::DocumentPolicy> out;
+  make_cache(name, fid::cache_config(model.config(), 1, budget + divide), sel, 0, stats, model.config(), random_seed,
+             [&](auto cache) {
+               using C = typename decltype(cache)::element_type;
+               out = std::make_unique<fid::DocumentPolicyImpl<SmolModel, C>>(model, name, budget, std::move(cache));
+             });
+  return out;
 }
 
 /// Standard error of the mean of `v` over consecutive blocks of `block` values (neighbouring

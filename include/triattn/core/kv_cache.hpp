@@ -258,8 +258,7 @@ class KvCache {
   [[nodiscard]] int blocks_to_extend(SeqId seq, int n) const {
     (void)state(seq, "blocks_to_extend");
     TRIATTN_EXPECTS(n >= 0, "blocks_to_extend: n = " + std::to_string(n) + " must be non-negative");
-    const ExtendNeed en = extend_need(seq, n);
-    return (en.fresh > 0 ? en.fresh : 0) + (en.cow ? 1 : 0);
+    return extend_need(seq, n).blocks();
   }
 
   /// Makes room for n new tokens at the end of `seq` (allocating blocks all-or-nothing) and
@@ -283,7 +282,7 @@ class KvCache {
     const bool cow = en.cow;
     TRIATTN_EXPECTS(!cow || copies_blocks, "extend: sequence " + std::to_string(seq) +
                                                " would write into a shared block and the compactor cannot copy it");
-    AppendResult r{AppendStatus::kOk, len, (need > 0 ? need : 0) + (cow ? 1 : 0)};
+    AppendResult r{AppendStatus::kOk, len, en.blocks()};
     if (new_len > cap) {  // the block-table row is full: same typed outcome as an empty pool
       r.status = AppendStatus::kOutOfBlocks;
       return r;
@@ -787,6 +786,7 @@ class KvCache {
   struct ExtendNeed {
     int fresh;  ///< blocks past the current ones (may be <= 0)
     bool cow;   ///< the last block is shared and partly filled: the first write copies it
+    [[nodiscard]] int blocks() const noexcept { return (fresh > 0 ? fresh : 0) + (cow ? 1 : 0); }
   };
   [[nodiscard]] ExtendNeed extend_need(SeqId seq, int n) const {
     const int len = lens_[idx(seq)];
