@@ -750,6 +750,106 @@ TEST_CASE("paged round: commit_round applies a round that ran elsewhere") {
   CHECK(c.physical_length(ids[0]) == before);
 }
 
+TEST_CASE("paged round: protected_prefix keeps a shared prefix in place as KvCache::compress does") {
+  for (PruningMode mode : {PruningMode::kPerHead, PruningMode::kPerLayerPerHead, PruningMode::kUnion}) {
+    CAPTURE(to_string(mode));
+    std::mt19937 rng(91u + static_cast<unsigned>(mode));
+    SelectionParams sp = make_params(mode, kProtections[2]);  // everything competes; sinks 4, window 8
+    sp.budget = 48;
+    const CacheConfig cfg = make_config(16, KvLayout::kNHD, 3);
+    // Two sequences share their first two blocks (32 tokens) and continue privately.
+    const auto build = [&](Cache& c, std::mt19937 r) {
+      const SeqId a = c.add_sequence();
+      append_random(c, a, 40, Phase::kPrefill, r);
+      const SeqId b = c.fork_prefix(a, 32);
+      append_random(c, a, 30, Phase::kDecode, r);
+      append_random(c, b, 38, Phase::kDecode, r);
+      return std::vector<SeqId>{a, b};
+    };
+    Cache c(cfg, make_scorer(), TopKSelector(sp)), twin(cfg, make_scorer(), TopKSelector(sp));
+    const std::vector<SeqId> ids = build(c, rng), tids = build(twin, rng);
+    REQUIRE(ids == tids);
+    std::vector<std::int64_t> t0;
+    std::vector<std::int32_t> prompts, shared;
+    for (SeqId q : ids) {
+      t0.push_back(c.logical_position(q));
+      prompts.push_back(c.prompt_length(q));
+      shared.push_back(c.shared_prefix(q));
+    }
+    REQUIRE(shared == std::vector<std::int32_t>{32, 32});
+    const auto shared_block = c.block_table(ids[0])[0];
+    std::vector<T> shared_before;
+    for (int l = 0; l < kL; ++l)
+      for (int i = 0; i < 16; ++i)
+        for (int h = 0; h < kHkv; ++h)
+          shared_before.insert(shared_before.end(), c.view<T>().token(l, KvKind::kKey, ids[0], i, h),
+                               c.view<T>().token(l, KvKind::kKey, ids[0], i, h) + kD);
+    const int rows = kept_rows(mode, kL, kHkv);
+    std::vector<std::byte> ws(paged_round_workspace_size(cfg.model, kMaxTokens));
+
+    // Without the protected prefix the round selects inside the shared blocks: its plan would
+    // rewrite them, and the cache refuses to commit it (on an engine copy, nothing of c changes).
+    {
+      Standin st(Engine::kVllmFlashAttn, 16, cfg.num_blocks, cfg.max_seqs, rng);
+      for (SeqId q : ids) st.load(c, q);
+      Outputs o(2, rows, kMaxTokens);
+      const RoundBatch rb{ids.data(), t0.data(), prompts.data(), 2, kMaxTokens};
+      REQUIRE(paged_round(st.view, c.scorer(), sp, cfg.model, RoundTrigger::kAlways, rb, o.out, ws.data(), ws.size()) == 2);
+      bool moved = false;
+      for (int b = 0; b < 2; ++b)
+        for (int r = 0; r < rows; ++r)
+          for (int i = 0; i < 32; ++i) moved = moved || o.kept[(static_cast<std::size_t>(b) * rows + r) * kMaxTokens + i] != i;
+      CHECK(moved);
+      CHECK_THROWS_AS((void)c.commit_round(ids, o.out), logic_error);
+    }
+    // With it: the batched round over the cache's own view equals KvCache::compress bit for bit.
+    Outputs o(2, rows, kMaxTokens);
+    const RoundBatch rb{ids.data(), t0.data(), prompts.data(), 2, kMaxTokens, shared.data()};
+    REQUIRE(paged_round(c.view<T>(), c.scorer(), sp, cfg.model, RoundTrigger::kAlways, rb, o.out, ws.data(), ws.size()) == 2);
+    const auto got = c.commit_round(ids, o.out);
+    const std::vector<CompressionReport> want{twin.compress(ids[0]), twin.compress(ids[1])};
+    REQUIRE(got.size() == 2);
+    REQUIRE(want.size() == 2);
+    for (int b = 0; b < 2; ++b) {
+      const SeqId q = ids[static_cast<std::size_t>(b)];
+      CAPTURE(b);
+      CHECK(o.new_lens[static_cast<std::size_t>(b)] == 48);
+      CHECK(c.physical_length(q) == twin.physical_length(q));
+      const CompressionReport &g = got[static_cast<std::size_t>(b)], &w = want[static_cast<std::size_t>(b)];
+      REQUIRE(g.kept_rows == kL * kHkv);  // commit_round reports every (layer, KV head) row
+      bool same_pos = true;
+      for (int r = 0; r < g.kept_rows; ++r) {
+        const int wr = w.kept_rows == 1 ? 0 : w.kept_rows == kHkv ? r % kHkv : r;
+        same_pos = same_pos && std::ranges::equal(g.kept(r), w.kept(wr));
+      }
+      CHECK(same_pos);
+      CHECK(c.block_table(q)[0] == shared_block);
+      bool same = true;
+      for (int l = 0; l < kL; ++l)
+        for (int kv = 0; kv < 2; ++kv)
+          for (int i = 0; i < c.physical_length(q); ++i)
+            for (int h = 0; h < kHkv; ++h)
+              same = same && std::memcmp(c.view<T>().token(l, static_cast<KvKind>(kv), q, i, h),
+                                         twin.view<T>().token(l, static_cast<KvKind>(kv), q, i, h), sizeof(T) * kD) == 0;
+      CHECK(same);
+    }
+    std::size_t at = 0;
+    bool untouched = true;
+    for (int l = 0; l < kL; ++l)
+      for (int i = 0; i < 16; ++i)
+        for (int h = 0; h < kHkv; ++h, at += kD)
+          untouched = untouched && std::memcmp(c.view<T>().token(l, KvKind::kKey, ids[0], i, h), shared_before.data() + at,
+                                               sizeof(T) * kD) == 0;
+    CHECK(untouched);
+    // A negative protected prefix is refused with its entry named.
+    std::vector<std::int32_t> neg{-1, 0};
+    const RoundBatch bad{ids.data(), t0.data(), prompts.data(), 2, kMaxTokens, neg.data()};
+    CHECK_THROWS_WITH_AS((void)paged_round(c.view<T>(), c.scorer(), sp, cfg.model, RoundTrigger::kAlways, bad, o.out,
+                                           ws.data(), ws.size()),
+                         doctest::Contains("protected_prefix = -1"), logic_error);
+  }
+}
+
 TEST_CASE("admission: max_resident_tokens is the simulated peak of every schedule") {
   using RecCache = KvCache<StaticAllocator<HostBackend>, HostCompactor, RecencyScorer, TopKSelector>;
   std::mt19937 rng(2024);

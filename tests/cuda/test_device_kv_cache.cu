@@ -6,17 +6,24 @@
 //    must match bitwise.
 //  * cuda::DeviceKvCache<> (published device tables): append_tokens, compaction through device
 //    tables, decode attention on cache.view() against ref::attention on the host twin.
+//  * cuda::DeviceRounds over sequences that share prefix blocks (fork_prefix): the shared prefix
+//    stays in place and untouched, the private parts are compacted as the host cache compacts
+//    them with the same plans (issue 36).
 // Plus DeviceBackend / DeviceTables basics.
 #include "cuda_test_utils.cuh"
 
+#include <triattn/core/keep_counts.hpp>
 #include <triattn/core/kv_cache.hpp>
+#include <triattn/core/policy/topk_selector.hpp>
 #include <triattn/core/ref/attention.hpp>
+#include <triattn/core/stats/random.hpp>
 #include <triattn/cuda/algorithms/append.cuh>
 #include <triattn/cuda/algorithms/decode_attention.cuh>
 #include <triattn/cuda/backend/device_backend.cuh>
 #include <triattn/cuda/device_kv_cache.cuh>
 #include <triattn/cuda/device_tables.cuh>
 #include <triattn/cuda/policy/device_compactor.cuh>
+#include <triattn/cuda/policy/triattention_device_scorer.cuh>
 
 namespace {
 
@@ -299,6 +306,104 @@ TEST_SUITE("gpu") {
         den += static_cast<double>(want[i]) * want[i];
       }
       CHECK(std::sqrt(num / den) <= (std::is_same_v<T, float> ? 1e-5 : 1e-3));
+    }
+  }
+
+  TEST_CASE("device rounds: sequences sharing prefix blocks compress only their private part") {
+    test::require_device();
+    const std::uint64_t seed = test::test_seed();
+    MESSAGE("seed = ", seed);
+    std::mt19937_64 rng(seed ^ 0x5eedULL);
+    using T = bf16_storage;
+    CacheConfig cfg;
+    cfg.model = ModelGeometry{2, 8, 2, 64};
+    cfg.block_size = 16;
+    cfg.num_blocks = 40;
+    cfg.max_seqs = 4;
+    cfg.max_blocks_per_seq = 12;
+    cfg.dtype = DType::kBF16;
+    for (PruningMode mode : {PruningMode::kPerHead, PruningMode::kUnion}) {
+      CAPTURE(to_string(mode));
+      SelectionParams sp;
+      sp.budget = 64;
+      sp.divide_length = 16;
+      sp.prompt = PromptMode::kCompete;
+      sp.window = 8;
+      sp.mode = mode;
+      cudaStream_t stream = nullptr;
+      TRIATTN_TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      {
+        std::mt19937 srng(static_cast<unsigned>(seed));
+        const QueryStats stats = random_query_stats(srng, cfg.model.num_layers, cfg.model.num_q_heads, cfg.model.head_dim);
+        cuda::DeviceKvCache<cuda::TriAttentionDeviceScorer, TopKSelector> dev(
+            cfg, cuda::DeviceCompactor(stream),
+            cuda::TriAttentionDeviceScorer(stats, RopeConfig{}, ScoringParams{}, cfg.model.num_kv_heads, stream),
+            TopKSelector(sp));
+        HostCache host(cfg);
+        auto add = [&](SeqId s, int n, Phase phase) {
+          const auto k = tokens<T>(rng, cfg, n);
+          const auto v = tokens<T>(rng, cfg, n);
+          REQUIRE(host.append<T>(s, k, v, n, phase).ok());
+          DeviceBuffer<T> dk(k), dv(v);
+          REQUIRE(cuda::append_tokens(dev, s, dk.get(), dv.get(), n, stream, phase).ok());
+          TRIATTN_TEST_CUDA(cudaStreamSynchronize(stream));
+        };
+        const SeqId a = host.add_sequence();
+        REQUIRE(dev.add_sequence() == a);
+        add(a, 40, Phase::kPrefill);
+        const SeqId b = host.fork_prefix(a, 32);  // blocks 0 and 1 shared
+        REQUIRE(dev.fork_prefix(a, 32) == b);
+        const SeqId c = host.add_sequence();  // private only
+        REQUIRE(dev.add_sequence() == c);
+        add(a, 60, Phase::kDecode);
+        add(b, 75, Phase::kDecode);
+        add(c, 90, Phase::kPrefill);
+        REQUIRE(dev.shared_prefix(a) == 32);
+        REQUIRE(dev.shared_prefix(b) == 32);
+        REQUIRE(dev.shared_prefix(c) == 0);
+        const std::vector<SeqId> seqs{a, b, c};
+        std::vector<int> want_keep;
+        for (SeqId s : seqs)
+          want_keep.push_back(
+              keep_counts_unchecked(dev.physical_length(s), dev.prompt_length(s), sp, dev.shared_prefix(s)).keep);
+        const std::vector<std::int32_t> shared_blocks(dev.block_table(a).begin(), dev.block_table(a).begin() + 2);
+        cuda::publish(dev, stream);
+        require_same<T>(host, dev);
+
+        cuda::DeviceRounds<decltype(dev)> rounds(dev);
+        rounds.launch(seqs, stream);  // refused a shared block before issue 36
+        const std::vector<CompressionReport> done = rounds.wait();
+        REQUIRE(done.size() == seqs.size());
+        for (std::size_t i = 0; i < seqs.size(); ++i) {
+          CAPTURE(i);
+          REQUIRE(done[i].status == RoundStatus::kCompressed);
+          CHECK(dev.physical_length(seqs[i]) == want_keep[i]);
+          const KeepPlan plan = rounds.last_plan(i);
+          REQUIRE(plan.keep == want_keep[i]);
+          const int prot = i < 2 ? 32 : 0;
+          bool in_place = true;
+          for (int l = 0; l < cfg.model.num_layers; ++l)
+            for (int h = 0; h < cfg.model.num_kv_heads; ++h)
+              for (int j = 0; j < prot; ++j) in_place = in_place && plan.row(l, h)[j] == j;
+          CHECK(in_place);
+          host.apply_keep_plan(seqs[i], plan);  // refuses a plan that would rewrite a shared block
+        }
+        CHECK(std::equal(shared_blocks.begin(), shared_blocks.end(), dev.block_table(a).begin()));
+        CHECK(std::equal(shared_blocks.begin(), shared_blocks.end(), dev.block_table(b).begin()));
+        CHECK(dev.allocator().ref_count(shared_blocks[0]) == 2);
+        require_same<T>(host, dev);  // tables, lengths and the whole pool, bit for bit
+
+        // Decoding goes on past the compacted private parts; a second round is accepted too.
+        add(a, 30, Phase::kDecode);
+        add(b, 30, Phase::kDecode);
+        (void)rounds.compress_if_needed_and_wait(seqs, stream);
+        CHECK(dev.shared_prefix(a) == 32);
+        CHECK(rounds.last_seqs().size() == 2);
+        for (std::size_t i = 0; i < rounds.last_seqs().size(); ++i)
+          host.apply_keep_plan(rounds.last_seqs()[i], rounds.last_plan(i));
+        require_same<T>(host, dev);
+      }
+      TRIATTN_TEST_CUDA(cudaStreamDestroy(stream));
     }
   }
 }

@@ -65,15 +65,16 @@ struct Case {
   bool positions = false;   ///< pass slot_positions (as from earlier rounds)
   int nan_seq = -1;         ///< batch entry whose one key is NaN
   bool all_rows = false;    ///< kept rows L * Hkv instead of kept_rows(mode)
+  std::vector<int> shared;  ///< protected (shared) prefix per entry; empty = none (null pointer)
 
   std::string name() const {
     char buf[320];
     std::snprintf(buf, sizeof buf, "%s L=%d Hq=%d Hkv=%d d=%d bs=%d %s budget=%d slack=%d mode=%s prompt=%s sink=%d "
-                  "window=%d trigger=%s positions=%d nan_seq=%d all_rows=%d normalize=%d nonfinite=%s",
+                  "window=%d trigger=%s positions=%d nan_seq=%d all_rows=%d normalize=%d nonfinite=%s shared=%d",
                   engine_name(engine), L, Hq, Hkv, d, bs, to_string(agg), sp.budget, sp.divide_length,
                   to_string(sp.mode), to_string(sp.prompt), sp.n_sink, sp.window,
                   trigger == RoundTrigger::kIfDue ? "if_due" : "always", positions, nan_seq, all_rows,
-                  sp.normalize, to_string(sp.nonfinite));
+                  sp.normalize, to_string(sp.nonfinite), !shared.empty());
     return buf;
   }
 };
@@ -254,6 +255,8 @@ void check_case(const Case& c, std::uint32_t seed, bool graph = false) {
   arena.dev_ranges.upload(dev_ptrs);
 
   test::DeviceBuffer<int> d_tables(tables), d_lens(lens), d_seq(seq_ids), d_prompts(c.prompts);
+  test::DeviceBuffer<int> d_shared(c.shared.empty() ? std::vector<int>{0} : c.shared);
+  const std::int32_t* h_shared = c.shared.empty() ? nullptr : c.shared.data();
   test::DeviceBuffer<std::int64_t> d_t0(t0);
   const KvCacheView<T, int> dview = arena.view(arena.dev.get(), arena.dev_ranges.get(), c.L, num_blocks, max_seqs,
                                                max_blocks, d_tables.get(), d_lens.get());
@@ -319,7 +322,8 @@ void check_case(const Case& c, std::uint32_t seed, bool graph = false) {
   const cuda::RoundShape shape{c.L, c.Hq, c.Hkv};
   const std::size_t ws_bytes = cuda::paged_round_workspace_size(shape, c.sp.mode, batch, max_len, max_seqs);
   test::DeviceBuffer<char> d_ws(ws_bytes);
-  const RoundBatch dbatch{d_seq.get(), d_t0.get(), d_prompts.get(), batch, max_len};
+  const RoundBatch dbatch{d_seq.get(), d_t0.get(), d_prompts.get(), batch, max_len,
+                          c.shared.empty() ? nullptr : d_shared.get()};
   cudaStream_t stream;
   TRIATTN_TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   out.poison_device();
@@ -371,7 +375,7 @@ void check_case(const Case& c, std::uint32_t seed, bool graph = false) {
   const ModelGeometry geom{c.L, c.Hq, c.Hkv, c.d};
   std::vector<char> hws(paged_round_workspace_size(geom, max_len) + 256);
   void* hws_p = hws.data() + (256 - reinterpret_cast<std::uintptr_t>(hws.data()) % 256) % 256;
-  const RoundBatch hbatch{seq_ids.data(), t0.data(), c.prompts.data(), batch, max_len};
+  const RoundBatch hbatch{seq_ids.data(), t0.data(), c.prompts.data(), batch, max_len, h_shared};
   paged_round(hview0, given, c.sp, geom, c.trigger, hbatch, out.host(hpos, max_len), hws_p,
               paged_round_workspace_size(geom, max_len));
 
@@ -394,6 +398,13 @@ void check_case(const Case& c, std::uint32_t seed, bool graph = false) {
         differ += g_kept[at] != out.kept[at];
       }
     CHECK_MESSAGE(differ == 0, differ, " kept positions differ from the CPU oracle");
+    if (!c.shared.empty() && !c.positions) {  // the protected prefix stays where it was
+      long long moved = 0;
+      for (int r = 0; r < krows; ++r)
+        for (int i = 0; i < std::min(c.shared[b], g_new[b]); ++i)
+          moved += g_kept[(static_cast<std::size_t>(b) * krows + r) * max_keep + i] != i;
+      CHECK_MESSAGE(moved == 0, moved, " slots of the protected prefix were not kept in place");
+    }
   }
   if (c.trigger == RoundTrigger::kAlways)
     CHECK_GE(compressed, batch - (c.nan_seq >= 0 && c.sp.nonfinite == NonFinitePolicy::kRefuse ? 1 : 0));
@@ -469,6 +480,24 @@ TEST_SUITE("gpu") {
         c.sp.normalize = normalize;
         c.sp.nonfinite = nf;
         c.nan_seq = 1;
+        check_case<bf16_storage>(c, seed + static_cast<std::uint32_t>(combo++));
+      }
+  }
+
+  TEST_CASE("paged_round: a protected (shared) prefix is neither selected away nor moved") {
+    test::require_device();
+    const std::uint32_t seed = test::fresh_seed32();
+    int combo = 0;
+    for (Engine e : {Engine::kVllmFlashAttn, Engine::kSglang, Engine::kKvCache})
+      for (PruningMode mode : {PruningMode::kPerHead, PruningMode::kPerLayerPerHead, PruningMode::kUnion}) {
+        Case c;
+        c.engine = e;
+        c.bs = e == Engine::kSglang ? 1 : 16;
+        c.lens = {600, 333, 257, 41};
+        c.prompts = {0, 10, 0, 0};
+        c.shared = {256, 64, 512, 16};  // the third covers its whole sequence, the last most of it
+        c.sp = sel(combo % 2 ? 200 : 96, mode, combo % 2 ? PromptMode::kCompete : PromptMode::kPinnedOnTop,
+                   combo % 3 == 1 ? 4 : 0, 16);
         check_case<bf16_storage>(c, seed + static_cast<std::uint32_t>(combo++));
       }
   }

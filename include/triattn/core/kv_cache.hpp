@@ -739,7 +739,7 @@ class KvCache {
       dispatch_dtype([&](auto tag) {
         using T = typename decltype(tag)::type;
         p.status = triattn::detail::plan_round_one(view<T>(), scorer_, select, params, g, q, len, st.prompt_len,
-                                                   st.logical, std::span<float>(scores_), p.plan);
+                                                   shared_prefix(q), st.logical, std::span<float>(scores_), p.plan);
       });
       if (p.status == RoundStatus::kCompressed) check_keep_plan(q, p.plan, op);
       planned.push_back(std::move(p));

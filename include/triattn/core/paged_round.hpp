@@ -104,6 +104,9 @@ struct RoundBatch {
   const std::int32_t* prompt_lens = nullptr;  ///< [batch] prompt tokens still in place at slots [0, prompt_len)
   int batch = 0;
   int max_len = 0;  ///< >= every sequence's physical length (sizes the workspace)
+  /// [batch] or null (none): leading slots the round neither selects away nor moves, e.g. a
+  /// prefix shared with other sequences (KvCache::shared_prefix)
+  const std::int32_t* protected_prefix = nullptr;
 };
 static_assert(std::is_trivially_copyable_v<RoundBatch>);
 
@@ -314,15 +317,15 @@ namespace detail {
 /// ([L, Hq, len]) and selects. Returns kNonFinite (plan untouched) when `params` is given with
 /// NonFinitePolicy::kRefuse and a selectable score is not finite; else kCompressed with `plan`.
 /// `select(scores, geometry, len, prompt_len)` returns the KeepPlan (ref::select_keep, or a
-/// KvCache's selector policy).
+/// KvCache's selector policy) and must protect the same `protected_prefix`.
 template <class T, class Id, class Scorer, class Select>
 RoundStatus plan_round_one(const KvCacheView<T, Id>& view, Scorer& scorer, Select&& select,
                            const SelectionParams* params, const ModelGeometry& g, int seq, int len, int prompt_len,
-                           std::int64_t t0, std::span<float> scores, KeepPlan& plan) {
+                           int protected_prefix, std::int64_t t0, std::span<float> scores, KeepPlan& plan) {
   const std::span<float> sc = scores.first(static_cast<std::size_t>(g.num_layers) * g.num_q_heads * len);
   scorer.score(view, seq, len, t0, sc);
   if (params != nullptr && params->nonfinite == NonFinitePolicy::kRefuse) {
-    const ref::KeepCounts kc = ref::keep_counts(len, prompt_len, *params);
+    const ref::KeepCounts kc = ref::keep_counts(len, prompt_len, *params, protected_prefix);
     if (!ref::selectable_scores_finite(sc.data(), static_cast<std::size_t>(g.num_layers) * g.num_q_heads, kc))
       return RoundStatus::kNonFinite;
   }
@@ -417,6 +420,8 @@ int paged_round(const KvCacheView<T, Id>& view, Scorer& scorer, const SelectionP
     TRIATTN_EXPECTS(!in_batch[static_cast<std::size_t>(s)]++, who + " appears twice in the batch");
     const int len = static_cast<int>(view.seq_lens[s]);
     const int pl = batch.prompt_lens[b];
+    const int pp = batch.protected_prefix != nullptr ? batch.protected_prefix[b] : 0;
+    TRIATTN_EXPECTS(pp >= 0, who + ": protected_prefix = " + std::to_string(pp) + " must be >= 0");
     TRIATTN_EXPECTS(len <= batch.max_len, who + ": length " + std::to_string(len) + " exceeds batch.max_len = " +
                                               std::to_string(batch.max_len));
     TRIATTN_EXPECTS(pl >= 0 && pl <= len, who + ": prompt_len = " + std::to_string(pl) + " must be in [0, length " +
@@ -428,7 +433,7 @@ int paged_round(const KvCacheView<T, Id>& view, Scorer& scorer, const SelectionP
                       CompressionTrigger::should_compress(CompressionTrigger::counted_length(len, pl, params), true, params);
     due[static_cast<std::size_t>(b)] = fire;
     if (fire && out.kept != nullptr) {
-      const int keep = ref::keep_counts(len, pl, params).keep;
+      const int keep = ref::keep_counts(len, pl, params, pp).keep;
       TRIATTN_EXPECTS(keep <= out.max_keep, who + ": keeps " + std::to_string(keep) + " slots, more than out.max_keep = " +
                                                 std::to_string(out.max_keep));
     }
@@ -442,18 +447,19 @@ int paged_round(const KvCacheView<T, Id>& view, Scorer& scorer, const SelectionP
                   "paged_round: workspace is not aligned for float");
   // Everything is checked: from here on, per-sequence problems are reported, not thrown.
   const std::span<float> scores(static_cast<float*>(workspace), need / sizeof(float));
-  const auto select = [&params](std::span<const float> sc, const ModelGeometry& gm, int len, int pl) {
-    return ref::select_keep(sc.data(), gm.num_layers, gm.num_q_heads, gm.num_kv_heads, len, pl, params);
-  };
   int compressed = 0;
   KeepPlan plan;
   for (int b = 0; b < batch.batch; ++b) {
     const int s = batch.seq_ids[b];
     const int len = static_cast<int>(view.seq_lens[s]);
+    const int pp = batch.protected_prefix != nullptr ? batch.protected_prefix[b] : 0;
     RoundStatus st = RoundStatus::kNotDue;
     if (due[static_cast<std::size_t>(b)]) {
-      st = detail::plan_round_one(view, scorer, select, &params, g, s, len, batch.prompt_lens[b], batch.t0[b], scores,
-                                  plan);
+      const auto select = [&params, pp](std::span<const float> sc, const ModelGeometry& gm, int n, int pl) {
+        return ref::select_keep(sc.data(), gm.num_layers, gm.num_q_heads, gm.num_kv_heads, n, pl, params, pp);
+      };
+      st = detail::plan_round_one(view, scorer, select, &params, g, s, len, batch.prompt_lens[b], pp, batch.t0[b],
+                                  scores, plan);
       if (st == RoundStatus::kCompressed) {
         ref::compact(view, s, plan);
         ++compressed;

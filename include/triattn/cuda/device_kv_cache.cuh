@@ -69,7 +69,9 @@ template <class T, class Cache>
 }
 
 /// Batched, asynchronous compression rounds for a KvCache on the GPU (a device allocator with
-/// published tables, TriAttentionDeviceScorer, a selector with SelectionParams).
+/// published tables, TriAttentionDeviceScorer, a selector with SelectionParams). A sequence's
+/// shared prefix (KvCache::shared_prefix: blocks another sequence or the prefix cache holds) is
+/// protected as in KvCache::compress: never selected away, moved or rewritten.
 ///
 /// compress_if_needed(seqs, stream) launches one cuda::paged_round on `stream` for the sequences
 /// of `seqs` whose trigger fired and records an event behind it; it does not wait. The cache's
@@ -109,7 +111,8 @@ class DeviceRounds {
   /// Commits a finished round (no wait), then launches a round for the due sequences of `seqs`
   /// unless one is still running. Returns the reports of the round committed by this call (empty
   /// when none was). @throws logic_error (nothing launched) on a bad, inactive, duplicate or
-  /// in-flight id, or when a round could rewrite a block shared with another sequence.
+  /// in-flight id, or when a round could rewrite a shared block that is not part of the
+  /// sequence's leading shared prefix.
   std::vector<CompressionReport> compress_if_needed(std::span<const SeqId> seqs, cudaStream_t stream) {
     std::vector<CompressionReport> done = poll();
     if (pending_) return done;
@@ -135,8 +138,9 @@ class DeviceRounds {
       TRIATTN_EXPECTS(!seen[static_cast<std::size_t>(s)]++,
                       "DeviceRounds::launch: sequence " + std::to_string(s) + " appears twice");
       const int prompt = cache_->prompt_length(s);
-      const KeepCounts kc = keep_counts_unchecked(len, prompt, sp);
-      // Compaction never moves slots [0, begin); every block from there on must be this sequence's alone.
+      const KeepCounts kc = keep_counts_unchecked(len, prompt, sp, cache_->shared_prefix(s));
+      // Compaction never moves slots [0, begin) (the shared prefix among them); every block from
+      // there on must be this sequence's alone.
       const auto table = cache_->block_table(s);
       for (std::size_t j = static_cast<std::size_t>(kc.selectable_begin / cfg.block_size); j < table.size(); ++j)
         TRIATTN_EXPECTS(cache_->allocator().ref_count(table[j]) == 1,
@@ -154,16 +158,19 @@ class DeviceRounds {
     auto* h_ids = reinterpret_cast<std::int32_t*>(h + lay.ids);
     auto* h_t0 = reinterpret_cast<std::int64_t*>(h + lay.t0);
     auto* h_prompts = reinterpret_cast<std::int32_t*>(h + lay.prompts);
+    auto* h_shared = reinterpret_cast<std::int32_t*>(h + lay.shared);
     for (int b = 0; b < batch; ++b) {
       const SeqId s = seqs[static_cast<std::size_t>(b)];
       h_ids[b] = s;
       h_t0[b] = cache_->logical_position(s);
       h_prompts[b] = cache_->prompt_length(s);
+      h_shared[b] = cache_->shared_prefix(s);
     }
     publish(*cache_, stream);  // the round reads the device mirror of the tables and lengths
     TRIATTN_CUDA_TRY(cudaMemcpyAsync(d, h, lay.inputs, cudaMemcpyHostToDevice, stream));
     const RoundBatch rb{reinterpret_cast<const std::int32_t*>(d + lay.ids), reinterpret_cast<const std::int64_t*>(d + lay.t0),
-                        reinterpret_cast<const std::int32_t*>(d + lay.prompts), batch, max_len};
+                        reinterpret_cast<const std::int32_t*>(d + lay.prompts), batch, max_len,
+                        reinterpret_cast<const std::int32_t*>(d + lay.shared)};
     const RoundOutputs out = outputs(d, lay, batch, rows, max_keep);
     const std::size_t ws_bytes = paged_round_workspace_size(
         RoundShape{cfg.model.num_layers, cfg.model.num_q_heads, cfg.model.num_kv_heads}, sp.mode, batch, max_len,
@@ -256,7 +263,7 @@ class DeviceRounds {
 
  private:
   struct Layout {
-    std::size_t ids, t0, prompts, inputs, outputs, new_lens, status, fb, fe, kept, total;
+    std::size_t ids, t0, prompts, shared, inputs, outputs, new_lens, status, fb, fe, kept, total;
   };
   static std::size_t up(std::size_t x) noexcept { return (x + 255) / 256 * 256; }
   static Layout layout(int batch, int rows, int max_keep) noexcept {
@@ -265,7 +272,8 @@ class DeviceRounds {
     l.t0 = 0;
     l.ids = up(B * 8);
     l.prompts = l.ids + up(B * 4);
-    l.inputs = l.prompts + up(B * 4);
+    l.shared = l.prompts + up(B * 4);
+    l.inputs = l.shared + up(B * 4);
     l.outputs = l.inputs;
     l.new_lens = l.outputs;
     l.status = l.new_lens + up(B * 4);

@@ -8,8 +8,9 @@
 //
 // After the round, sequence b holds plan.keep[b] slots per (layer, KV head). The device lengths
 // and block tables are the caller's (KvCache's host bookkeeping): the kept count is a pure
-// function of (length, prompt length, SelectionParams), so the host computes the same number with
-// ref::keep_counts without waiting for the device, shrinks its tables and publishes them.
+// function of (length, prompt length, protected prefix, SelectionParams), so the host computes the
+// same number with ref::keep_counts without waiting for the device, shrinks its tables and
+// publishes them.
 #pragma once
 
 #include <cstddef>
@@ -182,7 +183,8 @@ struct compression_round {
     if (detail::carve_round_workspace(workspace, f->shape, params.mode, batch.batch, batch.max_len, &f->ws) >
         workspace_bytes)
       return cudaErrorInvalidValue;
-    f->seqs = RoundSeqs<Id>{batch.seq_ids, view.seq_lens, batch.prompt_lens, batch.batch, batch.max_len};
+    f->seqs = RoundSeqs<Id>{batch.seq_ids,   view.seq_lens,  batch.prompt_lens,
+                            batch.batch,     batch.max_len,  batch.protected_prefix};
     TRIATTN_CUDA_RETURN_IF_ERROR(
         score(view, model, ScoreBatch{batch.seq_ids, batch.t0, batch.batch, batch.max_len}, f->ws.scores, stream));
     if (params.normalize)

@@ -74,7 +74,8 @@ inline std::string paged_round_what(const char* field) { return std::string("cud
 /// @param model     per-model constants in device memory (TriAttentionDeviceScorer::device_model())
 /// @param params    selection parameters (by value: nothing is read from the host later)
 /// @param trigger   kIfDue: sequences below budget + divide_length are reported kNotDue, untouched
-/// @param batch     device arrays seq_ids, t0, prompt_lens [batch]; max_len >= every length
+/// @param batch     device arrays seq_ids, t0, prompt_lens [batch] and optional protected_prefix
+///                  [batch] (slots [0, p) neither selected away nor moved); max_len >= every length
 /// @param out       device arrays [batch] (every entry written) and optional kept positions
 /// @param workspace caller-owned device memory (256-byte aligned) of at least
 ///                  paged_round_workspace_size(shape, params.mode, batch.batch, batch.max_len, view.max_seqs)
@@ -165,7 +166,8 @@ void paged_round(const KvCacheView<T, Id>& view, const ScoreModelView& model, co
   // Scoring and selection see the effective lengths: 0 for sequences that do not take part.
   const KvCacheView<T, Id> eff = view.with_tables(view.block_tables, reinterpret_cast<const Id*>(scratch.eff_lens));
   static_assert(sizeof(Id) == sizeof(std::int32_t), "paged_round: 32-bit block ids and lengths");
-  const RoundSeqs<Id> seqs{batch.seq_ids, eff.seq_lens, batch.prompt_lens, batch.batch, batch.max_len};
+  const RoundSeqs<Id> seqs{batch.seq_ids, eff.seq_lens, batch.prompt_lens, batch.batch, batch.max_len,
+                           batch.protected_prefix};
   TRIATTN_CUDA_TRY(
       score(eff, model, ScoreBatch{batch.seq_ids, batch.t0, batch.batch, batch.max_len}, ws.scores, stream));
   const long long rows = static_cast<long long>(batch.batch) * shape.num_layers * shape.num_q_heads;

@@ -35,10 +35,12 @@ struct RoundSeqs {
   const std::int32_t* prompt_lens = nullptr;  ///< [batch] pinned prompt length per sequence
   int batch = 0;
   int max_len = 0;                            ///< row capacity of every per-slot buffer
+  const std::int32_t* protected_prefix = nullptr;  ///< [batch] or null: leading slots never selected away
 
   [[nodiscard]] __device__ __forceinline__ KeepCounts counts(int b, const SelectionParams& p) const {
     const int len = static_cast<int>(seq_lens[seq_ids[b]]);
-    return keep_counts_unchecked(len < max_len ? len : max_len, prompt_lens[b], p);
+    return keep_counts_unchecked(len < max_len ? len : max_len, prompt_lens[b], p,
+                                 protected_prefix != nullptr ? protected_prefix[b] : 0);
   }
 };
 
