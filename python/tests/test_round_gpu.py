@@ -4,6 +4,8 @@ under torch.compile and captured in a CUDA graph equals the eager call.
 
 Skipped (with the reason) only where torch or a CUDA device is missing; on a CUDA machine a
 triattn built without CUDA fails them instead of skipping."""
+import importlib
+
 import numpy as np
 import pytest
 
@@ -22,7 +24,9 @@ IF_DUE = int(triattn.RoundTrigger.IF_DUE)  # a plain int: what the op takes (and
 @pytest.fixture(autouse=True)
 def _needs_cuda_build():
     assert triattn.has_cuda, "triattn was built without CUDA: TRIATTN_PYTHON_CUDA=ON pip install ."
-    import triattn.torch_ops  # noqa: F401  (registers torch.ops.triattn.round)
+    # registers torch.ops.triattn.round (a plain `import triattn.torch_ops` here would make
+    # `triattn` local to this function and the assert above read it unbound)
+    importlib.import_module("triattn.torch_ops")
 
 
 def engine_tensors(layout, num_blocks, bs, dtype, gen):
