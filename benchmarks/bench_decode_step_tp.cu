@@ -90,8 +90,7 @@ struct Group {
       auto rk = std::make_unique<Rank>(r);
       if (tp > 1) ex::attach_nccl(rk->backend, comms[static_cast<std::size_t>(r)]);
       const ex::TpRank me{r, tp};
-      rk->decoder = std::make_unique<ex::DeviceDecoder>(ex::shard_config(full, me), rk->backend,
-                                                        rk->backend.generate_synthetic(full, kSeed, me));
+      rk->decoder = std::make_unique<ex::DeviceDecoder>(full, rk->backend, rk->backend.generate_synthetic(full, kSeed, me), me);
       ranks[static_cast<std::size_t>(r)] = std::move(rk);
     });
     const ex::DeviceDecoder& d = *ranks[0]->decoder;

@@ -27,8 +27,8 @@
 // triattn::cuda::append (SlotSource::kContiguous per chunk, or kLastSlot for a decode batch) on the
 // cache's device view; attention through triattn::cuda::decode_attention for decode rows (one row
 // per sequence, length = physical length) and a causal prefill kernel for prompt chunks (rows
-// attend to [0, slot]); observers get host copies through host_view(). TODO(GPU path): implement
-// CudaBackend and a device-resident KvCache (triattn/cuda/device_kv_cache.cuh) here.
+// attend to [0, slot]); observers get host copies through host_view(). cuda_backend.cuh is that
+// backend.
 #pragma once
 
 #include <cstdint>

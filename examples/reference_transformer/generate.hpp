@@ -44,13 +44,16 @@ struct GenerationStats {
   int decode_steps = 0;
 };
 
+/// Runs the compression rounds that are due for `seqs` and returns what they did (e.g.
+/// [&](auto seqs) { return cache.compress_if_needed(seqs); }); empty = no rounds.
+using CompressFn = std::function<std::vector<triattn::CompressionReport>(std::span<const triattn::SeqId> seqs)>;
+
 struct GenerationCallbacks {
   /// After each sampled token of prompt `index`; `pos` is the logical position whose logits were
   /// sampled (the prompt's last position for the first token).
   std::function<void(int index, int token, std::int64_t pos, std::span<const float> logits)> on_token;
-  /// After each step, with the sequences still decoding: run compression rounds if due and return
-  /// what was done (e.g. [&](auto seqs) { return cache.compress_if_needed(seqs); }).
-  std::function<std::vector<triattn::CompressionReport>(std::span<const triattn::SeqId> seqs)> after_step;
+  /// After each step, with the sequences still decoding (compression rounds).
+  CompressFn after_step;
   /// After each decode step (1-based count), for progress output; `results` so far.
   std::function<void(int step, std::span<const SequenceResult> results)> on_step;
   /// Opens the sequence of prompt `index` (default: cache.add_sequence()) and returns how many of

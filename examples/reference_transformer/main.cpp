@@ -159,7 +159,7 @@ void usage() {
       "  --tp N                tensor parallelism over N ranks (threads; gpu: devices 0..N-1, NCCL);\n"
       "                        N must divide the query heads, KV heads and MLP width (default 1)\n"
       "  --system-prompt TEXT  serve the prompts as requests that start with TEXT, through the prefix\n"
-      "                        cache (cpu); --wave N requests arrive together (default 1);\n"
+      "                        cache (cpu or gpu); --wave N requests arrive together (default 1);\n"
       "                        --no-prefix-cache computes every prompt token (same tokens)\n",
       TRIATTN_SHARED_DATA_DIR);
 }
@@ -370,9 +370,6 @@ void print_status(const Cache& cache, std::span<const ex::SequenceResult> res) {
   }
 }
 
-/// Runs one compression round per triggered sequence (default: cache.compress_if_needed).
-using CompressFn = std::function<std::vector<triattn::CompressionReport>(std::span<const triattn::SeqId>)>;
-
 /// Tensor parallelism: which rank run() is, and where it leaves its KV memory at the end.
 struct RankSlot {
   int rank = 0;
@@ -381,7 +378,7 @@ struct RankSlot {
 
 template <class Cache, class ModelT>
 int run(ModelT& model, Cache& cache, const TextCodec& codec, const std::vector<std::vector<int>>& prompts,
-        const Options& o_in, triattn::Calibrator* calibrator, CompressFn compress_fn = {}, RankSlot rank = {}) {
+        const Options& o_in, triattn::Calibrator* calibrator, ex::CompressFn compress_fn = {}, RankSlot rank = {}) {
   constexpr bool kCompress = !std::is_same_v<typename Cache::scorer_type, triattn::NoScorer>;
   // Every rank generates the same tokens; only rank 0 talks.
   Options o = o_in;
@@ -551,37 +548,50 @@ triattn::SelectionParams selection_params(const Options& o) {
 }
 
 #if defined(TRIATTN_EXAMPLE_CUDA)
-/// The GPU path: Model<CudaBackend>, the cache in device memory, TriAttention rounds on the device.
-int run_gpu(const Options& o, const ex::ModelWeights& weights, const TextCodec& codec,
-            const std::vector<std::vector<int>>& prompts, const triattn::CacheConfig& cfg, bool compress,
-            triattn::Calibrator* calibrator) {
+/// @throws std::runtime_error when no CUDA device can be used.
+void require_gpu() {
   int devices = 0;
   const cudaError_t e = cudaGetDeviceCount(&devices);
   if (e != cudaSuccess || devices == 0) {
     (void)cudaGetLastError();
     throw std::runtime_error(std::string("--device gpu: no usable CUDA device (") + cudaGetErrorString(e) + ")");
   }
+}
+
+/// --weights-bf16, --no-graphs.
+ex::CudaBackendOptions backend_options(const Options& o) {
   ex::CudaBackendOptions bo;
   bo.weights = o.weights_bf16 ? ex::WeightType::kBF16 : ex::WeightType::kF32;
   bo.graphs = !o.no_graphs;
-  ex::CudaBackend backend(bo);
+  return bo;
+}
+
+/// GPU compression needs triattn's scoring kernels for the model's head_dim.
+void check_gpu_head_dim(const ex::ModelConfig& mc) {
+  if (!triattn::cuda::is_supported_head_dim(mc.head_dim))
+    throw std::runtime_error("--device gpu with --stats: the GPU scoring kernels are compiled for head_dim 64 and 128, " +
+                             mc.name + " has head_dim " + std::to_string(mc.head_dim) +
+                             " (compress on the CPU with --device cpu, or run without --stats)");
+}
+
+/// The GPU path: Model<CudaBackend>, the cache in device memory, TriAttention rounds on the device.
+int run_gpu(const Options& o, const ex::ModelWeights& weights, const TextCodec& codec,
+            const std::vector<std::vector<int>>& prompts, const triattn::CacheConfig& cfg, bool compress,
+            triattn::Calibrator* calibrator) {
+  require_gpu();
+  ex::CudaBackend backend(backend_options(o));
   ex::Model<ex::CudaBackend> model(weights, backend);
   const ex::ModelConfig& mc = model.config();
   if (!compress) {
     ex::GpuPlainCache cache(cfg, triattn::cuda::DeviceCompactor(backend.stream()));
     return run(model, cache, codec, prompts, o, calibrator);
   }
-  if (!triattn::cuda::is_supported_head_dim(mc.head_dim))
-    throw std::runtime_error("--device gpu with --stats: the GPU scoring kernels are compiled for head_dim 64 and 128, " +
-                             mc.name + " has head_dim " + std::to_string(mc.head_dim) +
-                             " (compress on the CPU with --device cpu, or run without --stats)");
+  check_gpu_head_dim(mc);
   const triattn::QueryStats stats = load_stats(o.stats_path, mc);
-  const triattn::RopeConfig rope = rope_config(mc);
-  const triattn::SelectionParams sel = selection_params(o);
   ex::GpuTriCache cache(cfg, triattn::cuda::DeviceCompactor(backend.stream()),
-                        triattn::cuda::TriAttentionDeviceScorer(stats, rope, triattn::ScoringParams{}, mc.n_kv_heads,
-                                                                backend.stream()),
-                        triattn::TopKSelector(sel));
+                        triattn::cuda::TriAttentionDeviceScorer(stats, rope_config(mc), triattn::ScoringParams{},
+                                                                mc.n_kv_heads, backend.stream()),
+                        triattn::TopKSelector(selection_params(o)));
   ex::DeviceRounds rounds(cache);  // score, select and compact on the device, one batch per step
   return run(model, cache, codec, prompts, o, nullptr, [&](std::span<const triattn::SeqId> live) {
     return rounds.compress_if_needed_and_wait(live, backend.stream());
@@ -645,17 +655,12 @@ int run_gpu_tp(const Options& o, const ex::ModelWeights& weights, const TextCode
                const std::vector<std::vector<int>>& prompts, bool compress) {
   const ex::ModelConfig& mc = weights.config;
   ex::check_tp(mc, ex::TpRank{0, o.tp});  // before any thread or communicator exists
-  if (compress && !triattn::cuda::is_supported_head_dim(mc.head_dim))
-    throw std::runtime_error("--device gpu with --stats: the GPU scoring kernels are compiled for head_dim 64 and 128, " +
-                             mc.name + " has head_dim " + std::to_string(mc.head_dim));
+  if (compress) check_gpu_head_dim(mc);
   triattn::QueryStats stats;
   if (compress) stats = load_stats(o.stats_path, mc);
   std::vector<triattn::MemoryStats> kv(static_cast<std::size_t>(o.tp));
   ex::run_gpu_ranks(o.tp, [&](int r, triattn::cuda::NcclCommunicator& comm) {
-    ex::CudaBackendOptions bo;
-    bo.weights = o.weights_bf16 ? ex::WeightType::kBF16 : ex::WeightType::kF32;
-    bo.graphs = !o.no_graphs;
-    ex::CudaBackend backend(bo);
+    ex::CudaBackend backend(backend_options(o));
     ex::attach_nccl(backend, comm);
     ex::Model<ex::CudaBackend> model(weights, ex::TpRank{r, o.tp}, backend);
     const ex::ModelConfig& local = model.config();
@@ -685,43 +690,85 @@ int run_gpu_tp(const Options& o, const ex::ModelWeights& weights, const TextCode
 }
 #endif
 
-/// --system-prompt: the requests served in waves with the prefix cache (serve_shared.hpp), CPU.
-int run_serve(const Options& o, const ex::ServeArgs& serve, const ex::ModelWeights& weights, const TextCodec& codec,
-              const std::vector<std::vector<int>>& prompts, const triattn::CacheConfig& cfg, bool compress) {
-  using Alloc = triattn::PrefixCachingAllocator<triattn::StaticAllocator<triattn::HostBackend>>;
-  ex::Model<ex::CpuBackend> model(weights);
+/// --system-prompt: serves the prompts as requests in waves with the prefix cache
+/// (serve_shared.hpp) on `cache`, prints the generated text and the serving report.
+template <class ModelT, class Cache, class Compress>
+int serve(const Options& o, const ex::ServeArgs& serve, ModelT& model, Cache& cache, const TextCodec& codec,
+          const std::vector<std::vector<int>>& prompts, const Compress& compress) {
   std::vector<ex::Sampler> samplers;
   for (std::size_t i = 0; i < prompts.size(); ++i) samplers.emplace_back(o.temperature, o.top_p, o.seed + i);
   ex::GenerationOptions go;
   go.max_new_tokens = o.steps;
   go.stop_at_bos = codec.tok.has_value();
-  auto finish = [&](const ex::ServeReport& rep) {
-    if (!o.quiet)
-      for (std::size_t i = 0; i < rep.requests.size(); ++i) {
-        std::string text;
-        int p = prompts[i].back();
-        for (int t : rep.requests[i].generated) {
-          text += codec.piece(p, t);
-          p = t;
-        }
-        std::printf("--- request %zu ---\n%s\n", i, text.c_str());
+  const ex::ServeReport rep = ex::serve_shared(model, cache, std::span<const std::vector<int>>(prompts),
+                                               std::span<ex::Sampler>(samplers), go, serve.prefix_cache, serve.wave, compress);
+  if (!o.quiet)
+    for (std::size_t i = 0; i < rep.requests.size(); ++i) {
+      std::string text;
+      int p = prompts[i].back();
+      for (int t : rep.requests[i].generated) {
+        text += codec.piece(p, t);
+        p = t;
       }
-    ex::print_serve_report(rep, serve.prefix_cache);
-    return 0;
-  };
+      std::printf("--- request %zu ---\n%s\n", i, text.c_str());
+    }
+  ex::print_serve_report(rep, serve.prefix_cache);
+  return 0;
+}
+
+/// --system-prompt on the CPU: a host KvCache over a PrefixCachingAllocator.
+int run_serve_cpu(const Options& o, const ex::ServeArgs& sa, const ex::ModelWeights& weights, const TextCodec& codec,
+                  const std::vector<std::vector<int>>& prompts, const triattn::CacheConfig& cfg, bool compress) {
+  using Alloc = triattn::PrefixCachingAllocator<triattn::StaticAllocator<triattn::HostBackend>>;
+  ex::Model<ex::CpuBackend> model(weights);
   if (!compress) {
     triattn::KvCache<Alloc, triattn::HostCompactor> cache(cfg);
-    return finish(ex::serve_shared(model, cache, std::span<const std::vector<int>>(prompts), std::span<ex::Sampler>(samplers),
-                                   go, serve.prefix_cache, serve.wave));
+    return serve(o, sa, model, cache, codec, prompts, ex::CompressFn{});
   }
   const triattn::QueryStats stats = load_stats(o.stats_path, weights.config);
   triattn::KvCache<Alloc, triattn::HostCompactor, triattn::TriAttentionScorer, triattn::TopKSelector> cache(
       cfg, triattn::TriAttentionScorer(stats, rope_config(weights.config), triattn::ScoringParams{}, weights.config.n_kv_heads),
       triattn::TopKSelector(selection_params(o)));
-  return finish(ex::serve_shared(model, cache, std::span<const std::vector<int>>(prompts), std::span<ex::Sampler>(samplers),
-                                 go, serve.prefix_cache, serve.wave,
-                                 [&](std::span<const triattn::SeqId> live) { return cache.compress_if_needed(live); }));
+  return serve(o, sa, model, cache, codec, prompts,
+               ex::CompressFn([&](std::span<const triattn::SeqId> live) { return cache.compress_if_needed(live); }));
 }
+
+#if defined(TRIATTN_EXAMPLE_CUDA)
+/// --system-prompt on the GPU: the device pool behind a PrefixCachingAllocator, rounds on the
+/// device (cuda::DeviceRounds protects each request's shared prefix). Prints the device memory
+/// in use around the run (cudaMemGetInfo) after the serving report.
+int run_serve_gpu(const Options& o, const ex::ServeArgs& sa, const ex::ModelWeights& weights, const TextCodec& codec,
+                  const std::vector<std::vector<int>>& prompts, const triattn::CacheConfig& cfg, bool compress) {
+  require_gpu();
+  ex::CudaBackend backend(backend_options(o));
+  ex::Model<ex::CudaBackend> model(weights, backend);
+  const ex::ModelConfig& mc = model.config();
+  auto report_memory = [](const char* when) {
+    std::size_t free_b = 0, total_b = 0;
+    TRIATTN_CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
+    std::fprintf(stderr, "device memory %s: %s in use of %s\n", when, human_bytes(static_cast<double>(total_b - free_b)).c_str(),
+                 human_bytes(static_cast<double>(total_b)).c_str());
+  };
+  if (!compress) {
+    ex::GpuPrefixPlainCache cache(cfg, triattn::cuda::DeviceCompactor(backend.stream()));
+    const int rc = serve(o, sa, model, cache, codec, prompts, ex::CompressFn{});
+    report_memory("after serving (weights, activations and the KV pool)");
+    return rc;
+  }
+  check_gpu_head_dim(mc);
+  const triattn::QueryStats stats = load_stats(o.stats_path, mc);
+  ex::GpuPrefixTriCache cache(cfg, triattn::cuda::DeviceCompactor(backend.stream()),
+                              triattn::cuda::TriAttentionDeviceScorer(stats, rope_config(mc), triattn::ScoringParams{},
+                                                                      mc.n_kv_heads, backend.stream()),
+                              triattn::TopKSelector(selection_params(o)));
+  triattn::cuda::DeviceRounds<ex::GpuPrefixTriCache> rounds(cache);
+  const int rc = serve(o, sa, model, cache, codec, prompts, ex::CompressFn([&](std::span<const triattn::SeqId> live) {
+                         return rounds.compress_if_needed_and_wait(live, backend.stream());
+                       }));
+  report_memory("after serving (weights, activations and the KV pool)");
+  return rc;
+}
+#endif
 
 int real_main(int argc, char** argv) {
   const ex::ServeArgs serve = ex::take_serve_args(argc, argv);  // --system-prompt, --wave, --no-prefix-cache
@@ -789,14 +836,17 @@ int real_main(int argc, char** argv) {
     std::fprintf(stderr, "note: no --stats given: compression off (make statistics with --calibrate OUT)\n");
 
   const triattn::CacheConfig cfg = make_cache_config(mc, prompts, o, compress);
+  if (serve.on) {
+    if (o.tp > 1 || calibrator) throw std::runtime_error("--system-prompt serves with --tp 1, without --calibrate");
+#if defined(TRIATTN_EXAMPLE_CUDA)
+    if (o.device == "gpu") return run_serve_gpu(o, serve, weights, codec, prompts, cfg, compress);
+#endif
+    return run_serve_cpu(o, serve, weights, codec, prompts, cfg, compress);
+  }
 #if defined(TRIATTN_EXAMPLE_CUDA)
   if (o.device == "gpu" && o.tp > 1) return run_gpu_tp(o, weights, codec, prompts, compress);
   if (o.device == "gpu") return run_gpu(o, weights, codec, prompts, cfg, compress, calibrator.get());
 #endif
-  if (serve.on) {
-    if (o.device != "cpu" || o.tp > 1 || calibrator) throw std::runtime_error("--system-prompt serves on the CPU with --tp 1, without --calibrate");
-    return run_serve(o, serve, weights, codec, prompts, cfg, compress);
-  }
   if (o.tp > 1) return run_cpu_tp(o, weights, codec, prompts, compress);
   ex::Model<ex::CpuBackend> model(weights);
   if (!compress) {

@@ -92,6 +92,18 @@ class Model {
   /// The whole model's config (equals config() at tp 1).
   [[nodiscard]] const ModelConfig& full_config() const noexcept { return full_config_; }
 
+ /// Weights already in the backend's memory (CudaBackend::generate_synthetic makes them on the GPU,
+  /// for shapes whose host copy would be too large): `store` holds rank tp.rank's shard of a model
+  /// whose whole config is `full` (config() is shard_config(full, tp)).
+  Model(const ModelConfig& full, TpRank tp, Backend backend, typename Backend::WeightStore store)
+      : tp_((check_tp(full, tp), tp)),
+        full_config_(full),
+        config_(tp.size > 1 ? shard_config(full, tp) : (full.validate(), full)),
+        backend_(std::move(backend)),
+        store_(std::move(store)) {
+    init();
+  }
+
  private:
   Model(std::shared_ptr<const ModelWeights> shard, const ModelWeights& full, TpRank tp, Backend backend)
       : shard_(std::move(shard)),
@@ -100,6 +112,10 @@ class Model {
         config_(((shard_ ? *shard_ : full).validate(), (shard_ ? *shard_ : full).config)),
         backend_(std::move(backend)),
         store_(backend_.upload(shard_ ? *shard_ : full)) {
+    init();
+  }
+
+  void init() {
     if (tp_.size > 1) {
       if constexpr (requires(Backend& b, float* p) {
                       { b.tp_size() } -> std::convertible_to<int>;
@@ -127,6 +143,8 @@ class Model {
   [[nodiscard]] const ModelConfig& config() const noexcept { return config_; }
   [[nodiscard]] triattn::ModelGeometry geometry() const noexcept { return config_.geometry(); }
   [[nodiscard]] Backend& backend() noexcept { return backend_; }
+  /// The weights in the backend's memory.
+  [[nodiscard]] const typename Backend::WeightStore& weights() const noexcept { return store_; }
 
   /// Observer of pre-RoPE queries (calibration). Empty function = off.
   void set_query_observer(QueryObserver f) { q_observer_ = std::move(f); }
@@ -145,11 +163,26 @@ class Model {
   ///         triattn::logic_error on a bad argument (unknown sequence, token out of range...).
   template <class Cache>
   StepOutput step(Cache& cache, std::span<const Chunk> chunks, LogitsFor which = LogitsFor::kLastOfEachChunk) {
-    validate(cache, chunks);
-    if (const std::string why = capacity_problem(cache, chunks); !why.empty()) throw OutOfKvBlocks(why);
-
+    const int n = forward(cache, chunks, which);
     StepOutput out;
     out.vocab = config_.vocab_size;
+    out.rows = rows_;
+    if (n > 0) {
+      const std::size_t count = static_cast<std::size_t>(n) * static_cast<std::size_t>(config_.vocab_size);
+      const float* host = backend_.host_view(backend_.data(logits_), count);
+      out.logits.assign(host, host + count);
+    }
+    return out;
+  }
+
+  /// step() without the copy to the host: the logits of `which` rows stay in the backend's memory
+  /// (logits(), [rows, vocab]; the CUDA backend leaves them on the device for a device argmax).
+  /// Returns the number of logit rows. Same checks and throws as step().
+  template <class Cache>
+  int forward(Cache& cache, std::span<const Chunk> chunks, LogitsFor which = LogitsFor::kLastOfEachChunk) {
+    validate(cache, chunks);
+    if (const std::string why = capacity_problem(cache, chunks); !why.empty()) throw OutOfKvBlocks(why);
+    rows_.clear();
     tokens_.clear();
     chunk_row_.clear();
     chunk_slot_.clear();
@@ -157,21 +190,21 @@ class Model {
       const std::int64_t p0 = cache.logical_position(ch.seq);
       const triattn::AppendResult r = cache.extend(ch.seq, static_cast<int>(ch.tokens.size()), ch.phase);
       TRIATTN_EXPECTS(r.ok(), "Model::step: extend failed after the capacity check (sequence " + std::to_string(ch.seq) + ")");
-      chunk_row_.push_back(static_cast<int>(out.rows.size()));
+      chunk_row_.push_back(static_cast<int>(rows_.size()));
       chunk_slot_.push_back(r.first_slot);
       for (std::size_t t = 0; t < ch.tokens.size(); ++t) {
-        out.rows.push_back(TokenInfo{ch.seq, r.first_slot + static_cast<int>(t), p0 + static_cast<std::int64_t>(t)});
+        rows_.push_back(TokenInfo{ch.seq, r.first_slot + static_cast<int>(t), p0 + static_cast<std::int64_t>(t)});
         tokens_.push_back(ch.tokens[t]);
       }
     }
-    switch (cache.config().dtype) {
-      case triattn::DType::kF32: layers<float>(cache, chunks, out.rows); break;
-      case triattn::DType::kF16: layers<triattn::f16_storage>(cache, chunks, out.rows); break;
-      case triattn::DType::kBF16: layers<triattn::bf16_storage>(cache, chunks, out.rows); break;
-    }
-    if (which != LogitsFor::kNone) classify(chunks, which, out);
-    return out;
+    triattn::dispatch_dtype(cache.config().dtype, [&](auto tag) { layers<typename decltype(tag)::type>(cache, chunks); });
+    return which == LogitsFor::kNone ? 0 : classify(chunks, which);
   }
+
+  /// Logits of the last forward() / step(), [rows, vocab] in the backend's memory.
+  [[nodiscard]] const float* logits() const noexcept { return backend_.data(logits_); }
+  /// (seq, slot, position) of every token of the last forward() / step(), in chunk order.
+  [[nodiscard]] std::span<const TokenInfo> rows() const noexcept { return rows_; }
 
  private:
   template <class Cache>
@@ -232,7 +265,8 @@ class Model {
   }
 
   template <class T, class Cache>
-  void layers(Cache& cache, std::span<const Chunk> chunks, std::span<const TokenInfo> rows) {
+  void layers(Cache& cache, std::span<const Chunk> chunks) {
+    const std::span<const TokenInfo> rows(rows_);
     const ModelConfig& c = config_;
     const WeightPtrs& w = store_.ptrs();
     const int n = static_cast<int>(rows.size());
@@ -294,35 +328,31 @@ class Model {
     }
   }
 
-  void classify(std::span<const Chunk> chunks, LogitsFor which, StepOutput& out) {
+  // The logits of the picked rows into logits_ (backend memory); returns how many rows.
+  int classify(std::span<const Chunk> chunks, LogitsFor which) {
     const ModelConfig& c = config_;
     const WeightPtrs& w = store_.ptrs();
     const std::size_t D = static_cast<std::size_t>(c.dim);
     const std::size_t V = static_cast<std::size_t>(c.vocab_size);
-    std::vector<int> pick;
-    if (which == LogitsFor::kAllRows) {
-      for (std::size_t r = 0; r < out.rows.size(); ++r) pick.push_back(static_cast<int>(r));
-    } else {
-      for (std::size_t i = 0; i < chunks.size(); ++i)
-        pick.push_back(chunk_row_[i] + static_cast<int>(chunks[i].tokens.size()) - 1);
-    }
-    ensure(logits_, pick.size() * V);
+    const bool all = which == LogitsFor::kAllRows;
+    const std::size_t picked = all ? rows_.size() : chunks.size();
+    ensure(logits_, picked * V);
     float* x = backend_.data(x_);
     float* xb = backend_.data(xb_);
     float* logits = backend_.data(logits_);
-    if (which == LogitsFor::kAllRows) {  // every row: one matmul shares the pass over the classifier
-      const int n = static_cast<int>(pick.size());
+    if (all) {  // every row: one matmul shares the pass over the classifier
+      const int n = static_cast<int>(picked);
       backend_.rmsnorm(xb, x, w.rms_final, n, c.dim, c.rms_eps);
       backend_.matmul(logits, w.wcls, xb, n, c.vocab_size, c.dim);
-    } else {
-      for (std::size_t i = 0; i < pick.size(); ++i) {
-        const std::size_t r = static_cast<std::size_t>(pick[i]);
+    } else {  // the last row of each chunk
+      for (std::size_t i = 0; i < chunks.size(); ++i) {
+        const std::size_t r = static_cast<std::size_t>(chunk_row_[i]) + chunks[i].tokens.size() - 1;
         backend_.rmsnorm(xb + r * D, x + r * D, w.rms_final, 1, c.dim, c.rms_eps);
         backend_.matmul(logits + i * V, w.wcls, xb + r * D, 1, c.vocab_size, c.dim);
       }
     }
-    const float* host = backend_.host_view(logits, pick.size() * V);
-    out.logits.assign(host, host + pick.size() * V);
+    if constexpr (requires { backend_.flush(); }) backend_.flush();  // launch what a recording backend holds
+    return static_cast<int>(picked);
   }
 
   std::shared_ptr<const ModelWeights> shard_;  // this rank's weights when tp > 1 (else the caller's)
@@ -334,6 +364,7 @@ class Model {
   RopeTables rope_;
   QueryObserver q_observer_;
   AttentionObserver att_observer_;
+  std::vector<TokenInfo> rows_;  // every token of the current step, in chunk order
   std::vector<int> tokens_;      // [rows] host token ids of the current step
   std::vector<int> chunk_row_;   // first row of each chunk
   std::vector<int> chunk_slot_;  // first physical slot of each chunk

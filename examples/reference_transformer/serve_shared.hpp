@@ -93,7 +93,7 @@ struct ServeReport {
 template <class ModelT, class Cache>
 ServeReport serve_shared(ModelT& model, Cache& cache, std::span<const std::vector<int>> prompts,
                          std::span<Sampler> samplers, const GenerationOptions& opt, bool prefix_cache, int wave,
-                         const std::function<std::vector<triattn::CompressionReport>(std::span<const triattn::SeqId>)>& compress = {}) {
+                         const CompressFn& compress = {}) {
   TRIATTN_EXPECTS(wave >= 1, "serve_shared: wave = " + std::to_string(wave) + " must be positive");
   TRIATTN_EXPECTS(samplers.size() == prompts.size(), "serve_shared: one sampler per prompt is needed");
   ServeReport rep;

@@ -14,6 +14,8 @@
 //     scorer + host selector (KvCache::compress's path) and from the CPU scorer + selector on the
 //     same keys (downloaded) are compared: device vs host selection exactly, device vs CPU scores
 //     up to near-ties (the scores agree to ~1e-6); rounds of several sequences at once
+//   * serving requests that share a system prompt (serve_shared.hpp) over the device pool with
+//     the prefix cache on gives bitwise the tokens of the same run with it off, device rounds on
 // Data come from TRIATTN_SHARED_DATA_DIR/models; a missing file fails the test. No GPU: fails.
 #include <doctest/doctest.h>
 
@@ -40,6 +42,7 @@
 #include "../../examples/reference_transformer/mini_json.hpp"
 #include "../../examples/reference_transformer/model.hpp"
 #include "../../examples/reference_transformer/sampler.hpp"
+#include "../../examples/reference_transformer/serve_shared.hpp"
 #include "../../examples/reference_transformer/synthetic.hpp"
 
 namespace ex = triattn_example;
@@ -158,6 +161,27 @@ std::vector<std::vector<float>> run_forced(ModelT& model, Cache& cache, const st
     all.push_back(out.logits);
   }
   return all;
+}
+
+/// Query statistics calibrated on the CPU: pre-RoPE queries of a 256-token prefill.
+triattn::QueryStats calibrated_stats(const ex::ModelWeights& w) {
+  const ex::ModelConfig& c = w.config;
+  triattn::Calibrator cal(c.n_layers, c.n_heads, c.head_dim, c.rope_style, c.name);
+  ex::Model<> model(w);
+  model.set_query_observer([&](int layer, const float* q, int n) { cal.add(layer, q, n); });
+  triattn::KvCache<> cache(cache_config(c, 256, 1));
+  const std::vector<int> toks = prompt_tokens(256, 9, c.vocab_size);
+  const SeqId id = cache.add_sequence();
+  const ex::Chunk chunk{id, toks, triattn::Phase::kPrefill};
+  (void)model.step(cache, std::span<const ex::Chunk>(&chunk, 1), ex::LogitsFor::kNone);
+  return cal.finish();
+}
+
+triattn::RopeConfig rope_of(const ex::ModelConfig& c) {
+  triattn::RopeConfig rope;
+  rope.style = c.rope_style;
+  rope.theta = c.rope_theta;
+  return rope;
 }
 
 }  // namespace
@@ -378,21 +402,8 @@ TEST_CASE("TriAttention on the GPU: device rounds keep exactly what the CPU scor
   triattn::test::require_device();
   const ex::ModelConfig c = small_config(64, 512);
   const ex::ModelWeights w = ex::make_synthetic_weights(c, 2024);
-  // Calibration on the CPU: pre-RoPE queries of a 256-token prefill.
-  triattn::Calibrator cal(c.n_layers, c.n_heads, c.head_dim, c.rope_style, c.name);
-  {
-    ex::Model<> model(w);
-    model.set_query_observer([&](int layer, const float* q, int n) { cal.add(layer, q, n); });
-    triattn::KvCache<> cache(cache_config(c, 256, 1));
-    const std::vector<int> toks = prompt_tokens(256, 9, c.vocab_size);
-    const SeqId id = cache.add_sequence();
-    const ex::Chunk chunk{id, toks, triattn::Phase::kPrefill};
-    (void)model.step(cache, std::span<const ex::Chunk>(&chunk, 1), ex::LogitsFor::kNone);
-  }
-  const triattn::QueryStats stats = cal.finish();
-  triattn::RopeConfig rope;
-  rope.style = c.rope_style;
-  rope.theta = c.rope_theta;
+  const triattn::QueryStats stats = calibrated_stats(w);
+  const triattn::RopeConfig rope = rope_of(c);
   constexpr int kBudget = 64, kDivide = 16, kSteps = 200;
   triattn::SelectionParams sel;
   sel.budget = kBudget;
@@ -498,6 +509,76 @@ TEST_CASE("TriAttention on the GPU: device rounds keep exactly what the CPU scor
                                      << " steps compressed several sequences at once); device plan != CPU plan in "
                                      << plan_mismatch << " rounds (" << swapped << " of " << kept_total
                                      << " kept slots); graphs captured " << be.stats().graph_captures);
+  }
+}
+
+TEST_CASE("GPU serving with the prefix cache gives the same tokens as without (compressed on the device)") {
+  triattn::test::require_device();
+  const ex::ModelConfig c = small_config(64, 512);
+  const ex::ModelWeights w = ex::make_synthetic_weights(c, 2024);
+  const triattn::QueryStats stats = calibrated_stats(w);
+  triattn::SelectionParams sel;
+  sel.budget = 64;
+  sel.divide_length = 16;
+  // A 40-token system prompt (2 full blocks of 16) and each request's own tokens; requests 5 and
+  // 6 repeat request 4's 48 tokens (request 6, a wave later, hits 47 of them and copies the partly
+  // shared third block on its first write: DeviceCompactor::copy_block).
+  const std::vector<int> system = prompt_tokens(40, 5, c.vocab_size);
+  std::vector<std::vector<int>> prompts;
+  for (int r = 0; r < 4; ++r) {
+    std::vector<int> p = system;
+    for (int i = 0; i <= r; ++i) p.push_back((100 + 7 * r + i) % c.vocab_size);
+    prompts.push_back(p);
+  }
+  std::vector<int> p48 = system;
+  for (int i = 0; i < 8; ++i) p48.push_back((300 + 3 * i) % c.vocab_size);
+  prompts.push_back(p48);
+  prompts.push_back(p48);
+  prompts.push_back(p48);
+
+  constexpr int kSteps = 120;
+  for (const DType kv : {DType::kF32, DType::kBF16}) {
+    INFO("KV " << triattn::dtype_name(kv));
+    auto run = [&](bool prefix_cache) {
+      ex::CudaBackend be;
+      ex::Model<ex::CudaBackend> model(w, be);
+      ex::GpuPrefixTriCache cache(cache_config(c, sel.budget + sel.divide_length + 64, 2, 16, kv),
+                                  triattn::cuda::DeviceCompactor(be.stream()),
+                                  triattn::cuda::TriAttentionDeviceScorer(stats, rope_of(c), triattn::ScoringParams{},
+                                                                          c.n_kv_heads, be.stream()),
+                                  triattn::TopKSelector(sel));
+      triattn::cuda::DeviceRounds<ex::GpuPrefixTriCache> rounds(cache);
+      std::vector<ex::Sampler> samplers;
+      for (std::size_t i = 0; i < prompts.size(); ++i) samplers.emplace_back(0.8f, 0.9f, 11 + i);
+      ex::GenerationOptions opt;
+      opt.max_new_tokens = kSteps;
+      opt.stop_at_bos = false;
+      return ex::serve_shared(model, cache, std::span<const std::vector<int>>(prompts), std::span<ex::Sampler>(samplers),
+                              opt, prefix_cache, /*wave=*/2, [&](std::span<const SeqId> live) {
+                                return rounds.compress_if_needed_and_wait(live, be.stream());
+                              });
+    };
+    const ex::ServeReport on = run(true);
+    const ex::ServeReport off = run(false);
+    REQUIRE(on.requests.size() == prompts.size());
+    for (std::size_t i = 0; i < prompts.size(); ++i) {
+      CAPTURE(i);
+      CHECK(on.requests[i].generated.size() == static_cast<std::size_t>(kSteps));
+      CHECK(on.requests[i].generated == off.requests[i].generated);
+      CHECK(on.requests[i].compression_rounds > 0);
+      CHECK(on.requests[i].compression_rounds == off.requests[i].compression_rounds);
+      CHECK(off.requests[i].cached_tokens == 0);
+    }
+    const std::vector<int> expect_cached = {0, 0, 32, 32, 32, 32, 47};
+    for (std::size_t i = 0; i < prompts.size(); ++i) {
+      CAPTURE(i);
+      CHECK(on.requests[i].cached_tokens == expect_cached[i]);
+    }
+    CHECK(on.computed_prompt_tokens == off.computed_prompt_tokens - (32 * 4 + 47));
+    CHECK(on.cache.hit_tokens == static_cast<std::uint64_t>(32 * 4 + 47));
+    MESSAGE("GPU serving (KV " << triattn::dtype_name(kv) << "): " << on.hits << " hits, prompt tokens computed "
+                               << on.computed_prompt_tokens << " of " << on.prompt_tokens << ", peak blocks held "
+                               << on.peak_blocks_held << " (off: " << off.peak_blocks_held << ")");
   }
 }
 

@@ -226,7 +226,7 @@ TEST_CASE("GPU tensor parallel: DeviceDecoder on device-generated shards gives M
     ex::CudaBackend be;  // fp32 weights: the host shard uploaded and the device-generated one are the same bits
     ex::attach_nccl(be, comm);
     ex::Model<ex::CudaBackend> model(w, ex::TpRank{r, kTp}, be);
-    ex::DeviceDecoder dec(ex::shard_config(c, ex::TpRank{r, kTp}), be, be.generate_synthetic(c, 77, ex::TpRank{r, kTp}));
+    ex::DeviceDecoder dec(c, be, be.generate_synthetic(c, 77, ex::TpRank{r, kTp}), ex::TpRank{r, kTp});
     const triattn::CacheConfig cfg = cache_config(model.config(), 64 + kSteps, 2, 16, DType::kBF16);
     ex::GpuPlainCache ca(cfg, triattn::cuda::DeviceCompactor(be.stream()));
     ex::GpuPlainCache cb(cfg, triattn::cuda::DeviceCompactor(be.stream()));

@@ -1,0 +1,228 @@
+// SPDX-License-Identifier: Apache-2.0
+// Prefix caching with compression on the GPU: bench_ref_prefix_workload.cpp's workload (64 requests
+// share a 4,096-token prefix, each adds 256 tokens of its own and generates 4,096; budget 2,048,
+// divide_length 128, PromptMode::kPinnedOnTop) with real device memory and a real model:
+//   cache   KvCache<PrefixCachingAllocator<cuda::VmmAllocator>, DeviceCompactor,
+//           TriAttentionDeviceScorer, TopKSelector>, Qwen3-8B KV shape (36 layers, 8 KV heads,
+//           d 128, bf16, 16-token blocks = 144 KiB per token); pages mapped on demand, and every
+//           slab that rounds, releases or evictions empty is unmapped (trim after every step)
+//   rounds  cuda::DeviceRounds (score, select and compact on the device; shared prefixes protected)
+//   model   the Qwen3-8B-like synthetic model of bench_decode_step (bf16 weights generated on the
+//           device) through DeviceDecoder: greedy batch-64 decode steps with CUDA graphs
+// Prompt K/V are random (append kernel) instead of a prefill (the reference transformer's prefill
+// is a GEMV loop, not an engine's); prefill_tokens counts what an engine would compute. Decode:
+// three timed windows of 16 real model steps (at 0, 2,048 and 4,080 generated tokens); the tokens
+// between them are appended as random K/V in 16-token steps (the memory trajectory of decoding
+// them, in a fraction of the time), with the rounds and trims of every step.
+//
+//   BM_PrefixWorkloadGpu/sharing:S/compress:C
+// Counters: peak_kv_GiB (peak of cudaMemGetInfo's used bytes minus those before the cache existed:
+// KV pages, tables and the rounds' workspaces), peak_ledger_GiB (the VMM ledger's mapped KV bytes,
+// = bench_ref_prefix_workload's number), prefill_tokens, hit_tokens, rounds, rounds_ms (their
+// device time), tok_s_0 / tok_s_2048 / tok_s_4080 (decode tokens per second of each window),
+// device_used_GiB (peak of cudaMemGetInfo's used bytes, weights included). A configuration that
+// does not fit in device memory ends as an error row saying where it stopped.
+// Run: build/benchmarks/bench_prefix_workload (about a minute on an H100/H200)
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <triattn/core/policy/topk_selector.hpp>
+#include <triattn/core/prefix_cache.hpp>
+#include <triattn/core/stats/random.hpp>
+#include <triattn/cuda/backend/vmm_allocator.cuh>
+#include <triattn/cuda/device_kv_cache.cuh>
+#include <triattn/cuda/policy/triattention_device_scorer.cuh>
+
+#include "common/cuda_event_timer.hpp"
+#include "common/decode_step_setup.cuh"
+
+#include "../examples/reference_transformer/cuda_backend.cuh"
+#include "../examples/reference_transformer/cuda_device_model.cuh"
+
+namespace ex = triattn_example;
+using triattn::SeqId;
+
+namespace {
+
+constexpr int kRequests = 64, kShared = 4096, kOwn = 256, kGenerated = 4096, kBudget = 2048, kDivide = 128;
+constexpr int kBlock = 16, kStep = 16, kWindow = 16, kChunk = 2048;
+constexpr int kWindowStarts[] = {0, 2048, kGenerated - kWindow};
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+using Alloc = triattn::PrefixCachingAllocator<triattn::cuda::VmmAllocator>;
+using Cache = triattn::KvCache<Alloc, triattn::cuda::DeviceCompactor, triattn::cuda::TriAttentionDeviceScorer,
+                               triattn::TopKSelector>;
+
+struct ModelHolder {
+  ex::CudaBackend backend{triattn::bench::bf16_backend_options()};
+  ex::ModelConfig config = ex::synthetic_config("qwen3-8b-like");
+  std::unique_ptr<ex::DeviceDecoder> decoder;
+  ModelHolder() {
+    decoder = std::make_unique<ex::DeviceDecoder>(config, backend,
+                                                  backend.generate_synthetic(config, triattn::bench::decode_scenario::kSeed));
+  }
+};
+ModelHolder& model() {
+  static std::unique_ptr<ModelHolder> m;
+  if (!m) m = std::make_unique<ModelHolder>();
+  return *m;
+}
+
+std::size_t device_used() {
+  std::size_t free_b = 0, total_b = 0;
+  TRIATTN_BENCH_CUDA(cudaMemGetInfo(&free_b, &total_b));
+  return total_b - free_b;
+}
+
+void BM_PrefixWorkloadGpu(benchmark::State& state) {
+  const bool sharing = state.range(0) != 0, compress = state.range(1) != 0;
+  triattn::bench::guarded(state, [&] {
+    ModelHolder& m = model();
+    const ex::ModelConfig& c = m.config;
+    const cudaStream_t stream = m.backend.stream();
+    triattn::CacheConfig cfg = triattn::bench::bf16_cache_config(c, kBlock, kRequests);
+    cfg.max_blocks_per_seq = (kShared + kOwn + kGenerated) / kBlock + 1;
+    cfg.num_blocks = kRequests * cfg.max_blocks_per_seq;  // address space; pages are mapped on demand
+    triattn::SelectionParams sel;
+    sel.budget = compress ? kBudget : 1 << 30;
+    sel.divide_length = kDivide;
+    sel.prompt = triattn::PromptMode::kPinnedOnTop;
+    triattn::RopeConfig rope;
+    rope.style = c.rope_style;
+    rope.theta = c.rope_theta;
+    std::mt19937 rng(1234);
+    const triattn::QueryStats stats = triattn::random_query_stats(rng, c.n_layers, c.n_heads, c.head_dim, c.rope_style, c.name);
+    const triattn::bench::RandomKvChunk chunk(c, kChunk, stream);
+
+    for (auto _ : state) {
+      TRIATTN_BENCH_CUDA(cudaDeviceSynchronize());
+      const std::size_t used0 = device_used();
+      Cache cache(cfg, triattn::cuda::DeviceCompactor(stream),
+                  triattn::cuda::TriAttentionDeviceScorer(stats, rope, triattn::ScoringParams{}, c.n_kv_heads, stream),
+                  triattn::TopKSelector(sel));
+      triattn::cuda::DeviceRounds<Cache> rounds(cache);
+      auto& mem = cache.allocator();
+      std::size_t peak_used = used0, peak_ledger = 0;
+      std::int64_t prefill = 0, hit = 0, n_rounds = 0;
+      double rounds_ms = 0.0;
+      int generated = 0;
+      std::string where = "prefill";
+      auto sample = [&] {
+        (void)mem.trim(stream);
+        mem.synchronize();
+        peak_used = std::max(peak_used, device_used());
+        peak_ledger = std::max(peak_ledger, mem.bytes_resident());
+      };
+      auto full = [&] {
+        throw std::runtime_error("out of device memory in " + where + " (generated " + std::to_string(generated) +
+                                 "): KV mapped " + std::to_string(static_cast<double>(mem.bytes_resident()) / kGiB) +
+                                 " GiB, device used " + std::to_string(static_cast<double>(device_used()) / kGiB) + " GiB");
+      };
+      cudaEvent_t e0, e1;
+      TRIATTN_BENCH_CUDA(cudaEventCreate(&e0));
+      TRIATTN_BENCH_CUDA(cudaEventCreate(&e1));
+      auto timed = [&](auto&& f) {
+        TRIATTN_BENCH_CUDA(cudaEventRecord(e0, stream));
+        f();
+        TRIATTN_BENCH_CUDA(cudaEventRecord(e1, stream));
+        TRIATTN_BENCH_CUDA(cudaEventSynchronize(e1));
+        float ms = 0.f;
+        TRIATTN_BENCH_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+        return static_cast<double>(ms);
+      };
+      auto run_rounds = [&](std::span<const SeqId> seqs) {
+        if (!compress) return;
+        rounds_ms += timed([&] { n_rounds += static_cast<std::int64_t>(rounds.compress_if_needed_and_wait(seqs, stream).size()); });
+      };
+
+      // Prefill: request 0 first; with sharing the others find its prompt's full blocks cached.
+      std::vector<std::int32_t> shared(kShared);
+      std::iota(shared.begin(), shared.end(), 1000);
+      std::vector<SeqId> seqs;
+      std::vector<int> tokens;
+      for (int r = 0; r < kRequests; ++r) {
+        std::vector<std::int32_t> prompt = shared;
+        for (int i = 0; i < kOwn; ++i) prompt.push_back(20000 + r * kOwn + i);
+        SeqId s = -1;
+        int cached = 0;
+        if (sharing) {
+          const triattn::PrefixAdmission a = triattn::admit_prompt(cache, prompt);
+          s = a.seq;
+          cached = a.cached_tokens;
+        } else {
+          s = cache.add_sequence();
+        }
+        for (int t = cached; t < static_cast<int>(prompt.size()); t += kChunk)
+          triattn::bench::append_chunk(cache, s, chunk, std::min(kChunk, static_cast<int>(prompt.size()) - t),
+                                       triattn::Phase::kPrefill, stream, full);
+        if (sharing) (void)triattn::publish_prompt(cache, s, prompt);
+        prefill += static_cast<std::int64_t>(prompt.size()) - cached;
+        hit += cached;
+        seqs.push_back(s);
+        tokens.push_back((r * 7919 + 13) % c.vocab_size);
+        sample();
+      }
+
+      // Decode: timed model windows, random K/V appends in between, rounds and trims every step.
+      where = "decode";
+      std::vector<double> tok_s;
+      for (const int w : kWindowStarts) {
+        for (; generated < w; generated += kStep) {
+          for (const SeqId s : seqs) triattn::bench::append_chunk(cache, s, chunk, kStep, triattn::Phase::kDecode, stream, full);
+          run_rounds(seqs);
+          sample();
+        }
+        double ms = 0.0;
+        for (int i = 0; i < kWindow; ++i) {
+          try {
+            ms += timed([&] {
+              m.decoder->step(cache, std::span<const SeqId>(seqs), std::span<const int>(tokens));
+              tokens = m.decoder->argmax();
+            });
+          } catch (const ex::OutOfKvBlocks&) {
+            full();
+          }
+          ++generated;
+          run_rounds(seqs);
+          sample();
+        }
+        tok_s.push_back(kRequests * kWindow * 1e3 / ms);
+      }
+      cudaEventDestroy(e0);
+      cudaEventDestroy(e1);
+      state.counters["peak_kv_GiB"] = static_cast<double>(peak_used - used0) / kGiB;
+      state.counters["peak_ledger_GiB"] = static_cast<double>(peak_ledger) / kGiB;
+      state.counters["device_used_GiB"] = static_cast<double>(peak_used) / kGiB;
+      state.counters["prefill_tokens"] = static_cast<double>(prefill);
+      state.counters["hit_tokens"] = static_cast<double>(hit);
+      state.counters["rounds"] = static_cast<double>(n_rounds);
+      state.counters["rounds_ms"] = rounds_ms;
+      state.counters["tok_s_0"] = tok_s[0];
+      state.counters["tok_s_2048"] = tok_s[1];
+      state.counters["tok_s_4080"] = tok_s[2];
+      for (const SeqId s : seqs) cache.release(s);
+    }
+    state.SetLabel(std::string(sharing ? "prefix sharing" : "no sharing") + (compress ? " + compression" : ", no compression"));
+  });
+}
+BENCHMARK(BM_PrefixWorkloadGpu)
+    ->ArgNames({"sharing", "compress"})
+    ->Args({1, 1})
+    ->Args({0, 1})
+    ->Args({1, 0})
+    ->Args({0, 0})
+    ->Iterations(1)
+    ->Unit(benchmark::kSecond);
+
+}  // namespace
+
+BENCHMARK_MAIN();
