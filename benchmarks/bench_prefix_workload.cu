@@ -19,7 +19,9 @@
 // Counters: peak_kv_GiB (peak of cudaMemGetInfo's used bytes minus those before the cache existed:
 // KV pages, tables and the rounds' workspaces), peak_ledger_GiB (the VMM ledger's mapped KV bytes,
 // = bench_ref_prefix_workload's number), prefill_tokens, hit_tokens, rounds, rounds_ms (their
-// device time), tok_s_0 / tok_s_2048 / tok_s_4080 (decode tokens per second of each window),
+// device time; round_calls, max_round_call_ms: the calls, most of which launch nothing),
+// tok_s_0 / tok_s_2048 / tok_s_4080 (decode tokens per second of each window; captures_W /
+// replays_W: CUDA graphs the backend captured / replayed in window W),
 // device_used_GiB (peak of cudaMemGetInfo's used bytes, weights included). A configuration that
 // does not fit in device memory ends as an error row saying where it stopped.
 // Run: build/benchmarks/bench_prefix_workload (about a minute on an H100/H200)
@@ -113,7 +115,8 @@ void BM_PrefixWorkloadGpu(benchmark::State& state) {
       auto& mem = cache.allocator();
       std::size_t peak_used = used0, peak_ledger = 0;
       std::int64_t prefill = 0, hit = 0, n_rounds = 0;
-      double rounds_ms = 0.0;
+      double rounds_ms = 0.0, max_call_ms = 0.0;
+      std::int64_t round_calls = 0;
       int generated = 0;
       std::string where = "prefill";
       auto sample = [&] {
@@ -141,7 +144,10 @@ void BM_PrefixWorkloadGpu(benchmark::State& state) {
       };
       auto run_rounds = [&](std::span<const SeqId> seqs) {
         if (!compress) return;
-        rounds_ms += timed([&] { n_rounds += static_cast<std::int64_t>(rounds.compress_if_needed_and_wait(seqs, stream).size()); });
+        const double t = timed([&] { n_rounds += static_cast<std::int64_t>(rounds.compress_if_needed_and_wait(seqs, stream).size()); });
+        rounds_ms += t;
+        max_call_ms = std::max(max_call_ms, t);
+        ++round_calls;
       };
 
       // Prefill: request 0 first; with sharing the others find its prompt's full blocks cached.
@@ -182,6 +188,7 @@ void BM_PrefixWorkloadGpu(benchmark::State& state) {
           sample();
         }
         double ms = 0.0;
+        const ex::CudaBackend::Stats before = m.backend.stats();
         for (int i = 0; i < kWindow; ++i) {
           try {
             ms += timed([&] {
@@ -196,6 +203,10 @@ void BM_PrefixWorkloadGpu(benchmark::State& state) {
           sample();
         }
         tok_s.push_back(kRequests * kWindow * 1e3 / ms);
+        const ex::CudaBackend::Stats after = m.backend.stats();
+        const std::string at = std::to_string(w);
+        state.counters["captures_" + at] = static_cast<double>(after.graph_captures - before.graph_captures);
+        state.counters["replays_" + at] = static_cast<double>(after.graph_replays - before.graph_replays);
       }
       cudaEventDestroy(e0);
       cudaEventDestroy(e1);
@@ -206,6 +217,8 @@ void BM_PrefixWorkloadGpu(benchmark::State& state) {
       state.counters["hit_tokens"] = static_cast<double>(hit);
       state.counters["rounds"] = static_cast<double>(n_rounds);
       state.counters["rounds_ms"] = rounds_ms;
+      state.counters["round_calls"] = static_cast<double>(round_calls);
+      state.counters["max_round_call_ms"] = max_call_ms;
       state.counters["tok_s_0"] = tok_s[0];
       state.counters["tok_s_2048"] = tok_s[1];
       state.counters["tok_s_4080"] = tok_s[2];

@@ -278,7 +278,7 @@ TEST_CASE("GPU backend options and DeviceDecoder give bitwise the same logits") 
   triattn::test::require_device();
   for (const DType kv : {DType::kF32, DType::kBF16}) {
     for (const int hd : {64, 128}) {
-      INFO("KV " << triattn::dtype_name(kv) << ", head_dim " << hd);
+      INFO("KV " << std::string(triattn::dtype_name(kv)) << ", head_dim " << hd);
       const ex::ModelConfig c = small_config(hd);
       const ex::ModelWeights w = ex::make_synthetic_weights(c, 77);
       const std::vector<std::vector<int>> prompts = {prompt_tokens(19, 1, c.vocab_size), prompt_tokens(3, 2, c.vocab_size),
@@ -410,7 +410,7 @@ TEST_CASE("TriAttention on the GPU: device rounds keep exactly what the CPU scor
   sel.divide_length = kDivide;
 
   for (const DType kv : {DType::kF32, DType::kBF16}) {
-    INFO("KV " << triattn::dtype_name(kv));
+    INFO("KV " << std::string(triattn::dtype_name(kv)));
     ex::CudaBackend be;
     ex::Model<ex::CudaBackend> model(w, be);
     ex::GpuTriCache cache(cache_config(c, kBudget + kDivide + 48, 3, 16, kv), triattn::cuda::DeviceCompactor(be.stream()),
@@ -505,7 +505,7 @@ TEST_CASE("TriAttention on the GPU: device rounds keep exactly what the CPU scor
     triattn::cuda::publish(cache, be.stream());
     const SeqId extra = res[0].seq;
     CHECK_NOTHROW((void)cache.compress(extra));
-    MESSAGE("GPU TriAttention (KV " << triattn::dtype_name(kv) << "): " << rounds << " rounds (" << batched_rounds
+    MESSAGE("GPU TriAttention (KV " << std::string(triattn::dtype_name(kv)) << "): " << rounds << " rounds (" << batched_rounds
                                      << " steps compressed several sequences at once); device plan != CPU plan in "
                                      << plan_mismatch << " rounds (" << swapped << " of " << kept_total
                                      << " kept slots); graphs captured " << be.stats().graph_captures);
@@ -538,7 +538,7 @@ TEST_CASE("GPU serving with the prefix cache gives the same tokens as without (c
 
   constexpr int kSteps = 120;
   for (const DType kv : {DType::kF32, DType::kBF16}) {
-    INFO("KV " << triattn::dtype_name(kv));
+    INFO("KV " << std::string(triattn::dtype_name(kv)));
     auto run = [&](bool prefix_cache) {
       ex::CudaBackend be;
       ex::Model<ex::CudaBackend> model(w, be);
@@ -576,7 +576,7 @@ TEST_CASE("GPU serving with the prefix cache gives the same tokens as without (c
     }
     CHECK(on.computed_prompt_tokens == off.computed_prompt_tokens - (32 * 4 + 47));
     CHECK(on.cache.hit_tokens == static_cast<std::uint64_t>(32 * 4 + 47));
-    MESSAGE("GPU serving (KV " << triattn::dtype_name(kv) << "): " << on.hits << " hits, prompt tokens computed "
+    MESSAGE("GPU serving (KV " << std::string(triattn::dtype_name(kv)) << "): " << on.hits << " hits, prompt tokens computed "
                                << on.computed_prompt_tokens << " of " << on.prompt_tokens << ", peak blocks held "
                                << on.peak_blocks_held << " (off: " << off.peak_blocks_held << ")");
   }
