@@ -15,19 +15,25 @@
 // between them are appended as random K/V in 16-token steps (the memory trajectory of decoding
 // them, in a fraction of the time), with the rounds and trims of every step.
 //
-//   BM_PrefixWorkloadGpu/sharing:S/compress:C
+//   BM_PrefixWorkloadGpu/sharing:S/compress:C/alloc:A
+// alloc 0: the VMM allocator, every emptied slab unmapped after each step (eager trim); 1: two
+// empty slabs stay mapped (lazy); 2: PrefixCachingAllocator<cuda::DeviceAllocator>, one static
+// 28 GiB pool (fits the compressed configurations only).
 // Counters: peak_kv_GiB (peak of cudaMemGetInfo's used bytes minus those before the cache existed:
 // KV pages, tables and the rounds' workspaces), peak_ledger_GiB (the VMM ledger's mapped KV bytes,
-// = bench_ref_prefix_workload's number), prefill_tokens, hit_tokens, rounds, rounds_ms (their
-// device time; round_calls, max_round_call_ms: the calls, most of which launch nothing),
+// = bench_ref_prefix_workload's number; static pool: the blocks held), prefill_tokens, hit_tokens, rounds, rounds_ms (the
+// launches' stream time: device score, select, compact), commit_ms (host time of committing the
+// rounds' results into the cache; round_calls, max_round_call_ms: the calls, most of which launch nothing),
 // tok_s_0 / tok_s_2048 / tok_s_4080 (decode tokens per second of each window; captures_W /
-// replays_W: CUDA graphs the backend captured / replayed in window W),
+// replays_W: CUDA graphs the backend captured / replayed in window W; step_ms_W: time per step,
+// step_host_ms_W: the host's share, DeviceDecoder::step until it returns),
 // device_used_GiB (peak of cudaMemGetInfo's used bytes, weights included). A configuration that
 // does not fit in device memory ends as an error row saying where it stopped.
 // Run: build/benchmarks/bench_prefix_workload (about a minute on an H100/H200)
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
@@ -35,6 +41,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <triattn/core/policy/topk_selector.hpp>
@@ -59,10 +66,15 @@ constexpr int kRequests = 64, kShared = 4096, kOwn = 256, kGenerated = 4096, kBu
 constexpr int kBlock = 16, kStep = 16, kWindow = 16, kChunk = 2048;
 constexpr int kWindowStarts[] = {0, 2048, kGenerated - kWindow};
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+constexpr std::size_t kLazyKeepBytes = std::size_t{2} * 144 << 20;  // VMM lazy: two empty slabs stay mapped
 
-using Alloc = triattn::PrefixCachingAllocator<triattn::cuda::VmmAllocator>;
-using Cache = triattn::KvCache<Alloc, triattn::cuda::DeviceCompactor, triattn::cuda::TriAttentionDeviceScorer,
-                               triattn::TopKSelector>;
+template <class Inner>
+using CacheOver = triattn::KvCache<triattn::PrefixCachingAllocator<Inner>, triattn::cuda::DeviceCompactor,
+                                   triattn::cuda::TriAttentionDeviceScorer, triattn::TopKSelector>;
+using VmmCache = CacheOver<triattn::cuda::VmmAllocator>;
+using StaticCache = CacheOver<triattn::cuda::DeviceAllocator>;
+constexpr std::size_t kStaticPoolBytes = std::size_t{28} << 30;  // the static rows' pool (compressed peaks fit)
+enum class AllocKind : int { kVmmEager = 0, kVmmLazy = 1, kStatic = 2 };
 
 struct ModelHolder {
   ex::CudaBackend backend{triattn::bench::bf16_backend_options()};
@@ -73,8 +85,12 @@ struct ModelHolder {
                                                   backend.generate_synthetic(config, triattn::bench::decode_scenario::kSeed));
   }
 };
-ModelHolder& model() {
+std::unique_ptr<ModelHolder>& model_slot() {
   static std::unique_ptr<ModelHolder> m;
+  return m;
+}
+ModelHolder& model() {
+  auto& m = model_slot();
   if (!m) m = std::make_unique<ModelHolder>();
   return *m;
 }
@@ -85,15 +101,17 @@ std::size_t device_used() {
   return total_b - free_b;
 }
 
-void BM_PrefixWorkloadGpu(benchmark::State& state) {
-  const bool sharing = state.range(0) != 0, compress = state.range(1) != 0;
+template <class Cache>
+void run_workload(benchmark::State& state, bool sharing, bool compress, AllocKind kind) {
+  constexpr bool kVmm = std::is_same_v<Cache, VmmCache>;
   triattn::bench::guarded(state, [&] {
     ModelHolder& m = model();
     const ex::ModelConfig& c = m.config;
     const cudaStream_t stream = m.backend.stream();
     triattn::CacheConfig cfg = triattn::bench::bf16_cache_config(c, kBlock, kRequests);
     cfg.max_blocks_per_seq = (kShared + kOwn + kGenerated) / kBlock + 1;
-    cfg.num_blocks = kRequests * cfg.max_blocks_per_seq;  // address space; pages are mapped on demand
+    cfg.num_blocks = kRequests * cfg.max_blocks_per_seq;  // VMM: address space; pages are mapped on demand
+    if constexpr (!kVmm) cfg.num_blocks = static_cast<int>(kStaticPoolBytes / cfg.block_bytes_all_ranges());
     triattn::SelectionParams sel;
     sel.budget = compress ? kBudget : 1 << 30;
     sel.divide_length = kDivide;
@@ -115,19 +133,27 @@ void BM_PrefixWorkloadGpu(benchmark::State& state) {
       auto& mem = cache.allocator();
       std::size_t peak_used = used0, peak_ledger = 0;
       std::int64_t prefill = 0, hit = 0, n_rounds = 0;
-      double rounds_ms = 0.0, max_call_ms = 0.0;
+      double rounds_ms = 0.0, commit_ms = 0.0, max_call_ms = 0.0;
       std::int64_t round_calls = 0;
       int generated = 0;
       std::string where = "prefill";
+      const std::size_t block_bytes = static_cast<std::size_t>(cfg.block_bytes_all_ranges());
+      auto kv_bytes = [&] {
+        if constexpr (kVmm) return mem.bytes_resident();
+        else return mem.blocks_held() * block_bytes;  // a static pool is resident as a whole: count the blocks held
+      };
       auto sample = [&] {
-        (void)mem.trim(stream);
-        mem.synchronize();
+        if constexpr (kVmm) {
+          (void)mem.trim(stream, kind == AllocKind::kVmmLazy ? kLazyKeepBytes : 0);
+          mem.synchronize();
+        }
+        TRIATTN_BENCH_CUDA(cudaStreamSynchronize(stream));
         peak_used = std::max(peak_used, device_used());
-        peak_ledger = std::max(peak_ledger, mem.bytes_resident());
+        peak_ledger = std::max(peak_ledger, kv_bytes());
       };
       auto full = [&] {
         throw std::runtime_error("out of device memory in " + where + " (generated " + std::to_string(generated) +
-                                 "): KV mapped " + std::to_string(static_cast<double>(mem.bytes_resident()) / kGiB) +
+                                 "): KV held " + std::to_string(static_cast<double>(kv_bytes()) / kGiB) +
                                  " GiB, device used " + std::to_string(static_cast<double>(device_used()) / kGiB) + " GiB");
       };
       cudaEvent_t e0, e1;
@@ -144,9 +170,14 @@ void BM_PrefixWorkloadGpu(benchmark::State& state) {
       };
       auto run_rounds = [&](std::span<const SeqId> seqs) {
         if (!compress) return;
-        const double t = timed([&] { n_rounds += static_cast<std::int64_t>(rounds.compress_if_needed_and_wait(seqs, stream).size()); });
+        // Launch (device score, select, compact) timed on the stream, then the host's commit.
+        const double t = timed([&] { (void)rounds.compress_if_needed(seqs, stream); });
+        const auto h0 = std::chrono::steady_clock::now();
+        n_rounds += static_cast<std::int64_t>(rounds.wait().size());
+        const double commit = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - h0).count();
         rounds_ms += t;
-        max_call_ms = std::max(max_call_ms, t);
+        commit_ms += commit;
+        max_call_ms = std::max(max_call_ms, t + commit);
         ++round_calls;
       };
 
@@ -187,12 +218,14 @@ void BM_PrefixWorkloadGpu(benchmark::State& state) {
           run_rounds(seqs);
           sample();
         }
-        double ms = 0.0;
+        double ms = 0.0, host_ms = 0.0;
         const ex::CudaBackend::Stats before = m.backend.stats();
         for (int i = 0; i < kWindow; ++i) {
           try {
             ms += timed([&] {
+              const auto h0 = std::chrono::steady_clock::now();
               m.decoder->step(cache, std::span<const SeqId>(seqs), std::span<const int>(tokens));
+              host_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - h0).count();
               tokens = m.decoder->argmax();
             });
           } catch (const ex::OutOfKvBlocks&) {
@@ -207,6 +240,8 @@ void BM_PrefixWorkloadGpu(benchmark::State& state) {
         const std::string at = std::to_string(w);
         state.counters["captures_" + at] = static_cast<double>(after.graph_captures - before.graph_captures);
         state.counters["replays_" + at] = static_cast<double>(after.graph_replays - before.graph_replays);
+        state.counters["step_host_ms_" + at] = host_ms / kWindow;
+        state.counters["step_ms_" + at] = ms / kWindow;
       }
       cudaEventDestroy(e0);
       cudaEventDestroy(e1);
@@ -217,6 +252,7 @@ void BM_PrefixWorkloadGpu(benchmark::State& state) {
       state.counters["hit_tokens"] = static_cast<double>(hit);
       state.counters["rounds"] = static_cast<double>(n_rounds);
       state.counters["rounds_ms"] = rounds_ms;
+      state.counters["commit_ms"] = commit_ms;
       state.counters["round_calls"] = static_cast<double>(round_calls);
       state.counters["max_round_call_ms"] = max_call_ms;
       state.counters["tok_s_0"] = tok_s[0];
@@ -224,18 +260,35 @@ void BM_PrefixWorkloadGpu(benchmark::State& state) {
       state.counters["tok_s_4080"] = tok_s[2];
       for (const SeqId s : seqs) cache.release(s);
     }
-    state.SetLabel(std::string(sharing ? "prefix sharing" : "no sharing") + (compress ? " + compression" : ", no compression"));
+    state.SetLabel(std::string(sharing ? "prefix sharing" : "no sharing") + (compress ? " + compression" : ", no compression") +
+                   (kind == AllocKind::kVmmEager ? ", VMM eager trim" : kind == AllocKind::kVmmLazy ? ", VMM lazy trim" : ", static pool"));
   });
 }
+
+void BM_PrefixWorkloadGpu(benchmark::State& state) {
+  const bool sharing = state.range(0) != 0, compress = state.range(1) != 0;
+  const auto kind = static_cast<AllocKind>(state.range(2));
+  if (kind == AllocKind::kStatic) run_workload<StaticCache>(state, sharing, compress, kind);
+  else run_workload<VmmCache>(state, sharing, compress, kind);
+}
 BENCHMARK(BM_PrefixWorkloadGpu)
-    ->ArgNames({"sharing", "compress"})
-    ->Args({1, 1})
-    ->Args({0, 1})
-    ->Args({1, 0})
-    ->Args({0, 0})
+    ->ArgNames({"sharing", "compress", "alloc"})
+    ->Args({1, 1, 0})
+    ->Args({0, 1, 0})
+    ->Args({1, 0, 0})
+    ->Args({0, 0, 0})
+    ->Args({1, 1, 1})
+    ->Args({1, 1, 2})
     ->Iterations(1)
     ->Unit(benchmark::kSecond);
 
 }  // namespace
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  model_slot().reset();  // device memory goes back before the CUDA runtime shuts down
+  return 0;
+}
