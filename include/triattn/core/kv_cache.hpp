@@ -299,7 +299,9 @@ class KvCache {
     if (!s.positions.empty() || (n > 0 && s.logical != len)) {  // slots no longer equal positions
       materialise_positions(s, len);
       const std::size_t R = position_rows();
-      s.positions.reserve(static_cast<std::size_t>(new_len) * R);
+      // Geometric growth: an exact reserve would copy every row's positions on each decode step.
+      const std::size_t need = static_cast<std::size_t>(new_len) * R;
+      if (s.positions.capacity() < need) s.positions.reserve(std::max(need, 2 * s.positions.capacity()));
       for (int t = 0; t < n; ++t) s.positions.insert(s.positions.end(), R, static_cast<std::int32_t>(s.logical + t));
     }
     lens_[idx(seq)] = static_cast<index_type>(new_len);
