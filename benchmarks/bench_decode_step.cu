@@ -140,34 +140,9 @@ void compare_with_static(benchmark::State& state, const std::string& key, double
   if (it != static_ms.end() && it->second > 0) state.counters["vs_static_pct"] = 100.0 * (ms_step / it->second - 1.0);
 }
 
-/// The model: generated once, kept for the whole run.
-struct ModelHolder {
-  ex::CudaBackend backend;
-  ex::ModelConfig config;
-  std::unique_ptr<ex::DeviceDecoder> decoder;
-
-  ModelHolder() : backend(triattn::bench::bf16_backend_options()), config(ex::synthetic_config("qwen3-8b-like")) {
-    decoder = std::make_unique<ex::DeviceDecoder>(config, backend, backend.generate_synthetic(config, kSeed));
-    std::fprintf(stderr, "bench_decode_step: %s, %.2f GB of bf16 weights on the device (%.2f GB read per step)\n",
-                 config.name.c_str(), static_cast<double>(decoder->weights().bytes()) * 1e-9,
-                 static_cast<double>(decoder->weights().bytes_per_step()) * 1e-9);
-  }
-};
-std::unique_ptr<ModelHolder>& model_slot() {
-  static std::unique_ptr<ModelHolder> m;
-  return m;
-}
-ModelHolder& model() {
-  auto& m = model_slot();
-  if (!m) m = std::make_unique<ModelHolder>();
-  return *m;
-}
-
-/// Random query statistics in the model's shape (the rounds' cost does not depend on their values).
-triattn::QueryStats random_stats(const ex::ModelConfig& c) {
-  std::mt19937 rng(1234);
-  return triattn::random_query_stats(rng, c.n_layers, c.n_heads, c.head_dim, c.rope_style, c.name);
-}
+using ModelHolder = triattn::bench::SyntheticModel;
+ModelHolder& model() { return triattn::bench::synthetic_model(); }
+using triattn::bench::random_stats;
 
 /// A full KV pool while a scenario is filled: an exception, which guarded() turns into a skipped row.
 [[noreturn]] void pool_full() { throw std::runtime_error("bench_decode_step: the KV pool is too small"); }
@@ -596,6 +571,6 @@ int main(int argc, char** argv) {
   benchmark::Shutdown();
   // Device memory goes back before the CUDA runtime shuts down.
   scenario_slots().reset();
-  model_slot().reset();
+  triattn::bench::synthetic_model_slot().reset();
   return 0;
 }

@@ -76,24 +76,8 @@ using StaticCache = CacheOver<triattn::cuda::DeviceAllocator>;
 constexpr std::size_t kStaticPoolBytes = std::size_t{28} << 30;  // the static rows' pool (compressed peaks fit)
 enum class AllocKind : int { kVmmEager = 0, kVmmLazy = 1, kStatic = 2 };
 
-struct ModelHolder {
-  ex::CudaBackend backend{triattn::bench::bf16_backend_options()};
-  ex::ModelConfig config = ex::synthetic_config("qwen3-8b-like");
-  std::unique_ptr<ex::DeviceDecoder> decoder;
-  ModelHolder() {
-    decoder = std::make_unique<ex::DeviceDecoder>(config, backend,
-                                                  backend.generate_synthetic(config, triattn::bench::decode_scenario::kSeed));
-  }
-};
-std::unique_ptr<ModelHolder>& model_slot() {
-  static std::unique_ptr<ModelHolder> m;
-  return m;
-}
-ModelHolder& model() {
-  auto& m = model_slot();
-  if (!m) m = std::make_unique<ModelHolder>();
-  return *m;
-}
+using ModelHolder = triattn::bench::SyntheticModel;
+ModelHolder& model() { return triattn::bench::synthetic_model(); }
 
 std::size_t device_used() {
   std::size_t free_b = 0, total_b = 0;
@@ -119,8 +103,7 @@ void run_workload(benchmark::State& state, bool sharing, bool compress, AllocKin
     triattn::RopeConfig rope;
     rope.style = c.rope_style;
     rope.theta = c.rope_theta;
-    std::mt19937 rng(1234);
-    const triattn::QueryStats stats = triattn::random_query_stats(rng, c.n_layers, c.n_heads, c.head_dim, c.rope_style, c.name);
+    const triattn::QueryStats stats = triattn::bench::random_stats(c);
     const triattn::bench::RandomKvChunk chunk(c, kChunk, stream);
 
     for (auto _ : state) {
@@ -289,6 +272,6 @@ int main(int argc, char** argv) {
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
-  model_slot().reset();  // device memory goes back before the CUDA runtime shuts down
+  triattn::bench::synthetic_model_slot().reset();  // device memory goes back before the CUDA runtime shuts down
   return 0;
 }

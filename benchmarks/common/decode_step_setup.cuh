@@ -15,15 +15,19 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <memory>
+#include <random>
 #include <span>
 
 #include <triattn/core/keep_plan.hpp>
 #include <triattn/core/kv_cache.hpp>
+#include <triattn/core/stats/random.hpp>
 #include <triattn/cuda/device_kv_cache.cuh>
 
 #include "common/cuda_event_timer.hpp"
 
 #include "../examples/reference_transformer/cuda_backend.cuh"
+#include "../examples/reference_transformer/cuda_device_model.cuh"
 
 namespace triattn::bench {
 
@@ -42,6 +46,38 @@ inline triattn_example::CudaBackendOptions bf16_backend_options() {
   triattn_example::CudaBackendOptions o;
   o.weights = triattn_example::WeightType::kBF16;
   return o;
+}
+
+/// The Qwen3-8B-like synthetic model with bf16 weights generated on the device (kSeed), driven
+/// by a DeviceDecoder; made once per process by synthetic_model().
+struct SyntheticModel {
+  triattn_example::CudaBackend backend{bf16_backend_options()};
+  triattn_example::ModelConfig config = triattn_example::synthetic_config("qwen3-8b-like");
+  std::unique_ptr<triattn_example::DeviceDecoder> decoder;
+  SyntheticModel() {
+    decoder = std::make_unique<triattn_example::DeviceDecoder>(config, backend,
+                                                               backend.generate_synthetic(config, decode_scenario::kSeed));
+    std::fprintf(stderr, "%s, %.2f GB of bf16 weights on the device (%.2f GB read per step)\n", config.name.c_str(),
+                 static_cast<double>(decoder->weights().bytes()) * 1e-9,
+                 static_cast<double>(decoder->weights().bytes_per_step()) * 1e-9);
+  }
+};
+/// The process's model slot: reset it before main returns (device memory must go back before the
+/// CUDA runtime shuts down).
+inline std::unique_ptr<SyntheticModel>& synthetic_model_slot() {
+  static std::unique_ptr<SyntheticModel> m;
+  return m;
+}
+inline SyntheticModel& synthetic_model() {
+  auto& m = synthetic_model_slot();
+  if (!m) m = std::make_unique<SyntheticModel>();
+  return *m;
+}
+
+/// Random query statistics in the model's shape (the rounds' cost does not depend on their values).
+inline triattn::QueryStats random_stats(const triattn_example::ModelConfig& c) {
+  std::mt19937 rng(1234);
+  return triattn::random_query_stats(rng, c.n_layers, c.n_heads, c.head_dim, c.rope_style, c.name);
 }
 
 /// A bf16 NHD cache of `c`'s geometry for `max_seqs` sequences; the caller sets num_blocks and
