@@ -1,17 +1,19 @@
 // SPDX-License-Identifier: Apache-2.0
-// Host costs of KvCache's bookkeeping at Qwen3-8B geometry (36 layers x 8 KV heads = 288 rows of
-// positions), 16 sequences in bench_prefix_workload's compressed state (a 4,352-token pinned
-// prompt plus the 2,048 budget). Once a round has compacted a sequence its slots no longer equal
-// positions, and the cache keeps each slot's original position per (layer, KV head) row. The
-// allocator is the VMM core over the fake driver (address space only) and the compactor moves
-// nothing: only the host work is timed.
+// Host costs of KvCache's bookkeeping at Qwen3-8B geometry (36 layers x 8 KV heads = 288 rows),
+// 16 sequences in bench_prefix_workload's compressed state (a 4,352-token pinned prompt plus the
+// 2,048 budget). With CacheConfig::track_positions (P = 1) the cache keeps each slot's original
+// position per (layer, KV head) row once a round has compacted it; without (P = 0, the default)
+// its host state is O(blocks). The allocator is the VMM core over the fake driver (address space
+// only) and the compactor moves nothing: only the host work is timed.
 //
-//   BM_DecodeExtend/compacted:C  one token appended to each sequence per step; C = 0: slots equal
-//                                positions (no round yet), 1: after a round. Counter us_per_step.
-//   BM_RoundCommit               KvCache::commit_round of a device round (what DeviceRounds does
+//   BM_DecodeExtend/compacted:C/positions:P  one token appended to each sequence per step; C = 0:
+//                                slots equal positions (no round yet), 1: after a round.
+//                                Counter us_per_step.
+//   BM_RoundCommit/positions:P   KvCache::commit_round of a device round (what DeviceRounds does
 //                                on the host after its kernels): 16 sequences of 6,528 slots kept
-//                                to 6,400 per row, kept positions reported per row. Counter
-//                                ms_per_round.
+//                                to 6,400 per row; P = 0 from new lengths and first moved slots,
+//                                P = 1 from every row's kept slots, positions reported per row.
+//                                Counter ms_per_round.
 #include <benchmark/benchmark.h>
 
 #include <chrono>
@@ -41,8 +43,9 @@ struct NoDataCompactor {
 
 using Cache = KvCache<vmm::VmmAllocatorCore<vmm::FakeDriver>, NoDataCompactor>;
 
-CacheConfig bench_config() {
+CacheConfig bench_config(bool positions) {
   CacheConfig cfg;
+  cfg.track_positions = positions;
   cfg.model = {36, 32, 8, 128};
   cfg.block_size = 16;
   cfg.dtype = DType::kBF16;
@@ -71,7 +74,7 @@ std::vector<SeqId> fill(Cache& cache, const CacheConfig& cfg, int len, bool comp
 
 void BM_DecodeExtend(benchmark::State& state) {
   const bool compacted = state.range(0) != 0;
-  const CacheConfig cfg = bench_config();
+  const CacheConfig cfg = bench_config(state.range(1) != 0);
   double us = 0.0;
   std::int64_t steps = 0;
   for (auto _ : state) {
@@ -88,10 +91,15 @@ void BM_DecodeExtend(benchmark::State& state) {
   }
   state.counters["us_per_step"] = steps > 0 ? us / static_cast<double>(steps) : 0.0;
 }
-BENCHMARK(BM_DecodeExtend)->ArgNames({"compacted"})->Arg(0)->Arg(1)->Iterations(1)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_DecodeExtend)
+    ->ArgNames({"compacted", "positions"})
+    ->ArgsProduct({{0, 1}, {0, 1}})
+    ->Iterations(1)
+    ->Unit(benchmark::kMillisecond);
 
 void BM_RoundCommit(benchmark::State& state) {
-  const CacheConfig cfg = bench_config();
+  const bool positions = state.range(0) != 0;
+  const CacheConfig cfg = bench_config(positions);
   const int rows = cfg.model.num_layers * cfg.model.num_kv_heads;
   constexpr int kBefore = kLen + kDivide, kKeep = kLen;
   // Every row keeps the prompt and all decode slots but the first kDivide (pre-round slots).
@@ -99,12 +107,17 @@ void BM_RoundCommit(benchmark::State& state) {
   for (std::size_t r = 0; r < static_cast<std::size_t>(kSeqs) * rows; ++r)
     for (int i = 0; i < kKeep; ++i) kept[r * kKeep + i] = i < kPrompt ? i : i + kDivide;
   std::vector<std::int32_t> new_lens(kSeqs, kKeep), status(kSeqs, static_cast<std::int32_t>(RoundStatus::kCompressed));
+  std::vector<std::int32_t> first_moved(kSeqs, kPrompt);
   RoundOutputs out;
   out.new_lens = new_lens.data();
   out.status = status.data();
-  out.kept = kept.data();
-  out.kept_rows = rows;
-  out.max_keep = kKeep;
+  out.first_moved = first_moved.data();
+  if (positions) {  // without tracked positions the round brings no kept slots back
+    out.kept = kept.data();
+    out.kept_rows = rows;
+    out.max_keep = kKeep;
+  }
+  std::vector<CompressionReport> done;
   double ms = 0.0;
   std::int64_t n = 0;
   for (auto _ : state) {
@@ -113,7 +126,7 @@ void BM_RoundCommit(benchmark::State& state) {
     const std::vector<SeqId> seqs = fill(cache, cfg, kBefore, true);
     state.ResumeTiming();
     const auto t0 = std::chrono::steady_clock::now();
-    const std::vector<CompressionReport> done = cache.commit_round(seqs, out);
+    cache.commit_round(seqs, out, done);
     ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     ++n;
     if (done.size() != seqs.size() || cache.physical_length(seqs[0]) != kKeep) state.SkipWithError("round not committed");
@@ -121,7 +134,7 @@ void BM_RoundCommit(benchmark::State& state) {
   }
   state.counters["ms_per_round"] = n > 0 ? ms / static_cast<double>(n) : 0.0;
 }
-BENCHMARK(BM_RoundCommit)->Iterations(2)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_RoundCommit)->ArgNames({"positions"})->Arg(0)->Arg(1)->Iterations(2)->Unit(benchmark::kMillisecond);
 
 }  // namespace
 

@@ -5,7 +5,9 @@
 // round of every sequence, the original logical positions each (layer, KV head) row keeps. Two
 // paths must reproduce the file: KvCache::compress_if_needed, and the engine round
 // (triattn::paged_round over the cache's view) committed with KvCache::commit_round. A change to
-// the round's bookkeeping can therefore never change what is kept.
+// the round's bookkeeping can therefore never change what is kept. With positions off (the
+// default) the same runs leave the same K/V bytes, lengths and prompt state after every step,
+// through both paths, and asking a report for positions is an error naming the option.
 // Regenerate (only when the selection itself is meant to change) with
 // TRIATTN_GOLDEN_WRITE=<path> ./test_core_test_keep_sets_golden.
 #include <doctest/doctest.h>
@@ -62,7 +64,7 @@ CacheConfig make_config(DType dt, bool positions) {
   c.max_seqs = 4;
   c.num_blocks = c.max_seqs * c.max_blocks_per_seq;
   c.dtype = dt;
-  (void)positions;  // TRACK_POSITIONS
+  c.track_positions = positions;
   return c;
 }
 
@@ -91,6 +93,11 @@ void append_random(Cache& c, SeqId seq, int n, Phase phase, std::mt19937& rng) {
 void record(std::ostringstream& os, const std::string& scenario, int step, const CompressionReport& r) {
   os << scenario << " step " << step << " seq " << r.seq << " len " << r.length_before << "->" << r.length_after
      << " status " << static_cast<int>(r.status);
+  if (r.status == RoundStatus::kCompressed && !r.has_positions) {
+    CHECK_THROWS_WITH_AS((void)r.kept(0), doctest::Contains("CacheConfig::track_positions"), logic_error);
+    os << " | positions not tracked\n";
+    return;
+  }
   // Every (layer, KV head) in order, whichever row of the report stands for it.
   if (r.status == RoundStatus::kCompressed)
     for (int l = 0; l < kL; ++l)
@@ -122,7 +129,9 @@ std::vector<CompressionReport> engine_round(Cache& c, const std::vector<SeqId>& 
     prot.push_back(c.shared_prefix(s));
   }
   const RoundBatch batch{due.data(), t0.data(), prompts.data(), B, kMaxTokens, prot.data()};
-  RoundResult res(B, kept_rows(sp.mode, g.num_layers, g.num_kv_heads), kMaxTokens);
+  // With positions off the commit needs no kept slots: only lengths and the first moved slot.
+  const bool positions = c.config().track_positions;
+  RoundResult res(B, positions ? kept_rows(sp.mode, g.num_layers, g.num_kv_heads) : 0, positions ? kMaxTokens : 0);
   std::vector<float> ws(paged_round_workspace_size(g, kMaxTokens) / sizeof(float));
   TriAttentionScorer scorer = c.scorer();
   (void)paged_round(c.template view<T>(), scorer, sp, g, RoundTrigger::kAlways, batch, res.outputs(), ws.data(),
@@ -130,10 +139,29 @@ std::vector<CompressionReport> engine_round(Cache& c, const std::vector<SeqId>& 
   return c.commit_round(std::span<const SeqId>(due), res.outputs());
 }
 
+// Lengths, prompt state and a hash of the K/V bytes of every cached slot of `ids`.
+template <class T>
+void record_state(std::ostringstream& os, const Cache& c, const std::vector<SeqId>& ids, int step) {
+  const auto v = c.template view<T>();
+  for (SeqId s : ids) {
+    std::uint64_t h = 1469598103934665603ull;  // FNV-1a
+    const int len = c.physical_length(s);
+    for (int l = 0; l < kL; ++l)
+      for (int kind = 0; kind < 2; ++kind)
+        for (int i = 0; i < len; ++i)
+          for (int hd = 0; hd < kHkv; ++hd) {
+            const auto* p = reinterpret_cast<const unsigned char*>(v.token(l, static_cast<KvKind>(kind), s, i, hd));
+            for (std::size_t b = 0; b < sizeof(T) * kD; ++b) h = (h ^ p[b]) * 1099511628211ull;
+          }
+    os << "step " << step << " seq " << s << " len " << len << " logical " << c.logical_position(s) << " prompt "
+       << c.prompt_length(s) << " forkable " << c.forkable_prefix(s) << " kv " << h << '\n';
+  }
+}
+
 // One scenario: sequence a (20 prompt tokens), b forked from a's first 16 (two shared blocks),
 // c (9 prompt tokens) growing two tokens a step; a round is asked for after every step.
 template <class T>
-std::string run(PruningMode mode, const Protection& prot, Path path, bool positions) {
+std::string run(PruningMode mode, const Protection& prot, Path path, bool positions, std::string* state = nullptr) {
   const DType dt = dtype_of<T>;
   const std::string scenario = std::string(to_string(mode)) + "/" + prot.name + "/" + dtype_name(dt);
   const SelectionParams sp = make_params(mode, prot);
@@ -154,6 +182,11 @@ std::string run(PruningMode mode, const Protection& prot, Path path, bool positi
     const std::vector<CompressionReport> reps =
         path == Path::kCompressIfNeeded ? c.compress_if_needed(ids) : engine_round<T>(c, ids);
     for (const CompressionReport& r : reps) record(os, scenario, step, r);
+    if (state != nullptr) {
+      std::ostringstream st;
+      record_state<T>(st, c, ids, step);
+      *state += scenario + " " + st.str();
+    }
   }
   return os.str();
 }
@@ -208,4 +241,18 @@ TEST_CASE("keep sets: the engine round committed with commit_round reproduces th
   const std::string got = all_runs(Path::kEngineRoundCommit, true);
   const std::string want = read_file(golden_path());
   CHECK_MESSAGE(got == want, first_difference(got, want));
+}
+
+TEST_CASE("keep sets: positions off leaves the same cache after every step on both paths") {
+  for (const PruningMode mode : kModes)
+    for (const Protection& prot : kProtections) {
+      std::string on, off_host, off_engine;
+      (void)run<bf16_storage>(mode, prot, Path::kCompressIfNeeded, true, &on);
+      const std::string rep_host = run<bf16_storage>(mode, prot, Path::kCompressIfNeeded, false, &off_host);
+      (void)run<bf16_storage>(mode, prot, Path::kEngineRoundCommit, false, &off_engine);
+      INFO(to_string(mode), " / ", prot.name);
+      CHECK(rep_host.find("positions not tracked") != std::string::npos);  // rounds did compress
+      CHECK_MESSAGE(off_host == on, first_difference(off_host, on));
+      CHECK_MESSAGE(off_engine == on, first_difference(off_engine, on));
+    }
 }

@@ -205,6 +205,7 @@ CacheConfig make_config(int bs, KvLayout layout, int max_seqs) {
   c.max_seqs = max_seqs;
   c.layout = layout;
   c.dtype = DType::kBF16;
+  c.track_positions = true;  // the KvCache twins report kept positions to compare with
   return c;
 }
 

@@ -44,6 +44,11 @@ struct CacheConfig {
   int max_blocks_per_seq = 0;   ///< block-table row length; 0 means num_blocks
   KvLayout layout = KvLayout::kNHD;
   DType dtype = DType::kBF16;
+  /// Keep each cached slot's original logical position per (layer, KV head), so compression
+  /// reports can say which tokens every row kept (CompressionReport::kept). Off (the default),
+  /// the cache's host state stays O(blocks) per sequence and rounds commit in O(batch + blocks
+  /// freed); reports then carry lengths and status only.
+  bool track_positions = false;
 
   [[nodiscard]] int blocks_per_seq() const noexcept { return max_blocks_per_seq > 0 ? max_blocks_per_seq : num_blocks; }
   [[nodiscard]] BlockLayout block_layout() const noexcept {

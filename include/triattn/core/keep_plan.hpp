@@ -7,9 +7,23 @@
 #include <string>
 #include <vector>
 
+#include <triattn/core/config.hpp>
 #include <triattn/core/error.hpp>
 
 namespace triattn {
+
+/// First slot a compaction of one row moves: the smallest i with row[i] != i, or keep when the
+/// row is 0..keep-1. Kept slots ascend, so row[i] >= i and row[i] == i holds on a prefix of the
+/// row: a binary search over its `keep` entries (host and device).
+TRIATTN_HOST_DEVICE int first_moved_slot(const std::int32_t* row, int keep) noexcept {
+  int lo = 0, hi = keep;  // row[i] == i for i < lo; row[i] != i for i >= hi
+  while (lo < hi) {
+    const int mid = lo + (hi - lo) / 2;
+    if (row[mid] == mid) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
 
 /// Kept slot indices, per (layer, KV head), strictly increasing, all lists of the same length
 /// `keep` (the sequence has one physical length). Slot i of the result holds old slot
@@ -68,6 +82,17 @@ struct KeepPlan {
     return static_cast<std::size_t>(layers) * static_cast<std::size_t>(kv_heads) * static_cast<std::size_t>(keep_count);
   }
 
+  /// First slot applying the plan moves in any row (keep when it moves nothing); rows must be
+  /// valid (ascending).
+  [[nodiscard]] int first_moved() const noexcept {
+    int first = keep;
+    for (int l = 0; l < num_layers; ++l)
+      for (int h = 0; h < num_kv_heads; ++h) {
+        const int f = first_moved_slot(row(l, h), keep);
+        first = f < first ? f : first;
+      }
+    return first;
+  }
   /// True when every row is 0..keep-1, i.e. applying the plan moves nothing.
   [[nodiscard]] bool is_prefix() const noexcept {
     for (int l = 0; l < num_layers; ++l)

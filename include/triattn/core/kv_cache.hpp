@@ -77,13 +77,20 @@ struct CompressionReport {
   /// kCompressed, or kNonFinite: a selectable score was NaN/±Inf under NonFinitePolicy::kRefuse
   /// and the sequence was left unchanged (length_after == length_before, no positions).
   RoundStatus status = RoundStatus::kCompressed;
+  /// True when the cache tracks positions (CacheConfig::track_positions) and kept_positions
+  /// holds them; false: the report carries lengths and status only.
+  bool has_positions = false;
   /// Rows of kept_positions: kept_rows(mode) with a selector that has SelectionParams, else
   /// layers * kv_heads (kept_row_source says which (layer, KV head) a row describes).
   int kept_rows = 0;
   /// [kept_rows, length_after]: original logical position of the token slot i of row r holds.
   std::vector<std::int32_t> kept_positions;
 
+  /// @throws logic_error naming CacheConfig::track_positions when positions were not tracked.
   [[nodiscard]] std::span<const std::int32_t> kept(int row) const {
+    TRIATTN_EXPECTS(has_positions || status != RoundStatus::kCompressed,
+                    "CompressionReport::kept: the cache does not track positions; set CacheConfig::track_positions "
+                    "to have rounds report the kept tokens' positions");
     TRIATTN_EXPECTS(row >= 0 && row < kept_rows,
                     "CompressionReport::kept: row " + std::to_string(row) + " outside [0, " + std::to_string(kept_rows) + ")");
     return {kept_positions.data() + static_cast<std::size_t>(row) * static_cast<std::size_t>(length_after),
@@ -296,14 +303,7 @@ class KvCache {
       if (cow) copy_on_write(seq, have - 1, fresh_.back());
       std::copy_n(fresh_.begin(), need > 0 ? need : 0, tables_.begin() + static_cast<std::ptrdiff_t>(row(seq) + have));
     }
-    if (!s.positions.empty() || (n > 0 && s.logical != len)) {  // slots no longer equal positions
-      materialise_positions(s, len);
-      const std::size_t R = position_rows();
-      // Geometric growth: an exact reserve would copy every row's positions on each decode step.
-      const std::size_t need = static_cast<std::size_t>(new_len) * R;
-      if (s.positions.capacity() < need) s.positions.reserve(std::max(need, 2 * s.positions.capacity()));
-      for (int t = 0; t < n; ++t) s.positions.insert(s.positions.end(), R, static_cast<std::int32_t>(s.logical + t));
-    }
+    // Positions need no work here: appended slots hold logical - length + slot (position_of).
     lens_[idx(seq)] = static_cast<index_type>(new_len);
     s.logical += n;
     if (phase == Phase::kPrefill) s.prompt_len += n;
@@ -408,43 +408,84 @@ class KvCache {
 
   /// Host bookkeeping of a round whose compaction ran elsewhere over view() (a device round):
   /// for every batch entry b with out.status[b] == kCompressed, the sequence's length becomes
-  /// out.new_lens[b], the blocks past it are released, and its prompt and position state follow
-  /// out.kept ([batch, out.kept_rows, out.max_keep] pre-round slots, slot_positions null). Call it
-  /// only once the compaction is complete (after its event), never while a kernel may still
-  /// touch the freed blocks. Entries with another status are left as they are.
-  /// @throws logic_error (cache unchanged) when an id, length or kept row is inconsistent.
-  std::vector<CompressionReport> commit_round(std::span<const SeqId> seqs, const RoundOutputs& out) {
+  /// out.new_lens[b], the blocks past it are released, and its prompt state follows
+  /// out.first_moved[b]. O(batch + blocks freed), nothing allocated once `reports` has grown.
+  /// With CacheConfig::track_positions, out.kept ([batch, out.kept_rows, out.max_keep] pre-round
+  /// slots, slot_positions null) is required and the positions follow it (O(kept slots)). Call
+  /// it only once the compaction is complete (after its event), never while a kernel may still
+  /// touch the freed blocks. Entries with another status are left as they are. `reports` gets one
+  /// report per batch entry, in order.
+  /// @throws logic_error (cache unchanged) when an id, length, first moved slot or kept row is
+  /// inconsistent, or a compaction would have rewritten a shared block.
+  void commit_round(std::span<const SeqId> seqs, const RoundOutputs& out, std::vector<CompressionReport>& reports) {
     const ModelGeometry& g = config_.model;
-    TRIATTN_EXPECTS(seqs.empty() || (out.new_lens != nullptr && out.status != nullptr && out.kept != nullptr),
-                    "commit_round: out.new_lens, out.status and out.kept must not be null");
-    TRIATTN_EXPECTS(out.slot_positions == nullptr,
+    const bool positions = config_.track_positions;
+    TRIATTN_EXPECTS(seqs.empty() || (out.new_lens != nullptr && out.status != nullptr),
+                    "commit_round: out.new_lens and out.status must not be null");
+    TRIATTN_EXPECTS(seqs.empty() || !positions || out.kept != nullptr,
+                    "commit_round: the cache tracks positions (CacheConfig::track_positions), so out.kept (pre-round "
+                    "slots) must not be null");
+    TRIATTN_EXPECTS(seqs.empty() || out.kept != nullptr || out.first_moved != nullptr,
+                    "commit_round: out.first_moved (or out.kept) must not be null");
+    TRIATTN_EXPECTS(out.kept == nullptr || out.slot_positions == nullptr,
                     "commit_round: out.kept must hold pre-round slots (slot_positions null); the cache maps positions");
-    TRIATTN_EXPECTS(seqs.empty() || out.kept_rows == g.num_layers * g.num_kv_heads || out.kept_rows == g.num_kv_heads ||
-                        out.kept_rows == 1,
+    TRIATTN_EXPECTS(seqs.empty() || out.kept == nullptr || out.kept_rows == g.num_layers * g.num_kv_heads ||
+                        out.kept_rows == g.num_kv_heads || out.kept_rows == 1,
                     "commit_round: out.kept_rows = " + std::to_string(out.kept_rows) +
                         " must be 1, num_kv_heads or num_layers * num_kv_heads");
     check_batch_ids(seqs, "commit_round");
-    std::vector<KeepPlan> plans(seqs.size());
+    const bool with_plans = out.kept != nullptr;
+    if (with_plans) plans_.resize(seqs.size());
     for (std::size_t b = 0; b < seqs.size(); ++b) {
       if (out.status[b] != static_cast<std::int32_t>(RoundStatus::kCompressed)) continue;
+      const int len = lens_[idx(seqs[b])];
       const int keep = out.new_lens[b];
-      TRIATTN_EXPECTS(keep >= 0 && keep <= out.max_keep,
+      TRIATTN_EXPECTS(keep >= 0 && keep <= len && (!with_plans || keep <= out.max_keep),
                       "commit_round: new length " + std::to_string(keep) + " of sequence " + std::to_string(seqs[b]) +
-                          " is outside [0, max_keep = " + std::to_string(out.max_keep) + "]");
-      KeepPlan& plan = plans[b];
-      plan = KeepPlan(g.num_layers, g.num_kv_heads, keep);
-      for (int l = 0; l < g.num_layers; ++l)
-        for (int h = 0; h < g.num_kv_heads; ++h) {
-          const int r = out.kept_rows == 1 ? 0 : out.kept_rows == g.num_kv_heads ? h : l * g.num_kv_heads + h;
-          std::copy_n(out.kept + (static_cast<std::size_t>(b) * out.kept_rows + r) * out.max_keep, keep, plan.row(l, h));
-        }
-      check_keep_plan(seqs[b], plan, "commit_round");
+                          " is outside [0, its length " + std::to_string(len) + "]" +
+                          (with_plans ? " or above max_keep = " + std::to_string(out.max_keep) : std::string()));
+      if (with_plans) {
+        KeepPlan& plan = plans_[b];
+        plan = KeepPlan(g.num_layers, g.num_kv_heads, keep);
+        for (int l = 0; l < g.num_layers; ++l)
+          for (int h = 0; h < g.num_kv_heads; ++h) {
+            const int r = out.kept_rows == 1 ? 0 : out.kept_rows == g.num_kv_heads ? h : l * g.num_kv_heads + h;
+            std::copy_n(out.kept + (static_cast<std::size_t>(b) * out.kept_rows + r) * out.max_keep, keep, plan.row(l, h));
+          }
+        check_keep_plan(seqs[b], plan, "commit_round");
+        TRIATTN_EXPECTS(out.first_moved == nullptr || out.first_moved[b] == plan.first_moved(),
+                        "commit_round: out.first_moved = " + std::to_string(out.first_moved[b]) + " of sequence " +
+                            std::to_string(seqs[b]) + " disagrees with its kept slots (first moved " +
+                            std::to_string(plan.first_moved()) + ")");
+      } else {
+        const int first = out.first_moved[b];
+        TRIATTN_EXPECTS(first >= 0 && first <= keep,
+                        "commit_round: out.first_moved = " + std::to_string(first) + " of sequence " +
+                            std::to_string(seqs[b]) + " is outside [0, new length " + std::to_string(keep) + "]");
+        check_compaction_blocks(seqs[b], first, keep, "commit_round");
+      }
     }
-    std::vector<CompressionReport> done;
-    for (std::size_t b = 0; b < seqs.size(); ++b)
-      if (out.status[b] == static_cast<std::int32_t>(RoundStatus::kCompressed))
-        done.push_back(commit_with_report(seqs[b], plans[b], g.num_layers * g.num_kv_heads));
-    return done;
+    reports.clear();
+    reports.reserve(seqs.size());
+    for (std::size_t b = 0; b < seqs.size(); ++b) {
+      const SeqId q = seqs[b];
+      if (out.status[b] != static_cast<std::int32_t>(RoundStatus::kCompressed)) {
+        reports.push_back(unchanged_report(q, static_cast<RoundStatus>(out.status[b])));
+        continue;
+      }
+      if (with_plans)
+        reports.push_back(commit_with_report(q, plans_[b], g.num_layers * g.num_kv_heads));
+      else
+        reports.push_back(commit_counts(q, out.new_lens[b], out.first_moved[b]));
+    }
+  }
+
+  /// commit_round(seqs, out, reports) returning the reports of the kCompressed entries only.
+  std::vector<CompressionReport> commit_round(std::span<const SeqId> seqs, const RoundOutputs& out) {
+    std::vector<CompressionReport> all;
+    commit_round(seqs, out, all);
+    std::erase_if(all, [](const CompressionReport& r) { return r.status != RoundStatus::kCompressed; });
+    return all;
   }
 
   // ---- queries --------------------------------------------------------------------------------
@@ -530,9 +571,11 @@ class KvCache {
     int prompt_len = 0;        ///< prefill tokens still in place in slots [0, prompt_len)
     bool decoded = false;      ///< a decode token was appended (prompt_len alone cannot tell once compaction shortened it)
     int in_place = std::numeric_limits<int>::max();  ///< slots [0, in_place) still hold tokens 0..in_place-1
-    /// [length, layers * kv_heads]: original logical position of each slot per (layer, KV head);
-    /// empty while slot i holds position i everywhere (never compacted, nothing dropped).
+    /// CacheConfig::track_positions only: [layers * kv_heads, positions_len], the original logical
+    /// position of slots [0, positions_len) per (layer, KV head) as the last compaction left them;
+    /// later slots were appended since and hold logical - length + slot (position_of). Empty otherwise.
     std::vector<std::int32_t> positions;
+    int positions_len = 0;
   };
 
   static const CacheConfig& validated(const CacheConfig& c) {
@@ -596,38 +639,29 @@ class KvCache {
   int num_blocks_of(SeqId s) const noexcept {
     return static_cast<int>(detail::ceil_div(lens_[idx(s)], config_.block_size));
   }
-  static int first_moved_slot(const KeepPlan& plan) noexcept {
-    int first = plan.keep;
-    for (int l = 0; l < plan.num_layers; ++l)
-      for (int h = 0; h < plan.num_kv_heads; ++h) {
-        const std::int32_t* r = plan.row(l, h);
-        for (int i = 0; i < first; ++i)
-          if (r[i] != i) {
-            first = i;
-            break;
-          }
-      }
-    return first;
-  }
   std::size_t position_rows() const noexcept {
     return static_cast<std::size_t>(config_.model.num_layers) * static_cast<std::size_t>(config_.model.num_kv_heads);
   }
-  // Turns an empty (identity) position map of `len` slots into an explicit one.
-  void materialise_positions(SeqState& s, int len) const {
-    if (!s.positions.empty() || len == 0) return;
-    const std::size_t R = position_rows();
-    s.positions.resize(static_cast<std::size_t>(len) * R);
-    for (int i = 0; i < len; ++i) std::fill_n(s.positions.begin() + static_cast<std::ptrdiff_t>(i * R), R, i);
+  // Original logical position of `slot` in (layer, KV head) row c of a sequence of `len` slots.
+  static std::int32_t position_of(const SeqState& s, int len, int slot, std::size_t c) noexcept {
+    if (slot < s.positions_len) return s.positions[c * static_cast<std::size_t>(s.positions_len) + static_cast<std::size_t>(slot)];
+    return static_cast<std::int32_t>(s.logical - len + slot);
   }
 
   // Every check apply_keep_plan makes, without changing anything.
   void check_keep_plan(SeqId seq, const KeepPlan& plan, const char* op) const {
     (void)state(seq, op);
+    plan.validate(config_.model.num_layers, config_.model.num_kv_heads, lens_[idx(seq)]);
+    check_compaction_blocks(seq, plan.first_moved(), plan.keep, op);
+  }
+
+  // A compaction of `seq` to `keep` slots that moves slots from `first_changed` on rewrites the
+  // blocks from there to the new end, and may leave the last kept block partly filled: each of
+  // them must be this sequence's alone.
+  void check_compaction_blocks(SeqId seq, int first_changed, int keep, const char* op) const {
     const int len = lens_[idx(seq)];
-    plan.validate(config_.model.num_layers, config_.model.num_kv_heads, len);
-    const int first_changed = first_moved_slot(plan);
-    if (first_changed < plan.keep) {
-      const int b_end = static_cast<int>(detail::ceil_div(plan.keep, config_.block_size));
+    if (first_changed < keep) {
+      const int b_end = static_cast<int>(detail::ceil_div(keep, config_.block_size));
       for (int j = first_changed / config_.block_size; j < b_end; ++j) {
         const index_type b = tables_[row(seq) + j];
         TRIATTN_EXPECTS(allocator_.ref_count(b) == 1,
@@ -636,11 +670,11 @@ class KvCache {
                             " shares with another sequence; shared prefix blocks must stay untouched");
       }
     }
-    if (plan.keep < len && plan.keep % config_.block_size != 0) {
-      const int j = (plan.keep - 1) / config_.block_size;
+    if (keep < len && keep % config_.block_size != 0) {
+      const int j = (keep - 1) / config_.block_size;
       const index_type b = tables_[row(seq) + static_cast<std::size_t>(j)];
       TRIATTN_EXPECTS(allocator_.ref_count(b) == 1,
-                      std::string(op) + ": keeping " + std::to_string(plan.keep) + " of " + std::to_string(len) +
+                      std::string(op) + ": keeping " + std::to_string(keep) + " of " + std::to_string(len) +
                           " tokens would leave block " + std::to_string(b) + " (slots from " +
                           std::to_string(j * config_.block_size) + "), which sequence " + std::to_string(seq) +
                           " shares with another sequence, partly filled: the next append would rewrite it (keep a "
@@ -648,35 +682,79 @@ class KvCache {
     }
   }
 
-  // apply_keep_plan after check_keep_plan passed: compaction, tail blocks, prompt and positions.
+  // apply_keep_plan after check_keep_plan passed: compaction, positions (when tracked), then the
+  // length, tail blocks and prompt state.
   void commit_keep_plan(SeqId seq, const KeepPlan& plan, bool compact = true) {
     SeqState& s = state(seq, "apply_keep_plan");
     const int len = lens_[idx(seq)];
-    const int first_changed = first_moved_slot(plan);
+    const int first_changed = plan.first_moved();
     if (first_changed < plan.keep && compact) {
       dispatch_dtype([&](auto tag) {
         using T = typename decltype(tag)::type;
         compactor_.apply(view<T>(), seq, plan);
       });
     }
-    if (first_changed < plan.keep || !s.positions.empty()) {
-      materialise_positions(s, len);
-      const std::size_t R = position_rows();
-      std::vector<std::int32_t> moved(static_cast<std::size_t>(plan.keep) * R);
+    if (config_.track_positions) {
+      const std::size_t keep = static_cast<std::size_t>(plan.keep);
+      moved_.resize(keep * position_rows());
       for (int l = 0; l < plan.num_layers; ++l)
         for (int h = 0; h < plan.num_kv_heads; ++h) {
           const std::size_t c = static_cast<std::size_t>(l) * plan.num_kv_heads + h;
           const std::int32_t* r = plan.row(l, h);
-          for (int i = 0; i < plan.keep; ++i) moved[i * R + c] = s.positions[static_cast<std::size_t>(r[i]) * R + c];
+          std::int32_t* dst = moved_.data() + c * keep;
+          for (std::size_t i = 0; i < keep; ++i) dst[i] = position_of(s, len, r[i], c);
         }
-      s.positions = std::move(moved);
+      s.positions.swap(moved_);
+      s.positions_len = plan.keep;
     }
-    shrink_to(seq, plan.keep);
-    s.prompt_len = std::min(s.prompt_len, first_changed);
-    s.in_place = std::min({s.in_place, first_changed, plan.keep});
+    set_kept(seq, plan.keep, first_changed);
   }
 
-  // commit_keep_plan plus the report (kept positions in `rows` rows, kept_row_source).
+  // The bookkeeping of a compaction to `keep` slots that moved slots from `first_changed` on.
+  void set_kept(SeqId seq, int keep, int first_changed) {
+    SeqState& s = seqs_[idx(seq)];
+    shrink_to(seq, keep);
+    s.prompt_len = std::min(s.prompt_len, first_changed);
+    s.in_place = std::min({s.in_place, first_changed, keep});
+  }
+
+  CompressionReport unchanged_report(SeqId seq, RoundStatus status) const {
+    CompressionReport r;
+    r.seq = seq;
+    r.length_before = r.length_after = lens_[idx(seq)];
+    r.status = status;
+    return r;
+  }
+
+  // A device round's commit without kept slots (positions not tracked): lengths and blocks only.
+  CompressionReport commit_counts(SeqId seq, int keep, int first_changed) {
+    CompressionReport rep;
+    rep.seq = seq;
+    rep.length_before = lens_[idx(seq)];
+    rep.blocks_freed = num_blocks_of(seq);
+    set_kept(seq, keep, first_changed);
+    rep.length_after = keep;
+    rep.blocks_freed -= num_blocks_of(seq);
+    return rep;
+  }
+
+  // True when every (layer, KV head) pair holds the positions of the row of a `rows`-row report
+  // that stands for it (kept_row_source).
+  bool rows_agree(const SeqState& s, int len, int rows) const noexcept {
+    const int L = config_.model.num_layers, H = config_.model.num_kv_heads;
+    for (int l = 0; l < L; ++l)
+      for (int h = 0; h < H; ++h) {
+        const std::size_t c = static_cast<std::size_t>(l) * H + h;
+        const std::size_t rep_c = rows == 1 ? 0 : static_cast<std::size_t>(h);
+        if (c == rep_c) continue;
+        for (int i = 0; i < len; ++i)
+          if (position_of(s, len, i, c) != position_of(s, len, i, rep_c)) return false;
+      }
+    return true;
+  }
+
+  // commit_keep_plan plus the report (with tracked positions: kept positions in `rows` rows,
+  // kept_row_source).
   CompressionReport commit_with_report(SeqId seq, const KeepPlan& plan, int rows, bool compact = false) {
     CompressionReport rep;
     rep.seq = seq;
@@ -685,28 +763,42 @@ class KvCache {
     commit_keep_plan(seq, plan, compact);
     rep.length_after = lens_[idx(seq)];
     rep.blocks_freed -= num_blocks_of(seq);
+    if (!config_.track_positions) return rep;
+    const SeqState& s = seqs_[idx(seq)];
+    // A row standing for several (layer, KV head) pairs is exact only while they all hold the
+    // same positions (plans applied through apply_keep_plan may differ per layer): else report all.
+    if (rows != static_cast<int>(position_rows()) && !rows_agree(s, rep.length_after, rows))
+      rows = static_cast<int>(position_rows());
+    rep.has_positions = true;
     rep.kept_rows = rows;
     rep.kept_positions.resize(static_cast<std::size_t>(rows) * static_cast<std::size_t>(rep.length_after));
-    const SeqState& s = seqs_[idx(seq)];
-    const std::size_t R = position_rows();
     for (int r = 0; r < rows; ++r) {
       int l = 0, h = 0;
       kept_row_source(r, rows, config_.model.num_kv_heads, &l, &h);
       const std::size_t c = static_cast<std::size_t>(l) * config_.model.num_kv_heads + h;
       for (int i = 0; i < rep.length_after; ++i)
-        rep.kept_positions[static_cast<std::size_t>(r) * rep.length_after + i] =
-            s.positions.empty() ? i : s.positions[static_cast<std::size_t>(i) * R + c];
+        rep.kept_positions[static_cast<std::size_t>(r) * rep.length_after + i] = position_of(s, rep.length_after, i, c);
     }
     return rep;
   }
 
   // Every id valid and active, none twice.
+  // Steady state allocates nothing: one reused mark per slot, cleared again before returning.
   void check_batch_ids(std::span<const SeqId> seqs, const char* op) const {
-    std::vector<std::uint8_t> seen(static_cast<std::size_t>(config_.max_seqs), 0);
-    for (SeqId q : seqs) {
-      (void)state(q, op);
-      TRIATTN_EXPECTS(!seen[idx(q)]++, std::string(op) + ": sequence " + std::to_string(q) + " appears twice");
+    seen_.resize(static_cast<std::size_t>(config_.max_seqs), 0);
+    std::size_t marked = 0;
+    try {
+      for (; marked < seqs.size(); ++marked) {
+        const SeqId q = seqs[marked];
+        (void)state(q, op);
+        TRIATTN_EXPECTS(!seen_[idx(q)], std::string(op) + ": sequence " + std::to_string(q) + " appears twice");
+        seen_[idx(q)] = 1;
+      }
+    } catch (...) {
+      for (std::size_t i = 0; i < marked; ++i) seen_[idx(seqs[i])] = 0;
+      throw;
     }
+    for (SeqId q : seqs) seen_[idx(q)] = 0;
   }
 
   // The round of compress / compress_if_needed: ids checked, then every plan computed and
@@ -750,11 +842,7 @@ class KvCache {
     done.reserve(planned.size());
     for (Planned& p : planned) {
       if (p.status != RoundStatus::kCompressed) {
-        CompressionReport r;
-        r.seq = p.seq;
-        r.length_before = r.length_after = lens_[idx(p.seq)];
-        r.status = p.status;
-        done.push_back(std::move(r));
+        done.push_back(unchanged_report(p.seq, p.status));
         continue;
       }
       done.push_back(commit_with_report(p.seq, p.plan, rows, true));
@@ -844,6 +932,9 @@ class KvCache {
   LiveFlag live_;
   std::vector<float> scores_;           // [L, Hq, len] scratch of compress()
   std::vector<index_type> fresh_;       // blocks allocated by one extend()
+  std::vector<KeepPlan> plans_;         // commit_round's plans (tracked positions only)
+  std::vector<std::int32_t> moved_;     // positions after a compaction (tracked positions only)
+  mutable std::vector<std::uint8_t> seen_;  // check_batch_ids' marks, all zero between calls
 };
 
 }  // namespace triattn

@@ -118,6 +118,10 @@ struct RoundOutputs {
   std::int32_t* freed_begin = nullptr;  ///< [batch] ceil(new_len / block_size)
   std::int32_t* freed_end = nullptr;    ///< [batch] ceil(old_len / block_size): table columns
                                         ///< [freed_begin, freed_end) hold blocks no longer used
+  /// Optional [batch]: first slot the round moved in any (layer, KV head) row; new_len when it
+  /// moved none, the old length unless kCompressed. Slots below it still hold what they held
+  /// (KvCache::commit_round needs it, or kept, to know which leading tokens stayed in place).
+  std::int32_t* first_moved = nullptr;
   /// Optional [batch, kept_rows, max_keep]: kept[b, r, i] = original logical position of the token
   /// slot i of row r holds after the round, i < new_len[b] (entries past new_len are not written).
   /// Written for kCompressed sequences only. Null: not reported.
@@ -135,13 +139,13 @@ static_assert(std::is_trivially_copyable_v<RoundOutputs>);
 /// Host-owned output arrays of a round for `batch` sequences (the CPU path, or the host copy of a
 /// device round's outputs). kept is allocated when kept_rows > 0.
 struct RoundResult {
-  std::vector<std::int32_t> new_lens, status, freed_begin, freed_end, kept;
+  std::vector<std::int32_t> new_lens, status, freed_begin, freed_end, first_moved, kept;
   int kept_rows = 0;
   int max_keep = 0;
 
   explicit RoundResult(int batch, int rows = 0, int max_keep_count = 0)
       : new_lens(static_cast<std::size_t>(batch > 0 ? batch : 0)), status(new_lens.size()),
-        freed_begin(new_lens.size()), freed_end(new_lens.size()),
+        freed_begin(new_lens.size()), freed_end(new_lens.size()), first_moved(new_lens.size()),
         kept(rows > 0 && max_keep_count > 0 ? new_lens.size() * static_cast<std::size_t>(rows) *
                                                   static_cast<std::size_t>(max_keep_count)
                                             : 0),
@@ -154,6 +158,7 @@ struct RoundResult {
     o.status = status.data();
     o.freed_begin = freed_begin.data();
     o.freed_end = freed_end.data();
+    o.first_moved = first_moved.data();
     o.kept = kept.empty() ? nullptr : kept.data();
     o.kept_rows = kept_rows;
     o.max_keep = max_keep;
@@ -333,8 +338,8 @@ RoundStatus plan_round_one(const KvCacheView<T, Id>& view, Scorer& scorer, Selec
   return RoundStatus::kCompressed;
 }
 
-/// Writes the outputs of batch entry b: lengths, status, freed columns, and (kCompressed with
-/// out.kept set) the kept positions of every kept row.
+/// Writes the outputs of batch entry b: lengths, status, freed columns, the first moved slot
+/// (when asked for), and (kCompressed with out.kept set) the kept positions of every kept row.
 inline void write_round_outputs(const RoundOutputs& out, int b, int block_size, int num_kv_heads, int old_len,
                                 RoundStatus status, const KeepPlan* plan) {
   const int new_len = status == RoundStatus::kCompressed ? plan->keep : old_len;
@@ -342,6 +347,8 @@ inline void write_round_outputs(const RoundOutputs& out, int b, int block_size, 
   out.status[b] = static_cast<std::int32_t>(status);
   out.freed_begin[b] = static_cast<std::int32_t>(triattn::detail::ceil_div(new_len, block_size));
   out.freed_end[b] = static_cast<std::int32_t>(triattn::detail::ceil_div(old_len, block_size));
+  if (out.first_moved != nullptr)
+    out.first_moved[b] = status == RoundStatus::kCompressed ? plan->first_moved() : old_len;
   if (status != RoundStatus::kCompressed || out.kept == nullptr) return;
   for (int r = 0; r < out.kept_rows; ++r) {
     int l = 0, h = 0;

@@ -75,15 +75,17 @@ template <class T, class Cache>
 ///
 /// compress_if_needed(seqs, stream) launches one cuda::paged_round on `stream` for the sequences
 /// of `seqs` whose trigger fired and records an event behind it; it does not wait. The cache's
-/// block tables, lengths, positions and freed blocks are updated by poll() (when the event has
-/// completed; no wait) or wait() (waits for it). Until then the launched sequences are in flight:
+/// block tables, lengths, prompt state and freed blocks are updated by poll() (when the event has
+/// completed; no wait) or wait() (waits for it): a few integers per sequence come back, and the
+/// commit is O(batch + blocks freed). With CacheConfig::track_positions the round also brings back
+/// every row's kept slots and the cache maps the positions (O(kept slots) on the host). Until then the launched sequences are in flight:
 /// the engine must not extend, fork or release them (in_flight(seq) tells), nothing else changes,
 /// and their tail blocks stay allocated, so no block is reused while a kernel may touch it.
 /// Other sequences may be extended meanwhile (their appends publish tables the round does not read
 /// after it started). One round is in flight at a time: compress_if_needed first polls and, while
 /// the previous round is still running, launches nothing (the trigger fires again next step).
-/// Steady state allocates nothing: device and pinned buffers grow to the largest round seen
-/// (reserve() sizes them up front). A sequence with non-finite scores is reported kNonFinite and
+/// Steady state allocates nothing, on the device or the host: buffers grow to the largest round
+/// seen (reserve() sizes them up front), and the reports returned by reference are reused. A sequence with non-finite scores is reported kNonFinite and
 /// left unchanged (NonFinitePolicy::kRefuse).
 template <class Cache>
 class DeviceRounds {
@@ -110,16 +112,17 @@ class DeviceRounds {
 
   /// Commits a finished round (no wait), then launches a round for the due sequences of `seqs`
   /// unless one is still running. Returns the reports of the round committed by this call (empty
-  /// when none was). @throws logic_error (nothing launched) on a bad, inactive, duplicate or
-  /// in-flight id, or when a round could rewrite a shared block that is not part of the
-  /// sequence's leading shared prefix.
-  std::vector<CompressionReport> compress_if_needed(std::span<const SeqId> seqs, cudaStream_t stream) {
-    std::vector<CompressionReport> done = poll();
+  /// when none was), one per sequence of that round; valid until the next call of this object.
+  /// @throws logic_error (nothing launched) on a bad, inactive, duplicate or in-flight id, or
+  /// when a round could rewrite a shared block that is not part of the sequence's leading shared
+  /// prefix.
+  const std::vector<CompressionReport>& compress_if_needed(std::span<const SeqId> seqs, cudaStream_t stream) {
+    const std::vector<CompressionReport>& done = poll();
     if (pending_) return done;
-    std::vector<SeqId> due;
+    due_.clear();
     for (SeqId s : seqs)
-      if (cache_->needs_compression(s)) due.push_back(s);
-    launch(due, stream);
+      if (cache_->needs_compression(s)) due_.push_back(s);
+    launch(due_, stream);
     return done;
   }
 
@@ -132,10 +135,10 @@ class DeviceRounds {
     const SelectionParams& sp = cache_->selector().params();
     const int batch = static_cast<int>(seqs.size());
     int max_len = 1, max_keep = 1;
-    std::vector<std::uint8_t> seen(static_cast<std::size_t>(cfg.max_seqs), 0);
+    seen_.assign(static_cast<std::size_t>(cfg.max_seqs), 0);  // no allocation once sized
     for (SeqId s : seqs) {
       const int len = cache_->physical_length(s);  // throws on a bad or inactive id
-      TRIATTN_EXPECTS(!seen[static_cast<std::size_t>(s)]++,
+      TRIATTN_EXPECTS(!seen_[static_cast<std::size_t>(s)]++,
                       "DeviceRounds::launch: sequence " + std::to_string(s) + " appears twice");
       const int prompt = cache_->prompt_length(s);
       const KeepCounts kc = keep_counts_unchecked(len, prompt, sp, cache_->shared_prefix(s));
@@ -151,7 +154,7 @@ class DeviceRounds {
       max_keep = std::max(max_keep, kc.keep);
     }
     ensure(batch, max_len, max_keep);
-    const int rows = kept_rows(sp.mode, cfg.model.num_layers, cfg.model.num_kv_heads);
+    const int rows = kept_row_count();
     const Layout lay = layout(batch, rows, max_keep);
     char* h = static_cast<char*>(host_);
     char* d = static_cast<char*>(dev_);
@@ -192,15 +195,11 @@ class DeviceRounds {
                     ws_, ws_bytes, stream);
       }
     };
-    switch (cfg.dtype) {
-      case DType::kF32: run(std::type_identity<float>{}); break;
-      case DType::kF16: run(std::type_identity<f16_storage>{}); break;
-      case DType::kBF16: run(std::type_identity<bf16_storage>{}); break;
-    }
+    triattn::dispatch_dtype(cfg.dtype, run);
     TRIATTN_CUDA_TRY(cudaMemcpyAsync(h + lay.outputs, d + lay.outputs, lay.total - lay.outputs, cudaMemcpyDeviceToHost,
                                      stream));
     TRIATTN_CUDA_TRY(cudaEventRecord(event_, stream));
-    in_flight_.assign(seqs.begin(), seqs.end());
+    in_flight_.assign(seqs.begin(), seqs.end());  // reuses its capacity
     batch_ = batch;
     rows_ = rows;
     max_keep_ = max_keep;
@@ -209,25 +208,28 @@ class DeviceRounds {
   }
 
   /// Commits the round in flight if its event has completed (no wait): updates the cache and
-  /// publishes its tables on the round's stream. Returns its reports (empty if none was committed).
-  std::vector<CompressionReport> poll() {
-    if (!pending_) return {};
+  /// publishes its tables on the round's stream. Returns its reports (empty if none was
+  /// committed), valid until the next call of this object.
+  const std::vector<CompressionReport>& poll() {
+    reports_.clear();
+    if (!pending_) return reports_;
     const cudaError_t e = cudaEventQuery(event_);
-    if (e == cudaErrorNotReady) return {};
+    if (e == cudaErrorNotReady) return reports_;
     TRIATTN_CUDA_TRY(e);
     return commit();
   }
 
-  /// Waits for the round in flight (if any) and commits it.
-  std::vector<CompressionReport> wait() {
-    if (!pending_) return {};
+  /// Waits for the round in flight (if any) and commits it. Reports as poll().
+  const std::vector<CompressionReport>& wait() {
+    reports_.clear();
+    if (!pending_) return reports_;
     TRIATTN_CUDA_TRY(cudaEventSynchronize(event_));
     return commit();
   }
 
   /// compress_if_needed, then wait(): the reports of the round this call launched (simple
   /// generation loops that extend every sequence on the next step anyway).
-  std::vector<CompressionReport> compress_if_needed_and_wait(std::span<const SeqId> seqs, cudaStream_t stream) {
+  const std::vector<CompressionReport>& compress_if_needed_and_wait(std::span<const SeqId> seqs, cudaStream_t stream) {
     (void)wait();
     (void)compress_if_needed(seqs, stream);
     return wait();
@@ -237,8 +239,12 @@ class DeviceRounds {
   [[nodiscard]] std::span<const SeqId> last_seqs() const noexcept { return last_seqs_; }
   /// The keep plan (pre-round slots) entry b of the last committed round applied; an empty
   /// KeepPlan (no layers) when it was not compressed (its report's status says why). Valid until
-  /// the next launch.
+  /// the next launch. @throws logic_error unless the cache tracks positions (the kept slots only
+  /// come back then).
   [[nodiscard]] KeepPlan last_plan(std::size_t b) const {
+    TRIATTN_EXPECTS(cache_->config().track_positions,
+                    "DeviceRounds::last_plan: the kept slots come back only when the cache tracks positions "
+                    "(CacheConfig::track_positions)");
     TRIATTN_EXPECTS(!pending_ && b < last_seqs_.size(), "DeviceRounds::last_plan: entry " + std::to_string(b) +
                                                             " of the last committed round does not exist");
     const ModelGeometry& g = cache_->config().model;
@@ -263,8 +269,15 @@ class DeviceRounds {
 
  private:
   struct Layout {
-    std::size_t ids, t0, prompts, shared, inputs, outputs, new_lens, status, fb, fe, kept, total;
+    std::size_t ids, t0, prompts, shared, inputs, outputs, new_lens, status, fb, fe, fm, kept, total;
   };
+  // Rows of kept slots a round brings back: none unless the cache tracks positions.
+  [[nodiscard]] int kept_row_count() const {
+    const CacheConfig& cfg = cache_->config();
+    return cfg.track_positions
+               ? kept_rows(cache_->selector().params().mode, cfg.model.num_layers, cfg.model.num_kv_heads)
+               : 0;
+  }
   static std::size_t up(std::size_t x) noexcept { return (x + 255) / 256 * 256; }
   static Layout layout(int batch, int rows, int max_keep) noexcept {
     const std::size_t B = static_cast<std::size_t>(batch);
@@ -279,7 +292,8 @@ class DeviceRounds {
     l.status = l.new_lens + up(B * 4);
     l.fb = l.status + up(B * 4);
     l.fe = l.fb + up(B * 4);
-    l.kept = l.fe + up(B * 4);
+    l.fm = l.fe + up(B * 4);
+    l.kept = l.fm + up(B * 4);
     l.total = l.kept + up(B * static_cast<std::size_t>(rows) * static_cast<std::size_t>(max_keep) * 4);
     return l;
   }
@@ -290,7 +304,8 @@ class DeviceRounds {
     o.status = reinterpret_cast<std::int32_t*>(base + l.status);
     o.freed_begin = reinterpret_cast<std::int32_t*>(base + l.fb);
     o.freed_end = reinterpret_cast<std::int32_t*>(base + l.fe);
-    o.kept = reinterpret_cast<std::int32_t*>(base + l.kept);
+    o.first_moved = reinterpret_cast<std::int32_t*>(base + l.fm);
+    o.kept = rows > 0 ? reinterpret_cast<std::int32_t*>(base + l.kept) : nullptr;
     o.kept_rows = rows;
     o.max_keep = max_keep;
     return o;
@@ -300,7 +315,7 @@ class DeviceRounds {
   void ensure(int batch, int max_len, int max_keep) {
     const CacheConfig& cfg = cache_->config();
     const SelectionParams& sp = cache_->selector().params();
-    const int rows = kept_rows(sp.mode, cfg.model.num_layers, cfg.model.num_kv_heads);
+    const int rows = kept_row_count();
     const std::size_t io = layout(batch, rows, max_keep).total;
     const std::size_t ws = paged_round_workspace_size(
         RoundShape{cfg.model.num_layers, cfg.model.num_q_heads, cfg.model.num_kv_heads}, sp.mode, batch, max_len,
@@ -324,30 +339,16 @@ class DeviceRounds {
     }
   }
 
-  std::vector<CompressionReport> commit() {
+  // Applies the downloaded outputs to the cache (O(batch + blocks freed) without positions).
+  const std::vector<CompressionReport>& commit() {
     const Layout lay = layout(batch_, rows_, max_keep_);
     const RoundOutputs out = outputs(static_cast<char*>(host_), lay, batch_, rows_, max_keep_);
     pending_ = false;
-    last_seqs_ = std::move(in_flight_);
+    last_seqs_.swap(in_flight_);  // both keep their capacity
     in_flight_.clear();
-    const std::vector<SeqId>& seqs = last_seqs_;
-    std::vector<CompressionReport> compressed = cache_->commit_round(seqs, out);
-    std::vector<CompressionReport> done;
-    done.reserve(seqs.size());
-    std::size_t next = 0;
-    for (std::size_t b = 0; b < seqs.size(); ++b) {
-      if (out.status[b] == static_cast<std::int32_t>(RoundStatus::kCompressed)) {
-        done.push_back(std::move(compressed[next++]));
-        continue;
-      }
-      CompressionReport r;
-      r.seq = seqs[b];
-      r.length_before = r.length_after = cache_->physical_length(seqs[b]);
-      r.status = static_cast<RoundStatus>(out.status[b]);
-      done.push_back(std::move(r));
-    }
+    cache_->commit_round(last_seqs_, out, reports_);
     publish(*cache_, stream_);
-    return done;
+    return reports_;
   }
 
   Cache* cache_;
@@ -359,7 +360,9 @@ class DeviceRounds {
   cudaEvent_t event_ = nullptr;
   cudaStream_t stream_ = nullptr;
   bool pending_ = false;
-  std::vector<SeqId> in_flight_, last_seqs_;
+  std::vector<SeqId> in_flight_, last_seqs_, due_;
+  std::vector<std::uint8_t> seen_;
+  std::vector<CompressionReport> reports_;
   int batch_ = 0, rows_ = 0, max_keep_ = 0;
 };
 

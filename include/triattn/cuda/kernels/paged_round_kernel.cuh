@@ -3,13 +3,15 @@
 //   paged_round_prologue_kernel  which sequences take part (RoundTrigger) -> effective lengths
 //   nonfinite_scan_kernel        flags sequences with a non-finite raw score in a selectable range
 //                                (only without normalisation: row_stats' mean shows it otherwise)
-//   paged_round_outputs_kernel   per-sequence status, new length, freed table columns, kept
-//                                logical positions, and the keep counts compaction acts on
+//   paged_round_outputs_kernel   per-sequence status, new length, freed table columns, first
+//                                moved slot, kept logical positions, and the keep counts
+//                                compaction acts on
 #pragma once
 
 #include <cstdint>
 #include <type_traits>
 
+#include <triattn/core/keep_plan.hpp>
 #include <triattn/core/kv_view.hpp>
 #include <triattn/core/paged_round.hpp>
 #include <triattn/cuda/config.cuh>
@@ -130,6 +132,22 @@ __global__ void paged_round_outputs_kernel(const Id* __restrict__ seq_lens, int 
   else if (keep < 0 || (out.kept != nullptr && keep > out.max_keep)) status = RoundStatus::kNoRoom;
   const bool done = status == RoundStatus::kCompressed;
   const int new_len = done ? keep : len;
+  if (blockIdx.y == 0 && out.first_moved != nullptr) {  // uniform per CTA: the barriers are safe
+    __shared__ int first;
+    if (threadIdx.x == 0) first = new_len;
+    __syncthreads();
+    if (done) {  // binary search per (layer, KV head) row of the plan
+      int mine = new_len;
+      const int rows = p.num_layers * p.num_kv_heads;
+      for (int r = static_cast<int>(threadIdx.x); r < rows; r += static_cast<int>(blockDim.x)) {
+        const int f = first_moved_slot(s.plan_kept + (static_cast<long long>(b) * rows + r) * p.plan_capacity, keep);
+        mine = f < mine ? f : mine;
+      }
+      atomicMin(&first, mine);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) out.first_moved[b] = first;
+  }
   if (blockIdx.y == 0 && threadIdx.x == 0) {
     out.status[b] = static_cast<std::int32_t>(status);
     out.new_lens[b] = new_len;
