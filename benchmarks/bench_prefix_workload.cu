@@ -23,11 +23,14 @@
 // KV pages, tables and the rounds' workspaces), peak_ledger_GiB (the VMM ledger's mapped KV bytes,
 // = bench_ref_prefix_workload's number; static pool: the blocks held), prefill_tokens, hit_tokens, rounds, rounds_ms (the
 // launches' stream time: device score, select, compact), commit_ms (host time of committing the
-// rounds' results into the cache; round_calls, max_round_call_ms: the calls, most of which launch nothing),
+// rounds' results into the cache), launch_host_ms (host time of the compress_if_needed calls that
+// launch them); round_calls, max_round_call_ms: the calls (most launch nothing) and the longest
+// host time one of them held the engine (its launch plus its commit; the device time is rounds_ms),
 // tok_s_0 / tok_s_2048 / tok_s_4080 (decode tokens per second of each window; captures_W /
 // replays_W: CUDA graphs the backend captured / replayed in window W; step_ms_W: time per step,
 // step_host_ms_W: the host's share, DeviceDecoder::step until it returns),
-// device_used_GiB (peak of cudaMemGetInfo's used bytes, weights included). A configuration that
+// device_used_GiB (peak of cudaMemGetInfo's used bytes, weights included), wall_s (the workload's
+// wall time from the cache's creation, prefill and decode, on the host clock). A configuration that
 // does not fit in device memory ends as an error row saying where it stopped.
 // Run: build/benchmarks/bench_prefix_workload (about a minute on an H100/H200)
 #include <benchmark/benchmark.h>
@@ -113,10 +116,11 @@ void run_workload(benchmark::State& state, bool sharing, bool compress, AllocKin
                   triattn::cuda::TriAttentionDeviceScorer(stats, rope, triattn::ScoringParams{}, c.n_kv_heads, stream),
                   triattn::TopKSelector(sel));
       triattn::cuda::DeviceRounds<Cache> rounds(cache);
+      const auto wall0 = std::chrono::steady_clock::now();
       auto& mem = cache.allocator();
       std::size_t peak_used = used0, peak_ledger = 0;
       std::int64_t prefill = 0, hit = 0, n_rounds = 0;
-      double rounds_ms = 0.0, commit_ms = 0.0, max_call_ms = 0.0;
+      double rounds_ms = 0.0, commit_ms = 0.0, launch_host_ms = 0.0, max_call_ms = 0.0;
       std::int64_t round_calls = 0;
       int generated = 0;
       std::string where = "prefill";
@@ -153,14 +157,21 @@ void run_workload(benchmark::State& state, bool sharing, bool compress, AllocKin
       };
       auto run_rounds = [&](std::span<const SeqId> seqs) {
         if (!compress) return;
-        // Launch (device score, select, compact) timed on the stream, then the host's commit.
-        const double t = timed([&] { (void)rounds.compress_if_needed(seqs, stream); });
+        // Launch (device score, select, compact) timed on the stream and on the host, then the
+        // host's commit (the round's event has completed by then: timed() synchronised behind it).
+        double launch_host = 0.0;
+        const double t = timed([&] {
+          const auto l0 = std::chrono::steady_clock::now();
+          (void)rounds.compress_if_needed(seqs, stream);
+          launch_host = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - l0).count();
+        });
         const auto h0 = std::chrono::steady_clock::now();
         n_rounds += static_cast<std::int64_t>(rounds.wait().size());
         const double commit = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - h0).count();
         rounds_ms += t;
         commit_ms += commit;
-        max_call_ms = std::max(max_call_ms, t + commit);
+        launch_host_ms += launch_host;
+        max_call_ms = std::max(max_call_ms, launch_host + commit);
         ++round_calls;
       };
 
@@ -228,6 +239,7 @@ void run_workload(benchmark::State& state, bool sharing, bool compress, AllocKin
       }
       cudaEventDestroy(e0);
       cudaEventDestroy(e1);
+      state.counters["wall_s"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall0).count();
       state.counters["peak_kv_GiB"] = static_cast<double>(peak_used - used0) / kGiB;
       state.counters["peak_ledger_GiB"] = static_cast<double>(peak_ledger) / kGiB;
       state.counters["device_used_GiB"] = static_cast<double>(peak_used) / kGiB;
@@ -236,6 +248,7 @@ void run_workload(benchmark::State& state, bool sharing, bool compress, AllocKin
       state.counters["rounds"] = static_cast<double>(n_rounds);
       state.counters["rounds_ms"] = rounds_ms;
       state.counters["commit_ms"] = commit_ms;
+      state.counters["launch_host_ms"] = launch_host_ms;
       state.counters["round_calls"] = static_cast<double>(round_calls);
       state.counters["max_round_call_ms"] = max_call_ms;
       state.counters["tok_s_0"] = tok_s[0];

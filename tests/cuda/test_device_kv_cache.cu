@@ -48,6 +48,7 @@ CacheConfig make_config(DType dtype, KvLayout layout) {
   cfg.max_blocks_per_seq = 30;
   cfg.layout = layout;
   cfg.dtype = dtype;
+  cfg.track_positions = true;  // rounds.last_plan: the kept slots come back
   return cfg;
 }
 
@@ -322,6 +323,7 @@ TEST_SUITE("gpu") {
     cfg.max_seqs = 4;
     cfg.max_blocks_per_seq = 12;
     cfg.dtype = DType::kBF16;
+    cfg.track_positions = true;  // rounds.last_plan: the kept slots come back
     for (PruningMode mode : {PruningMode::kPerHead, PruningMode::kUnion}) {
       CAPTURE(to_string(mode));
       SelectionParams sp;

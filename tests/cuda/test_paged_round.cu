@@ -185,20 +185,24 @@ struct Arena {
 template <class T>
 struct Outputs {
   int batch, rows, max_keep;
-  std::vector<std::int32_t> new_lens, status, fb, fe, kept;
-  test::DeviceBuffer<std::int32_t> d_new_lens, d_status, d_fb, d_fe, d_kept;
+  std::vector<std::int32_t> new_lens, status, fb, fe, fm, kept;
+  test::DeviceBuffer<std::int32_t> d_new_lens, d_status, d_fb, d_fe, d_fm, d_kept;
   Outputs(int b, int r, int mk)
-      : batch(b), rows(r), max_keep(mk), new_lens(b, -7), status(b, -7), fb(b, -7), fe(b, -7),
-        kept(static_cast<std::size_t>(b) * r * mk, -7), d_new_lens(b), d_status(b), d_fb(b), d_fe(b),
+      : batch(b), rows(r), max_keep(mk), new_lens(b, -7), status(b, -7), fb(b, -7), fe(b, -7), fm(b, -7),
+        kept(static_cast<std::size_t>(b) * r * mk, -7), d_new_lens(b), d_status(b), d_fb(b), d_fe(b), d_fm(b),
         d_kept(static_cast<std::size_t>(b) * r * mk) {}
   RoundOutputs host(const std::int32_t* pos, std::int64_t stride) {
-    return {new_lens.data(), status.data(), fb.data(), fe.data(), kept.data(), rows, max_keep, pos, stride};
+    RoundOutputs o{new_lens.data(), status.data(), fb.data(), fe.data(), kept.data(), rows, max_keep, pos, stride};
+    o.first_moved = fm.data();
+    return o;
   }
   RoundOutputs device(const std::int32_t* pos, std::int64_t stride) const {
-    return {d_new_lens.get(), d_status.get(), d_fb.get(), d_fe.get(), d_kept.get(), rows, max_keep, pos, stride};
+    RoundOutputs o{d_new_lens.get(), d_status.get(), d_fb.get(), d_fe.get(), d_kept.get(), rows, max_keep, pos, stride};
+    o.first_moved = d_fm.get();
+    return o;
   }
   void poison_device() {
-    for (auto* b : {&d_new_lens, &d_status, &d_fb, &d_fe, &d_kept}) b->poison();
+    for (auto* b : {&d_new_lens, &d_status, &d_fb, &d_fe, &d_fm, &d_kept}) b->poison();
   }
 };
 
@@ -332,7 +336,8 @@ void check_case(const Case& c, std::uint32_t seed, bool graph = false) {
                     ws_bytes, stream);
   TRIATTN_TEST_CUDA(cudaStreamSynchronize(stream));
   const std::vector<std::int32_t> g_new = out.d_new_lens.download(), g_status = out.d_status.download(),
-                                  g_fb = out.d_fb.download(), g_fe = out.d_fe.download(), g_kept = out.d_kept.download();
+                                  g_fb = out.d_fb.download(), g_fe = out.d_fe.download(), g_fm = out.d_fm.download(),
+                                  g_kept = out.d_kept.download();
   const std::vector<T> g_mem = arena.dev.download();
 
   if (graph) {  // the same round captured once and replayed on the original bytes: equal outputs
@@ -352,6 +357,7 @@ void check_case(const Case& c, std::uint32_t seed, bool graph = false) {
     test::require_bitwise_equal(out.d_status.download(), g_status, "graph status");
     test::require_bitwise_equal(out.d_fb.download(), g_fb, "graph freed_begin");
     test::require_bitwise_equal(out.d_fe.download(), g_fe, "graph freed_end");
+    test::require_bitwise_equal(out.d_fm.download(), g_fm, "graph first_moved");
     test::require_bitwise_equal(arena.dev.download(), g_mem, "graph compacted memory");
     std::vector<std::int32_t> gk = out.d_kept.download();
     for (int b = 0; b < batch; ++b)
@@ -362,6 +368,24 @@ void check_case(const Case& c, std::uint32_t seed, bool graph = false) {
         }
     TRIATTN_TEST_CUDA(cudaGraphExecDestroy(exec));
     TRIATTN_TEST_CUDA(cudaGraphDestroy(g));
+  }
+  {  // kept positions are optional: without them, the same lengths, first moved slots and bytes
+    arena.dev.upload(original);
+    out.poison_device();
+    d_ws.poison();
+    RoundOutputs lean = out.device(nullptr, 0);
+    lean.kept = nullptr;
+    lean.kept_rows = 0;
+    lean.max_keep = 0;
+    cuda::paged_round(dview, scorer.device_model(), c.sp, c.trigger, dbatch, lean, d_ws.get(), ws_bytes, stream);
+    TRIATTN_TEST_CUDA(cudaStreamSynchronize(stream));
+    test::require_bitwise_equal(out.d_new_lens.download(), g_new, "new_lens without kept");
+    test::require_bitwise_equal(out.d_status.download(), g_status, "status without kept");
+    test::require_bitwise_equal(out.d_fm.download(), g_fm, "first_moved without kept");
+    test::require_bitwise_equal(arena.dev.download(), g_mem, "compacted memory without kept");
+    const std::vector<std::int32_t> untouched = out.d_kept.download();
+    CHECK_MESSAGE(std::all_of(untouched.begin(), untouched.end(), [&](std::int32_t x) { return x == untouched[0]; }),
+                  "kept was written although it was not asked for");
   }
   TRIATTN_TEST_CUDA(cudaStreamDestroy(stream));
 
@@ -386,6 +410,7 @@ void check_case(const Case& c, std::uint32_t seed, bool graph = false) {
     CHECK_EQ(g_new[b], out.new_lens[b]);
     CHECK_EQ(g_fb[b], out.fb[b]);
     CHECK_EQ(g_fe[b], out.fe[b]);
+    CHECK_EQ(g_fm[b], out.fm[b]);
     if (b == c.nan_seq)
       CHECK_EQ(g_status[b], static_cast<int>(c.sp.nonfinite == NonFinitePolicy::kRefuse ? RoundStatus::kNonFinite
                                                                                         : RoundStatus::kCompressed));

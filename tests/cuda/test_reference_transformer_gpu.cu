@@ -413,7 +413,9 @@ TEST_CASE("TriAttention on the GPU: device rounds keep exactly what the CPU scor
     INFO("KV " << std::string(triattn::dtype_name(kv)));
     ex::CudaBackend be;
     ex::Model<ex::CudaBackend> model(w, be);
-    ex::GpuTriCache cache(cache_config(c, kBudget + kDivide + 48, 3, 16, kv), triattn::cuda::DeviceCompactor(be.stream()),
+    triattn::CacheConfig cfg = cache_config(c, kBudget + kDivide + 48, 3, 16, kv);
+    cfg.track_positions = true;  // device_rounds.last_plan: the kept slots come back
+    ex::GpuTriCache cache(cfg, triattn::cuda::DeviceCompactor(be.stream()),
                           triattn::cuda::TriAttentionDeviceScorer(stats, rope, triattn::ScoringParams{}, c.n_kv_heads, be.stream()),
                           triattn::TopKSelector(sel));
     triattn::TriAttentionScorer cpu_scorer(stats, rope, triattn::ScoringParams{}, c.n_kv_heads);

@@ -107,7 +107,10 @@ RankOut run_compressed(const Setup& su, ModelT& model, ex::CudaBackend& be, cons
   triattn::RopeConfig rope;
   rope.style = mc.rope_style;
   rope.theta = mc.rope_theta;
-  ex::GpuTriCache cache(cache_config(mc, 64 + su.sel.budget + su.sel.divide_length, static_cast<int>(su.prompts.size()), 16, su.kv),
+  triattn::CacheConfig cfg =
+      cache_config(mc, 64 + su.sel.budget + su.sel.divide_length, static_cast<int>(su.prompts.size()), 16, su.kv);
+  cfg.track_positions = true;  // rounds.last_plan: the kept slots come back
+  ex::GpuTriCache cache(cfg,
                         triattn::cuda::DeviceCompactor(be.stream()),
                         triattn::cuda::TriAttentionDeviceScorer(stats, rope, triattn::ScoringParams{}, mc.n_kv_heads, be.stream()),
                         triattn::TopKSelector(su.sel));

@@ -118,10 +118,6 @@ struct RoundOutputs {
   std::int32_t* freed_begin = nullptr;  ///< [batch] ceil(new_len / block_size)
   std::int32_t* freed_end = nullptr;    ///< [batch] ceil(old_len / block_size): table columns
                                         ///< [freed_begin, freed_end) hold blocks no longer used
-  /// Optional [batch]: first slot the round moved in any (layer, KV head) row; new_len when it
-  /// moved none, the old length unless kCompressed. Slots below it still hold what they held
-  /// (KvCache::commit_round needs it, or kept, to know which leading tokens stayed in place).
-  std::int32_t* first_moved = nullptr;
   /// Optional [batch, kept_rows, max_keep]: kept[b, r, i] = original logical position of the token
   /// slot i of row r holds after the round, i < new_len[b] (entries past new_len are not written).
   /// Written for kCompressed sequences only. Null: not reported.
@@ -133,6 +129,10 @@ struct RoundOutputs {
   /// holds position j (a sequence never compacted), and kept reports pre-round slots.
   const std::int32_t* slot_positions = nullptr;
   std::int64_t positions_stride = 0;  ///< >= batch.max_len when slot_positions is set
+  /// Optional [batch]: first slot the round moved in any (layer, KV head) row; new_len when it
+  /// moved none, the old length unless kCompressed. Slots below it still hold what they held
+  /// (KvCache::commit_round needs it, or kept, to know which leading tokens stayed in place).
+  std::int32_t* first_moved = nullptr;
 };
 static_assert(std::is_trivially_copyable_v<RoundOutputs>);
 
