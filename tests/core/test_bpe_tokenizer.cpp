@@ -15,12 +15,14 @@
 #include <vector>
 
 #include "common/reference_transformer_checks.hpp"
+#include "common/tokenizer_texts.hpp"
 
 #include "../../examples/reference_transformer/bpe_tokenizer.hpp"
 #include "../../examples/reference_transformer/gguf.hpp"
 #include "../../examples/reference_transformer/mini_json.hpp"
 
 namespace ex = triattn_example;
+using triattn::test::cjk_run;
 using triattn::test::data_file;
 
 namespace {
@@ -51,15 +53,6 @@ std::vector<std::string> quadratic_merge(const ex::BpeTokenizer& tok, std::strin
     sym.erase(sym.begin() + static_cast<std::ptrdiff_t>(best_at) + 1);
   }
   return sym;
-}
-
-/// `n` codepoints of CJK ideographs (U+4E00..U+9FFF, all \p{L}: one pre-tokenized word), seeded.
-std::string cjk_run(std::size_t n, std::uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_int_distribution<std::uint32_t> cp(0x4E00, 0x9FFF);
-  std::string s;
-  for (std::size_t i = 0; i < n; ++i) ex::unicode::append_utf8(s, cp(rng));
-  return s;
 }
 
 bool is_control(const ex::BpeTokenizer& tok, int id) { return tok.token_type(id) == ex::BpeTokenizer::kControl; }
