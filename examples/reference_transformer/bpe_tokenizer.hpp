@@ -8,17 +8,23 @@
 //      's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
 //      (llama.cpp's hand-written matcher, reproduced step by step);
 //   3. each piece's bytes are mapped to printable codepoints (GPT-2's bytes_to_unicode) and merged
-//      by BPE, lowest merge rank first (leftmost on ties); a final symbol missing from the
-//      vocabulary falls back to one token per byte.
+//      by BPE, lowest merge rank first (leftmost on ties), through a priority queue of adjacent
+//      pairs (O(n log n) in the piece's length); a final symbol missing from the vocabulary falls
+//      back to one token per byte, and a byte without a token is dropped and counted.
+// Chat prompts (encode_chat) take special tokens from the template only: the messages' text is
+// plain text even where it spells "<|im_end|>".
 // \p{L} / \p{N} are the Unicode general categories L* / N* (unicode_ranges.hpp); \s is White_Space.
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <string_view>
+#include <queue>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -188,46 +194,54 @@ class BpeTokenizer {
     return it == lookup_.end() ? -1 : it->second;
   }
 
+  /// Token ids and what could not be encoded.
+  struct Encoded {
+    std::vector<int> ids;
+    /// Bytes of the text that no token covers (not even a byte token: SmolLM2 lacks a few
+    /// control bytes and the bytes that never occur in UTF-8); they are left out of `ids`.
+    std::size_t dropped_bytes = 0;
+  };
+
   /// Token ids of `text` (no BOS is added; see add_bos()). With parse_special, control tokens
   /// written in the text ("<|im_start|>") become their ids; user-defined ones always do.
   [[nodiscard]] std::vector<int> encode(std::string_view text, bool parse_special = true) const {
-    // Fragments: raw text (id -1) or a special token.
-    struct Frag {
-      int id;
-      std::size_t begin, len;
-    };
+    return encode_counted(text, parse_special).ids;
+  }
+  /// encode() with the count of the bytes it had to drop.
+  [[nodiscard]] Encoded encode_counted(std::string_view text, bool parse_special = true) const {
     std::vector<Frag> frags{{-1, 0, text.size()}};
-    for (int sid : specials_) {
-      if (!parse_special && types_[static_cast<std::size_t>(sid)] != kUserDefined) continue;
-      const std::string& s = pieces_[static_cast<std::size_t>(sid)];
-      std::vector<Frag> next;
-      for (const Frag& fr : frags) {
-        if (fr.id >= 0) {
-          next.push_back(fr);
-          continue;
-        }
-        std::size_t at = fr.begin;
-        const std::size_t end = fr.begin + fr.len;
-        for (;;) {
-          const std::size_t hit = text.substr(0, end).find(s, at);
-          if (hit == std::string_view::npos) break;
-          if (hit > at) next.push_back({-1, at, hit - at});
-          next.push_back({sid, hit, s.size()});
-          at = hit + s.size();
-        }
-        if (at < end) next.push_back({-1, at, end - at});
-      }
-      frags.swap(next);
-    }
-    std::vector<int> out;
-    for (const Frag& fr : frags) {
-      if (fr.id >= 0) {
-        out.push_back(fr.id);
-        continue;
-      }
-      const std::string_view raw = text.substr(fr.begin, fr.len);
-      for (const std::string_view word : pre_tokenize(raw)) bpe_word(word, out);
-    }
+    split_specials(text, frags, parse_special);
+    return encode_frags(text, frags);
+  }
+
+  /// Token ids of chat_prompt(messages, add_generation_prompt) where only the template's
+  /// "<|im_start|>" / "<|im_end|>" are special tokens: the roles and contents are encoded as
+  /// encode(text, false) would, so a message that spells a control token cannot inject it.
+  /// Without those tokens in the vocabulary the markers are plain text too.
+  [[nodiscard]] Encoded encode_chat(std::span<const ChatMessage> messages, bool add_generation_prompt = true) const {
+    std::vector<Frag> frags;
+    const std::string text = render_chat(messages, add_generation_prompt, find(kImStart), find(kImEnd), &frags);
+    split_specials(text, frags, false);
+    return encode_frags(text, frags);
+  }
+
+  /// BPE rank of the merge "left right" (byte-level symbols), or -1 when there is none.
+  [[nodiscard]] int merge_rank(std::string_view left, std::string_view right) const {
+    std::string key;
+    key.reserve(left.size() + 1 + right.size());
+    key.append(left).append(1, ' ').append(right);
+    const auto it = ranks_.find(key);
+    return it == ranks_.end() ? -1 : it->second;
+  }
+
+  /// The byte-level symbols BPE merges one pre-tokenized piece into (before the lookup of their
+  /// ids), in order; their concatenation is the piece's bytes mapped by byte_symbol().
+  [[nodiscard]] std::vector<std::string> merge_symbols(std::string_view word) const {
+    std::string mapped;
+    std::vector<std::string> out;
+    const std::vector<Sym> sym = merge(word, mapped);
+    for (int i = sym.empty() ? -1 : 0; i >= 0; i = sym[static_cast<std::size_t>(i)].next)
+      out.push_back(mapped.substr(sym[static_cast<std::size_t>(i)].begin, sym[static_cast<std::size_t>(i)].len));
     return out;
   }
 
@@ -339,22 +353,103 @@ class BpeTokenizer {
   /// ChatML as SmolLM2's template writes it: "<|im_start|>role\ncontent<|im_end|>\n" per message,
   /// then "<|im_start|>assistant\n" when a reply is wanted. (The template also inserts a default
   /// system message when the first one is not "system"; pass one to get it.)
+  /// Encode it with encode_chat(), not encode(): encode() would parse control tokens that the
+  /// messages spell.
   [[nodiscard]] static std::string chat_prompt(std::span<const ChatMessage> messages, bool add_generation_prompt = true) {
-    std::string s;
-    for (const ChatMessage& m : messages) s += "<|im_start|>" + m.role + "\n" + m.content + "<|im_end|>\n";
-    if (add_generation_prompt) s += "<|im_start|>assistant\n";
-    return s;
+    return render_chat(messages, add_generation_prompt, -1, -1, nullptr);
   }
 
   /// GPT-2's bytes_to_unicode: the printable symbol byte `b` is written as (UTF-8).
-  [[nodiscard]] static std::string byte_symbol(std::uint8_t b) {
-    std::string s;
-    unicode::append_utf8(s, byte_codepoint(b));
-    return s;
+  [[nodiscard]] static const std::string& byte_symbol(std::uint8_t b) {
+    static const std::array<std::string, 256> table = [] {
+      std::array<std::string, 256> t;
+      for (int i = 0; i < 256; ++i) unicode::append_utf8(t[static_cast<std::size_t>(i)], byte_codepoint(static_cast<std::uint8_t>(i)));
+      return t;
+    }();
+    return table[b];
   }
 
  private:
   static constexpr std::uint32_t kOutOfRange = 0xFFFFFFFEu;
+  static constexpr std::string_view kImStart = "<|im_start|>", kImEnd = "<|im_end|>";
+
+  /// A piece of the text being encoded: raw text (id -1) or a special token.
+  struct Frag {
+    int id;
+    std::size_t begin, len;
+  };
+
+  /// ChatML text of `messages`; with `frags`, also its fragments: the markers as the special
+  /// tokens start_id / end_id (plain text where -1), everything else raw.
+  static std::string render_chat(std::span<const ChatMessage> messages, bool add_generation_prompt, int start_id,
+                                 int end_id, std::vector<Frag>* frags) {
+    std::string s;
+    const auto raw = [&](std::string_view t) {
+      if (frags && !t.empty()) {
+        if (!frags->empty() && frags->back().id < 0) frags->back().len += t.size();
+        else frags->push_back({-1, s.size(), t.size()});
+      }
+      s += t;
+    };
+    const auto marker = [&](std::string_view t, int id) {
+      if (id < 0) return raw(t);
+      if (frags) frags->push_back({id, s.size(), t.size()});
+      s += t;
+    };
+    for (const ChatMessage& m : messages) {
+      marker(kImStart, start_id);
+      raw(m.role);
+      raw("\n");
+      raw(m.content);
+      marker(kImEnd, end_id);
+      raw("\n");
+    }
+    if (add_generation_prompt) {
+      marker(kImStart, start_id);
+      raw("assistant\n");
+    }
+    return s;
+  }
+
+  /// Cuts the special tokens written in `frags`' raw text out as fragments of their own, longest
+  /// token first (control ones only with parse_special).
+  void split_specials(std::string_view text, std::vector<Frag>& frags, bool parse_special) const {
+    for (int sid : specials_) {
+      if (!parse_special && types_[static_cast<std::size_t>(sid)] != kUserDefined) continue;
+      const std::string& s = pieces_[static_cast<std::size_t>(sid)];
+      std::vector<Frag> next;
+      for (const Frag& fr : frags) {
+        if (fr.id >= 0) {
+          next.push_back(fr);
+          continue;
+        }
+        std::size_t at = fr.begin;
+        const std::size_t end = fr.begin + fr.len;
+        for (;;) {
+          const std::size_t hit = text.substr(0, end).find(s, at);
+          if (hit == std::string_view::npos) break;
+          if (hit > at) next.push_back({-1, at, hit - at});
+          next.push_back({sid, hit, s.size()});
+          at = hit + s.size();
+        }
+        if (at < end) next.push_back({-1, at, end - at});
+      }
+      frags.swap(next);
+    }
+  }
+
+  /// Ids of the fragments: special tokens as they are, raw text pre-tokenized and merged.
+  Encoded encode_frags(std::string_view text, std::span<const Frag> frags) const {
+    Encoded e;
+    for (const Frag& fr : frags) {
+      if (fr.id >= 0) {
+        e.ids.push_back(fr.id);
+        continue;
+      }
+      for (const std::string_view word : pre_tokenize(text.substr(fr.begin, fr.len))) e.dropped_bytes += bpe_word(word, e.ids);
+    }
+    return e;
+  }
 
   static bool is_number(std::uint32_t cp) noexcept { return cp < 0x110000 && unicode::is_number(cp); }
   static bool is_letter(std::uint32_t cp) noexcept { return cp < 0x110000 && unicode::is_letter(cp); }
@@ -387,40 +482,84 @@ class BpeTokenizer {
     return -1;
   }
 
-  /// BPE of one pre-tokenized word; appends its ids to `out`.
-  void bpe_word(std::string_view word, std::vector<int>& out) const {
-    std::vector<std::string> sym;
+  /// A symbol of a word being merged: bytes [begin, begin + len) of the mapped word, linked to
+  /// its neighbours (-1 at the ends); len 0 once merged into its left neighbour.
+  struct Sym {
+    std::uint32_t begin, len;
+    int prev, next;
+  };
+
+  /// BPE of one pre-tokenized word: `mapped` becomes its bytes as byte symbols and the result
+  /// lists the symbols (a linked list from index 0). Every adjacent pair with a merge rank waits
+  /// in a min-queue keyed (rank, left symbol's index), which orders pairs as the text does; an
+  /// entry whose symbols have changed since it was queued is skipped when it comes up. Each
+  /// merge queues at most two pairs, so a word of n bytes costs O(n log n), not O(n^2).
+  std::vector<Sym> merge(std::string_view word, std::string& mapped) const {
+    mapped.clear();
+    std::vector<Sym> sym;
     sym.reserve(word.size());
-    for (char ch : word) sym.push_back(byte_symbol(static_cast<std::uint8_t>(ch)));
-    std::string key;
-    for (;;) {
-      int best_rank = -1;
-      std::size_t best_at = 0;
-      for (std::size_t i = 0; i + 1 < sym.size(); ++i) {
-        key.assign(sym[i]).append(1, ' ').append(sym[i + 1]);
-        const auto it = ranks_.find(key);
-        if (it != ranks_.end() && (best_rank < 0 || it->second < best_rank)) {
-          best_rank = it->second;
-          best_at = i;
-        }
-      }
-      if (best_rank < 0) break;
-      sym[best_at] += sym[best_at + 1];
-      sym.erase(sym.begin() + static_cast<std::ptrdiff_t>(best_at) + 1);
+    for (std::size_t i = 0; i < word.size(); ++i) {
+      const std::string& b = byte_symbol(static_cast<std::uint8_t>(word[i]));
+      sym.push_back({static_cast<std::uint32_t>(mapped.size()), static_cast<std::uint32_t>(b.size()), static_cast<int>(i) - 1,
+                     i + 1 < word.size() ? static_cast<int>(i) + 1 : -1});
+      mapped += b;
     }
-    for (const std::string& s : sym) {
+    struct Pair {
+      int rank, left;
+      std::uint32_t left_len, right_len;
+      bool operator>(const Pair& o) const noexcept { return rank != o.rank ? rank > o.rank : left > o.left; }
+    };
+    std::priority_queue<Pair, std::vector<Pair>, std::greater<Pair>> queue;
+    std::string key;
+    const auto push = [&](int left) {
+      if (left < 0) return;
+      const Sym& l = sym[static_cast<std::size_t>(left)];
+      if (l.next < 0) return;
+      const Sym& r = sym[static_cast<std::size_t>(l.next)];
+      key.assign(mapped, l.begin, l.len).append(1, ' ').append(mapped, r.begin, r.len);
+      const auto it = ranks_.find(key);
+      if (it != ranks_.end()) queue.push({it->second, left, l.len, r.len});
+    };
+    for (int i = 0; i + 1 < static_cast<int>(sym.size()); ++i) push(i);
+    while (!queue.empty()) {
+      const Pair p = queue.top();
+      queue.pop();
+      Sym& l = sym[static_cast<std::size_t>(p.left)];
+      if (l.len != p.left_len || l.next < 0) continue;  // merged away, or grown since queued
+      Sym& r = sym[static_cast<std::size_t>(l.next)];
+      if (r.len != p.right_len) continue;
+      l.len += r.len;
+      l.next = r.next;
+      if (r.next >= 0) sym[static_cast<std::size_t>(r.next)].prev = p.left;
+      r.len = 0;
+      push(l.prev);
+      push(p.left);
+    }
+    return sym;
+  }
+
+  /// BPE of one pre-tokenized word; appends its ids to `out` and returns the bytes dropped.
+  std::size_t bpe_word(std::string_view word, std::vector<int>& out) const {
+    std::string mapped;
+    const std::vector<Sym> sym = merge(word, mapped);
+    std::size_t dropped = 0;
+    for (int i = sym.empty() ? -1 : 0; i >= 0; i = sym[static_cast<std::size_t>(i)].next) {
+      const std::string_view s = std::string_view(mapped).substr(sym[static_cast<std::size_t>(i)].begin,
+                                                                  sym[static_cast<std::size_t>(i)].len);
       const int id = find(s);
       if (id >= 0) {
         out.push_back(id);
         continue;
       }
       // One token per byte symbol; a symbol missing from the vocabulary (SmolLM2 lacks some
-      // control bytes) is dropped, as llama.cpp does.
+      // control bytes) is dropped, as llama.cpp does, and counted.
       for (const unicode::Cpt& c : unicode::decode_utf8(s)) {
         const int id1 = find(s.substr(c.begin, c.len));
         if (id1 >= 0) out.push_back(id1);
+        else ++dropped;
       }
     }
+    return dropped;
   }
 
   PreTokenizer pre_ = PreTokenizer::kGpt2;

@@ -60,6 +60,7 @@
 #include "tp_cuda.cuh"
 #endif
 #include "bpe_tokenizer.hpp"
+#include "cli_numbers.hpp"
 #include "generate.hpp"
 #include "gguf_llama.hpp"
 #include "llama2c.hpp"
@@ -129,17 +130,21 @@ void usage() {
       "                        weights and BPE tokenizer; e.g. SmolLM2-135M-Instruct.Q4_1.gguf)\n"
       "                        (default: %s/models/stories260K.bin;\n"
       "                        when that is absent, the synthetic 'tiny' model)\n"
-      "  --tokenizer PATH      llama2.c tokenizer (default: tok512.bin next to the model)\n"
+      "  --tokenizer PATH      llama2.c tokenizer (default: tok512.bin next to the model); a .gguf\n"
+      "                        model carries its own, so the two are refused together\n"
       "  --synthetic SHAPE     synthetic model: tiny | small | qwen3-8b-like\n"
       "  --synthetic-layers N  override the synthetic shape's layer count\n"
       "  --synthetic-vocab N   override the synthetic shape's vocabulary size\n"
       "  --prompt TEXT         a prompt; repeat for a batch (default: one empty prompt = BOS)\n"
       "  --prompt-file PATH    the text of a file as a prompt (repeatable, like --prompt)\n"
       "  --no-chat             GGUF models: prompts are raw text, not user turns of the chat template\n"
+      "                        (in a user turn, text such as <|im_end|> stays text, never a control\n"
+      "                        token; with --no-chat such text is the token)\n"
       "  --prompt-mode M       pinned_in_budget (default) | pinned_on_top | compete: whether prompt\n"
       "                        tokens are kept outside rounds or compete with the rest (long documents)\n"
       "  --steps N             tokens to generate per sequence (default 256)\n"
-      "  --temperature T       0 = greedy (default); > 0 samples\n"
+      "  --temperature T       0 = greedy (default); > 0 samples softmax(logits / T), computed so\n"
+      "                        that any finite T stays finite: a tiny T (1e-30) picks like greedy\n"
       "  --top-p P             nucleus sampling threshold (default 0.9; 1 = off)\n"
       "  --seed S              sampling seed (sequence i uses S + i)\n"
       "  --stats PATH          TriAttention statistics (.pt or .safetensors): compression on\n"
@@ -164,6 +169,9 @@ void usage() {
       TRIATTN_SHARED_DATA_DIR);
 }
 
+/// Whether `path` names a GGUF model (weights and BPE tokenizer in one file).
+bool is_gguf_path(const std::string& path) { return path.size() > 5 && path.substr(path.size() - 5) == ".gguf"; }
+
 /// The bytes of a text file (--prompt-file).
 std::string read_text_file(const std::string& path) {
   if (std::filesystem::is_directory(path)) throw std::runtime_error("--prompt-file " + path + ": is a directory");
@@ -181,15 +189,7 @@ Options parse_args(int argc, char** argv) {
   // Strict numbers: the whole value must parse (no empty string, sign-only, spaces or trailing
   // text) and lie in the option's range; anything else is an error naming the option.
   auto to_int = [](const std::string& flag, const std::string& v, long long lo, long long hi) {
-    long long x = 0;
-    const char* end = v.data() + v.size();
-    const auto [ptr, ec] = std::from_chars(v.data(), end, x);
-    if (v.empty() || ec == std::errc::invalid_argument || ptr != end)
-      throw std::runtime_error("option " + flag + ": '" + v + "' is not an integer");
-    if (ec == std::errc::result_out_of_range || x < lo || x > hi)
-      throw std::runtime_error("option " + flag + ": " + v + " is outside [" + std::to_string(lo) + ", " +
-                               std::to_string(hi) + "]");
-    return static_cast<int>(x);
+    return static_cast<int>(ex::parse_int_option(flag, v, lo, hi));
   };
   auto to_u64 = [](const std::string& flag, const std::string& v) {
     std::uint64_t x = 0;
@@ -267,6 +267,9 @@ Options parse_args(int argc, char** argv) {
     else if (a == "--tp") o.tp = to_int(a, need(i), 1, 1024);
     else throw std::runtime_error("unknown option '" + a + "' (--help lists them)");
   }
+  if (!o.tokenizer_path.empty() && is_gguf_path(o.model_path))
+    throw std::runtime_error("--tokenizer " + o.tokenizer_path + " with --model " + o.model_path +
+                             ": a .gguf model uses the tokenizer in its file; drop --tokenizer");
   if (o.steps < 0) throw std::runtime_error("--steps must be >= 0");
   if (o.temperature < 0) throw std::runtime_error("--temperature must be >= 0");
   if (!(o.top_p > 0)) throw std::runtime_error("--top-p must be > 0");
@@ -295,13 +298,18 @@ struct TextCodec {
   int vocab = 0;
   int bos = 1;
 
+  /// Token ids of a prompt. bpe: bytes the vocabulary has no token for are left out, with one
+  /// warning per prompt on stderr that counts them.
   [[nodiscard]] std::vector<int> encode(const std::string& text) const {
     if (tok) return tok->encode(text, true, false);
     if (bpe) {
       const ex::ChatMessage user{"user", text.empty() ? "Tell me a short story." : text};
-      std::vector<int> ids = bpe->encode(chat ? ex::BpeTokenizer::chat_prompt(std::span<const ex::ChatMessage>(&user, 1)) : text);
-      if (bpe->add_bos() || ids.empty()) ids.insert(ids.begin(), bos);
-      return ids;
+      ex::BpeTokenizer::Encoded e = chat ? bpe->encode_chat(std::span<const ex::ChatMessage>(&user, 1)) : bpe->encode_counted(text);
+      if (e.dropped_bytes > 0)
+        std::fprintf(stderr, "warning: %zu byte(s) of the prompt have no token in the vocabulary and were left out\n",
+                     e.dropped_bytes);
+      if (bpe->add_bos() || e.ids.empty()) e.ids.insert(e.ids.begin(), bos);
+      return std::move(e.ids);
     }
     std::vector<int> ids{bos};
     for (unsigned char c : text) ids.push_back(c + 3 < vocab ? c + 3 : c % vocab);
@@ -783,7 +791,7 @@ int real_main(int argc, char** argv) {
     if (o.model_path.empty() && !std::filesystem::exists(path)) {
       std::fprintf(stderr, "note: %s not found; using the synthetic 'tiny' model\n", path.c_str());
       shape = "tiny";
-    } else if (path.size() > 5 && path.substr(path.size() - 5) == ".gguf") {
+    } else if (is_gguf_path(path)) {
       const ex::gguf::File file = ex::gguf::File::load(path);
       weights = ex::gguf_llama_weights(file);
       codec.bpe = ex::BpeTokenizer::from_gguf(file);

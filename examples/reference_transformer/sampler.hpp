@@ -19,8 +19,10 @@ namespace triattn_example {
 
 class Sampler {
  public:
-  /// temperature 0 = greedy argmax; top_p in (0, 1) restricts sampling to the smallest set of
-  /// most likely tokens whose probability exceeds top_p (1 or more = the full distribution).
+  /// temperature 0 = greedy argmax, > 0 samples softmax(logits / temperature) (finite for any
+  /// finite temperature; a tiny one picks like greedy); top_p in (0, 1) restricts sampling to the
+  /// smallest set of most likely tokens whose probability exceeds top_p (1 or more = the full
+  /// distribution).
   explicit Sampler(float temperature = 0.0f, float top_p = 1.0f, std::uint64_t seed = 0)
       : temperature_(temperature), top_p_(top_p), state_(mix64(seed) | 1u) {
     TRIATTN_EXPECTS(temperature >= 0.0f && std::isfinite(temperature), "Sampler: temperature must be finite and >= 0");
@@ -38,17 +40,18 @@ class Sampler {
   [[nodiscard]] int sample(std::span<const float> logits) {
     TRIATTN_EXPECTS(!logits.empty(), "Sampler::sample: no logits");
     if (temperature_ == 0.0f) return argmax(logits);
+    // softmax(logits / T) with the largest logit subtracted before the division: every exponent
+    // is <= 0 and the largest is exactly 0, so the sum is >= 1 and finite for any T > 0. (Dividing
+    // first overflows for a tiny T, e.g. 1e-45: inf - inf = NaN, and every draw fell through to
+    // the last id.) A tiny T thus samples like greedy.
     probs_.resize(logits.size());
-    float max_val = logits[0] / temperature_;
-    for (std::size_t i = 0; i < logits.size(); ++i) {
-      probs_[i] = logits[i] / temperature_;
-      max_val = std::max(max_val, probs_[i]);
-    }
+    const float max_val = *std::max_element(logits.begin(), logits.end());
     float sum = 0.0f;
-    for (float& p : probs_) {
-      p = std::exp(p - max_val);
-      sum += p;
+    for (std::size_t i = 0; i < logits.size(); ++i) {
+      probs_[i] = std::exp((logits[i] - max_val) / temperature_);
+      sum += probs_[i];
     }
+    TRIATTN_EXPECTS(std::isfinite(sum), "Sampler::sample: the logits are not all finite");
     for (float& p : probs_) p /= sum;
     const float r = next_float();
     if (top_p_ >= 1.0f) {

@@ -24,6 +24,7 @@
 #include <triattn/core/kv_cache.hpp>
 #include <triattn/core/prefix_cache.hpp>
 
+#include "cli_numbers.hpp"
 #include "generate.hpp"
 
 namespace triattn_example {
@@ -37,7 +38,7 @@ struct ServeArgs {
 };
 
 /// Removes --system-prompt TEXT, --no-prefix-cache and --wave N from argv (argc updated).
-/// @throws triattn::logic_error on a missing or bad value.
+/// @throws triattn::logic_error on a missing or bad value (the integer options' strict parser).
 inline ServeArgs take_serve_args(int& argc, char** argv) {
   ServeArgs a;
   int out = 1;
@@ -50,15 +51,7 @@ inline ServeArgs take_serve_args(int& argc, char** argv) {
         a.on = true;
         a.system_prompt = v;
       } else {
-        std::size_t used = 0;
-        int n = 0;
-        try {
-          n = std::stoi(v, &used);
-        } catch (const std::exception&) {
-          used = 0;
-        }
-        TRIATTN_EXPECTS(used == v.size() && n >= 1, "--wave: '" + v + "' is not a positive integer");
-        a.wave = n;
+        a.wave = static_cast<int>(parse_int_option(s, v, 1, 2147483647LL));
       }
     } else if (s == "--no-prefix-cache") {
       a.prefix_cache = false;

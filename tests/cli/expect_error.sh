@@ -3,7 +3,8 @@
 # Passes when CMD exits with status RC within 30 s (a hang fails) and its stderr matches the
 # extended regular expression REGEX. In CMD's arguments @DIR@ becomes a fresh directory and
 # @FIFO@ a fresh FIFO (named pipe), both in a temporary folder removed afterwards; @EMPTY@ is
-# removed (CMake drops empty arguments, so an empty value is spelled @EMPTY@).
+# removed (CMake drops empty arguments, so an empty value is spelled @EMPTY@); @XFF@ becomes the
+# byte 0xFF (never valid in UTF-8; CMake files cannot hold it).
 set -u
 want_rc=$1 regex=$2
 shift 3
@@ -13,6 +14,7 @@ mkdir "$tmp/dir.bin" && mkfifo "$tmp/fifo.bin"
 args=()
 for a in "$@"; do
   a=${a//@EMPTY@/}
+  a=${a//@XFF@/$'\xff'}
   a=${a//@DIR@/$tmp/dir.bin}
   args+=("${a//@FIFO@/$tmp/fifo.bin}")
 done
