@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -21,10 +22,30 @@ namespace nb = nanobind;
 using Array = nb::ndarray<>;
 using ConstArray = nb::ndarray<nb::ro>;
 
+/// An argument of the wrong Python type (not an array, not a sequence of arrays): raised as
+/// triattn.ArgumentTypeError, a LogicError that is also a TypeError.
+class argument_type_error : public logic_error {
+ public:
+  using logic_error::logic_error;
+};
+
 void bind_params(nb::module_& m);
 void bind_stats(nb::module_& m);
 void bind_round(nb::module_& m);
 void bind_paged(nb::module_& m);
+
+/// Raises the reason `h` cannot be taken as the array named `what`: big-endian (or other
+/// non-native byte order) and, when `writable`, read-only are LogicErrors; anything that is no
+/// array at all is an argument_type_error.
+[[noreturn]] void refuse_array(nb::handle h, const std::string& what, bool writable);
+
+/// `h` as an array named `what` (A = Array, written in place, or ConstArray, only read); no copy.
+template <class A>
+A as_array(nb::handle h, const std::string& what) {
+  A a;
+  if (!nb::try_cast(h, a, false)) refuse_array(h, what, !std::is_same_v<A, ConstArray>);
+  return a;
+}
 
 /// "float32", "int32", "bfloat16"... for messages.
 std::string dtype_str(nb::dlpack::dtype t);

@@ -48,7 +48,8 @@ std::string device_str(int type, int id) {
 
 /// An engine's per-layer K and V tensors, viewed in place: each [num_blocks, block_size,
 /// num_kv_heads, head_dim] with any strides (head_dim contiguous), all of one shape, strides,
-/// dtype and device. The tensors stay alive as long as this object.
+/// dtype and device. The object holds the arrays themselves (not the caller's lists), so they
+/// stay alive as long as it does, whatever the caller does with its lists.
 struct PagedCache {
   DType dtype = DType::kF32;
   int device_type = kCpu;
@@ -58,9 +59,11 @@ struct PagedCache {
   int num_blocks = 0;
   std::vector<void*> ranges;     // [2 * num_layers] (layer, K|V) bases, host copy
   void* device_ranges = nullptr; // the same on the device (CUDA caches)
-  nb::object keep_alive;
+  std::vector<Array> k, v;       // the viewed arrays (each holds its exporter and its export)
+  nb::tuple k_objects, v_objects;  // the same, as the caller's objects
 
-  PagedCache(const std::vector<Array>& k, const std::vector<Array>& v, nb::object owners) : keep_alive(std::move(owners)) {
+  PagedCache(std::vector<Array> k_arrays, std::vector<Array> v_arrays, nb::tuple k_objs, nb::tuple v_objs)
+      : k(std::move(k_arrays)), v(std::move(v_arrays)), k_objects(std::move(k_objs)), v_objects(std::move(v_objs)) {
     if (k.empty() || k.size() != v.size())
       throw logic_error("triattn: PagedCache needs one K and one V tensor per layer; got " + std::to_string(k.size()) +
                         " K and " + std::to_string(v.size()) + " V tensors");
@@ -161,7 +164,9 @@ struct PagedCache {
 };
 
 /// Statistics, RoPE and parameters of the round; the host scorer and, per device, the scorer's
-/// constants on the GPU. One round at a time per Compressor (the host scorer has scratch).
+/// constants on the GPU. One round at a time per Compressor (the host scorer has scratch):
+/// `mutex` guards the selection, the scorers and the device models, and is only ever taken
+/// with the GIL released (locked()), so no thread waits for one while holding the other.
 struct Compressor {
   QueryStats stats;
   RopeConfig rope;
@@ -200,24 +205,42 @@ struct Compressor {
 #endif
 };
 
-/// Checks a [batch] (or [batch, rows, n]) int array of the round: dtype, device, shape, C order.
+/// f() under c's mutex. The GIL is released first and taken back after the mutex is released:
+/// f must not touch Python objects (read the arrays' pointers before).
+template <class F>
+decltype(auto) locked(Compressor& c, F&& f) {
+  nb::gil_scoped_release nogil;
+  std::lock_guard<std::mutex> lock(c.mutex);
+  return f();
+}
+
+/// Checks a [n] (or [n, rows, m]) int array of the round: dtype, device, shape, C order; `n` is
+/// `expect` (what `expected` names) unless negative.
 template <class Int, class A>
-const Int* round_array(const A& a, const char* name, std::size_t ndim, std::int64_t batch, int dev_type, int dev_id) {
+const Int* round_array(const A& a, const char* name, std::size_t ndim, std::int64_t expect, int dev_type, int dev_id,
+                       const char* expected = "batch") {
   if (a.device_type() != dev_type || a.device_id() != dev_id)
     throw logic_error(std::string("triattn: ") + name + " is on " + device_str(a.device_type(), a.device_id()) +
                       " but the cache is on " + device_str(dev_type, dev_id));
   expect_contiguous<Int>(a, ndim, name);
-  if (batch >= 0 && static_cast<std::int64_t>(a.shape(0)) != batch)
+  if (expect >= 0 && static_cast<std::int64_t>(a.shape(0)) != expect)
     throw logic_error(std::string("triattn: ") + name + " has " + std::to_string(a.shape(0)) +
-                      " entries in its first dimension; expected batch = " + std::to_string(batch));
+                      " entries in its first dimension; expected " + expected + " = " + std::to_string(expect));
   return static_cast<const Int*>(a.data());
 }
 
-nb::object run_round(Compressor& c, PagedCache& cache, const ConstArray& block_tables, const ConstArray& seq_lens,
-                     const ConstArray& seq_ids, const ConstArray& t0, const ConstArray& prompt_lens, Array& new_lens,
-                     Array& status, Array& freed_begin, Array& freed_end, std::optional<Array>& kept,
-                     std::optional<ConstArray>& slot_positions, Array& workspace, int max_len, RoundTrigger trigger,
-                     std::uintptr_t stream) {
+/// An optional array argument (None: absent).
+template <class A>
+std::optional<A> optional_array(nb::handle h, const char* name) {
+  if (h.is_none()) return std::nullopt;
+  return as_array<A>(h, name);
+}
+
+nb::object run_round(Compressor& c, PagedCache& cache, nb::handle block_tables_h, nb::handle seq_lens_h,
+                     nb::handle seq_ids_h, nb::handle t0_h, nb::handle prompt_lens_h, nb::handle new_lens_h,
+                     nb::handle status_h, nb::handle freed_begin_h, nb::handle freed_end_h, nb::handle kept_h,
+                     nb::handle slot_positions_h, nb::handle workspace_h, int max_len, RoundTrigger trigger,
+                     std::uintptr_t stream, nb::handle protected_prefix_h) {
   const int dt = cache.device_type, di = cache.device_id;
   // Geometry: the statistics and the cache must describe the same model.
   if (cache.num_layers != c.geometry.num_layers || cache.block.num_kv_heads != c.geometry.num_kv_heads ||
@@ -226,15 +249,32 @@ nb::object run_round(Compressor& c, PagedCache& cache, const ConstArray& block_t
                       std::to_string(cache.block.num_kv_heads) + ", head_dim " + std::to_string(cache.block.head_dim) +
                       "] but the compressor's statistics describe [" + std::to_string(c.geometry.num_layers) + ", " +
                       std::to_string(c.geometry.num_kv_heads) + ", " + std::to_string(c.geometry.head_dim) + "]");
+  // The arrays live (and hold their memory) until this call returns, after the round.
+  const auto block_tables = as_array<ConstArray>(block_tables_h, "block_tables");
+  const auto seq_lens = as_array<ConstArray>(seq_lens_h, "seq_lens");
+  const auto seq_ids = as_array<ConstArray>(seq_ids_h, "seq_ids");
+  const auto t0 = as_array<ConstArray>(t0_h, "t0");
+  const auto prompt_lens = as_array<ConstArray>(prompt_lens_h, "prompt_lens");
+  const auto new_lens = as_array<Array>(new_lens_h, "new_lens");
+  const auto status = as_array<Array>(status_h, "status");
+  const auto freed_begin = as_array<Array>(freed_begin_h, "freed_begin");
+  const auto freed_end = as_array<Array>(freed_end_h, "freed_end");
+  const auto kept = optional_array<Array>(kept_h, "kept");
+  const auto slot_positions = optional_array<ConstArray>(slot_positions_h, "slot_positions");
+  const auto workspace = as_array<Array>(workspace_h, "workspace");
+  const auto protected_prefix = optional_array<ConstArray>(protected_prefix_h, "protected_prefix");
+
   const auto* tables = round_array<std::int32_t>(block_tables, "block_tables", 2, -1, dt, di);
   const int max_seqs = static_cast<int>(block_tables.shape(0));
   const int max_blocks_per_seq = static_cast<int>(block_tables.shape(1));
-  const auto* lens = round_array<std::int32_t>(seq_lens, "seq_lens", 1, max_seqs, dt, di);
+  const auto* lens = round_array<std::int32_t>(seq_lens, "seq_lens", 1, max_seqs, dt, di, "max_seqs (block_tables rows)");
   const std::int64_t B = seq_ids.ndim() == 1 ? static_cast<std::int64_t>(seq_ids.shape(0)) : -1;
   RoundBatch batch;
   batch.seq_ids = round_array<std::int32_t>(seq_ids, "seq_ids", 1, -1, dt, di);
   batch.t0 = round_array<std::int64_t>(t0, "t0", 1, B, dt, di);
   batch.prompt_lens = round_array<std::int32_t>(prompt_lens, "prompt_lens", 1, B, dt, di);
+  if (protected_prefix)
+    batch.protected_prefix = round_array<std::int32_t>(*protected_prefix, "protected_prefix", 1, B, dt, di);
   batch.batch = static_cast<int>(B);
   batch.max_len = max_len;
   RoundOutputs out;
@@ -260,20 +300,20 @@ nb::object run_round(Compressor& c, PagedCache& cache, const ConstArray& block_t
     throw logic_error("triattn: workspace is on " + device_str(workspace.device_type(), workspace.device_id()) +
                       " but the cache is on " + device_str(dt, di));
   expect_contiguous<std::uint8_t>(workspace, workspace.ndim(), "workspace");
+  void* const ws = workspace.data();
+  const std::size_t ws_bytes = workspace.nbytes();
 
-  // The outputs must not alias each other or the inputs (the round reads while it writes).
-  std::lock_guard<std::mutex> lock(c.mutex);
+  // Everything Python is read: the round runs with the GIL released, under the mutex.
   if (dt == kCpu) {
-    int done = 0;
-    {
-      nb::gil_scoped_release release;  // the caller's arrays stay alive: they are this call's arguments
+    const int done = locked(c, [&] {
+      int n = 0;
       auto go = [&](auto tag) {
         using T = typename decltype(tag)::type;
         std::vector<T*> r(cache.ranges.size());
         for (std::size_t i = 0; i < r.size(); ++i) r[i] = static_cast<T*>(cache.ranges[i]);
         const auto view = cache.host_view<T>(r.data(), max_seqs, max_blocks_per_seq, tables, lens);
         const auto t = std::chrono::steady_clock::now();
-        done = paged_round(view, c.host, c.selection, c.geometry, trigger, batch, out, workspace.data(), workspace.nbytes());
+        n = paged_round(view, c.host, c.selection, c.geometry, trigger, batch, out, ws, ws_bytes);
         g_last_round_ns = since(t);
       };
       switch (cache.dtype) {
@@ -281,7 +321,8 @@ nb::object run_round(Compressor& c, PagedCache& cache, const ConstArray& block_t
         case DType::kF16: go(std::type_identity<f16_storage>{}); break;
         case DType::kBF16: go(std::type_identity<bf16_storage>{}); break;
       }
-    }
+      return n;
+    });
     return nb::int_(done);
   }
 #ifdef TRIATTN_PYTHON_WITH_CUDA
@@ -294,13 +335,15 @@ nb::object run_round(Compressor& c, PagedCache& cache, const ConstArray& block_t
   v.max_blocks_per_seq = max_blocks_per_seq;
   v.block_tables = tables;
   v.seq_lens = lens;
-  cuda_glue::DeviceModel* model = c.device_model(di);
-  const auto t = std::chrono::steady_clock::now();
-  cuda_glue::run_round(cache.dtype, v, model, c.selection, trigger, batch, out, workspace.data(), workspace.nbytes(),
-                       stream, di);
-  g_last_round_ns = since(t);
+  locked(c, [&] {
+    cuda_glue::DeviceModel* model = c.device_model(di);
+    const auto t = std::chrono::steady_clock::now();
+    cuda_glue::run_round(cache.dtype, v, model, c.selection, trigger, batch, out, ws, ws_bytes, stream, di);
+    g_last_round_ns = since(t);
+  });
   return nb::none();
 #else
+  (void)stream;
   throw logic_error("triattn: built without CUDA");
 #endif
 }
@@ -326,23 +369,29 @@ void bind_paged(nb::module_& m) {
                          "An engine's per-layer K and V tensors viewed in place (no copy): each [num_blocks, "
                          "block_size, num_kv_heads, head_dim] with any strides, head_dim contiguous.")
       .def("__init__",
-           [](PagedCache* self, nb::sequence k, nb::sequence v) {
-             std::vector<Array> ks, vs;
+           [](PagedCache* self, nb::handle k, nb::handle v) {
+             std::vector<Array> arrays[2];
+             nb::list objects[2];
              for (int kind = 0; kind < 2; ++kind) {
+               const nb::handle seq = kind == 0 ? k : v;
+               const char* name = kind == 0 ? "k" : "v";
+               if (!nb::isinstance<nb::sequence>(seq))
+                 throw argument_type_error(std::string("triattn: PagedCache: ") + name +
+                                           " is not a sequence of arrays (one per layer); got " +
+                                           nb::type_name(seq.type()).c_str());
                std::size_t i = 0;
-               for (nb::handle h : kind == 0 ? k : v) {
-                 Array a;
-                 if (!nb::try_cast(h, a))
-                   throw nb::type_error(("triattn: PagedCache: " + std::string(kind == 0 ? "k[" : "v[") +
-                                         std::to_string(i) + "] is not an array (DLPack: numpy, torch, CuPy...)")
-                                            .c_str());
-                 (kind == 0 ? ks : vs).push_back(std::move(a));
-                 ++i;
+               for (nb::handle h : nb::borrow<nb::sequence>(seq)) {
+                 arrays[kind].push_back(
+                     as_array<Array>(h, "PagedCache: " + std::string(name) + "[" + std::to_string(i++) + "]"));
+                 objects[kind].append(h);
                }
              }
-             new (self) PagedCache(ks, vs, nb::make_tuple(k, v));
+             new (self) PagedCache(std::move(arrays[0]), std::move(arrays[1]), nb::tuple(objects[0]),
+                                   nb::tuple(objects[1]));
            },
            nb::arg("k"), nb::arg("v"))
+      .def_prop_ro("k", [](const PagedCache& c) { return c.k_objects; }, "The K arrays viewed (a tuple; owned).")
+      .def_prop_ro("v", [](const PagedCache& c) { return c.v_objects; }, "The V arrays viewed (a tuple; owned).")
       .def_prop_ro("num_layers", [](const PagedCache& c) { return c.num_layers; })
       .def_prop_ro("num_blocks", [](const PagedCache& c) { return c.num_blocks; })
       .def_prop_ro("block_size", [](const PagedCache& c) { return c.block.block_size; })
@@ -359,17 +408,18 @@ void bind_paged(nb::module_& m) {
       .def(nb::init<const QueryStats&, const RopeConfig&, const SelectionParams&, const ScoringParams&, int>(),
            nb::arg("stats"), nb::arg("rope"), nb::arg("selection"), nb::arg("scoring") = ScoringParams{}, nb::kw_only(),
            nb::arg("num_kv_heads"))
-      .def_prop_rw("selection", [](const Compressor& c) { return c.selection; },
+      .def_prop_rw("selection", [](Compressor& c) { return locked(c, [&] { return c.selection; }); },
                    [](Compressor& c, const SelectionParams& p) {
-                     p.validate();
-                     std::lock_guard<std::mutex> lock(c.mutex);
-                     c.selection = p;
+                     const SelectionParams copy = p;  // read while the GIL protects the Python object
+                     copy.validate();
+                     locked(c, [&] { c.selection = copy; });
                    })
       .def_prop_ro("scoring", [](const Compressor& c) { return c.scoring; })
       .def_prop_ro("rope", [](const Compressor& c) { return c.rope; })
       .def_prop_ro("geometry", [](const Compressor& c) { return c.geometry; })
-      .def("kept_rows", [](const Compressor& c) {
-        return kept_rows(c.selection.mode, c.geometry.num_layers, c.geometry.num_kv_heads);
+      .def("kept_rows", [](Compressor& c) {
+        const PruningMode mode = locked(c, [&] { return c.selection.mode; });
+        return kept_rows(mode, c.geometry.num_layers, c.geometry.num_kv_heads);
       }, "Rows of kept positions per sequence under the current mode.")
       .def("workspace_size",
            [](Compressor& c, int batch, int max_len, const std::string& device, int max_seqs) -> std::size_t {
@@ -379,8 +429,14 @@ void bind_paged(nb::module_& m) {
              if (device == "cpu") return paged_round_workspace_size(c.geometry, max_len);
 #ifdef TRIATTN_PYTHON_WITH_CUDA
              if (device.rfind("cuda", 0) == 0) {
-               const int id = device.size() > 5 ? std::stoi(device.substr(5)) : 0;
-               return cuda_glue::workspace_size(c.device_model(id), c.selection, batch, max_len, max_seqs);
+               int id = 0;
+               if (device.size() > 5 && (device[4] != ':' || device.size() > 9 ||
+                                         device.find_first_not_of("0123456789", 5) != std::string::npos))
+                 throw logic_error("triattn: workspace_size: device '" + device + "' is not \"cuda\" or \"cuda:N\"");
+               if (device.size() > 5) id = std::stoi(device.substr(5));
+               return locked(c, [&] {
+                 return cuda_glue::workspace_size(c.device_model(id), c.selection, batch, max_len, max_seqs);
+               });
              }
 #endif
              throw logic_error("triattn: workspace_size: unknown or unsupported device '" + device + "'");
@@ -388,10 +444,10 @@ void bind_paged(nb::module_& m) {
            nb::arg("batch"), nb::arg("max_len"), nb::arg("device") = "cpu", nb::arg("max_seqs") = 0,
            "Workspace bytes of a round of `batch` sequences of at most `max_len` slots on `device` (\"cpu\" or "
            "\"cuda:N\"); the device round also needs the view's rows, `max_seqs`.")
-      .def("_round", &run_round, nb::arg("cache"), nb::arg("block_tables"), nb::arg("seq_lens"), nb::arg("seq_ids"),
-           nb::arg("t0"), nb::arg("prompt_lens"), nb::arg("new_lens"), nb::arg("status"), nb::arg("freed_begin"),
-           nb::arg("freed_end"), nb::arg("kept").none(), nb::arg("slot_positions").none(), nb::arg("workspace"),
-           nb::arg("max_len"), nb::arg("trigger"), nb::arg("stream"),
+      .def("_round", &run_round, nb::arg("cache"), nb::arg("block_tables").none(), nb::arg("seq_lens").none(),
+           nb::arg("seq_ids").none(), nb::arg("t0").none(), nb::arg("prompt_lens").none(), nb::arg("new_lens").none(),
+           nb::arg("status").none(), nb::arg("freed_begin").none(), nb::arg("freed_end").none(), nb::arg("kept").none(),
+           nb::arg("slot_positions").none(), nb::arg("workspace").none(), nb::arg("max_len"), nb::arg("trigger"), nb::arg("stream"), nb::arg("protected_prefix").none() = nb::none(),
            "The round with every array given (see triattn.Compressor.round for the documented entry point).");
 
   // ---- admission ------------------------------------------------------------------------------

@@ -17,6 +17,7 @@
 #include <triattn/core/scoring_params.hpp>
 #include <triattn/core/stats/pt_loader.hpp>
 #include <triattn/core/stats/pt_writer.hpp>
+#include <triattn/core/stats/common.hpp>
 #include <triattn/core/stats/random.hpp>
 #include <triattn/core/stats/safetensors.hpp>
 #include <triattn/core/stats/slice.hpp>
@@ -243,12 +244,20 @@ void bind_stats(nb::module_& m) {
         "Writes triattn's native (safetensors) format.");
   m.def("random_query_stats",
         [](std::uint64_t seed, int num_layers, int num_q_heads, int head_dim, RopeStyle style) {
+          // The loaders' limits (stats/common.hpp), checked before anything is allocated.
+          if (const auto problem = detail::geometry_problem(num_layers, num_q_heads, head_dim))
+            throw logic_error("triattn: random_query_stats: " + *problem);
           std::mt19937_64 rng(seed);
           return random_query_stats(rng, num_layers, num_q_heads, head_dim, style);
         },
         nb::arg("seed"), nb::arg("num_layers"), nb::arg("num_q_heads"), nb::arg("head_dim"),
         nb::arg("rope_style") = RopeStyle::kHalf,
-        "Synthetic statistics (tests, benchmarks; not a model's): the same seed gives the same statistics.");
+        ("Synthetic statistics (tests, benchmarks; not a model's): the same seed gives the same statistics. The "
+         "shape has the stats files' limits: at most " + std::to_string(detail::kMaxStatsLayers) + " layers, " +
+         std::to_string(detail::kMaxStatsHeads) + " heads, head_dim " + std::to_string(detail::kMaxStatsHeadDim) +
+         " and " + std::to_string(detail::kMaxStatsValues) +
+         " values per array; LogicError beyond them, before anything is allocated.")
+            .c_str());
   m.def("slice_for_rank", &slice_for_rank, nb::arg("stats"), nb::arg("rank"), nb::arg("tp"), nb::arg("num_kv_heads"),
         "The query heads tensor-parallel rank `rank` of `tp` serves.");
 }

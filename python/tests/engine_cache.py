@@ -150,3 +150,22 @@ def engine_gather(case: Case, row: int, length: int):
 def bits(a: np.ndarray) -> np.ndarray:
     """The raw bits of a float array (bitwise comparison, NaN-safe)."""
     return a.view(np.uint32 if a.dtype.itemsize == 4 else np.uint16)
+
+
+def synthetic_batch(L=1, Hq=4, Hkv=2, D=64, bs=16, num_blocks=256, batch=4, seed=0, budget=64):
+    """A round's inputs without an oracle: per-layer K and V lists of random float32 arrays
+    [num_blocks, bs, Hkv, D] (for PagedCache(k, v)), a Compressor, and the round's arrays
+    (keyword arguments of Compressor.round); sequence b owns blocks [b * n, (b + 1) * n) of
+    n = num_blocks // batch, all full."""
+    rng = np.random.default_rng(seed)
+    k = [rng.standard_normal((num_blocks, bs, Hkv, D)).astype(np.float32) for _ in range(L)]
+    v = [rng.standard_normal((num_blocks, bs, Hkv, D)).astype(np.float32) for _ in range(L)]
+    n = num_blocks // batch
+    lens = np.full(batch, n * bs, np.int32)
+    args = dict(block_tables=np.arange(batch * n, dtype=np.int32).reshape(batch, n), seq_lens=lens,
+                seq_ids=np.arange(batch, dtype=np.int32), t0=lens.astype(np.int64) + 5,
+                prompt_lens=np.zeros(batch, np.int32))
+    sel = triattn.SelectionParams(budget=budget, divide_length=16)
+    comp = triattn.Compressor(triattn.random_query_stats(seed + 1, L, Hq, D), triattn.RopeConfig(), sel,
+                              num_kv_heads=Hkv)
+    return k, v, comp, args

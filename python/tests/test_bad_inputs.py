@@ -5,6 +5,7 @@ import pytest
 
 import triattn
 from engine_cache import bits, build_case
+from isolated import run_isolated
 
 F32 = triattn.DType.FLOAT32
 
@@ -92,6 +93,95 @@ def test_bad_view_contents(setup):
     with pytest.raises(triattn.LogicError):  # a row outside the table
         call(comp, args, seq_ids=np.array([case.rows[0], 99], np.int32), max_len=44)
     untouched(case, before)
+
+
+def test_bad_indices_are_named(setup):
+    # max_len is left to its default: read from seq_lens at seq_ids, indices checked first.
+    case, comp, args = setup
+    before = case.engine.snapshot()
+    with pytest.raises(triattn.LogicError, match=r"seq_ids\[1\] = 99 is not a row of block_tables / seq_lens \[0, 4\)"):
+        call(comp, args, seq_ids=np.array([case.rows[0], 99], np.int32))
+    with pytest.raises(triattn.LogicError, match=r"seq_ids\[0\] = -1 is not a row"):
+        call(comp, args, seq_ids=np.array([-1, case.rows[0]], np.int32))
+    with pytest.raises(triattn.LogicError, match="seq_lens has 1 entries; expected one per block_tables row, max_seqs = 4"):
+        call(comp, args, seq_lens=case.lens[:1])
+    untouched(case, before)
+
+
+def test_read_only_and_byte_order_are_named(setup):
+    case, comp, args = setup
+    before = case.engine.snapshot()
+    i32 = lambda n: np.zeros(n, np.int32)  # noqa: E731
+    ro = case.engine.tensors()[0].copy()
+    ro.flags.writeable = False
+    with pytest.raises(triattn.LogicError, match=r"k\[0\] is read-only; triattn writes into it in place"):
+        triattn.PagedCache([ro[0]], [case.engine.tensors()[0][1]])
+    with pytest.raises(triattn.LogicError, match=r"k\[0\] is big-endian \(>f4\); triattn needs native byte order"):
+        triattn.vllm_cache([case.engine.tensors()[0].astype(">f4")])
+    with pytest.raises(triattn.LogicError, match=r"t0 is big-endian \(>i8\)"):
+        call(comp, args, t0=args["t0"].astype(">i8"))
+    with pytest.raises(triattn.LogicError, match=r"seq_ids is big-endian \(>i4\)"):
+        call(comp, args, seq_ids=args["seq_ids"].astype(">i4"))
+    ro_out = i32(2)
+    ro_out.flags.writeable = False
+    with pytest.raises(triattn.LogicError, match="new_lens is read-only"):
+        call(comp, args, out=triattn.RoundResult(ro_out, i32(2), i32(2), i32(2), None, None))
+    untouched(case, before)
+    # Inputs are only read: read-only ones are fine.
+    inputs = {name: args[name].copy() for name in ("block_tables", "seq_lens", "seq_ids", "t0", "prompt_lens")}
+    for a in inputs.values():
+        a.flags.writeable = False
+    assert call(comp, args, **inputs).compressed == 2
+
+
+def test_wrong_types_are_argument_type_errors(setup):
+    case, comp, args = setup
+    before = case.engine.snapshot()
+    assert issubclass(triattn.ArgumentTypeError, triattn.LogicError)
+    assert issubclass(triattn.ArgumentTypeError, TypeError)
+    with pytest.raises(triattn.ArgumentTypeError, match="seq_lens is not an array"):
+        call(comp, args, seq_lens=case.lens.tolist())
+    with pytest.raises(triattn.ArgumentTypeError, match="prompt_lens is not an array"):
+        call(comp, args, prompt_lens=[4, 2])
+    with pytest.raises(triattn.ArgumentTypeError, match="cache is not a triattn.PagedCache"):
+        call(comp, args, cache=case.engine.tensors())
+    with pytest.raises(triattn.ArgumentTypeError, match=r"PagedCache: v\[0\] is not an array.*got str"):
+        triattn.PagedCache([case.engine.tensors()[0][0]], ["x"])
+    with pytest.raises(triattn.ArgumentTypeError, match="k is not a sequence of arrays"):
+        triattn.PagedCache(3, [])
+    untouched(case, before)
+
+
+def test_max_len_beyond_what_a_sequence_holds(setup):
+    case, comp, args = setup
+    before = case.engine.snapshot()
+    cache = args["cache"]
+    cap = min(case.tables.shape[1], cache.num_blocks) * cache.block_size
+    with pytest.raises(triattn.LogicError, match=f"max_len = {cap + 1} exceeds the most slots a sequence can hold"):
+        call(comp, args, max_len=cap + 1)
+    untouched(case, before)
+    assert call(comp, args, max_len=cap).compressed == 2
+
+
+def test_sizes_are_capped_before_allocating():
+    # Under a 3 GiB address-space limit an allocation from the oversized request fails fast
+    # (MemoryError) where the cap is missing, instead of exhausting the machine.
+    run_isolated(r"""
+    import numpy as np
+    import pytest
+    import triattn
+    from engine_cache import synthetic_batch
+
+    with pytest.raises(triattn.LogicError, match="exceed the supported 16777216 values per array"):
+        triattn.random_query_stats(0, 64, 4096, 4096)  # 2**29 values per array, 6 GiB
+    with pytest.raises(triattn.LogicError, match="num_layers 5000 is outside"):
+        triattn.random_query_stats(0, 5000, 1, 2)
+    k, v, comp, a = synthetic_batch()
+    a["seq_lens"] = a["seq_lens"].copy()
+    a["seq_lens"][1] = 2**31 - 1  # the default max_len: a 32 GiB workspace
+    with pytest.raises(triattn.LogicError, match=r"seq_lens\[1\] = 2147483647 \(seq_ids\[1\]\) exceeds"):
+        comp.round(triattn.PagedCache(k, v), **a)
+    """, address_space=3 << 30)
 
 
 def test_bad_cache_tensors():

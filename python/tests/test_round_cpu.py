@@ -206,3 +206,77 @@ def test_empty_batch_and_outputs_allocated():
     assert comp.workspace_size(1, 32) >= 1
     assert triattn.freed_blocks(case.tables, np.array(case.rows, np.int32), res)[0].tolist() == \
         case.tables[case.rows[0], res.freed_begin[0]:res.freed_end[0]].tolist()
+
+
+def _protected_setup(seed=4):
+    """vLLM layout, block size 4, two sequences (prompt 4 + 60, prompt 2 + 50 tokens): the case,
+    its selection, a snapshot of the engine, and an ALWAYS round over them taking
+    protected_prefix (None: the argument left out)."""
+    sel = triattn.SelectionParams(budget=16, divide_length=8)
+    case = build_case("vllm_flash_attn", (2, 4, 2, 16), 4, F32, [(4, 60), (2, 50)], sel, seed=seed)
+    comp = triattn.Compressor(triattn.random_query_stats(7, 2, 4, 16), triattn.RopeConfig(theta=10000.0), sel,
+                              num_kv_heads=2)
+
+    def run(pp):
+        extra = {} if pp is None else {"protected_prefix": pp}
+        return comp.round(case.engine.paged_cache(), case.tables, case.lens, np.array(case.rows, np.int32),
+                          np.array([70, 60], np.int64), np.array([4, 2], np.int32),
+                          trigger=triattn.RoundTrigger.ALWAYS, **extra)
+    return case, sel, case.engine.snapshot(), run
+
+
+def _protected_round(pp):
+    case, sel, before, run = _protected_setup()
+    return case, sel, before, run(None if pp is None else np.array(pp, np.int32))
+
+
+def _block_bytes(case, tensors, row, blocks):
+    """Raw bits of the first `blocks` blocks of engine row `row`, every layer, K and V."""
+    ids = case.tables[row, :blocks]
+    return [bits(t[:, ids]).copy() for t in tensors]  # vLLM flash_attn: [2, num_blocks, ...]
+
+
+def test_protected_prefix_keeps_its_slots_in_place():
+    pp = [12, 8]  # 3 and 2 whole blocks, past the prompts (4, 2) and the default n_sink
+    case, sel, before, res = _protected_round(pp)
+    _, _, _, plain = _protected_round(None)
+    assert res.compressed == 2
+    for b, row in enumerate(case.rows):
+        length = int(case.lens[row])
+        assert res.new_lens[b] == triattn.keep_counts(length, case.prompts[b], sel, pp[b]).keep
+        n = pp[b]
+        for r in range(res.kept.shape[1]):
+            np.testing.assert_array_equal(res.kept[b, r, :n], np.arange(n))
+        # the protected blocks' bytes are untouched, in every layer, K and V
+        blocks = n // case.bs
+        for x, y in zip(_block_bytes(case, before, row, blocks), _block_bytes(case, case.engine.snapshot(), row, blocks)):
+            np.testing.assert_array_equal(x, y)
+    # Without protection the same round moves or evicts slots of those prefixes.
+    assert any((plain.kept[b, r, :pp[b]] != np.arange(pp[b])).any()
+               for b in range(2) for r in range(plain.kept.shape[1]))
+
+
+def test_protected_prefix_past_the_length_protects_everything():
+    case, _, before, res = _protected_round([1000, 0])
+    row = case.rows[0]
+    length = int(case.lens[row])
+    assert res.status[0] == int(triattn.RoundStatus.COMPRESSED) and res.new_lens[0] == length
+    for x, y in zip(_block_bytes(case, before, row, -(-length // case.bs)),
+                    _block_bytes(case, case.engine.snapshot(), row, -(-length // case.bs))):
+        np.testing.assert_array_equal(x, y)
+    assert res.new_lens[1] < case.lens[case.rows[1]]  # 0 protects nothing: compressed as usual
+
+
+@pytest.mark.parametrize("pp,needle", [
+    ([8], "protected_prefix has 1 entries in its first dimension; expected batch = 2"),
+    ([8, -1], r"batch entry 1 \(sequence \d+\): protected_prefix = -1 must be >= 0"),
+    (np.array([8, 8], np.int64), "protected_prefix has dtype int64; expected int32"),
+    ([[8, 8]], "protected_prefix has 2 dimensions"),
+    ("8", "protected_prefix is not an array"),
+])
+def test_protected_prefix_is_checked(pp, needle):
+    case, _, before, run = _protected_setup()
+    with pytest.raises(triattn.LogicError, match=needle):
+        run(pp if isinstance(pp, (np.ndarray, str)) else np.array(pp, np.int32))
+    for x, y in zip(before, case.engine.snapshot()):
+        np.testing.assert_array_equal(bits(x), bits(y))

@@ -101,6 +101,30 @@ def test_cuda_round_equals_cpu(layout, dtype, mode):
         assert torch.equal(d.cpu().view(torch.int16), h.view(torch.int16))
 
 
+@pytest.mark.parametrize("layout", ["vllm_flash_attn", "sglang"])
+def test_cuda_round_with_protected_prefix_equals_cpu(layout):
+    comp, host, tables, lens, ids, t0, prompts, max_len = make_batch(layout, torch.float16,
+                                                                     triattn.PruningMode.PER_HEAD, seed=4)
+    pp = torch.tensor([32, 0, 64, 300], dtype=torch.int32)  # whole blocks of 16; 300 >= 260: all of it
+    dev = [t.cuda() for t in host]
+    always = triattn.RoundTrigger.ALWAYS
+    ref = comp.round(paged(layout, host), tables, lens, ids, t0, prompts, trigger=always, protected_prefix=pp,
+                     out=outputs(len(ids), comp.kept_rows(), max_len, "cpu"), max_len=max_len)
+    got = comp.round(paged(layout, dev), tables.cuda(), lens.cuda(), ids.cuda(), t0.cuda(), prompts.cuda(),
+                     trigger=always, protected_prefix=pp.cuda(),
+                     out=outputs(len(ids), comp.kept_rows(), max_len, "cuda"), max_len=max_len)
+    torch.cuda.synchronize()
+    assert ref.compressed == 4 and int(ref.new_lens[3]) == 260
+    for name in ("new_lens", "status", "freed_begin", "freed_end"):
+        assert torch.equal(getattr(got, name).cpu(), getattr(ref, name)), name
+    for b in range(len(ids)):
+        n, p = int(ref.new_lens[b]), min(int(pp[b]), int(ref.new_lens[b]))
+        assert torch.equal(got.kept[b, :, :n].cpu(), ref.kept[b, :, :n])
+        assert torch.equal(ref.kept[b, :, :p], torch.arange(p, dtype=torch.int32).expand(ref.kept.shape[1], p))
+    for h, d in zip(host, dev):
+        assert torch.equal(d.cpu().view(torch.int16), h.view(torch.int16))
+
+
 def _op_args(comp, cache, kv, tables, lens, ids, t0, prompts, out, ws, max_len, handle):
     return (handle, kv, tables, lens, ids, t0, prompts, out.new_lens, out.status, out.freed_begin, out.freed_end,
             out.kept, None, ws, max_len, IF_DUE)

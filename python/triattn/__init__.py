@@ -16,6 +16,7 @@ from . import _triattn
 from ._triattn import (  # noqa: F401
     AdmissionRequest,
     Aggregation,
+    ArgumentTypeError,
     CacheConfig,
     CompressionReport,
     DType,
@@ -27,6 +28,7 @@ from ._triattn import (  # noqa: F401
     LogicError,
     ModelGeometry,
     NonFinitePolicy,
+    OutOfMemoryError,
     PagedCache,
     Phase,
     PromptMode,
@@ -63,18 +65,25 @@ __version__ = "0.1.0"
 
 # ---- array-library helpers (numpy, torch, CuPy; nothing is imported that the caller lacks) -------
 
-def _library(x: Any) -> str:
+def _library(x: Any, name: str) -> str:
+    """'numpy', 'torch' or 'cupy': the library of the array argument `name` (ArgumentTypeError
+    naming it for anything else)."""
     mod = type(x).__module__.split(".")[0]
-    if mod in ("numpy", "torch", "cupy"):
+    if mod in ("numpy", "torch", "cupy") and hasattr(x, "shape"):
         return mod
-    raise TypeError(f"triattn: unsupported array type {type(x).__module__}.{type(x).__name__}; "
-                    "pass numpy arrays, torch tensors or CuPy arrays")
+    raise ArgumentTypeError(f"triattn: {name} is not an array: got {type(x).__module__}.{type(x).__name__}; "
+                            "pass numpy arrays, torch tensors or CuPy arrays")
+
+
+def _shape(x: Any, name: str) -> tuple:
+    _library(x, name)
+    return tuple(int(n) for n in x.shape)
 
 
 def _empty(like: Any, shape: Sequence[int], dtype: str) -> Any:
     """An uninitialised array of `shape` and `dtype` ('int32', 'int64', 'uint8') from the library
-    and on the device of `like`."""
-    lib = _library(like)
+    and on the device of `like` (an array already checked)."""
+    lib = _library(like, "array")
     if lib == "numpy":
         return np.empty(shape, dtype=dtype)
     if lib == "torch":
@@ -86,13 +95,13 @@ def _empty(like: Any, shape: Sequence[int], dtype: str) -> Any:
 
 
 def _is_cuda(x: Any) -> bool:
-    lib = _library(x)
+    lib = _library(x, "array")
     return (lib == "torch" and x.is_cuda) or lib == "cupy"
 
 
 def _current_stream(like: Any) -> int:
     """The caller's current CUDA stream on the device of `like` (0 for host arrays)."""
-    lib = _library(like)
+    lib = _library(like, "array")
     if lib == "torch" and like.is_cuda:
         import torch
         return int(torch.cuda.current_stream(like.device).cuda_stream)
@@ -109,11 +118,11 @@ def _stream_handle(stream: Any) -> int:
     for attr in ("cuda_stream", "ptr"):  # torch.cuda.Stream, cupy.cuda.Stream
         if hasattr(stream, attr):
             return int(getattr(stream, attr))
-    raise TypeError(f"triattn: cannot take a CUDA stream from {type(stream).__name__}")
+    raise ArgumentTypeError(f"triattn: stream: cannot take a CUDA stream from {type(stream).__name__}")
 
 
-def _to_numpy(x: Any) -> np.ndarray:
-    lib = _library(x)
+def _to_numpy(x: Any, name: str = "array") -> np.ndarray:
+    lib = _library(x, name)
     if lib == "numpy":
         return x
     if lib == "torch":
@@ -131,6 +140,8 @@ def vllm_cache(kv_caches: Sequence[Any], layout: str = "flash_attn") -> PagedCac
       "flashinfer"      per layer [num_blocks, 2, block_size, kv_heads, head_dim] (FlashInfer, NHD)
       "flashinfer_hnd"  per layer [num_blocks, 2, kv_heads, block_size, head_dim] (FlashInfer, HND)
     """
+    for i, t in enumerate(kv_caches):
+        _library(t, f"kv_caches[{i}]")
     if layout == "flash_attn":
         return PagedCache([t[0] for t in kv_caches], [t[1] for t in kv_caches])
     if layout == "flashinfer":
@@ -144,6 +155,9 @@ def vllm_cache(kv_caches: Sequence[Any], layout: str = "flash_attn") -> PagedCac
 def sglang_cache(k_buffers: Sequence[Any], v_buffers: Sequence[Any]) -> PagedCache:
     """A PagedCache over SGLang's token pool: per layer K and V buffers [num_slots, kv_heads,
     head_dim], one slot per token (page size 1; the block table is req_to_token)."""
+    for name, buffers in (("k_buffers", k_buffers), ("v_buffers", v_buffers)):
+        for i, b in enumerate(buffers):
+            _library(b, f"{name}[{i}]")
     return PagedCache([b[:, None] for b in k_buffers], [b[:, None] for b in v_buffers])
 
 
@@ -166,8 +180,8 @@ class Compressor(_triattn.Compressor):
 
     def round(self, cache: PagedCache, block_tables: Any, seq_lens: Any, seq_ids: Any, t0: Any, prompt_lens: Any,
               *, trigger: RoundTrigger = RoundTrigger.IF_DUE, kept: Any = True, slot_positions: Any = None,
-              max_len: Optional[int] = None, workspace: Any = None, out: Optional[RoundResult] = None,
-              stream: Any = None) -> RoundResult:
+              protected_prefix: Any = None, max_len: Optional[int] = None, workspace: Any = None,
+              out: Optional[RoundResult] = None, stream: Any = None) -> RoundResult:
         """One compression round over the sequences `seq_ids` of the engine's cache.
 
         block_tables  int32 [max_seqs, max_blocks_per_seq] (SGLang: req_to_token), read only
@@ -179,29 +193,50 @@ class Compressor(_triattn.Compressor):
                       array to fill; None/False: not reported
         slot_positions optional int32 [batch, kept_rows, >= max_len]: original positions of each
                       sequence's slots after earlier rounds (kept then reports original positions)
-        max_len       >= every sequence's length (sizes the workspace); default: read from
-                      seq_lens (on the GPU that reads device memory: pass it to avoid the wait)
+        protected_prefix optional int32 [batch], each >= 0: the sequence's slots [0, p) are neither
+                      selected away nor moved (p >= its length protects all of it). To protect
+                      blocks shared with other sequences (prefix caching), p must cover whole
+                      blocks: the block holding slot p is compacted into. Checked on the CPU;
+                      on the GPU (not read back) a negative entry counts as 0.
+        max_len       >= every sequence's length (sizes the workspace), at most the most slots a
+                      sequence can hold, min(max_blocks_per_seq, cache.num_blocks) * block_size;
+                      default: read from seq_lens (on the GPU that reads device memory: pass it
+                      to avoid the wait)
         workspace     uint8 array of at least workspace_size(batch, max_len, device) bytes (allocated
                       when None; pass one for CUDA-graph capture)
         out           a RoundResult whose arrays are filled in place (allocated when None)
-        stream        CUDA stream (int handle, torch or CuPy stream); default: the current stream
+        stream        CUDA stream (int handle, torch or CuPy stream); default: the current one
 
-        Everything is checked before anything is written; a bad argument raises LogicError with the
-        library's message and leaves the cache untouched.
+        Everything is checked before anything is written or allocated; a bad argument raises
+        LogicError (ArgumentTypeError for a wrong type) naming it and leaves the cache untouched.
         """
-        batch = int(seq_ids.shape[0]) if hasattr(seq_ids, "shape") and len(seq_ids.shape) == 1 else -1
-        if batch < 0:
-            raise LogicError("triattn: seq_ids must be a 1-D int32 array")
+        if not isinstance(cache, PagedCache):
+            raise ArgumentTypeError(f"triattn: cache is not a triattn.PagedCache: got {type(cache).__name__}")
+        if not isinstance(trigger, RoundTrigger):
+            raise ArgumentTypeError(f"triattn: trigger is not a triattn.RoundTrigger: got {type(trigger).__name__}")
+        if out is not None and not isinstance(out, RoundResult):
+            raise ArgumentTypeError(f"triattn: out is not a triattn.RoundResult: got {type(out).__name__}")
+        ids_shape = _shape(seq_ids, "seq_ids")
+        if len(ids_shape) != 1:
+            raise LogicError(f"triattn: seq_ids has {len(ids_shape)} dimensions; expected 1 ([batch] int32)")
+        batch = ids_shape[0]
+        tables_shape = _shape(block_tables, "block_tables")
+        if len(tables_shape) != 2:
+            raise LogicError(f"triattn: block_tables has {len(tables_shape)} dimensions; expected 2 "
+                             "([max_seqs, max_blocks_per_seq] int32)")
         on_gpu = _is_cuda(seq_ids)
+        capacity = min(tables_shape[1], cache.num_blocks) * cache.block_size
         if max_len is None:
-            if batch == 0:
-                max_len = 0
-            else:
-                lens = _to_numpy(seq_lens)
-                max_len = int(lens[_to_numpy(seq_ids).astype(np.int64)].max())
+            max_len = _longest(seq_lens, seq_ids, tables_shape[0], capacity)
+        elif not isinstance(max_len, (int, np.integer)) or isinstance(max_len, bool):
+            raise ArgumentTypeError(f"triattn: max_len is not an integer: got {type(max_len).__name__}")
+        elif max_len > capacity:
+            raise LogicError(f"triattn: max_len = {max_len} exceeds the most slots a sequence can hold, "
+                             f"min(max_blocks_per_seq {tables_shape[1]}, num_blocks {cache.num_blocks}) * "
+                             f"block_size {cache.block_size} = {capacity}")
         device = "cpu" if not on_gpu else f"cuda:{_device_index(seq_ids)}"
         if workspace is None:
-            size = self.workspace_size(batch, max_len, device, int(block_tables.shape[0]))
+            size = self.workspace_size(batch, max_len, device, tables_shape[0])
             workspace = _empty(seq_ids, (max(1, size),), "uint8")
         if out is None:
             rows = self.kept_rows()
@@ -217,12 +252,38 @@ class Compressor(_triattn.Compressor):
             handle = _stream_handle(stream) if stream is not None else _current_stream(seq_ids)
         done = self._round(cache, block_tables, seq_lens, seq_ids, t0, prompt_lens, out.new_lens, out.status,
                            out.freed_begin, out.freed_end, out.kept, slot_positions, workspace, int(max_len),
-                           trigger, handle)
+                           trigger, handle, protected_prefix)
         return out._replace(compressed=done)
 
 
+def _longest(seq_lens: Any, seq_ids: Any, max_seqs: int, capacity: int) -> int:
+    """The longest of the batch's lengths (max_len's default), every index checked before use:
+    seq_lens [max_seqs], seq_ids integers in [0, max_seqs), lengths within `capacity`."""
+    lens_shape = _shape(seq_lens, "seq_lens")
+    if lens_shape != (max_seqs,):
+        raise LogicError(f"triattn: seq_lens has {lens_shape[0] if len(lens_shape) == 1 else list(lens_shape)} "
+                         f"entries; expected one per block_tables row, max_seqs = {max_seqs}")
+    lens, ids = _to_numpy(seq_lens, "seq_lens"), _to_numpy(seq_ids, "seq_ids")
+    if ids.dtype.kind not in "iu":
+        raise LogicError(f"triattn: seq_ids has dtype {ids.dtype}; expected int32")
+    if ids.size == 0:
+        return 0
+    outside = np.flatnonzero((ids < 0) | (ids >= max_seqs))
+    if outside.size:
+        i = int(outside[0])
+        raise LogicError(f"triattn: seq_ids[{i}] = {int(ids[i])} is not a row of block_tables / seq_lens "
+                         f"[0, {max_seqs})")
+    batch_lens = lens[ids.astype(np.int64)]
+    longest = int(np.argmax(batch_lens))
+    if batch_lens[longest] > capacity:
+        raise LogicError(f"triattn: seq_lens[{int(ids[longest])}] = {batch_lens[longest]} (seq_ids[{longest}]) "
+                         f"exceeds the most slots a sequence can hold, min(max_blocks_per_seq, num_blocks) * "
+                         f"block_size = {capacity}")
+    return int(batch_lens[longest])
+
+
 def _device_index(x: Any) -> int:
-    lib = _library(x)
+    lib = _library(x, "array")
     if lib == "torch":
         return 0 if x.device.index is None else int(x.device.index)
     if lib == "cupy":

@@ -32,8 +32,8 @@ def register(compressor: "_triattn.Compressor", cache: "_triattn.PagedCache") ->
     """A handle for (compressor, cache) to pass to torch.ops.triattn.round; keeps both alive
     until ``unregister``."""
     if not isinstance(compressor, _triattn.Compressor) or not isinstance(cache, _triattn.PagedCache):
-        raise TypeError("triattn.torch_ops.register(compressor, cache): expected a triattn.Compressor and a "
-                        "triattn.PagedCache")
+        raise _triattn.ArgumentTypeError("triattn.torch_ops.register(compressor, cache): expected a "
+                                         "triattn.Compressor and a triattn.PagedCache")
     with _lock:
         h = next(_handles)
         _registry[h] = (compressor, cache)
@@ -59,16 +59,17 @@ def round_op(handle: int, kv: List[torch.Tensor], block_tables: torch.Tensor, se
              seq_ids: torch.Tensor, t0: torch.Tensor, prompt_lens: torch.Tensor, new_lens: torch.Tensor,
              status: torch.Tensor, freed_begin: torch.Tensor, freed_end: torch.Tensor, kept: torch.Tensor,
              slot_positions: Optional[torch.Tensor], workspace: torch.Tensor, max_len: int,
-             trigger: int) -> None:
+             trigger: int, protected_prefix: Optional[torch.Tensor] = None) -> None:
     """One round (see triattn.Compressor.round); every output is written in place."""
     compressor, cache = _lookup(handle)
     stream = torch.cuda.current_stream(seq_ids.device).cuda_stream if seq_ids.is_cuda else 0
     compressor._round(cache, block_tables, seq_lens, seq_ids, t0, prompt_lens, new_lens, status, freed_begin,
-                      freed_end, kept, slot_positions, workspace, max_len, _triattn.RoundTrigger(trigger), stream)
+                      freed_end, kept, slot_positions, workspace, max_len, _triattn.RoundTrigger(trigger), stream,
+                      protected_prefix)
 
 
 @round_op.register_fake
 def _round_fake(handle, kv, block_tables, seq_lens, seq_ids, t0, prompt_lens, new_lens, status, freed_begin,
-                freed_end, kept, slot_positions, workspace, max_len, trigger) -> None:
+                freed_end, kept, slot_positions, workspace, max_len, trigger, protected_prefix=None) -> None:
     return None
 
