@@ -102,12 +102,13 @@ void bind_round(nb::module_& m) {
   nb::class_<CacheConfig>(m, "CacheConfig", "Layout of a paged cache: geometry, block size, pool size, dtype.")
       .def("__init__",
            [](CacheConfig* self, const ModelGeometry& model, int block_size, int num_blocks, int max_seqs,
-              int max_blocks_per_seq, KvLayout layout, DType dtype) {
-             new (self) CacheConfig{model, block_size, num_blocks, max_seqs, max_blocks_per_seq, layout, dtype};
+              int max_blocks_per_seq, KvLayout layout, DType dtype, bool track_positions) {
+             new (self)
+                 CacheConfig{model, block_size, num_blocks, max_seqs, max_blocks_per_seq, layout, dtype, track_positions};
            },
            nb::arg("model"), nb::kw_only(), nb::arg("block_size") = dc.block_size, nb::arg("num_blocks"),
            nb::arg("max_seqs") = dc.max_seqs, nb::arg("max_blocks_per_seq") = 0, nb::arg("layout") = dc.layout,
-           nb::arg("dtype") = dc.dtype)
+           nb::arg("dtype") = dc.dtype, nb::arg("track_positions") = dc.track_positions)
       .def_rw("model", &CacheConfig::model)
       .def_rw("block_size", &CacheConfig::block_size)
       .def_rw("num_blocks", &CacheConfig::num_blocks)
@@ -115,6 +116,8 @@ void bind_round(nb::module_& m) {
       .def_rw("max_blocks_per_seq", &CacheConfig::max_blocks_per_seq)
       .def_rw("layout", &CacheConfig::layout)
       .def_rw("dtype", &CacheConfig::dtype)
+      .def_rw("track_positions", &CacheConfig::track_positions,
+              "Keep every slot's original position so reports carry kept_positions (off: lengths and status only).")
       .def("block_bytes", &CacheConfig::block_bytes, "Bytes of one block in one (layer, K|V) range.")
       .def("block_bytes_all_ranges", &CacheConfig::block_bytes_all_ranges, "Bytes one block id owns (all layers, K, V).")
       .def("validate", &CacheConfig::validate);
@@ -128,6 +131,7 @@ void bind_round(nb::module_& m) {
       .def_ro("kept_rows", &CompressionReport::kept_rows)
       .def_prop_ro("kept_positions",
                    [](const CompressionReport& r) {
+                     r.require_positions();  // a typed error naming track_positions, never an empty array
                      const std::size_t n = r.kept_positions.size() * sizeof(std::int32_t);
                      const std::size_t rows = static_cast<std::size_t>(r.kept_rows);
                      NumpyArray out = owned_array(n, {rows, rows ? r.kept_positions.size() / rows : 0},
@@ -136,7 +140,8 @@ void bind_round(nb::module_& m) {
                      return out;
                    },
                    nb::rv_policy::move,
-                   "[kept_rows, length_after] original logical positions of the kept tokens (a copy).");
+                   "[kept_rows, length_after] original logical positions of the kept tokens (a copy); needs "
+                   "CacheConfig(track_positions=True).");
 
   nb::class_<HostCache>(m, "KvCache",
                         "The library's own paged cache in host memory, with the TriAttention scorer and the top-k "

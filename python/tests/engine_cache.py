@@ -107,7 +107,8 @@ def build_case(layout, geom, bs, dtype, seqs, selection, seed=0, extra_rows=2, s
     stats = stats or make_stats(L, Hq, D)
     rope = triattn.RopeConfig(theta=10000.0)
     cfg = triattn.CacheConfig(triattn.ModelGeometry(num_layers=L, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D),
-                              block_size=bs, num_blocks=num_blocks, max_seqs=len(seqs), dtype=dtype)
+                              block_size=bs, num_blocks=num_blocks, max_seqs=len(seqs), dtype=dtype,
+                              track_positions=True)  # the oracle's reports carry kept positions
     oracle = triattn.KvCache(cfg, stats, rope, selection)
     engine = EngineCache(layout, L, Hkv, D, bs, num_blocks, np_dtype, rng)
     n_rows = len(seqs) + extra_rows

@@ -280,3 +280,26 @@ def test_protected_prefix_is_checked(pp, needle):
         run(pp if isinstance(pp, (np.ndarray, str)) else np.array(pp, np.int32))
     for x, y in zip(before, case.engine.snapshot()):
         np.testing.assert_array_equal(bits(x), bits(y))
+
+
+def test_report_positions_need_track_positions():
+    """Positions are tracked only on request: without them a compressed report refuses to give
+    kept_positions (a LogicError naming the option), never an empty or stale array."""
+    L, Hq, Hkv, D, bs = 2, 4, 2, 64, 16
+    sel = triattn.SelectionParams(budget=32, divide_length=16)
+    geom = triattn.ModelGeometry(num_layers=L, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D)
+    rng = np.random.default_rng(3)
+    kv = [rng.standard_normal((L, 64, Hkv, D)).astype(np.float32) for _ in range(2)]
+    reports = {}
+    for track in (False, True):
+        cfg = triattn.CacheConfig(geom, block_size=bs, num_blocks=16, max_seqs=1, dtype=F32, track_positions=track)
+        assert cfg.track_positions == track
+        cache = triattn.KvCache(cfg, triattn.random_query_stats(7, L, Hq, D), triattn.RopeConfig(theta=10000.0), sel)
+        sid = cache.add_sequence()
+        assert cache.append(sid, kv[0], kv[1], triattn.Phase.DECODE)
+        reports[track] = cache.compress(sid)
+        assert reports[track].status == triattn.RoundStatus.COMPRESSED
+    assert reports[False].length_after == reports[True].length_after == 32
+    assert reports[True].kept_positions.shape == (Hkv, 32)
+    with pytest.raises(triattn.LogicError, match="track_positions"):
+        _ = reports[False].kept_positions

@@ -19,6 +19,9 @@
 
 #include <triattn/core/hash.hpp>
 #include <triattn/core/kv_cache.hpp>
+#include <triattn/core/policy/topk_selector.hpp>
+#include <triattn/core/policy/triattention_scorer.hpp>
+#include <triattn/core/stats/random.hpp>
 
 using namespace triattn;
 
@@ -685,3 +688,50 @@ TEST_CASE("kv cache: a moved cache keeps its state") {
 }
 
 }  // TEST_SUITE
+
+TEST_CASE("kv cache: per-head reports after per-layer plans name every layer's own positions") {
+  // An engine applies a plan that differs per layer through apply_keep_plan; a later per-head round
+  // must not label layer 1 with layer 0's positions (its report falls back to one row per pair).
+  constexpr int L = 2, Hq = 4, Hkv = 2, D = 16;
+  CacheConfig cfg;
+  cfg.model = ModelGeometry{L, Hq, Hkv, D};
+  cfg.block_size = 4;
+  cfg.num_blocks = 8;
+  cfg.max_seqs = 1;
+  cfg.dtype = DType::kF32;
+  cfg.track_positions = true;
+  SelectionParams sp;
+  sp.budget = 8;
+  sp.divide_length = 4;
+  sp.mode = PruningMode::kPerHead;
+  sp.prompt = PromptMode::kCompete;
+  std::mt19937 rng(11);
+  const QueryStats stats = random_query_stats(rng, L, Hq, D);
+  KvCache<TriAttentionScorer, TopKSelector> c(cfg, TriAttentionScorer(stats, RopeConfig{}, ScoringParams{}, Hkv),
+                                              TopKSelector(sp));
+  const SeqId s = c.add_sequence();
+  std::normal_distribution<float> nd;
+  std::vector<float> k(static_cast<std::size_t>(L) * 16 * Hkv * D), v(k.size());
+  for (float& x : k) x = nd(rng);
+  for (float& x : v) x = nd(rng);
+  REQUIRE(c.append(s, std::span<const float>(k), std::span<const float>(v), 16).ok());
+  KeepPlan plan(L, Hkv, 12);  // layer 0 drops slots 0..3, layer 1 drops 12..15
+  for (int h = 0; h < Hkv; ++h)
+    for (int i = 0; i < 12; ++i) {
+      plan.row(0, h)[i] = i + 4;
+      plan.row(1, h)[i] = i;
+    }
+  c.apply_keep_plan(s, plan);
+  const CompressionReport rep = c.compress(s);
+  REQUIRE(rep.status == RoundStatus::kCompressed);
+  REQUIRE(rep.length_after == 8);
+  CHECK(rep.kept_rows == L * Hkv);
+  for (int l = 0; l < L; ++l)
+    for (int h = 0; h < Hkv; ++h) {
+      const int row = rep.kept_rows == L * Hkv ? l * Hkv + h : h;
+      for (const std::int32_t p : rep.kept(row)) {
+        INFO("layer ", l, " head ", h, " position ", p);
+        CHECK((l == 0 ? (p >= 4 && p < 16) : (p >= 0 && p < 12)));
+      }
+    }
+}

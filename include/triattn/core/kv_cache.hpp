@@ -86,11 +86,16 @@ struct CompressionReport {
   /// [kept_rows, length_after]: original logical position of the token slot i of row r holds.
   std::vector<std::int32_t> kept_positions;
 
-  /// @throws logic_error naming CacheConfig::track_positions when positions were not tracked.
-  [[nodiscard]] std::span<const std::int32_t> kept(int row) const {
+  /// @throws logic_error naming CacheConfig::track_positions when a compressed sequence's
+  /// positions were not tracked (asking for them must never read as "nothing kept").
+  void require_positions() const {
     TRIATTN_EXPECTS(has_positions || status != RoundStatus::kCompressed,
                     "CompressionReport::kept: the cache does not track positions; set CacheConfig::track_positions "
                     "to have rounds report the kept tokens' positions");
+  }
+  /// @throws logic_error naming CacheConfig::track_positions when positions were not tracked.
+  [[nodiscard]] std::span<const std::int32_t> kept(int row) const {
+    require_positions();
     TRIATTN_EXPECTS(row >= 0 && row < kept_rows,
                     "CompressionReport::kept: row " + std::to_string(row) + " outside [0, " + std::to_string(kept_rows) + ")");
     return {kept_positions.data() + static_cast<std::size_t>(row) * static_cast<std::size_t>(length_after),
