@@ -496,6 +496,7 @@ TEST_CASE("paged round: bad views and batches are refused before anything is wri
     Outputs o(2, kHkv, kMaxTokens);
     spoil(st, rb, o.out);
     const std::vector<std::vector<T>> before = st.bufs;
+    const std::vector<std::int32_t> lens_before = st.lens, table_before = st.table;
     bool threw = false;
     std::string msg;
     try {
@@ -505,9 +506,12 @@ TEST_CASE("paged round: bad views and batches are refused before anything is wri
       msg = err.what();
     }
     CAPTURE(msg);
+    CAPTURE(std::string(what));
     CHECK(threw);
     CHECK(msg.find(what) != std::string::npos);
     CHECK(same_bufs(st.bufs, before));
+    CHECK(st.lens == lens_before);
+    CHECK(st.table == table_before);
     CHECK(std::all_of(o.new_lens.begin(), o.new_lens.end(), [](std::int32_t x) { return x == -7; }));
     CHECK(std::all_of(o.kept.begin(), o.kept.end(), [](std::int32_t x) { return x == -7; }));
   };
@@ -553,6 +557,56 @@ TEST_CASE("paged round: bad views and batches are refused before anything is wri
   refused(Engine::kVllmFlashAttn, [](Standin&, RB&, RO& o) { o.max_keep = 10; }, "more than out.max_keep");
   refused(Engine::kVllmFlashAttn, [](Standin&, RB&, RO& o) { o.kept_rows = 3; }, "out.kept_rows = 3");
   refused(Engine::kVllmFlashAttn, [](Standin&, RB&, RO& o) { o.status = nullptr; }, "must not be null");
+  // Issue 45 item 1: a shared block after a private one cannot be protected (compaction would
+  // move tokens across it): refused naming the block and both sequences, whether the other
+  // sequence is in the batch or not.
+  const auto share_col1 = [&](Standin& s) {  // q1's column 1 names q0's block at column 1
+    s.table[static_cast<std::size_t>(q1) * s.view.max_blocks_per_seq + 1] =
+        s.table[static_cast<std::size_t>(q0) * s.view.max_blocks_per_seq + 1];
+  };
+  const std::string shared_q0 = "is shared with sequence " + std::to_string(q0) + " but follows the private block";
+  const std::string shared_q1 = "is shared with sequence " + std::to_string(q1) + " but follows the private block";
+  refused(Engine::kVllmFlashAttn, [&](Standin& s, RB& rb, RO&) { share_col1(s); rb.batch = 1; }, shared_q1.c_str());
+  refused(Engine::kSglang, [&](Standin& s, RB& rb, RO&) {
+            std::int32_t* row = s.table.data() + static_cast<std::size_t>(q0) * s.view.max_blocks_per_seq;
+            row[20] = s.table[static_cast<std::size_t>(q1) * s.view.max_blocks_per_seq + 20];
+            rb.seq_ids += 1;  // the batch is q1 alone
+            rb.t0 += 1;
+            rb.prompt_lens += 1;
+            rb.batch = 1;
+          },
+          shared_q0.c_str());
+  refused(Engine::kTrtPool, [&](Standin& s, RB&, RO&) { share_col1(s); },
+          ("block_tables[" + std::to_string(q0) + "][1]").c_str());
+  // Every row the round reads is checked, in the batch or not.
+  refused(Engine::kVllmFlashAttn, [&](Standin& s, RB& rb, RO&) { s.lens[static_cast<std::size_t>(q1)] = kMaxTokens + 1; rb.batch = 1; },
+          "is outside [0, capacity");
+  refused(Engine::kVllmFlashAttn, [&](Standin& s, RB& rb, RO&) { s.table[static_cast<std::size_t>(q1) * s.view.max_blocks_per_seq] = -1; rb.batch = 1; },
+          "is outside [0, num_blocks");
+  // Issue 45 item 3: outputs (and the workspace) overlapping each other, the K/V or an input are
+  // refused before anything is written.
+  refused(Engine::kVllmFlashAttn, [](Standin& s, RB&, RO& o) { o.new_lens = s.lens.data(); }, "out.new_lens overlaps view.seq_lens");
+  refused(Engine::kOwnNHD, [](Standin& s, RB&, RO& o) { o.new_lens = s.lens.data() + 1; }, "out.new_lens overlaps view.seq_lens");
+  refused(Engine::kVllmFlashAttn, [](Standin&, RB& rb, RO& o) { o.status = const_cast<std::int32_t*>(rb.prompt_lens); },
+          "out.status overlaps batch.prompt_lens");
+  refused(Engine::kVllmFlashAttn, [](Standin&, RB& rb, RO& o) { o.freed_end = const_cast<std::int32_t*>(rb.seq_ids); },
+          "out.freed_end overlaps batch.seq_ids");
+  refused(Engine::kVllmFlashAttn, [](Standin&, RB& rb, RO& o) { o.new_lens = reinterpret_cast<std::int32_t*>(const_cast<std::int64_t*>(rb.t0)) + 1; },
+          "out.new_lens overlaps batch.t0");
+  refused(Engine::kVllmFlashAttn, [](Standin& s, RB&, RO& o) { o.freed_begin = s.table.data() + 5; }, "out.freed_begin overlaps view.block_tables");
+  refused(Engine::kVllmFlashAttn, [](Standin&, RB&, RO& o) { o.freed_end = o.freed_begin; }, "out.freed_begin overlaps out.freed_end");
+  refused(Engine::kVllmFlashAttn, [](Standin&, RB&, RO& o) { o.status = o.kept + 5; }, "out.status overlaps out.kept");
+  refused(Engine::kVllmFlashAttn, [](Standin&, RB&, RO& o) {
+            o.slot_positions = o.kept + 1;
+            o.positions_stride = kMaxTokens;
+          },
+          "out.kept overlaps out.slot_positions");
+  refused(Engine::kVllmFlashAttn, [&](Standin&, RB&, RO& o) { o.new_lens = reinterpret_cast<std::int32_t*>(ws.data()); },
+          "out.new_lens overlaps the workspace");
+  refused(Engine::kVllmFlashAttn, [](Standin& s, RB&, RO& o) { o.status = reinterpret_cast<std::int32_t*>(s.ranges[2] + 3); },
+          "out.status overlaps the view's K/V memory");
+  refused(Engine::kTrtPool, [](Standin& s, RB&, RO& o) { o.kept = reinterpret_cast<std::int32_t*>(s.bufs[0].data()) + 40; },
+          "out.kept overlaps the view's K/V memory");
   {  // a short workspace
     Standin st(Engine::kOwnNHD, 16, cfg.num_blocks, cfg.max_seqs, rng);
     st.load(c, q0);
@@ -788,8 +842,9 @@ TEST_CASE("paged round: protected_prefix keeps a shared prefix in place as KvCac
     const int rows = kept_rows(mode, kL, kHkv);
     std::vector<std::byte> ws(paged_round_workspace_size(cfg.model, kMaxTokens));
 
-    // Without the protected prefix the round selects inside the shared blocks: its plan would
-    // rewrite them, and the cache refuses to commit it (on an engine copy, nothing of c changes).
+    // Without the protected prefix (on an engine copy, nothing of c changes) the round finds the
+    // two shared blocks in the tables itself and keeps them in place: the same outputs as below.
+    std::vector<std::int32_t> found_kept, found_lens;
     {
       Standin st(Engine::kVllmFlashAttn, 16, cfg.num_blocks, cfg.max_seqs, rng);
       for (SeqId q : ids) st.load(c, q);
@@ -800,13 +855,16 @@ TEST_CASE("paged round: protected_prefix keeps a shared prefix in place as KvCac
       for (int b = 0; b < 2; ++b)
         for (int r = 0; r < rows; ++r)
           for (int i = 0; i < 32; ++i) moved = moved || o.kept[(static_cast<std::size_t>(b) * rows + r) * kMaxTokens + i] != i;
-      CHECK(moved);
-      CHECK_THROWS_AS((void)c.commit_round(ids, o.out), logic_error);
+      CHECK_FALSE(moved);
+      found_kept = o.kept;
+      found_lens = o.new_lens;
     }
     // With it: the batched round over the cache's own view equals KvCache::compress bit for bit.
     Outputs o(2, rows, kMaxTokens);
     const RoundBatch rb{ids.data(), t0.data(), prompts.data(), 2, kMaxTokens, shared.data()};
     REQUIRE(paged_round(c.view<T>(), c.scorer(), sp, cfg.model, RoundTrigger::kAlways, rb, o.out, ws.data(), ws.size()) == 2);
+    CHECK(o.kept == found_kept);
+    CHECK(o.new_lens == found_lens);
     const auto got = c.commit_round(ids, o.out);
     const std::vector<CompressionReport> want{twin.compress(ids[0]), twin.compress(ids[1])};
     REQUIRE(got.size() == 2);
@@ -849,6 +907,111 @@ TEST_CASE("paged round: protected_prefix keeps a shared prefix in place as KvCac
                                            ws.data(), ws.size()),
                          doctest::Contains("protected_prefix = -1"), logic_error);
   }
+}
+
+TEST_CASE("paged round: blocks shared between sequences are never rewritten (issue 45 item 1)") {
+  // Two sequences share their first blocks (prefix caching), a third is private. Whatever the
+  // batch holds (one of the sharers, both, with a protected_prefix ending inside a shared block),
+  // every byte of every shared block stays as it was, in every engine layout and page size, and
+  // the round still compresses the private parts. On the old code the round selected inside the
+  // shared blocks and rewrote them under the other sequence.
+  int rounds = 0;
+  for (int bs : {1, 16, 64})
+    for (Engine e : kEngines) {
+      CAPTURE(engine_name(e));
+      CAPTURE(bs);
+      const int S = bs == 64 ? 64 : 32;  // shared tokens, whole blocks
+      SelectionParams sp = make_params(PruningMode::kPerHead, kProtections[2]);  // everything competes
+      sp.budget = S + 16;
+      const CacheConfig cfg = make_config(bs, KvLayout::kNHD, 4);
+      std::mt19937 rng(4500u + static_cast<unsigned>(bs) * 11u + static_cast<unsigned>(e));
+      Cache c(cfg, make_scorer(), TopKSelector(sp));
+      const SeqId a = c.add_sequence();
+      append_random(c, a, S + 8, Phase::kPrefill, rng);
+      const SeqId b = c.fork_prefix(a, S);
+      const SeqId p = c.add_sequence();
+      append_random(c, a, 20, Phase::kDecode, rng);
+      append_random(c, b, 28, Phase::kDecode, rng);
+      append_random(c, p, 10, Phase::kPrefill, rng);
+      append_random(c, p, S + 20, Phase::kDecode, rng);
+      REQUIRE(c.shared_prefix(a) == S);
+      REQUIRE(c.shared_prefix(b) == S);
+      struct Batch {
+        std::vector<SeqId> ids;
+        std::vector<std::int32_t> prefix;  // empty: none
+      };
+      const Batch batches[] = {{{a}, {}}, {{b, p}, {}}, {{a, b, p}, {}}, {{p, b, a}, {S - 5, 0, S - 3}}};
+      for (const Batch& bt : batches) {
+        CAPTURE(bt.ids.size());
+        CAPTURE(bt.prefix.size());
+        Standin st(e, bs, cfg.num_blocks, cfg.max_seqs, rng);
+        for (SeqId q : {a, b, p}) st.load(c, q);
+        // The engine's shared blocks, found from its own tables, and their bytes (engine addressing).
+        const int ebs = e == Engine::kSglang ? 1 : bs;
+        std::vector<int> refs(static_cast<std::size_t>(st.view.num_blocks), 0);
+        for (SeqId q : {a, b, p})
+          for (int j = 0; j < (st.lens[static_cast<std::size_t>(q)] + ebs - 1) / ebs; ++j)
+            ++refs[static_cast<std::size_t>(st.table[static_cast<std::size_t>(q) * st.view.max_blocks_per_seq + j])];
+        const auto shared_bytes = [&] {
+          std::vector<T> v;
+          for (int id = 0; id < st.view.num_blocks; ++id)
+            if (refs[static_cast<std::size_t>(id)] > 1)
+              for (int l = 0; l < kL; ++l)
+                for (int kv = 0; kv < 2; ++kv)
+                  for (int r = 0; r < ebs; ++r)
+                    for (int h = 0; h < kHkv; ++h) {
+                      const T* x = st.expected(l, kv, id, r, h);
+                      v.insert(v.end(), x, x + kD);
+                    }
+          return v;
+        };
+        const std::vector<T> before = shared_bytes();
+        REQUIRE(before.size() == static_cast<std::size_t>(S / ebs) * ebs * kL * 2 * kHkv * kD);
+        const int n = static_cast<int>(bt.ids.size());
+        std::vector<std::int64_t> t0;
+        std::vector<std::int32_t> prompts, old_len;
+        for (SeqId q : bt.ids) {
+          t0.push_back(c.logical_position(q));
+          prompts.push_back(c.prompt_length(q));
+          old_len.push_back(c.physical_length(q));
+        }
+        const int rows = kept_rows(sp.mode, kL, kHkv);
+        Outputs o(n, rows, kMaxTokens);
+        TriAttentionScorer scorer = make_scorer();
+        const RoundBatch rb{bt.ids.data(), t0.data(), prompts.data(), n, kMaxTokens,
+                            bt.prefix.empty() ? nullptr : bt.prefix.data()};
+        std::vector<std::byte> ws(paged_round_workspace_size(cfg.model, kMaxTokens));
+        CHECK(paged_round(st.view, scorer, sp, cfg.model, RoundTrigger::kAlways, rb, o.out, ws.data(), ws.size()) == n);
+        const std::vector<T> after = shared_bytes();
+        CHECK(std::memcmp(after.data(), before.data(), before.size() * sizeof(T)) == 0);
+        for (int k = 0; k < n; ++k) {
+          CAPTURE(k);
+          const SeqId q = bt.ids[static_cast<std::size_t>(k)];
+          CHECK(o.status[static_cast<std::size_t>(k)] == static_cast<int>(RoundStatus::kCompressed));
+          CHECK(o.new_lens[static_cast<std::size_t>(k)] == sp.budget);
+          CHECK(o.new_lens[static_cast<std::size_t>(k)] < old_len[static_cast<std::size_t>(k)]);
+          if (q == p) continue;
+          bool in_place = true;  // the shared slots keep their tokens
+          for (int r = 0; r < rows; ++r)
+            for (int i = 0; i < S; ++i)
+              in_place = in_place && o.kept[(static_cast<std::size_t>(k) * rows + r) * kMaxTokens + i] == i;
+          CHECK(in_place);
+        }
+        ++rounds;
+      }
+    }
+  CHECK(rounds == 3 * 7 * 4);
+}
+
+TEST_CASE("paged round: the protected prefix a round applies covers leading shared blocks whole") {
+  // effective_protected_prefix: the caller's prefix, extended over the shared blocks, never past
+  // the length; a prefix longer than the shared blocks (ending inside a private block) is kept.
+  CHECK(effective_protected_prefix(0, 2, 16, 70) == 32);
+  CHECK(effective_protected_prefix(27, 2, 16, 70) == 32);  // ends inside a shared block: rounded up
+  CHECK(effective_protected_prefix(40, 2, 16, 70) == 40);  // ends inside a private block: as given
+  CHECK(effective_protected_prefix(5, 0, 16, 70) == 5);
+  CHECK(effective_protected_prefix(0, 3, 16, 40) == 40);   // the last shared block is partly used
+  CHECK(effective_protected_prefix(0, 1 << 20, 1 << 12, 100) == 100);  // no overflow
 }
 
 TEST_CASE("admission: max_resident_tokens is the simulated peak of every schedule") {

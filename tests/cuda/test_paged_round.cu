@@ -66,15 +66,18 @@ struct Case {
   int nan_seq = -1;         ///< batch entry whose one key is NaN
   bool all_rows = false;    ///< kept rows L * Hkv instead of kept_rows(mode)
   std::vector<int> shared;  ///< protected (shared) prefix per entry; empty = none (null pointer)
+  /// > 0: entry 1's first share_tokens / bs columns name entry 0's blocks, and a row outside the
+  /// batch names entry 2's (prefix caching; whole blocks)
+  int share_tokens = 0;
 
   std::string name() const {
     char buf[320];
     std::snprintf(buf, sizeof buf, "%s L=%d Hq=%d Hkv=%d d=%d bs=%d %s budget=%d slack=%d mode=%s prompt=%s sink=%d "
-                  "window=%d trigger=%s positions=%d nan_seq=%d all_rows=%d normalize=%d nonfinite=%s shared=%d",
+                  "window=%d trigger=%s positions=%d nan_seq=%d all_rows=%d normalize=%d nonfinite=%s shared=%d share_tokens=%d",
                   engine_name(engine), L, Hq, Hkv, d, bs, to_string(agg), sp.budget, sp.divide_length,
                   to_string(sp.mode), to_string(sp.prompt), sp.n_sink, sp.window,
                   trigger == RoundTrigger::kIfDue ? "if_due" : "always", positions, nan_seq, all_rows,
-                  sp.normalize, to_string(sp.nonfinite), !shared.empty());
+                  sp.normalize, to_string(sp.nonfinite), !shared.empty(), share_tokens);
     return buf;
   }
 };
@@ -229,11 +232,24 @@ void check_case(const Case& c, std::uint32_t seed, bool graph = false) {
   std::shuffle(ids.begin(), ids.end(), rng);
   std::vector<int> tables(static_cast<std::size_t>(max_seqs) * max_blocks, -1), lens(max_seqs, 0);
   int next = 0;
+  const int share_cols = c.share_tokens / c.bs;
   for (int b = 0; b < batch; ++b) {
     lens[seq_ids[b]] = c.lens[b];
     for (int j = 0; j < (c.lens[b] + c.bs - 1) / c.bs; ++j)
-      tables[static_cast<std::size_t>(seq_ids[b]) * max_blocks + j] = ids[next++];
+      tables[static_cast<std::size_t>(seq_ids[b]) * max_blocks + j] =
+          b == 1 && j < share_cols ? tables[static_cast<std::size_t>(seq_ids[0]) * max_blocks + j] : ids[next++];
   }
+  if (share_cols > 0) {  // a sequence outside the batch holds entry 2's first blocks
+    REQUIRE(batch >= 3);
+    const int outside = slots[static_cast<std::size_t>(batch)];
+    lens[outside] = c.share_tokens;
+    for (int j = 0; j < share_cols; ++j)
+      tables[static_cast<std::size_t>(outside) * max_blocks + j] = tables[static_cast<std::size_t>(seq_ids[2]) * max_blocks + j];
+  }
+  // Blocks more than one row names (every row up to its length).
+  std::vector<int> refs(static_cast<std::size_t>(num_blocks), 0);
+  for (int r = 0; r < max_seqs; ++r)
+    for (int j = 0; j < (lens[r] + c.bs - 1) / c.bs; ++j) ++refs[tables[static_cast<std::size_t>(r) * max_blocks + j]];
   std::vector<std::int64_t> t0(batch);
   for (int b = 0; b < batch; ++b) t0[b] = c.lens[b] + std::uniform_int_distribution<int>(0, 200000)(rng);
 
@@ -434,8 +450,114 @@ void check_case(const Case& c, std::uint32_t seed, bool graph = false) {
   if (c.trigger == RoundTrigger::kAlways)
     CHECK_GE(compressed, batch - (c.nan_seq >= 0 && c.sp.nonfinite == NonFinitePolicy::kRefuse ? 1 : 0));
   test::require_bitwise_equal(g_mem, arena.host, "compacted memory (device vs CPU oracle)");
+  if (share_cols > 0) {  // every byte of every shared block, K and V of every layer, as it was
+    long long blocks = 0, changed = 0;
+    std::vector<T*> g_ranges, o_ranges;
+    std::vector<T> g_copy = g_mem, o_copy = original;
+    for (int r = 0; r < 2 * c.L; ++r) {
+      g_ranges.push_back(g_copy.data() + arena.base[r]);
+      o_ranges.push_back(o_copy.data() + arena.base[r]);
+    }
+    const KvCacheView<T, int> gv = arena.view(g_copy.data(), g_ranges.data(), c.L, num_blocks, max_seqs, max_blocks,
+                                              tables.data(), lens.data());
+    const KvCacheView<T, int> ov = arena.view(o_copy.data(), o_ranges.data(), c.L, num_blocks, max_seqs, max_blocks,
+                                              tables.data(), lens.data());
+    for (int r = 0; r < max_seqs; ++r)
+      for (int j = 0; j < (lens[r] + c.bs - 1) / c.bs; ++j) {
+        if (refs[tables[static_cast<std::size_t>(r) * max_blocks + j]] < 2) continue;
+        ++blocks;
+        for (int l = 0; l < c.L; ++l)
+          for (int kind = 0; kind < 2; ++kind)
+            for (int i = j * c.bs; i < (j + 1) * c.bs; ++i)  // whole blocks, past the length too
+              for (int h = 0; h < c.Hkv; ++h)
+                changed += std::memcmp(gv.token(l, static_cast<KvKind>(kind), r, i, h),
+                                       ov.token(l, static_cast<KvKind>(kind), r, i, h), sizeof(T) * c.d) != 0;
+      }
+    CHECK_EQ(blocks, 4LL * share_cols);  // entries 0 and 1, entry 2 and the outside row
+    CHECK_MESSAGE(changed == 0, changed, " head vectors of shared blocks changed");
+  }
   // The round changed something (a test of a no-op would pass vacuously).
   CHECK(std::memcmp(arena.host.data(), original.data(), original.size() * sizeof(T)) != 0);
+}
+
+SelectionParams sel(int budget, PruningMode mode, PromptMode prompt, int sink, int window);
+
+/// Inputs of a small valid round in the vLLM FlashAttention layout (3 sequences of 5 rows, one
+/// row outside the batch holding a private block), which `poison` then spoils; the round must
+/// write nothing to the cache, report kInvalid for every entry and set the error record.
+struct Poisoned {
+  static constexpr int L = 2, Hq = 4, Hkv = 2, d = 128, bs = 16, batch = 3, max_seqs = 5, max_len = 300;
+  static constexpr int max_blocks = max_len / bs + 2;
+  std::vector<int> seq_ids{3, 0, 2}, lens{200, 0, 100, 300, 16}, prompts{0, 0, 0}, prefix{0, 0, 0};
+  std::vector<int> tables;
+  std::vector<std::int64_t> t0{1300, 1200, 1100};
+  int num_blocks = 0;
+  Poisoned() {
+    tables.assign(static_cast<std::size_t>(max_seqs) * max_blocks, -1);
+    for (int r = 0; r < max_seqs; ++r)
+      for (int j = 0; j < (lens[r] + bs - 1) / bs; ++j) tables[static_cast<std::size_t>(r) * max_blocks + j] = num_blocks++;
+    num_blocks += 2;
+  }
+  int& cell(int row, int col) { return tables[static_cast<std::size_t>(row) * max_blocks + col]; }
+};
+
+/// Runs the (possibly poisoned) round on the device; returns the error record, checks the outputs.
+cuda::RoundError run_poisoned(const Poisoned& in, std::uint32_t seed, bool expect_failure) {
+  using T = bf16_storage;
+  std::mt19937 rng(seed);
+  Arena<T> arena(Engine::kVllmFlashAttn, in.L, in.Hkv, in.d, in.bs, in.num_blocks);
+  arena.host.resize(arena.elems);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (T& x : arena.host) x = from_float<T>(nd(rng));
+  arena.dev.reset(arena.elems);
+  arena.dev.upload(arena.host);
+  std::vector<T*> dev_ptrs;
+  for (int r = 0; r < 2 * in.L; ++r) dev_ptrs.push_back(arena.dev.get() + arena.base[r]);
+  arena.dev_ranges.reset(dev_ptrs.size());
+  arena.dev_ranges.upload(dev_ptrs);
+  test::DeviceBuffer<int> d_tables(in.tables), d_lens(in.lens), d_seq(in.seq_ids), d_prompts(in.prompts),
+      d_prefix(in.prefix);
+  test::DeviceBuffer<std::int64_t> d_t0(in.t0);
+  const KvCacheView<T, int> dview = arena.view(arena.dev.get(), arena.dev_ranges.get(), in.L, in.num_blocks,
+                                               in.max_seqs, in.max_blocks, d_tables.get(), d_lens.get());
+  RopeConfig rope;
+  cuda::TriAttentionDeviceScorer scorer(random_query_stats(rng, in.L, in.Hq, in.d, RopeStyle::kHalf), rope,
+                                        ScoringParams{}, in.Hkv);
+  const SelectionParams sp = sel(64, PruningMode::kPerHead, PromptMode::kPinnedInBudget, 0, 0);
+  Outputs<T> out(in.batch, in.Hkv, in.max_len);
+  out.poison_device();
+  const cuda::RoundShape shape{in.L, in.Hq, in.Hkv};
+  const std::size_t ws_bytes =
+      cuda::paged_round_workspace_size(shape, sp.mode, in.batch, in.max_len, in.max_seqs, in.num_blocks);
+  test::DeviceBuffer<char> d_ws(ws_bytes);
+  d_ws.poison();  // the round clears its error record itself
+  const RoundBatch rb{d_seq.get(), d_t0.get(), d_prompts.get(), in.batch, in.max_len, d_prefix.get()};
+  cuda::paged_round(dview, scorer.device_model(), sp, RoundTrigger::kAlways, rb, out.device(nullptr, 0), d_ws.get(),
+                    ws_bytes, nullptr);
+  TRIATTN_TEST_CUDA(cudaDeviceSynchronize());
+  cuda::RoundError err{};
+  TRIATTN_TEST_CUDA(cudaMemcpy(&err, cuda::paged_round_error(d_ws.get()), sizeof err, cudaMemcpyDeviceToHost));
+  const std::vector<std::int32_t> status = out.d_status.download(), nl = out.d_new_lens.download(),
+                                  fb = out.d_fb.download(), fe = out.d_fe.download();
+  const std::vector<T> mem = arena.dev.download();
+  if (!expect_failure) {
+    CHECK_EQ(err.code, 0);
+    for (int b = 0; b < in.batch; ++b) CHECK_EQ(status[b], static_cast<int>(RoundStatus::kCompressed));
+    CHECK(std::memcmp(mem.data(), arena.host.data(), mem.size() * sizeof(T)) != 0);  // it compacted
+    return err;
+  }
+  CHECK_NE(err.code, 0);
+  CHECK_THROWS_AS(cuda::check_round_error(err), logic_error);
+  for (int b = 0; b < in.batch; ++b) {
+    INFO("batch entry ", b);
+    CHECK_EQ(status[b], static_cast<int>(RoundStatus::kInvalid));
+    const int raw = in.seq_ids[b];
+    CHECK_EQ(nl[b], raw >= 0 && raw < in.max_seqs ? in.lens[raw] : 0);
+    CHECK_EQ(fb[b], 0);
+    CHECK_EQ(fe[b], 0);
+  }
+  test::require_bitwise_equal(mem, arena.host, "cache memory after a refused round");
+  return err;
 }
 
 SelectionParams sel(int budget, PruningMode mode, PromptMode prompt, int sink, int window) {
@@ -527,6 +649,84 @@ TEST_SUITE("gpu") {
       }
   }
 
+  TEST_CASE("paged_round: blocks shared between sequences are never rewritten (issue 45)") {
+    // Entries 0 and 1 share 128 tokens of blocks, entry 2 shares them with a row outside the
+    // batch; half the cases also pass a protected prefix ending inside a shared block. Device
+    // round = CPU oracle bitwise, and no byte of a shared block changes.
+    test::require_device();
+    const std::uint32_t seed = test::fresh_seed32();
+    int combo = 0;
+    for (Engine e : kEngines)
+      for (int bs : {1, 16, 64}) {
+        if (e == Engine::kSglang && bs != 1) continue;
+        Case c;
+        c.engine = e;
+        c.bs = bs;
+        c.lens = {600, 333, 257, 41};
+        c.prompts = {0, 10, 0, 0};
+        c.share_tokens = 128;
+        if (combo % 2) c.shared = {100, 0, 37, 0};
+        c.sp = sel(200, combo % 3 == 0 ? PruningMode::kUnion : PruningMode::kPerHead, PromptMode::kCompete, 4, 16);
+        check_case<bf16_storage>(c, seed + static_cast<std::uint32_t>(combo++));
+      }
+  }
+
+  TEST_CASE("paged_round: poisoned ids and lengths and block ids are refused on the device (issue 45)") {
+    // On the old code these reads went unchecked (an illegal address, or another sequence's
+    // memory rewritten). Now nothing is written, every status is kInvalid, and the error record
+    // names the input. A clean round on the same workspace afterwards completes.
+    test::require_device();
+    const std::uint32_t seed = test::fresh_seed32();
+    using Code = cuda::RoundErrorCode;
+    struct Spoil {
+      const char* name;
+      Code code;
+      int seq, column;  // expected record fields (-2: not checked)
+      void (*apply)(Poisoned&);
+    };
+    const Spoil spoils[] = {
+        {"seq id past the rows", Code::kSeqId, 7, -1, [](Poisoned& p) { p.seq_ids[1] = 7; }},
+        {"negative seq id", Code::kSeqId, -1, -1, [](Poisoned& p) { p.seq_ids[1] = -1; }},
+        {"seq id twice", Code::kDuplicateSeq, 3, -1, [](Poisoned& p) { p.seq_ids[2] = 3; }},
+        {"length past capacity", Code::kLength, 0, -1, [](Poisoned& p) { p.lens[0] = Poisoned::max_blocks * Poisoned::bs + 1; }},
+        {"negative length", Code::kLength, 2, -1, [](Poisoned& p) { p.lens[2] = -5; }},
+        {"bad length outside the batch", Code::kLength, 1, -1, [](Poisoned& p) { p.lens[1] = 1 << 30; }},
+        {"block id past num_blocks", Code::kBlockId, 3, 4, [](Poisoned& p) { p.cell(3, 4) = p.num_blocks; }},
+        {"block id -1 inside the length", Code::kBlockId, 2, 6, [](Poisoned& p) { p.cell(2, 6) = -1; }},
+        {"bad block id outside the batch", Code::kBlockId, 4, 0, [](Poisoned& p) { p.cell(4, 0) = 1 << 30; }},
+        {"length over max_len", Code::kMaxLen, 3, -1, [](Poisoned& p) { p.lens[3] = 301; }},
+        {"prompt longer than the sequence", Code::kPromptLen, 0, -1, [](Poisoned& p) { p.prompts[1] = 500; }},
+        {"t0 below the length", Code::kT0, 0, -1, [](Poisoned& p) { p.t0[1] = 3; }},
+        {"negative protected prefix", Code::kProtectedPrefix, 2, -1, [](Poisoned& p) { p.prefix[2] = -1; }},
+        {"shared block after a private one, outside row", Code::kSharedBlock, 3, 5,
+         [](Poisoned& p) { p.cell(4, 0) = p.cell(3, 5); }},
+        {"block twice in one row after a private one", Code::kSharedBlock, 2, 5,
+         [](Poisoned& p) { p.cell(2, 5) = p.cell(2, 1); }},
+    };
+    int n = 0;
+    for (const Spoil& sp : spoils) {
+      INFO(sp.name);
+      Poisoned in;
+      sp.apply(in);
+      const cuda::RoundError e = run_poisoned(in, seed + static_cast<std::uint32_t>(n++), true);
+      CHECK_EQ(e.code, static_cast<int>(sp.code));
+      CHECK_EQ(e.seq, sp.seq);
+      CHECK_EQ(e.column, sp.column);
+      if (sp.code == Code::kSharedBlock)
+        CHECK_EQ(e.other, sp.seq == 3 ? 4 : 2);  // the outside row; the row itself for a repeat
+    }
+    // Two batch sequences sharing a block after their private ones: either is named, with the other.
+    Poisoned both;
+    both.cell(0, 2) = both.cell(3, 2);
+    const cuda::RoundError e = run_poisoned(both, seed + 100u, true);
+    CHECK_EQ(e.code, static_cast<int>(Code::kSharedBlock));
+    CHECK_EQ(e.column, 2);
+    CHECK(((e.seq == 3 && e.other == 0) || (e.seq == 0 && e.other == 3)));
+    CHECK_EQ(e.value, both.cell(3, 2));
+    // The clean inputs complete (the record of the refused rounds does not stick).
+    (void)run_poisoned(Poisoned{}, seed + 200u, false);
+  }
+
   TEST_CASE("paged_round: Qwen3-8B-like heads with max aggregation and head_dim 64") {
     test::require_device();
     const std::uint32_t seed = test::fresh_seed32();
@@ -602,6 +802,32 @@ TEST_CASE("paged_round: bad arguments are refused before anything is launched (n
   k.kept_rows = 3;
   k.max_keep = 1;
   CHECK_THROWS_WITH_AS(run(v, m, rb, k, ws, sizeof ws), doctest::Contains("kept_rows"), logic_error);
+  // outputs over an input, over each other or over the workspace (issue 45 item 3)
+  const std::size_t need = cuda::paged_round_workspace_size(cuda::RoundShape{2, 4, 2}, sp.mode, 1, 20, 2, 2);
+  std::vector<char> big(need + 256);
+  void* wsb = big.data() + (256 - reinterpret_cast<std::uintptr_t>(big.data()) % 256) % 256;
+  RoundOutputs a = out;
+  a.new_lens = const_cast<int*>(lens);
+  CHECK_THROWS_WITH_AS(run(v, m, rb, a, wsb, need), doctest::Contains("out.new_lens overlaps view.seq_lens"), logic_error);
+  a = out;
+  a.status = const_cast<std::int32_t*>(prompts);
+  CHECK_THROWS_WITH_AS(run(v, m, rb, a, wsb, need), doctest::Contains("out.status overlaps batch.prompt_lens"), logic_error);
+  a = out;
+  a.freed_end = a.freed_begin;
+  CHECK_THROWS_WITH_AS(run(v, m, rb, a, wsb, need), doctest::Contains("out.freed_begin overlaps out.freed_end"), logic_error);
+  a = out;
+  a.freed_begin = static_cast<std::int32_t*>(wsb) + 3;
+  CHECK_THROWS_WITH_AS(run(v, m, rb, a, wsb, need), doctest::Contains("out.freed_begin overlaps the workspace"), logic_error);
+  a = out;
+  a.status = reinterpret_cast<std::int32_t*>(mem + 100);
+  CHECK_THROWS_WITH_AS(run(v, m, rb, a, wsb, need), doctest::Contains("out.status overlaps the view's K/V memory"), logic_error);
+  // a workspace sized without the view's blocks, when they outnumber the keep plan's entries
+  static bf16_storage* const fake_ranges[4] = {mem, mem, mem, mem};  // a device array in a real call: never read here
+  auto many = v;
+  many.data = nullptr;
+  many.ranges = fake_ranges;
+  many.num_blocks = 1 << 20;
+  CHECK_THROWS_WITH_AS(run(many, m, rb, out, wsb, need), doctest::Contains("view.num_blocks"), logic_error);
   // an empty batch launches nothing and succeeds
   CHECK_NOTHROW(run(v, m, RoundBatch{nullptr, nullptr, nullptr, 0, 0}, RoundOutputs{}, nullptr, 0));
 }

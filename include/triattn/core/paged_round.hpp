@@ -16,9 +16,17 @@
 // new_lens and releases the columns [freed_begin, freed_end) of each sequence's table row once
 // the round is done (on the device: after an event recorded behind it, never earlier).
 //
+// Shared blocks (prefix caching): a block that another row of the block tables also references
+// (every row up to its length counts, in the batch or not) is never rewritten. A sequence's
+// leading shared blocks are protected whole (effective_protected_prefix extends its
+// protected_prefix over them); a shared block after a private one is refused, since compaction
+// would move tokens across it.
+//
 // Errors (the same rule for every batch call): arguments are validated before anything is
-// written (view, sequence ids, lengths, sizes) and a bad one throws triattn::logic_error naming
-// it, the cache untouched. Per-sequence data problems never throw: a sequence whose scores are
+// written (view, every table row the round reads, sequence ids, lengths, sizes, shared blocks,
+// outputs or workspace overlapping each other or the inputs) and a bad one throws
+// triattn::logic_error naming it, the cache untouched. The device round checks the same data on
+// the device instead (RoundStatus::kInvalid, cuda::RoundError). Per-sequence data problems never throw: a sequence whose scores are
 // not finite is left unchanged with RoundStatus::kNonFinite (NonFinitePolicy::kRefuse, the
 // default) and the other sequences complete; NonFinitePolicy::kEvictFirst ranks those scores
 // below every finite one so the round proceeds and the sequence stays usable.
@@ -30,6 +38,7 @@
 #include <limits>
 #include <span>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -60,6 +69,8 @@ enum class RoundStatus : std::int32_t {
   kNonFinite = 2,   ///< a score in the selectable range was NaN/±Inf under NonFinitePolicy::kRefuse: untouched
   kNoRoom = 3,      ///< the keep count exceeds RoundOutputs::max_keep (device rounds only; the host
                     ///< validates max_keep and throws): untouched
+  kInvalid = 4,     ///< device rounds only: the round's inputs failed the device checks (the host
+                    ///< throws instead); nothing of the round was written, cuda::RoundError says why
 };
 
 [[nodiscard]] inline const char* to_string(RoundStatus s) noexcept {
@@ -68,6 +79,7 @@ enum class RoundStatus : std::int32_t {
     case RoundStatus::kNotDue: return "not_due";
     case RoundStatus::kNonFinite: return "non_finite";
     case RoundStatus::kNoRoom: return "no_room";
+    case RoundStatus::kInvalid: return "invalid";
   }
   return "<invalid RoundStatus>";
 }
@@ -96,6 +108,17 @@ TRIATTN_HOST_DEVICE void kept_row_source(int r, int rows, int num_kv_heads, int*
   }
 }
 
+/// The protected prefix a round applies to a sequence of `length` slots whose first
+/// `shared_blocks` table columns hold blocks another row also references: the caller's
+/// `protected_prefix`, extended to cover those blocks whole (never past the length). One
+/// definition for the host round and the device round.
+[[nodiscard]] TRIATTN_HOST_DEVICE constexpr int effective_protected_prefix(int protected_prefix, int shared_blocks,
+                                                                          int block_size, int length) noexcept {
+  const long long shared = static_cast<long long>(shared_blocks) * block_size;
+  const int covered = static_cast<int>(shared < length ? shared : length);
+  return protected_prefix > covered ? protected_prefix : covered;
+}
+
 /// Per-sequence inputs of a round (arrays in the round's memory space). Same fields as
 /// cuda::RoundBatch.
 struct RoundBatch {
@@ -105,7 +128,9 @@ struct RoundBatch {
   int batch = 0;
   int max_len = 0;  ///< >= every sequence's physical length (sizes the workspace)
   /// [batch] or null (none): leading slots the round neither selects away nor moves, e.g. a
-  /// prefix shared with other sequences (KvCache::shared_prefix)
+  /// prefix shared with other sequences (KvCache::shared_prefix). Any count of slots: the round
+  /// itself extends it over every leading block another table row references
+  /// (effective_protected_prefix), and refuses a shared block that follows a private one.
   const std::int32_t* protected_prefix = nullptr;
 };
 static_assert(std::is_trivially_copyable_v<RoundBatch>);
@@ -221,6 +246,31 @@ std::vector<StrideDim> block_dims(const KvCacheView<T, Id>& v) {
 
 }  // namespace detail
 
+namespace detail {
+
+/// Calls f(column, block id) for the first ceil(seq_lens[s] / block_size) entries of row s of a
+/// host-readable view, after checking the row's length (in [0, capacity]) and each id (in
+/// [0, num_blocks)). @throws triattn::logic_error naming `what` and the bad entry.
+template <class T, class Id, class F>
+void for_each_row_block(const KvCacheView<T, Id>& view, int s, const std::string& what, F&& f) {
+  const std::int64_t len = view.seq_lens[s];
+  if (len < 0 || len > view.capacity_tokens())
+    TRIATTN_FAIL(what + ": seq_lens[" + std::to_string(s) + "] = " + std::to_string(len) + " is outside [0, capacity " +
+                 std::to_string(view.capacity_tokens()) + " = max_blocks_per_seq * block_size]");
+  const std::int64_t nb = ceil_div<std::int64_t>(len, view.block.block_size);
+  const Id* row = view.table_row(s);
+  for (std::int64_t j = 0; j < nb; ++j) {
+    const std::int64_t id = row[j];
+    if (id < 0 || id >= view.num_blocks)
+      TRIATTN_FAIL(what + ": block_tables[" + std::to_string(s) + "][" + std::to_string(j) + "] = " +
+                   std::to_string(id) + " is outside [0, num_blocks = " + std::to_string(view.num_blocks) +
+                   ") (sequence length " + std::to_string(len) + ")");
+    f(j, id);
+  }
+}
+
+}  // namespace detail
+
 /// Checks a view before anything reads or writes through it, host side. Structure (always):
 /// positive sizes, non-null base/tables/lengths, non-negative strides that nest (no two (block,
 /// token, head) vectors of one range share an element, and for a single-base view no two
@@ -297,24 +347,134 @@ void validate_view(const KvCacheView<T, Id>& view, std::span<const std::int32_t>
     if (s < 0 || s >= view.max_seqs)
       fail("sequence " + std::to_string(s) + " (batch entry " + std::to_string(k) + ") is not a row of the table [0, " +
            std::to_string(view.max_seqs) + ")");
-    const std::int64_t len = view.seq_lens[s];
-    if (len < 0 || len > view.capacity_tokens())
-      fail("seq_lens[" + std::to_string(s) + "] = " + std::to_string(len) + " is outside [0, capacity " +
-           std::to_string(view.capacity_tokens()) + " = max_blocks_per_seq * block_size]");
-    const std::int64_t nb = (len + b.block_size - 1) / b.block_size;
     seen.assign(static_cast<std::size_t>(view.num_blocks), 0);
-    for (std::int64_t j = 0; j < nb; ++j) {
-      const std::int64_t id = view.table_row(s)[j];
-      if (id < 0 || id >= view.num_blocks)
-        fail("block_tables[" + std::to_string(s) + "][" + std::to_string(j) + "] = " + std::to_string(id) +
-             " is outside [0, num_blocks = " + std::to_string(view.num_blocks) + ") (sequence length " +
-             std::to_string(len) + ")");
+    detail::for_each_row_block(view, s, what, [&](std::int64_t j, std::int64_t id) {
       if (seen[static_cast<std::size_t>(id)]++)
         fail("block_tables[" + std::to_string(s) + "][" + std::to_string(j) + "] = " + std::to_string(id) +
              " appears twice in the sequence's row");
-    }
+    });
   }
 }
+
+namespace detail {
+
+/// Block reference counts of a round, host side: refs[id] = entries naming block id over EVERY
+/// row of the view's tables (each row up to its length), batch or not. Checks every row it reads
+/// (length, block ids), so rows no sequence uses must have length 0.
+/// @throws triattn::logic_error naming `what` and the bad entry.
+template <class T, class Id>
+std::vector<std::int32_t> count_block_refs(const KvCacheView<T, Id>& view, const std::string& what) {
+  std::vector<std::int32_t> refs(static_cast<std::size_t>(view.num_blocks), 0);
+  for (int s = 0; s < view.max_seqs; ++s)
+    for_each_row_block(view, s, what, [&](std::int64_t, std::int64_t id) { ++refs[static_cast<std::size_t>(id)]; });
+  return refs;
+}
+
+/// Leading table columns of sequence `seq` (batch entry `entry`) whose blocks another row also
+/// references (refs from count_block_refs; the row was validated). Those columns are protected
+/// whole; a shared block after a private one cannot be (compaction would move tokens across it).
+/// @throws triattn::logic_error naming the block, its column and both sequences in that case.
+template <class T, class Id>
+int leading_shared_blocks(const KvCacheView<T, Id>& view, std::span<const std::int32_t> refs, int seq, int entry,
+                          const std::string& what) {
+  const Id* row = view.table_row(seq);
+  const std::int64_t nb = ceil_div<std::int64_t>(view.seq_lens[seq], view.block.block_size);
+  std::int64_t lead = 0;
+  while (lead < nb && refs[static_cast<std::size_t>(row[lead])] > 1) ++lead;
+  for (std::int64_t j = lead + 1; j < nb; ++j) {
+    const std::int64_t id = row[j];
+    if (refs[static_cast<std::size_t>(id)] <= 1) continue;
+    int other = -1;  // another row naming the block (error path only: a scan of the tables)
+    for (int s = 0; s < view.max_seqs && other < 0; ++s) {
+      if (s == seq) continue;
+      for_each_row_block(view, s, what, [&](std::int64_t, std::int64_t b) { other = b == id ? s : other; });
+    }
+    TRIATTN_FAIL(what + ": batch entry " + std::to_string(entry) + " (sequence " + std::to_string(seq) +
+                 "): block_tables[" + std::to_string(seq) + "][" + std::to_string(j) + "] = " + std::to_string(id) +
+                 " is shared with sequence " + std::to_string(other) + " but follows the private block " +
+                 std::to_string(row[lead]) + " at column " + std::to_string(lead) +
+                 "; compaction would move tokens across a block another sequence reads (copy it first, or leave "
+                 "the sequence out of the round)");
+  }
+  return static_cast<int>(lead);
+}
+
+/// One byte range a round reads or writes (null or empty: none).
+struct MemSpan {
+  const void* p;
+  std::size_t bytes;
+  const char* name;
+};
+
+/// Element span of the view's K/V memory (a range per (layer, K|V) when `ranges` is readable
+/// here, one span from `data` otherwise; none for a device pointer array).
+template <class T, class Id>
+std::vector<MemSpan> kv_spans(const KvCacheView<T, Id>& view, bool ranges_readable) {
+  const BlockLayout& b = view.block;
+  const std::int64_t extent = (view.num_blocks - 1) * b.stride_block + (b.block_size - 1) * b.stride_token +
+                              (b.num_kv_heads - 1) * b.stride_head + b.head_dim;  // elements one range spans
+  std::vector<MemSpan> spans;
+  if (view.ranges == nullptr) {
+    const std::int64_t all = (view.num_layers - 1) * view.layer_stride + view.kind_stride + extent;
+    spans.push_back({view.data, sizeof(T) * static_cast<std::size_t>(all), "the view's K/V memory"});
+  } else if (ranges_readable) {
+    for (int i = 0; i < 2 * view.num_layers; ++i)
+      spans.push_back({view.ranges[i], sizeof(T) * static_cast<std::size_t>(extent), "the view's K/V memory"});
+  }
+  return spans;
+}
+
+/// Refuses a round whose written spans (outputs, workspace, K/V) overlap each other or anything
+/// it reads (tables, lengths, batch arrays, slot positions): a write there would change an input
+/// of a later sequence mid-round. Read spans may overlap each other.
+/// @throws triattn::logic_error naming `what` and both arrays.
+inline void check_disjoint(std::span<const MemSpan> written, std::span<const MemSpan> read, const std::string& what) {
+  const auto overlap = [](const MemSpan& a, const MemSpan& b) {
+    if (a.p == nullptr || b.p == nullptr || a.bytes == 0 || b.bytes == 0) return false;
+    const auto pa = reinterpret_cast<std::uintptr_t>(a.p), pb = reinterpret_cast<std::uintptr_t>(b.p);
+    return pa < pb + b.bytes && pb < pa + a.bytes;
+  };
+  for (std::size_t i = 0; i < written.size(); ++i) {
+    for (std::size_t j = i + 1; j < written.size(); ++j)
+      if (overlap(written[i], written[j]) && std::string_view(written[i].name) != written[j].name)
+        TRIATTN_FAIL(what + ": " + written[i].name + " overlaps " + written[j].name + " (both are written)");
+    for (const MemSpan& r : read)
+      if (overlap(written[i], r))
+        TRIATTN_FAIL(what + ": " + written[i].name + " overlaps " + r.name + ", which the round reads");
+  }
+}
+
+/// The spans a round over `view` writes and reads (batch.batch > 0; workspace_bytes: what the
+/// round uses of it), checked with check_disjoint.
+template <class T, class Id>
+void check_round_aliasing(const KvCacheView<T, Id>& view, bool ranges_readable, const RoundBatch& batch,
+                          const RoundOutputs& out, const void* workspace, std::size_t workspace_bytes,
+                          const std::string& what) {
+  const std::size_t B = static_cast<std::size_t>(batch.batch), i32 = sizeof(std::int32_t);
+  const std::size_t kept_entries = B * static_cast<std::size_t>(out.kept_rows > 0 ? out.kept_rows : 0);
+  std::vector<MemSpan> written{{out.new_lens, B * i32, "out.new_lens"},
+                               {out.status, B * i32, "out.status"},
+                               {out.freed_begin, B * i32, "out.freed_begin"},
+                               {out.freed_end, B * i32, "out.freed_end"},
+                               {out.kept, kept_entries * static_cast<std::size_t>(out.max_keep > 0 ? out.max_keep : 0) * i32,
+                                "out.kept"},
+                               {workspace, workspace_bytes, "the workspace"}};
+  for (const MemSpan& m : kv_spans(view, ranges_readable)) written.push_back(m);
+  const std::size_t table = static_cast<std::size_t>(view.max_seqs) * static_cast<std::size_t>(view.max_blocks_per_seq);
+  const MemSpan read[] = {
+      {view.block_tables, table * sizeof(Id), "view.block_tables"},
+      {view.seq_lens, static_cast<std::size_t>(view.max_seqs) * sizeof(Id), "view.seq_lens"},
+      {batch.seq_ids, B * i32, "batch.seq_ids"},
+      {batch.t0, B * sizeof(std::int64_t), "batch.t0"},
+      {batch.prompt_lens, B * i32, "batch.prompt_lens"},
+      {batch.protected_prefix, B * i32, "batch.protected_prefix"},
+      {out.slot_positions,
+       out.slot_positions != nullptr ? kept_entries * static_cast<std::size_t>(out.positions_stride) * i32 : 0,
+       "out.slot_positions"}};
+  check_disjoint(written, read, what);
+}
+
+}  // namespace detail
 
 namespace detail {
 
@@ -383,7 +543,8 @@ inline void write_round_outputs(const RoundOutputs& out, int b, int block_size, 
 ///                  batch.max_len) bytes, float-aligned
 /// @return the number of sequences compressed
 /// @throws triattn::logic_error (nothing written) on a bad view, batch, outputs, workspace or
-///         params; a sequence with non-finite scores is reported, not thrown (kNonFinite).
+///         params, a shared block after a private one, or outputs / workspace overlapping each
+///         other or an input; a sequence with non-finite scores is reported, not thrown (kNonFinite).
 template <class T, class Id, class Scorer>
 int paged_round(const KvCacheView<T, Id>& view, Scorer& scorer, const SelectionParams& params,
                 const ModelGeometry& geometry, RoundTrigger trigger, const RoundBatch& batch, const RoundOutputs& out,
@@ -410,7 +571,9 @@ int paged_round(const KvCacheView<T, Id>& view, Scorer& scorer, const SelectionP
                   "paged_round: out.new_lens, out.status, out.freed_begin and out.freed_end must not be null");
   const std::span<const std::int32_t> ids(batch.seq_ids, static_cast<std::size_t>(batch.batch));
   validate_view(view, ids, true, "paged_round: view");
+  const std::vector<std::int32_t> refs = detail::count_block_refs(view, "paged_round: view");
   std::vector<std::uint8_t> in_batch(static_cast<std::size_t>(view.max_seqs), 0);
+  std::vector<std::int32_t> prefix(static_cast<std::size_t>(batch.batch), 0);  // effective protected prefix
   const int rows_mode = kept_rows(params.mode, g.num_layers, g.num_kv_heads);
   if (out.kept != nullptr)
     TRIATTN_EXPECTS(out.kept_rows == rows_mode || out.kept_rows == g.num_layers * g.num_kv_heads,
@@ -427,8 +590,11 @@ int paged_round(const KvCacheView<T, Id>& view, Scorer& scorer, const SelectionP
     TRIATTN_EXPECTS(!in_batch[static_cast<std::size_t>(s)]++, who + " appears twice in the batch");
     const int len = static_cast<int>(view.seq_lens[s]);
     const int pl = batch.prompt_lens[b];
-    const int pp = batch.protected_prefix != nullptr ? batch.protected_prefix[b] : 0;
-    TRIATTN_EXPECTS(pp >= 0, who + ": protected_prefix = " + std::to_string(pp) + " must be >= 0");
+    const int given = batch.protected_prefix != nullptr ? batch.protected_prefix[b] : 0;
+    TRIATTN_EXPECTS(given >= 0, who + ": protected_prefix = " + std::to_string(given) + " must be >= 0");
+    const int lead = detail::leading_shared_blocks(view, refs, s, b, "paged_round");
+    const int pp = effective_protected_prefix(given, lead, view.block.block_size, len);
+    prefix[static_cast<std::size_t>(b)] = pp;
     TRIATTN_EXPECTS(len <= batch.max_len, who + ": length " + std::to_string(len) + " exceeds batch.max_len = " +
                                               std::to_string(batch.max_len));
     TRIATTN_EXPECTS(pl >= 0 && pl <= len, who + ": prompt_len = " + std::to_string(pl) + " must be in [0, length " +
@@ -452,6 +618,7 @@ int paged_round(const KvCacheView<T, Id>& view, Scorer& scorer, const SelectionP
                       " (paged_round_workspace_size)");
   TRIATTN_EXPECTS(reinterpret_cast<std::uintptr_t>(workspace) % alignof(float) == 0,
                   "paged_round: workspace is not aligned for float");
+  detail::check_round_aliasing(view, true, batch, out, workspace, need, "paged_round");
   // Everything is checked: from here on, per-sequence problems are reported, not thrown.
   const std::span<float> scores(static_cast<float*>(workspace), need / sizeof(float));
   int compressed = 0;
@@ -459,7 +626,7 @@ int paged_round(const KvCacheView<T, Id>& view, Scorer& scorer, const SelectionP
   for (int b = 0; b < batch.batch; ++b) {
     const int s = batch.seq_ids[b];
     const int len = static_cast<int>(view.seq_lens[s]);
-    const int pp = batch.protected_prefix != nullptr ? batch.protected_prefix[b] : 0;
+    const int pp = prefix[static_cast<std::size_t>(b)];
     RoundStatus st = RoundStatus::kNotDue;
     if (due[static_cast<std::size_t>(b)]) {
       const auto select = [&params, pp](std::span<const float> sc, const ModelGeometry& gm, int n, int pl) {

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // cuda::paged_round: the batched compression round (core/paged_round.hpp) over any paged cache a
 // KvCacheView describes, in device memory, on one stream:
-//   prologue (which sequences take part) → score → row statistics (or a non-finite scan) →
+//   device checks and block reference counts → shared leading blocks, which sequences take part →
+//   score → row statistics (or a non-finite scan) →
 //   normalise + reduce → top-k select → outputs (status, new length, freed table columns, kept
 //   logical positions) → in-place compaction of the sequences that completed.
 // No allocation, no host synchronisation, no host read of device data: a round can be captured in
@@ -28,29 +29,45 @@ namespace triattn::cuda {
 
 namespace detail {
 
-/// Carves paged_round's workspace: compression_round's buffers, then PagedRoundScratch. Returns
-/// the bytes used (base = nullptr only measures).
+/// Carves paged_round's workspace: the RoundError record (offset 0, 256 bytes), the keep plan
+/// whose memory first holds the block reference counts ([num_blocks]: they are done with before
+/// selection writes the plan), compression_round's buffers, then the rest of PagedRoundScratch.
+/// Returns the bytes used (base = nullptr only measures); *clear_bytes = the leading bytes each
+/// round zeroes (the record and the reference counts).
 inline std::size_t carve_paged_round_workspace(void* base, const RoundShape& s, PruningMode mode, int batch,
-                                               int max_len, int max_seqs, RoundWorkspace* ws,
-                                               PagedRoundScratch* scratch) noexcept {
-  const std::size_t front = carve_round_workspace(base, s, mode, batch, max_len, ws);
+                                               int max_len, int max_seqs, int num_blocks, RoundWorkspace* ws,
+                                               PagedRoundScratch* scratch, std::size_t* clear_bytes = nullptr) noexcept {
+  constexpr std::size_t kRecord = 256;
   const std::size_t B = static_cast<std::size_t>(batch > 0 ? batch : 0);
   const std::size_t S = static_cast<std::size_t>(max_seqs > 0 ? max_seqs : 0);
+  const std::size_t NB = static_cast<std::size_t>(num_blocks > 0 ? num_blocks : 0);
   const std::size_t plan = B * static_cast<std::size_t>(s.num_layers) * static_cast<std::size_t>(s.num_kv_heads) *
                            static_cast<std::size_t>(max_len > 0 ? max_len : 0);
-  const std::size_t sizes[5] = {S * 4, B * 4, plan * 4, B * 4, B * 4};
-  std::size_t off[5], total = front;
-  for (int i = 0; i < 5; ++i) {
+  const std::size_t plan_bytes = round_up_256(4 * (plan > NB ? plan : NB));
+  char* p = static_cast<char*>(base);
+  const std::size_t front =
+      carve_round_workspace(p != nullptr ? p + kRecord + plan_bytes : nullptr, s, mode, batch, max_len, ws);
+  constexpr int kArrays = 8;
+  const std::size_t sizes[kArrays] = {S * 4, B * 4, B * 4, B * 4, B * 4, B * 4, B * 4, B * 4};
+  std::size_t off[kArrays], total = kRecord + plan_bytes + front;
+  for (int i = 0; i < kArrays; ++i) {
     off[i] = total;
     total += round_up_256(sizes[i]);
   }
-  if (base != nullptr && scratch != nullptr) {
-    char* p = static_cast<char*>(base);
-    scratch->eff_lens = reinterpret_cast<std::int32_t*>(p + off[0]);
-    scratch->nonfinite = reinterpret_cast<std::int32_t*>(p + off[1]);
-    scratch->plan_kept = reinterpret_cast<std::int32_t*>(p + off[2]);
-    scratch->plan_keep = reinterpret_cast<std::int32_t*>(p + off[3]);
-    scratch->apply_keep = reinterpret_cast<std::int32_t*>(p + off[4]);
+  if (clear_bytes != nullptr) *clear_bytes = kRecord + 4 * NB;
+  if (p != nullptr && scratch != nullptr) {
+    const auto at = [p](std::size_t o) { return reinterpret_cast<std::int32_t*>(p + o); };
+    scratch->error = reinterpret_cast<RoundError*>(p);
+    scratch->plan_kept = at(kRecord);
+    scratch->block_refs = at(kRecord);
+    scratch->eff_lens = at(off[0]);
+    scratch->nonfinite = at(off[1]);
+    scratch->plan_keep = at(off[2]);
+    scratch->apply_keep = at(off[3]);
+    scratch->safe_ids = at(off[4]);
+    scratch->prefix = at(off[5]);
+    scratch->first_private = at(off[6]);
+    scratch->last_shared = at(off[7]);
   }
   return total;
 }
@@ -60,10 +77,50 @@ inline std::string paged_round_what(const char* field) { return std::string("cud
 }  // namespace detail
 
 /// Bytes of device workspace cuda::paged_round needs for `batch` sequences of at most `max_len`
-/// slots in a view of `max_seqs` rows (scores [batch, L, Hq, max_len] float dominate).
+/// slots in a view of `max_seqs` rows and `num_blocks` blocks (scores [batch, L, Hq, max_len]
+/// float dominate). The block reference counts share the keep plan's memory, so num_blocks only
+/// matters past batch * L * Hkv * max_len blocks; 0 sizes for that case (the round refuses a
+/// workspace too short for its view).
 [[nodiscard]] inline std::size_t paged_round_workspace_size(const RoundShape& shape, PruningMode mode, int batch,
-                                                            int max_len, int max_seqs) noexcept {
-  return detail::carve_paged_round_workspace(nullptr, shape, mode, batch, max_len, max_seqs, nullptr, nullptr);
+                                                            int max_len, int max_seqs, int num_blocks = 0) noexcept {
+  return detail::carve_paged_round_workspace(nullptr, shape, mode, batch, max_len, max_seqs, num_blocks, nullptr,
+                                             nullptr);
+}
+
+/// The error record of the last round run with `workspace` (device memory, offset 0): copy it to
+/// the host after an event recorded behind the round and pass it to check_round_error.
+[[nodiscard]] inline const RoundError* paged_round_error(const void* workspace) noexcept {
+  return static_cast<const RoundError*>(workspace);
+}
+
+/// What a round's error record says, naming the input ("" when code is kNone).
+[[nodiscard]] inline std::string describe(const RoundError& e) {
+  const std::string entry = "batch entry " + std::to_string(e.entry) + " (sequence " + std::to_string(e.seq) + "): ";
+  const std::string v = std::to_string(e.value);
+  const std::string cell = "block_tables[" + std::to_string(e.seq) + "][" + std::to_string(e.column) + "] = " + v;
+  switch (static_cast<RoundErrorCode>(e.code)) {
+    case RoundErrorCode::kNone: return {};
+    case RoundErrorCode::kSeqId: return "batch.seq_ids[" + std::to_string(e.entry) + "] = " + v + " is not a row of the table";
+    case RoundErrorCode::kDuplicateSeq:
+      return entry + "appears twice in the batch (also batch entry " + std::to_string(e.other) + ")";
+    case RoundErrorCode::kLength: return "seq_lens[" + std::to_string(e.seq) + "] = " + v + " is outside [0, capacity]";
+    case RoundErrorCode::kBlockId: return cell + " is outside [0, num_blocks)";
+    case RoundErrorCode::kMaxLen: return entry + "length " + v + " exceeds batch.max_len";
+    case RoundErrorCode::kPromptLen: return entry + "prompt_len = " + v + " is outside [0, length]";
+    case RoundErrorCode::kT0: return entry + "t0 = " + v + " (tokens processed) is smaller than its cached length";
+    case RoundErrorCode::kProtectedPrefix: return entry + "protected_prefix = " + v + " must be >= 0";
+    case RoundErrorCode::kSharedBlock:
+      return entry + cell +
+             (e.other == e.seq ? " appears twice in the sequence's row"
+                               : " is shared with sequence " + std::to_string(e.other)) +
+             " but follows a private block; compaction would move tokens across it";
+  }
+  return "unknown RoundError code " + std::to_string(e.code);
+}
+
+/// Throws triattn::logic_error naming the bad input when a round's error record (host copy) is set.
+inline void check_round_error(const RoundError& e) {
+  if (e.code != 0) TRIATTN_FAIL("cuda::paged_round refused its inputs on the device: " + describe(e));
 }
 
 /// The batched round over device memory (the device twin of triattn::paged_round, its oracle).
@@ -85,6 +142,16 @@ inline std::string paged_round_what(const char* field) { return std::string("cud
 /// @note asynchronous on `stream`: allocates nothing, never synchronises; capturable in a CUDA
 ///       graph. A sequence with a non-finite score in its selectable range is left untouched with
 ///       RoundStatus::kNonFinite under NonFinitePolicy::kRefuse; the others complete.
+/// @note the data the host cannot read is checked on the device: every table row's length and
+///       block ids (all max_seqs rows, each up to its length), the batch's ids (in range, no
+///       duplicate), lengths (<= max_len), prompt lengths, t0 and protected prefixes, and shared
+///       blocks (as the host round: leading ones protected whole, one after a private block
+///       refused). On a failure the round writes nothing to the cache, every status is
+///       RoundStatus::kInvalid (new_lens = the current length, no freed columns: applying them is
+///       a no-op), and the RoundError record at workspace offset 0 (paged_round_error) names the
+///       input; copy it after an event behind the round and call check_round_error.
+/// @throws also logic_error when outputs or the workspace overlap each other or an input array
+///         (tables, lengths, batch arrays, slot positions; the K/V too for a single-base view).
 template <class T, class Id>
 void paged_round(const KvCacheView<T, Id>& view, const ScoreModelView& model, const SelectionParams& params,
                  RoundTrigger trigger, const RoundBatch& batch, const RoundOutputs& out, void* workspace,
@@ -122,6 +189,9 @@ void paged_round(const KvCacheView<T, Id>& view, const ScoreModelView& model, co
   dispatch_head_dim(view.block.head_dim, [](auto) {});  // throws unsupported naming the compiled list
   TRIATTN_EXPECTS(batch.seq_ids != nullptr && batch.t0 != nullptr && batch.prompt_lens != nullptr,
                   paged_round_what("batch") + ": seq_ids, t0 and prompt_lens must be device arrays, not null");
+  TRIATTN_EXPECTS(batch.batch <= view.max_seqs,
+                  paged_round_what("batch.batch") + " = " + std::to_string(batch.batch) + " exceeds view.max_seqs = " +
+                      std::to_string(view.max_seqs) + " (the batch's sequences are distinct rows)");
   TRIATTN_EXPECTS(batch.max_len <= view.capacity_tokens(),
                   paged_round_what("batch.max_len") + " = " + std::to_string(batch.max_len) +
                       " exceeds the view's capacity per sequence (" + std::to_string(view.capacity_tokens()) + ")");
@@ -143,11 +213,15 @@ void paged_round(const KvCacheView<T, Id>& view, const ScoreModelView& model, co
                   paged_round_what("workspace") + " must be a 256-byte aligned device pointer");
   RoundWorkspace ws;
   PagedRoundScratch scratch;
+  std::size_t clear = 0;
   const std::size_t need = detail::carve_paged_round_workspace(workspace, shape, params.mode, batch.batch,
-                                                               batch.max_len, view.max_seqs, &ws, &scratch);
+                                                               batch.max_len, view.max_seqs, view.num_blocks, &ws,
+                                                               &scratch, &clear);
   TRIATTN_EXPECTS(need <= workspace_bytes, paged_round_what("workspace_bytes") + " = " +
                                                std::to_string(workspace_bytes) + ", the round needs " +
-                                               std::to_string(need) + " (paged_round_workspace_size)");
+                                               std::to_string(need) + " (paged_round_workspace_size with view.num_blocks = " +
+                                               std::to_string(view.num_blocks) + ")");
+  triattn::detail::check_round_aliasing(view, false, batch, out, workspace, need, "cuda::paged_round");
 
   PagedRoundParams p;
   p.select = params;
@@ -158,18 +232,27 @@ void paged_round(const KvCacheView<T, Id>& view, const ScoreModelView& model, co
   p.num_q_heads = shape.num_q_heads;
   p.num_kv_heads = shape.num_kv_heads;
   p.plan_capacity = batch.max_len;
+  p.max_seqs = view.max_seqs;
 
+  // Device checks of everything the round reads, block reference counts over every table row,
+  // then per sequence its shared leading blocks and whether it takes part (none on an error).
   constexpr int kThreads = 128;
-  paged_round_prologue_kernel<Id><<<(batch.batch + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
-      view.seq_lens, batch, scratch, p);
+  TRIATTN_CUDA_TRY(cudaMemsetAsync(workspace, 0, clear, stream));
+  paged_round_check_kernel<T, Id><<<static_cast<unsigned>(view.max_seqs), kThreads, 0, stream>>>(view, batch, scratch);
   TRIATTN_CUDA_TRY(check_launch(stream));
-  // Scoring and selection see the effective lengths: 0 for sequences that do not take part.
+  const int max_cols = (batch.max_len + view.block.block_size - 1) / view.block.block_size;
+  paged_round_share_kernel<T, Id><<<dim3(static_cast<unsigned>(max_cols > 0 ? (max_cols + kThreads - 1) / kThreads : 1),
+                                         static_cast<unsigned>(batch.batch)),
+                                    kThreads, 0, stream>>>(view, batch, scratch, p);
+  TRIATTN_CUDA_TRY(check_launch(stream));
+  // Scoring and selection see the checked ids, the effective lengths (0 for sequences that do not
+  // take part) and the effective protected prefixes.
   const KvCacheView<T, Id> eff = view.with_tables(view.block_tables, reinterpret_cast<const Id*>(scratch.eff_lens));
   static_assert(sizeof(Id) == sizeof(std::int32_t), "paged_round: 32-bit block ids and lengths");
-  const RoundSeqs<Id> seqs{batch.seq_ids, eff.seq_lens, batch.prompt_lens, batch.batch, batch.max_len,
-                           batch.protected_prefix};
+  const RoundSeqs<Id> seqs{scratch.safe_ids, eff.seq_lens, batch.prompt_lens, batch.batch, batch.max_len,
+                           scratch.prefix};
   TRIATTN_CUDA_TRY(
-      score(eff, model, ScoreBatch{batch.seq_ids, batch.t0, batch.batch, batch.max_len}, ws.scores, stream));
+      score(eff, model, ScoreBatch{scratch.safe_ids, batch.t0, batch.batch, batch.max_len}, ws.scores, stream));
   const long long rows = static_cast<long long>(batch.batch) * shape.num_layers * shape.num_q_heads;
   if (params.nonfinite == NonFinitePolicy::kEvictFirst && batch.max_len > 0) {
     mark_broken_slots_kernel<Id><<<dim3(static_cast<unsigned>((batch.max_len + 255) / 256),
@@ -198,7 +281,7 @@ void paged_round(const KvCacheView<T, Id>& view, const ScoreModelView& model, co
                                    stream>>>(view.seq_lens, view.block.block_size, batch, out, scratch,
                                              params.normalize ? ws.stats : nullptr, p);
   TRIATTN_CUDA_TRY(check_launch(stream));
-  TRIATTN_CUDA_TRY(compact::run(view, CompactParams{scratch.plan_kept, scratch.apply_keep, batch.seq_ids, batch.max_len},
+  TRIATTN_CUDA_TRY(compact::run(view, CompactParams{scratch.plan_kept, scratch.apply_keep, scratch.safe_ids, batch.max_len},
                                 batch.batch, stream));
 }
 
