@@ -1,4 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
+// ctest: TIMEOUT 300
 // The GGUF reader (examples/reference_transformer/gguf.hpp) and the llama mapping
 // (gguf_llama.hpp) on small files built in memory (tests/common/gguf_builder.hpp) and on the real
 // SmolLM2 file's header: metadata of every type, dequantisation of every supported type, and
