@@ -28,7 +28,7 @@ MUTANTS=(
 "trigger-one-step-late|include/triattn/core/trigger.hpp|return counted_len >= threshold(params);|return counted_len > threshold(params);|test_core_test_trigger|counted_length and should_compress"
 "pt-crc-not-checked|include/triattn/core/stats/zip_reader.hpp|if (actual != e.crc32 && kEnforceChecksums)|if (false && actual != e.crc32)|test_core_test_stats_pt|stats: 200 corruptions of qwen3_8b.pt*"
 "safetensors-crc-not-checked|include/triattn/core/stats/safetensors.hpp|if (crc_text != detail::hex32(crc) && detail::kEnforceChecksums)|if (false)|test_core_test_stats_safetensors|stats: 200 corruptions of qwen3_8b statistics*"
-"directory-read-as-file|include/triattn/core/stats/common.hpp|  require_regular_file(path);\n  std::ifstream in(path|  std::ifstream in(path|test_core_test_stats_pt|stats loaders refuse a directory or a FIFO*"
+"fifo-read-as-file|include/triattn/core/file_io.hpp|  if (!S_ISREG(mode)) throw|  if (S_ISDIR(mode)) throw|test_core_test_stats_pt|stats loaders refuse a directory or a FIFO*"
 "sinks-plus-window-over-budget-accepted|include/triattn/core/scoring_params.hpp|static_cast<long long>(n_sink) + window <= budget,|true,|test_core_test_kv_cache_limits|limits: n_sink + window over the budget*"
 "moved-from-cache-unguarded|include/triattn/core/kv_cache.hpp|    check_live(op);\n|\n|test_core_test_kv_cache_limits|limits: every query on a moved-from KvCache*"
 )

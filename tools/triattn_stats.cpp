@@ -4,8 +4,9 @@
 // stderr), 2 bad usage.
 #include <cstdio>
 #include <exception>
-#include <fstream>
+#include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -58,22 +59,27 @@ std::vector<std::string> parse(int argc, char** argv, triattn::StatsExpectation&
   return positional;
 }
 
-bool is_zip(const std::string& path) {
-  triattn::require_regular_file(path);  // before the sniffing open: a FIFO would block
-  std::ifstream f(path, std::ios::binary);
-  char magic[4] = {};
-  f.read(magic, 4);
-  return f.gcount() == 4 && magic[0] == 'P' && magic[1] == 'K' && magic[2] == 3 && magic[3] == 4;
-}
+/// A statistics file read once (a regular file within triattn::kMaxStatsFileBytes; a FIFO or
+/// device is refused without blocking), and whether it is a torch.save zip.
+struct StatsFile {
+  std::vector<std::uint8_t> bytes;
+  bool zip = false;
+};
 
-triattn::QueryStats load_any(const std::string& path, const triattn::StatsExpectation& expect) {
-  return is_zip(path) ? triattn::load_pt_stats(path, expect) : triattn::load_safetensors_stats(path, expect);
+StatsFile read_stats_file(const std::string& path) {
+  StatsFile f{triattn::read_regular_file<std::vector<std::uint8_t>>(path, triattn::kMaxStatsFileBytes)};
+  const auto& b = f.bytes;
+  f.zip = b.size() >= 4 && b[0] == 'P' && b[1] == 'K' && b[2] == 3 && b[3] == 4;
+  return f;
 }
 
 int inspect(const std::string& path, const triattn::StatsExpectation& expect) {
-  const triattn::QueryStats s = load_any(path, expect);
+  const StatsFile f = read_stats_file(path);
+  const std::span<const std::uint8_t> bytes(f.bytes);
+  const triattn::QueryStats s = f.zip ? triattn::load_pt_stats(bytes, path, expect)
+                                      : triattn::load_safetensors_stats(bytes, path, expect);
   std::printf("file         %s\n", path.c_str());
-  std::printf("format       %s\n", is_zip(path) ? "TriAttention .pt (torch.save zip)" : "triattn safetensors");
+  std::printf("format       %s\n", f.zip ? "TriAttention .pt (torch.save zip)" : "triattn safetensors");
   std::printf("model        %s\n", s.model_name.c_str());
   std::printf("rope style   %s\n", triattn::rope_style_name(s.rope_style));
   std::printf("layers       %d\n", s.num_layers);
@@ -89,8 +95,9 @@ int inspect(const std::string& path, const triattn::StatsExpectation& expect) {
 }
 
 int convert(const std::string& in, const std::string& out, const triattn::StatsExpectation& expect) {
+  triattn::check_write_target(out);  // a FIFO or device target fails before any work
   const triattn::QueryStats s = triattn::load_pt_stats(in, expect);
-  triattn::save_safetensors_stats(out, s);
+  triattn::save_safetensors_stats(out, s);  // through a temporary file renamed into place
   // Read back what was written: a conversion that cannot be loaded must not look successful.
   const triattn::QueryStats back = triattn::load_safetensors_stats(out);
   if (back.q_mean_real != s.q_mean_real || back.q_mean_imag != s.q_mean_imag || back.q_abs_mean != s.q_abs_mean)

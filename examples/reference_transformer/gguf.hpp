@@ -10,15 +10,25 @@
 // length and its bytes (no NUL). Each tensor's offset is relative to the data section and a
 // multiple of the alignment. Every count, length, size and offset is checked against the file
 // before it is used; a bad file throws triattn::format_error("<name>: ...") and nothing is kept.
+//
+// Beyond the bounds checks a file must be exactly what it says:
+//  - the tensors, in offset order, tile the data section: the first starts at data offset 0, and
+//    each tensor's span (to the next tensor's offset, or to the end of the file for the last) is
+//    its type's exact byte size n, padded at most to the alignment: n <= span <= align_up(n). As
+//    offsets are aligned, every span but the last is exactly align_up(n); the last may stop at n
+//    or run on to align_up(n). A tensor whose type or shape was changed to read fewer bytes fails;
+//  - every quantisation scale (and Q4_1 minimum), and every F32/F16/BF16 value, is finite;
+//  - what parsing allocates for the metadata and tensor directory (strings, array elements, map
+//    nodes, counted with their container overhead) stays within kMetadataMemoryFactor times the
+//    file size plus kMetadataMemorySlack, so a file of empty strings cannot take 18x its size.
 #pragma once
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <map>
 #include <span>
 #include <string>
@@ -28,6 +38,7 @@
 
 #include <triattn/core/dtype.hpp>
 #include <triattn/core/error.hpp>
+#include <triattn/core/file_io.hpp>
 
 namespace triattn_example::gguf {
 
@@ -139,12 +150,27 @@ struct TensorInfo {
   }
 };
 
+/// Parsing may allocate at most kMetadataMemoryFactor x the file size + kMetadataMemorySlack
+/// bytes for the metadata and the tensor directory (real models use far less than their size:
+/// SmolLM2-135M's 49k-token vocabulary takes a fraction of its 98 MB; the slack lets small
+/// metadata-only files through).
+inline constexpr std::uint64_t kMetadataMemoryFactor = 4;
+inline constexpr std::uint64_t kMetadataMemorySlack = std::uint64_t{16} << 20;
+
 namespace detail {
 
-/// Bounds-checked little-endian cursor over the file bytes; every failure names the file.
+/// Heap bytes a std::string of n characters allocates: none while it fits the small-string
+/// buffer (15 characters in libstdc++), else n + 1 and the allocator's header.
+constexpr std::uint64_t string_heap_bytes(std::uint64_t n) noexcept { return n > 15 ? n + 1 + 16 : 0; }
+/// Bytes of one std::map node besides its value (red-black links and colour, allocator header).
+constexpr std::uint64_t kMapNodeOverhead = 48;
+
+/// Bounds-checked little-endian cursor over the file bytes; every failure names the file. It
+/// also counts the memory that parsing allocates (charge()) and refuses a file beyond `limit`.
 class Cursor {
  public:
-  Cursor(std::span<const std::byte> b, const std::string& name) : b_(b), name_(name) {}
+  Cursor(std::span<const std::byte> b, const std::string& name, std::uint64_t memory_limit)
+      : b_(b), name_(name), limit_(memory_limit) {}
   [[noreturn]] void fail(const std::string& what) const { throw triattn::format_error(name_ + ": " + what); }
   [[nodiscard]] std::size_t pos() const noexcept { return pos_; }
   [[nodiscard]] std::size_t left() const noexcept { return b_.size() - pos_; }
@@ -161,9 +187,21 @@ class Cursor {
     pos_ += sizeof v;
     return v;
   }
+  /// Counts `bytes` about to be allocated for `what`; throws when the total passes the limit.
+  void charge(std::uint64_t bytes, const std::string& what) {
+    if (bytes > limit_ - used_)
+      fail("the metadata and tensor directory would take more than " + std::to_string(limit_) +
+           " bytes of memory (at " + what + "; the limit is " + std::to_string(kMetadataMemoryFactor) +
+           " x the " + std::to_string(b_.size()) + "-byte file + " + std::to_string(kMetadataMemorySlack >> 20) +
+           " MiB): too many small metadata values");
+    used_ += bytes;
+  }
+  [[nodiscard]] std::uint64_t memory_used() const noexcept { return used_; }
+  /// A string of the file; its heap bytes are charged (the std::string itself is the caller's).
   std::string str(const std::string& what) {
     const std::uint64_t n = get<std::uint64_t>(what + " (length)");
     need(n, what + " (" + std::to_string(n) + "-byte string)");
+    charge(string_heap_bytes(n), what);
     std::string s(reinterpret_cast<const char*>(b_.data() + pos_), static_cast<std::size_t>(n));
     pos_ += static_cast<std::size_t>(n);
     return s;
@@ -173,6 +211,8 @@ class Cursor {
   std::span<const std::byte> b_;
   const std::string& name_;
   std::size_t pos_ = 0;
+  std::uint64_t limit_;
+  std::uint64_t used_ = 0;
 };
 
 /// Smallest number of bytes one value of type t occupies (bounds the element counts of arrays).
@@ -220,6 +260,9 @@ inline Value read_value(Cursor& c, ValueType t, const std::string& what, int dep
       if (n > c.left() / min_value_bytes(v.elem))
         c.fail("truncated: " + what + " declares " + std::to_string(n) + " elements of type " +
                value_type_name(v.elem) + ", more than the " + std::to_string(c.left()) + " bytes left can hold");
+      // The elements' storage, charged before it is reserved; strings charge their heap bytes.
+      const bool boxed = v.elem == ValueType::kString || v.elem == ValueType::kArray;
+      c.charge(n * (boxed ? sizeof(Value) : sizeof(std::int64_t)), what);
       for (std::uint64_t k = 0; k < n; ++k) {
         const std::string& ew = what;  // element errors name the array; the index costs a string per element
         switch (v.elem) {
@@ -252,6 +295,8 @@ class File {
  public:
   static constexpr std::uint32_t kDefaultAlignment = 32;
   static constexpr std::uint32_t kMaxDims = 4;  ///< GGML_MAX_DIMS
+  /// Largest file load() reads (it is held in memory whole): 64 GiB, a 30B model in 16 bits.
+  static constexpr std::uint64_t kMaxFileBytes = std::uint64_t{64} << 30;
 
   /// Parses a whole file held in memory; `name` starts every error message.
   /// @throws triattn::format_error naming the file and the entry.
@@ -266,24 +311,11 @@ class File {
     return parse(std::vector<std::byte>(bytes.begin(), bytes.end()), std::move(name));
   }
 
-  /// Reads and parses a file. A path that is not a regular file (a directory, a device) is
-  /// refused before anything is read. @throws triattn::format_error.
+  /// Reads and parses a file of at most kMaxFileBytes. A path that is not a regular file (a
+  /// directory, a FIFO, a device) is refused before anything is read (triattn::read_regular_file).
+  /// @throws triattn::format_error.
   static File load(const std::string& path) {
-    std::error_code ec;
-    const auto st = std::filesystem::status(path, ec);
-    if (ec || !std::filesystem::exists(st)) throw triattn::format_error(path + ": cannot open the file (it does not exist)");
-    if (std::filesystem::is_directory(st)) throw triattn::format_error(path + ": is a directory, not a GGUF file");
-    if (!std::filesystem::is_regular_file(st)) throw triattn::format_error(path + ": is not a regular file");
-    std::ifstream in(path, std::ios::binary);
-    if (!in) throw triattn::format_error(path + ": cannot open the file");
-    in.seekg(0, std::ios::end);
-    const std::streamoff size = in.tellg();
-    if (size < 0) throw triattn::format_error(path + ": cannot determine the file size");
-    in.seekg(0, std::ios::beg);
-    std::vector<std::byte> bytes(static_cast<std::size_t>(size));
-    if (size > 0 && !in.read(reinterpret_cast<char*>(bytes.data()), size))
-      throw triattn::format_error(path + ": read failed");
-    return parse(std::move(bytes), path);
+    return parse(triattn::read_regular_file<std::vector<std::byte>>(path, kMaxFileBytes), path);
   }
 
   [[nodiscard]] const std::string& name() const noexcept { return name_; }
@@ -292,6 +324,8 @@ class File {
   /// File offset of the data section (tensor offsets are relative to it).
   [[nodiscard]] std::uint64_t data_offset() const noexcept { return data_offset_; }
   [[nodiscard]] std::uint64_t file_size() const noexcept { return bytes_.size(); }
+  /// Bytes parsing counted for the metadata and tensor directory (see kMetadataMemoryFactor).
+  [[nodiscard]] std::uint64_t metadata_memory() const noexcept { return metadata_memory_; }
 
   /// Metadata keys in file order, with their values.
   [[nodiscard]] const std::vector<std::pair<std::string, Value>>& metadata() const noexcept { return kv_; }
@@ -361,7 +395,7 @@ class File {
     if (out.size() != t.n_elements)
       throw triattn::logic_error("gguf::File::dequantize: " + name_ + ": tensor " + t.name + " has " +
                                  std::to_string(t.n_elements) + " elements, the output " + std::to_string(out.size()));
-    dequantize_blocks(t.type, raw(t), out);
+    dequantize_blocks(t.type, raw(t), out, name_ + ": tensor " + t.name);
   }
   [[nodiscard]] std::vector<float> dequantize(const TensorInfo& t) const {
     std::vector<float> v(static_cast<std::size_t>(t.n_elements));
@@ -370,7 +404,11 @@ class File {
   }
 
   /// Converts `src` (whole blocks of type `type`) to float32; what ggml's to-float routines do.
-  static void dequantize_blocks(std::uint32_t type, std::span<const std::byte> src, std::span<float> out) {
+  /// A non-finite scale or minimum of a block, or a non-finite F32/F16/BF16 value, throws
+  /// triattn::format_error starting with `what` (the file and tensor): it would turn every value
+  /// it touches into NaN.
+  static void dequantize_blocks(std::uint32_t type, std::span<const std::byte> src, std::span<float> out,
+                                const std::string& what = "gguf tensor") {
     const auto* p = reinterpret_cast<const std::uint8_t*>(src.data());
     const BlockShape bs = block_shape(type);
     TRIATTN_EXPECTS(bs.elems > 0 && out.size() % bs.elems == 0 && src.size() == out.size() / bs.elems * bs.bytes,
@@ -382,23 +420,38 @@ class File {
       std::memcpy(&b, q, 2);
       return b;
     };
+    auto check_values = [&] {
+      for (std::size_t i = 0; i < n; ++i)
+        if (!std::isfinite(out[i]))
+          throw triattn::format_error(what + " (" + tensor_type_name(type) + "): element " + std::to_string(i) +
+                                      " is non-finite (" + (std::isnan(out[i]) ? "NaN" : "infinite") + ")");
+    };
+    auto check_scale = [&](float x, std::size_t block, const char* field) {
+      if (!std::isfinite(x))
+        throw triattn::format_error(what + " (" + tensor_type_name(type) + "): block " + std::to_string(block) +
+                                    " has a non-finite " + field + " (" + (std::isnan(x) ? "NaN" : "infinite") + ")");
+    };
     switch (static_cast<TensorType>(type)) {
-      case TensorType::kF32: std::memcpy(out.data(), p, n * 4); return;
+      case TensorType::kF32:
+        std::memcpy(out.data(), p, n * 4);
+        return check_values();
       case TensorType::kF16:
         for (std::size_t i = 0; i < n; ++i) out[i] = triattn::f16_bits_to_f32(h16(p + 2 * i));
-        return;
+        return check_values();
       case TensorType::kBF16:
         for (std::size_t i = 0; i < n; ++i) out[i] = triattn::bf16_bits_to_f32(h16(p + 2 * i));
-        return;
+        return check_values();
       case TensorType::kQ8_0:
         for (std::size_t b = 0; b < n / 32; ++b, p += 34) {
           const float d = triattn::f16_bits_to_f32(h16(p));
+          check_scale(d, b, "scale d");
           for (int j = 0; j < 32; ++j) out[b * 32 + j] = static_cast<float>(static_cast<std::int8_t>(p[2 + j])) * d;
         }
         return;
       case TensorType::kQ4_0:
         for (std::size_t b = 0; b < n / 32; ++b, p += 18) {
           const float d = triattn::f16_bits_to_f32(h16(p));
+          check_scale(d, b, "scale d");
           for (int j = 0; j < 16; ++j) {
             out[b * 32 + j] = static_cast<float>((p[2 + j] & 0x0F) - 8) * d;
             out[b * 32 + j + 16] = static_cast<float>((p[2 + j] >> 4) - 8) * d;
@@ -409,6 +462,8 @@ class File {
         for (std::size_t b = 0; b < n / 32; ++b, p += 20) {
           const float d = triattn::f16_bits_to_f32(h16(p));
           const float m = triattn::f16_bits_to_f32(h16(p + 2));
+          check_scale(d, b, "scale d");
+          check_scale(m, b, "minimum m");
           for (int j = 0; j < 16; ++j) {
             out[b * 32 + j] = static_cast<float>(p[4 + j] & 0x0F) * d + m;
             out[b * 32 + j + 16] = static_cast<float>(p[4 + j] >> 4) * d + m;
@@ -424,7 +479,14 @@ class File {
   File() = default;
 
   void parse_all() {
-    detail::Cursor c(bytes_, name_);
+    detail::Cursor c(bytes_, name_, kMetadataMemoryFactor * bytes_.size() + kMetadataMemorySlack);
+    // What one key/value pair or tensor entry costs besides its strings' heap bytes: its slot in
+    // the vector, and the index map's node with its own copy of the name.
+    constexpr std::uint64_t kv_entry_bytes = sizeof(std::pair<std::string, Value>);
+    constexpr std::uint64_t index_node_bytes = sizeof(std::pair<const std::string, std::size_t>) + detail::kMapNodeOverhead;
+    auto charge_name = [&](const std::string& name, const std::string& what) {
+      c.charge(index_node_bytes + detail::string_heap_bytes(name.size()), what);  // the index map's copy
+    };
     if (bytes_.size() < 4 || std::memcmp(bytes_.data(), "GGUF", 4) != 0)
       fail("not a GGUF file (the first 4 bytes are not \"GGUF\")");
     (void)c.get<std::uint32_t>("magic");
@@ -442,11 +504,13 @@ class File {
     if (n_kv > c.left() / 14)
       fail("truncated: the header declares " + std::to_string(n_kv) + " metadata entries, more than the " +
            std::to_string(c.left()) + " bytes left can hold");
+    c.charge(n_kv * kv_entry_bytes, "the metadata entries");
     kv_.reserve(static_cast<std::size_t>(n_kv));
     for (std::uint64_t k = 0; k < n_kv; ++k) {
       const std::string where = "metadata entry " + std::to_string(k);
       std::string key = c.str(where + " key");
       if (key.empty()) fail(where + " has an empty key");
+      charge_name(key, "metadata " + key);
       const std::uint32_t t = c.get<std::uint32_t>("metadata " + key + " type");
       if (t > static_cast<std::uint32_t>(ValueType::kF64)) fail("metadata " + key + " has unknown value type " + std::to_string(t));
       Value v = detail::read_value(c, static_cast<ValueType>(t), "metadata " + key, 0);
@@ -465,15 +529,20 @@ class File {
     if (n_tensors > c.left() / 33)
       fail("truncated: the header declares " + std::to_string(n_tensors) + " tensors, more than the " +
            std::to_string(c.left()) + " bytes left can hold");
+    // Per tensor: its entry, and below the name's index node, the shape and the offset sort's slot.
+    c.charge(n_tensors * (sizeof(TensorInfo) + sizeof(const TensorInfo*)), "the tensor directory");
     tensors_.reserve(static_cast<std::size_t>(n_tensors));
     for (std::uint64_t k = 0; k < n_tensors; ++k) {
       TensorInfo t;
       t.name = c.str("tensor " + std::to_string(k) + " name");
       const std::string where = "tensor " + t.name;
       if (t.name.empty()) fail("tensor " + std::to_string(k) + " has an empty name");
+      charge_name(t.name, where);
       const std::uint32_t nd = c.get<std::uint32_t>(where + " dimension count");
       if (nd == 0 || nd > kMaxDims)
         fail(where + " has " + std::to_string(nd) + " dimensions, expected 1 to " + std::to_string(kMaxDims));
+      c.charge(nd * sizeof(std::uint64_t) + 16, where + " shape");
+      t.shape.reserve(nd);
       std::uint64_t count = 1;
       for (std::uint32_t d = 0; d < nd; ++d) {
         const std::uint64_t ne = c.get<std::uint64_t>(where + " dimension " + std::to_string(d));
@@ -519,13 +588,27 @@ class File {
     }
     std::sort(by_offset.begin(), by_offset.end(),
               [](const TensorInfo* a, const TensorInfo* b) { return a->offset < b->offset; });
-    for (std::size_t k = 1; k < by_offset.size(); ++k) {
-      const TensorInfo& a = *by_offset[k - 1];
-      const TensorInfo& b = *by_offset[k];
-      if (a.offset + a.n_bytes > b.offset)
-        fail("bad offset: tensor " + b.name + " at data offset " + std::to_string(b.offset) + " overlaps tensor " +
-             a.name + " (" + std::to_string(a.n_bytes) + " bytes at " + std::to_string(a.offset) + ")");
+    // The tensors tile the data section (see the file comment): no tensor reads fewer bytes than
+    // its span, so a type or shape changed to a smaller one cannot load.
+    for (std::size_t k = 0; k < by_offset.size(); ++k) {
+      const TensorInfo& t = *by_offset[k];
+      const std::string what = "tensor " + t.name + " (" + tensor_type_name(t.type) + " " + t.shape_string() + ", " +
+                               std::to_string(t.n_bytes) + " bytes at data offset " + std::to_string(t.offset) + ")";
+      if (k == 0 && t.offset != 0)
+        fail("bad offset: " + what + " is the first tensor but does not start the data section (" +
+             std::to_string(t.offset) + " unused bytes before it)");
+      const bool last = k + 1 == by_offset.size();
+      const std::uint64_t end = last ? data_size : by_offset[k + 1]->offset;
+      if (!last && t.offset + t.n_bytes > end)
+        fail("bad offset: tensor " + by_offset[k + 1]->name + " at data offset " + std::to_string(end) + " overlaps " + what);
+      const std::uint64_t padded = (t.n_bytes + alignment_ - 1) / alignment_ * alignment_;
+      if (end - t.offset > padded)
+        fail("size mismatch: " + what + " is followed by " + std::to_string(end - t.offset - t.n_bytes) +
+             " bytes before " + (last ? std::string("the end of the file") : "tensor " + by_offset[k + 1]->name) +
+             ", more than the padding to the alignment " + std::to_string(alignment_) +
+             " allows: its type or shape does not match its data");
     }
+    metadata_memory_ = c.memory_used();
   }
 
   std::vector<std::byte> bytes_;
@@ -533,6 +616,7 @@ class File {
   std::uint32_t version_ = 0;
   std::uint32_t alignment_ = kDefaultAlignment;
   std::uint64_t data_offset_ = 0;
+  std::uint64_t metadata_memory_ = 0;
   std::vector<std::pair<std::string, Value>> kv_;
   std::map<std::string, std::size_t> kv_index_;
   std::vector<TensorInfo> tensors_;

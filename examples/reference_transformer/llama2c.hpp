@@ -16,7 +16,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <fstream>
 #include <iterator>
 #include <span>
 #include <string>
@@ -25,8 +24,8 @@
 #include <vector>
 
 #include <triattn/core/error.hpp>
+#include <triattn/core/file_io.hpp>
 #include <triattn/core/rope_types.hpp>
-#include <triattn/core/stats/common.hpp>
 
 #include "model_config.hpp"
 
@@ -36,18 +35,9 @@ static_assert(std::endian::native == std::endian::little, "llama2.c files are li
 
 namespace detail {
 
-inline std::vector<std::byte> read_whole_file(const std::string& path, const char* what) {
-  triattn::require_regular_file(path, what);
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw triattn::format_error(std::string(what) + " " + path + ": cannot open the file");
-  f.seekg(0, std::ios::end);
-  const std::streamoff size = f.tellg();
-  if (size < 0) throw triattn::format_error(std::string(what) + " " + path + ": cannot determine the file size");
-  f.seekg(0, std::ios::beg);
-  std::vector<std::byte> bytes(static_cast<std::size_t>(size));
-  if (size > 0 && !f.read(reinterpret_cast<char*>(bytes.data()), size))
-    throw triattn::format_error(std::string(what) + " " + path + ": read failed");
-  return bytes;
+/// A regular file of at most `max_bytes` (triattn::read_regular_file); errors start "<what> <path>: ".
+inline std::vector<std::byte> read_whole_file(const std::string& path, const char* what, std::uint64_t max_bytes) {
+  return triattn::read_regular_file<std::vector<std::byte>>(path, max_bytes, what);
 }
 
 inline std::int32_t load_i32(const std::byte* p) noexcept {
@@ -71,6 +61,8 @@ struct Llama2cLimits {
   static constexpr std::int64_t kMaxHeads = 1024;
   static constexpr std::int64_t kMaxVocab = 1 << 22;
   static constexpr std::int64_t kMaxSeqLen = 1 << 24;
+  static constexpr std::uint64_t kMaxCheckpointBytes = std::uint64_t{64} << 30;  ///< a 16B model in float32
+  static constexpr std::uint64_t kMaxTokenizerBytes = std::uint64_t{1} << 30;
 };
 
 /// Parses a llama2.c v0 checkpoint held in memory. `name` is used in error messages.
@@ -167,7 +159,7 @@ inline ModelWeights parse_llama2c_checkpoint(std::span<const std::byte> bytes, c
 
 /// Loads a llama2.c v0 checkpoint file. @throws triattn::format_error (see parse_llama2c_checkpoint).
 inline ModelWeights load_llama2c_checkpoint(const std::string& path) {
-  const std::vector<std::byte> bytes = detail::read_whole_file(path, "llama2.c checkpoint");
+  const std::vector<std::byte> bytes = detail::read_whole_file(path, "llama2.c checkpoint", Llama2cLimits::kMaxCheckpointBytes);
   return parse_llama2c_checkpoint(bytes, path);
 }
 
@@ -222,7 +214,7 @@ class Tokenizer {
 
   /// Loads a tokenizer file. @throws triattn::format_error.
   static Tokenizer load(const std::string& path, int vocab_size) {
-    const std::vector<std::byte> bytes = detail::read_whole_file(path, "llama2.c tokenizer");
+    const std::vector<std::byte> bytes = detail::read_whole_file(path, "llama2.c tokenizer", Llama2cLimits::kMaxTokenizerBytes);
     return parse(bytes, vocab_size, path);
   }
 

@@ -28,7 +28,6 @@
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
-#include <fstream>
 #include <functional>
 #include <iostream>
 #include <iterator>
@@ -39,6 +38,7 @@
 #include <system_error>
 #include <vector>
 
+#include <triattn/core/file_io.hpp>
 #include <triattn/core/kv_cache.hpp>
 #include <triattn/core/policy/host_backend.hpp>
 #include <triattn/core/policy/host_compactor.hpp>
@@ -172,12 +172,13 @@ void usage() {
 /// Whether `path` names a GGUF model (weights and BPE tokenizer in one file).
 bool is_gguf_path(const std::string& path) { return path.size() > 5 && path.substr(path.size() - 5) == ".gguf"; }
 
-/// The bytes of a text file (--prompt-file).
+/// Largest --prompt-file: 64 MiB of text is millions of tokens, past any model's context.
+constexpr std::uint64_t kMaxPromptFileBytes = std::uint64_t{64} << 20;
+
+/// The bytes of a text file (--prompt-file): a regular file of at most kMaxPromptFileBytes (a
+/// FIFO or device is refused without blocking or reading).
 std::string read_text_file(const std::string& path) {
-  if (std::filesystem::is_directory(path)) throw std::runtime_error("--prompt-file " + path + ": is a directory");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error("--prompt-file " + path + ": cannot open the file");
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  return triattn::read_regular_file<std::string>(path, kMaxPromptFileBytes, "--prompt-file");
 }
 
 Options parse_args(int argc, char** argv) {
@@ -523,18 +524,31 @@ int run(ModelT& model, Cache& cache, const TextCodec& codec, const std::vector<s
   return 0;
 }
 
+/// A GGUF model's llama.context_length bounds each sequence: its prompt and the --steps tokens
+/// generated after it must fit, or positions past the trained context would be run silently.
+void check_context_length(const std::vector<std::vector<int>>& prompts, int steps, const ex::ModelConfig& mc) {
+  const std::int64_t ctx = mc.max_seq_len;
+  for (std::size_t i = 0; i < prompts.size(); ++i) {
+    const auto n = static_cast<std::int64_t>(prompts[i].size());
+    const std::string which = "prompt " + std::to_string(i) + " (" + std::to_string(n) + " tokens)";
+    const std::string limit = "the context length " + std::to_string(ctx) + " of " + mc.name + " (llama.context_length)";
+    if (n > ctx) throw std::runtime_error(which + " is longer than " + limit);
+    if (n + steps > ctx)
+      throw std::runtime_error(which + " and --steps " + std::to_string(steps) + " need " + std::to_string(n + steps) +
+                               " positions, more than " + limit + "; use --steps " + std::to_string(ctx - n) + " or less");
+  }
+}
+
 triattn::QueryStats load_stats(const std::string& path, const ex::ModelConfig& mc) {
   triattn::StatsExpectation expect;
   expect.num_layers = mc.n_layers;
   expect.num_q_heads = mc.n_heads;
   expect.head_dim = mc.head_dim;
   expect.rope_style = mc.rope_style;
-  triattn::require_regular_file(path, "--stats");  // before the sniffing open: a FIFO would block
-  std::ifstream f(path, std::ios::binary);
-  char magic[2] = {0, 0};
-  f.read(magic, 2);
-  if (magic[0] == 'P' && magic[1] == 'K') return triattn::load_pt_stats(path, expect);  // torch.save zip
-  return triattn::load_safetensors_stats(path, expect);
+  const auto bytes = triattn::read_regular_file<std::vector<std::uint8_t>>(path, triattn::kMaxStatsFileBytes, "--stats");
+  if (bytes.size() >= 2 && bytes[0] == 'P' && bytes[1] == 'K')
+    return triattn::load_pt_stats(std::span<const std::uint8_t>(bytes), path, expect);  // torch.save zip
+  return triattn::load_safetensors_stats(std::span<const std::uint8_t>(bytes), path, expect);
 }
 
 /// The model's RoPE, as the TriAttention scorers take it.
@@ -782,6 +796,8 @@ int real_main(int argc, char** argv) {
   const ex::ServeArgs serve = ex::take_serve_args(argc, argv);  // --system-prompt, --wave, --no-prefix-cache
   const Options o = parse_args(argc, argv);
   const std::string data_dir = TRIATTN_SHARED_DATA_DIR;
+  // The output path is checked now, not after the run: a FIFO or a missing directory fails fast.
+  if (!o.calibrate_out.empty()) triattn::check_write_target(o.calibrate_out, "--calibrate");
 
   ex::ModelWeights weights;
   TextCodec codec;
@@ -828,6 +844,9 @@ int real_main(int argc, char** argv) {
 
   std::vector<std::vector<int>> prompts;
   for (const std::string& p : o.prompts) prompts.push_back(codec.encode(serve.system_prompt + p));
+  // GGUF models (the ones with a BPE codec) state llama.context_length; llama2.c's seq_len is
+  // nominal (stories260K runs past its 512 in the demo) and synthetic models have none.
+  if (codec.bpe && weights.config.max_seq_len > 0) check_context_length(prompts, o.steps, weights.config);
 
   const ex::ModelConfig& mc = weights.config;
   std::fprintf(stderr, "model %s: %zu parameters, %d layers, dim %d, %d q / %d kv heads, head_dim %d, %s RoPE\n",

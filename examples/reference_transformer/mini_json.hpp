@@ -8,16 +8,14 @@
 #include <cstdint>
 #include <cctype>
 #include <cstdlib>
-#include <fstream>
 #include <map>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include <triattn/core/error.hpp>
-#include <triattn/core/stats/common.hpp>
+#include <triattn/core/file_io.hpp>
 #include <triattn/core/stats/json.hpp>
 
 namespace triattn_example::json {
@@ -180,13 +178,11 @@ class Parser {
 
 inline Value parse(std::string_view text, const std::string& where = "json") { return Parser(text, where).parse(); }
 
+/// Largest JSON file parse_file() reads (the reference files are tens of KiB).
+inline constexpr std::uint64_t kMaxFileBytes = std::uint64_t{256} << 20;
+
 inline Value parse_file(const std::string& path) {
-  triattn::require_regular_file(path);
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw triattn::format_error(path + ": cannot open the file");
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return parse(ss.str(), path);
+  return parse(triattn::read_regular_file<std::string>(path, kMaxFileBytes), path);
 }
 
 }  // namespace triattn_example::json

@@ -1,4 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
+// ctest: TIMEOUT 300
 // The GGUF reader (examples/reference_transformer/gguf.hpp) and the llama mapping
 // (gguf_llama.hpp) on small files built in memory (tests/common/gguf_builder.hpp) and on the real
 // SmolLM2 file's header: metadata of every type, dequantisation of every supported type, and
@@ -6,9 +7,12 @@
 // tensor types, wrong shapes, a directory, and inconsistent metadata.
 #include <doctest/doctest.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <new>
 #include <filesystem>
 #include <fstream>
 #include <span>
@@ -19,11 +23,34 @@
 #include <triattn/core/kv_cache.hpp>
 
 #include "common/gguf_builder.hpp"
+#include "common/non_regular_files.hpp"
 #include "common/reference_transformer_checks.hpp"
 
 #include "../../examples/reference_transformer/bpe_tokenizer.hpp"
 #include "../../examples/reference_transformer/gguf.hpp"
 #include "../../examples/reference_transformer/gguf_llama.hpp"
+
+// Live bytes requested through operator new, for the check that the GGUF reader's memory count
+// covers what it allocates (mallinfo would not see allocations under ASan's allocator).
+namespace {
+std::atomic<std::size_t> g_live_new_bytes{0};
+constexpr std::size_t kNewHeader = 16;  // keeps the size; preserves malloc's 16-byte alignment
+}  // namespace
+
+void* operator new(std::size_t n) {
+  void* p = std::malloc(n + kNewHeader);
+  if (p == nullptr) throw std::bad_alloc();
+  *static_cast<std::size_t*>(p) = n;
+  g_live_new_bytes += n;
+  return static_cast<char*>(p) + kNewHeader;
+}
+void operator delete(void* p) noexcept {
+  if (p == nullptr) return;
+  char* block = static_cast<char*>(p) - kNewHeader;
+  g_live_new_bytes -= *reinterpret_cast<std::size_t*>(block);
+  std::free(block);
+}
+void operator delete(void* p, std::size_t) noexcept { operator delete(p); }
 
 namespace ex = triattn_example;
 using triattn::test::GgufBuilder;
@@ -216,9 +243,24 @@ TEST_CASE("GGUF: bad offsets and unknown tensor types and wrong shapes and bad h
                   "not a multiple of its block of 32");
   }
   SUBCASE("wrong shape for the metadata") {
-    // attn_q as 32 x 16 (the bytes of the first half): a consistent file, the wrong model.
+    // attn_q as 32 x 16 with the data of 32 x 16: a consistent file, the wrong model.
+    GgufBuilder c = tiny_llama_gguf(1);
+    GgufBuilder other;
+    c.tensors[q] = other.tensor("blk.0.attn_q.weight", {32, 16}, GgufBuilder::tQ4_1, std::vector<float>(512, 0.25f));
+    CHECK_REFUSED(load_error(c.build()), "tensor blk.0.attn_q.weight has shape [32, 16], expected [32, 32]");
+  }
+  SUBCASE("a shape or type changed to one that reads fewer bytes than the tensor's span") {
+    // attn_q's 640 bytes of Q4_1 [32, 32] read as [32, 16] (320 bytes) or as Q4_0 (576 bytes):
+    // the directory disagrees with the data. Before the span rule both loaded silently.
     CHECK_REFUSED(with([&](auto& f) { GgufBuilder::poke<std::uint64_t>(f, fl[q].dims + 8, 16); }),
-                  "tensor blk.0.attn_q.weight has shape [32, 16], expected [32, 32]");
+                  "size mismatch: tensor blk.0.attn_q.weight (Q4_1 [32, 16], 320 bytes at data offset");
+    CHECK_REFUSED(with([&](auto& f) { GgufBuilder::poke<std::uint32_t>(f, fl[q].type, GgufBuilder::tQ4_0); }),
+                  "size mismatch: tensor blk.0.attn_q.weight (Q4_0 [32, 32], 576 bytes at data offset");
+    // The last tensor by offset (blk.0.ffn_up.weight, F32 [32, 64]) as F16: half its bytes.
+    const std::size_t last = b.tensors.size() - 1;
+    REQUIRE(b.tensors[last].name == "blk.0.ffn_up.weight");
+    CHECK_REFUSED(with([&](auto& f) { GgufBuilder::poke<std::uint32_t>(f, fl[last].type, GgufBuilder::tF16); }),
+                  "bytes before the end of the file, more than the padding to the alignment 32 allows");
   }
   SUBCASE("zero-sized dimension") {
     CHECK_REFUSED(with([&](auto& f) { GgufBuilder::poke<std::uint64_t>(f, fl[q].dims + 8, 0); }), "dimension 1 = 0");
@@ -325,14 +367,106 @@ TEST_CASE("GGUF: inconsistent metadata and tensor sets are refused") {
   }
 }
 
+TEST_CASE("GGUF: the tensors tile the data section: spans padded at most to the alignment") {
+  // a: F32 [3] (12 bytes) at 0, its span padded to 32; b: F16 [5] (10 bytes) at 32, the last.
+  GgufBuilder g;
+  g.tensor("a", {3}, GgufBuilder::tF32, {1.0f, 2.0f, 3.0f});
+  g.tensor("b", {5}, GgufBuilder::tF16, {1.0f, 2.0f, 3.0f, 4.0f, 5.0f});
+  const std::vector<std::byte> base = g.build();
+  const std::vector<GgufBuilder::Fields> fl = g.fields;
+  auto parse_error = [](const std::vector<std::byte>& bytes) {
+    return error_of([&] { (void)ex::gguf::File::parse(std::span<const std::byte>(bytes), "t.gguf"); });
+  };
+  auto padded = [&](std::size_t extra) {
+    std::vector<std::byte> f = base;
+    f.resize(f.size() + extra);
+    return f;
+  };
+  CHECK(parse_error(base).empty());       // the last tensor ends the file
+  CHECK(parse_error(padded(22)).empty());  // ... or its padding to 32 does
+  CHECK_REFUSED(parse_error(padded(23)),
+                "size mismatch: tensor b (F16 [5], 10 bytes at data offset 32) is followed by 23 bytes before the end of "
+                "the file, more than the padding to the alignment 32 allows");
+  // Both tensors moved up by 32: the first 32 bytes of the data section belong to no tensor.
+  std::vector<std::byte> shifted = padded(32);
+  GgufBuilder::poke<std::uint64_t>(shifted, fl[0].offset, 32);
+  GgufBuilder::poke<std::uint64_t>(shifted, fl[1].offset, 64);
+  CHECK_REFUSED(parse_error(shifted), "bad offset: tensor a (F32 [3], 12 bytes at data offset 32) is the first tensor but "
+                                      "does not start the data section (32 unused bytes before it)");
+}
+
+TEST_CASE("GGUF: a non-finite quantisation scale or weight is refused naming the tensor") {
+  GgufBuilder b = tiny_llama_gguf(1);
+  const std::vector<std::byte> good = b.build();
+  const std::vector<GgufBuilder::Fields> fl = b.fields;
+  REQUIRE(load_error(good).empty());
+  struct Case {
+    std::size_t tensor, byte;  // which tensor, which byte of its data
+    std::uint16_t bits;        // f16 or bf16 bits written there (NaN 0x7E00 / 0x7FC0, +-inf 0x7C00 / 0xFC00)
+    const char* expect;
+  };
+  const Case cases[] = {
+      {0, 0, 0x7E00, "tensor token_embd.weight (Q8_0): block 0 has a non-finite scale d (NaN)"},
+      {0, 34 * 5, 0x7C00, "tensor token_embd.weight (Q8_0): block 5 has a non-finite scale d (infinite)"},
+      {3, 20, 0x7E00, "tensor blk.0.attn_q.weight (Q4_1): block 1 has a non-finite scale d (NaN)"},
+      {3, 2, 0xFC00, "tensor blk.0.attn_q.weight (Q4_1): block 0 has a non-finite minimum m (infinite)"},
+      {4, 18 * 2, 0x7E00, "tensor blk.0.attn_k.weight (Q4_0): block 2 has a non-finite scale d (NaN)"},
+      {5, 2 * 3, 0x7C00, "tensor blk.0.attn_v.weight (F16): element 3 is non-finite (infinite)"},
+      {6, 0, 0x7FC0, "tensor blk.0.attn_output.weight (BF16): element 0 is non-finite (NaN)"},
+      {1, 4 * 7 + 2, 0x7FC0, "tensor output_norm.weight (F32): element 7 is non-finite (NaN)"},  // f32 NaN's high half
+  };
+  for (const Case& c : cases) {
+    INFO("tensor " << b.tensors[c.tensor].name << ", byte " << c.byte);
+    std::vector<std::byte> f = good;
+    GgufBuilder::poke<std::uint16_t>(f, fl[c.tensor].data + c.byte, c.bits);
+    CHECK_REFUSED(load_error(f), c.expect);
+  }
+}
+
+TEST_CASE("GGUF: metadata that would take many times the file's size in memory is refused") {
+  SUBCASE("300000 empty strings: 2.4 MB of file, about 43 MB as values") {
+    GgufBuilder b = tiny_llama_gguf(1);
+    b.kv_str_array("x.empty", std::vector<std::string>(300000));
+    const std::string m = load_error(b.build());
+    CHECK_REFUSED(m, "the metadata and tensor directory would take more than");
+    CHECK(contains(m, "at metadata x.empty"));
+  }
+  SUBCASE("150000 one-byte entries: about 3 MB of file, 40 MB as entries and index") {
+    GgufBuilder b;
+    for (int k = 0; k < 150000; ++k) b.kv_raw(std::to_string(k), GgufBuilder::kU8, {0});
+    CHECK_REFUSED(load_error(b.build()), "the metadata and tensor directory would take more than");
+  }
+  SUBCASE("the count covers what parsing allocates") {
+    // 40000 empty strings stay under the 16 MiB slack: parsed, and the heap growth measured.
+    GgufBuilder b;
+    b.kv_str_array("x.empty", std::vector<std::string>(40000));
+    b.kv_str_array("x.long", std::vector<std::string>(2000, std::string(100, 'z')));
+    std::vector<std::byte> bytes = b.build();
+    const std::size_t file_size = bytes.size();
+    const std::size_t before = g_live_new_bytes;
+    const ex::gguf::File f = ex::gguf::File::parse(std::move(bytes), "t.gguf");
+    const std::size_t grown = g_live_new_bytes - before;  // the moved file bytes are not new
+    INFO("counted " << f.metadata_memory() << " bytes, the heap grew by " << grown << ", file " << file_size);
+    CHECK(f.metadata_memory() >= grown * 9 / 10);
+    CHECK(f.metadata_memory() <= grown * 3 / 2);
+  }
+}
+
+TEST_CASE("GGUF: a FIFO or a character device is refused by type without blocking") {
+  const triattn::test::NonRegularPaths p;
+  triattn::test::check_refused([](const std::string& f) { (void)ex::gguf::File::load(f); }, p.fifo, "FIFO");
+  triattn::test::check_refused([](const std::string& f) { (void)ex::gguf::File::load(f); }, "/dev/zero",
+                               "character device");
+}
+
 TEST_CASE("GGUF: a directory or a missing path is refused before reading") {
   const std::filesystem::path dir = std::filesystem::temp_directory_path() / "triattn_gguf_dir_test.gguf";
   std::filesystem::create_directories(dir);
   const std::string m = error_of([&] { (void)ex::gguf::File::load(dir.string()); });
   std::filesystem::remove(dir);
-  CHECK(m == dir.string() + ": is a directory, not a GGUF file");
+  CHECK(m == dir.string() + ": is a directory, not a regular file");
   const std::string missing = error_of([&] { (void)ex::gguf::File::load(dir.string() + ".none"); });
-  CHECK(contains(missing, "does not exist"));
+  CHECK(missing == dir.string() + ".none: no such file");
 }
 
 TEST_CASE("GGUF: the real SmolLM2 file truncated in its metadata or directory or data is refused") {
@@ -340,6 +474,9 @@ TEST_CASE("GGUF: the real SmolLM2 file truncated in its metadata or directory or
   std::ifstream in(path, std::ios::binary);
   REQUIRE(in);
   const ex::gguf::File whole = ex::gguf::File::load(path);
+  // A real model's metadata (49k-token vocabulary, 49k merges) is a fraction of its size.
+  CHECK(whole.metadata_memory() > 0);
+  CHECK(whole.metadata_memory() < whole.file_size() / 2);
   const std::uint64_t data0 = whole.data_offset();
   // Cuts: inside the header, the tokenizer arrays, the tensor directory, and the data section.
   for (const std::uint64_t n : {std::uint64_t{10}, std::uint64_t{3000}, std::uint64_t{1500000}, data0 - 100,

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Pieces shared by the statistics readers and writers: the caller's geometry expectation
 // (StatsExpectation), value checks that every loader applies (finite values, |mean| <= mean |z|),
-// rope-style names, CRC-32, little-endian byte access and whole-file I/O. Readers work on an
-// in-memory byte span so the same code serves files, tests and fuzzers.
+// rope-style names, CRC-32, little-endian byte access and whole-file I/O (through file_io.hpp).
+// Readers work on an in-memory byte span so the same code serves files, tests and fuzzers.
 #pragma once
 
 #include <array>
@@ -12,8 +12,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <optional>
 #include <span>
 #include <string>
@@ -21,6 +19,7 @@
 #include <vector>
 
 #include <triattn/core/error.hpp>
+#include <triattn/core/file_io.hpp>
 #include <triattn/core/rope_types.hpp>
 #include <triattn/core/stats/query_stats.hpp>
 
@@ -48,28 +47,9 @@ struct StatsExpectation {
   return std::nullopt;
 }
 
-/// Throws triattn::format_error naming `path` (prefixed by `what`, e.g. "llama2.c checkpoint")
-/// unless it names an existing regular file (symlinks followed). Every file loader calls it before
-/// opening: a directory reports a nonsense size (tellg() = LLONG_MAX) and opening a FIFO blocks
-/// until a writer appears, so such paths are refused by type, before any read.
-inline void require_regular_file(const std::string& path, std::string_view what = {}) {
-  const std::string name = what.empty() ? path : std::string(what) + " " + path;
-  std::error_code ec;
-  const std::filesystem::file_status st = std::filesystem::status(path, ec);
-  if (st.type() == std::filesystem::file_type::not_found) throw format_error(name + ": no such file");
-  if (ec) throw format_error(name + ": cannot examine the file (" + ec.message() + ")");
-  const char* kind = nullptr;
-  switch (st.type()) {
-    case std::filesystem::file_type::regular: return;
-    case std::filesystem::file_type::directory: kind = "a directory"; break;
-    case std::filesystem::file_type::fifo: kind = "a FIFO (named pipe)"; break;
-    case std::filesystem::file_type::socket: kind = "a socket"; break;
-    case std::filesystem::file_type::block: kind = "a block device"; break;
-    case std::filesystem::file_type::character: kind = "a character device"; break;
-    default: throw format_error(name + ": is not a regular file");
-  }
-  throw format_error(name + ": is " + std::string(kind) + ", not a regular file");
-}
+/// Largest statistics file the loaders read (real ones are a few MiB; the per-array cap
+/// kMaxStatsValues bounds a valid file far below this).
+inline constexpr std::uint64_t kMaxStatsFileBytes = std::uint64_t{1} << 30;
 
 namespace detail {
 
@@ -158,27 +138,15 @@ inline void append_bytes(std::vector<std::uint8_t>& out, std::string_view s) { o
   return offset <= limit && length <= limit - offset;
 }
 
-/// Whole file into memory; a missing, unreadable or non-regular file is a format_error naming
-/// the path.
+/// Whole statistics file into memory (triattn::read_regular_file, capped at kMaxStatsFileBytes):
+/// a missing, unreadable, oversized or non-regular file is a format_error naming the path.
 [[nodiscard]] inline std::vector<std::uint8_t> read_file_bytes(const std::string& path) {
-  require_regular_file(path);
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw format_error(path + ": cannot open file for reading");
-  in.seekg(0, std::ios::end);
-  const std::streamoff size = in.tellg();
-  if (size < 0) throw format_error(path + ": cannot determine the file size");
-  in.seekg(0, std::ios::beg);
-  std::vector<std::uint8_t> bytes(static_cast<std::size_t>(size));
-  if (size > 0 && !in.read(reinterpret_cast<char*>(bytes.data()), size)) throw format_error(path + ": read error");
-  return bytes;
+  return read_regular_file<std::vector<std::uint8_t>>(path, kMaxStatsFileBytes);
 }
 
+/// Writes through a temporary file renamed into place (triattn::write_file_atomically).
 inline void write_file_bytes(const std::string& path, std::span<const std::uint8_t> bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  if (!out) throw error(path + ": cannot open file for writing");
-  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
-  out.flush();
-  if (!out) throw error(path + ": write error");
+  write_file_atomically(path, bytes);
 }
 
 /// Problems of a geometry (range limits, odd head_dim), or nullopt.
