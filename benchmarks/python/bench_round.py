@@ -143,7 +143,8 @@ def main():
         rows = comp.kept_rows()
         out = triattn.RoundResult(*(torch.empty(batch, dtype=torch.int32, device=dev) for _ in range(4)),
                                   torch.empty((batch, rows, LEN), dtype=torch.int32, device=dev), None)
-        ws = torch.empty(comp.workspace_size(batch, LEN, "cuda:0", tables.shape[0]), dtype=torch.uint8, device=dev)
+        ws = torch.empty(comp.workspace_size(batch, LEN, "cuda:0", tables.shape[0], cache.num_blocks), dtype=torch.uint8,
+                         device=dev)
         stream = torch.cuda.current_stream(dev).cuda_stream
         trig = triattn.RoundTrigger.IF_DUE
 

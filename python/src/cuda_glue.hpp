@@ -3,6 +3,8 @@
 // never passes through nvcc and nvcc never sees nanobind. Compiled only with TRIATTN_PYTHON_CUDA.
 #pragma once
 
+#include <string>
+
 #include <cstddef>
 #include <cstdint>
 
@@ -44,7 +46,11 @@ struct ViewParts {
 
 /// Device workspace bytes of a round.
 [[nodiscard]] std::size_t workspace_size(const DeviceModel* model, const SelectionParams& params, int batch, int max_len,
-                                         int max_seqs);
+                                         int max_seqs, int num_blocks);
+
+/// What the device checks of the last round run with `workspace` found ("" when nothing): copies
+/// its error record (waits for the work on the device's streams that wrote it).
+[[nodiscard]] std::string round_error(const void* workspace, int device);
 
 /// The batched round over a device view, enqueued on `stream` (asynchronous; nothing is read
 /// back); every pointer is a device pointer of `device`.

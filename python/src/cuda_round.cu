@@ -82,10 +82,18 @@ void free_pointers(void* device_ptrs, int device) noexcept {
 }
 
 std::size_t workspace_size(const DeviceModel* model, const SelectionParams& params, int batch, int max_len,
-                           int max_seqs) {
+                           int max_seqs, int num_blocks) {
   const auto& v = model->scorer.device_model();
   return cuda::paged_round_workspace_size(cuda::RoundShape{v.num_layers, v.num_q_heads, v.num_kv_heads}, params.mode,
-                                          batch, max_len, max_seqs);
+                                          batch, max_len, max_seqs, num_blocks);
+}
+
+std::string round_error(const void* workspace, int device) {
+  DeviceGuard guard(device);
+  cuda::RoundError e{};
+  TRIATTN_CUDA_TRY(cudaDeviceSynchronize());
+  TRIATTN_CUDA_TRY(cudaMemcpy(&e, cuda::paged_round_error(workspace), sizeof e, cudaMemcpyDeviceToHost));
+  return cuda::describe(e);
 }
 
 void run_round(DType dtype, const ViewParts& parts, const DeviceModel* model, const SelectionParams& params,
@@ -106,11 +114,7 @@ void run_round(DType dtype, const ViewParts& parts, const DeviceModel* model, co
     cuda::paged_round(view, model->scorer.device_model(), params, trigger, batch, out, workspace, workspace_bytes,
                       reinterpret_cast<cudaStream_t>(stream));
   };
-  switch (dtype) {
-    case DType::kF32: go(std::type_identity<float>{}); break;
-    case DType::kF16: go(std::type_identity<f16_storage>{}); break;
-    case DType::kBF16: go(std::type_identity<bf16_storage>{}); break;
-  }
+  triattn::dispatch_dtype(dtype, go);
 }
 
 }  // namespace triattn::python::cuda_glue

@@ -358,7 +358,20 @@ void bind_paged(nb::module_& m) {
       .value("COMPRESSED", RoundStatus::kCompressed)
       .value("NOT_DUE", RoundStatus::kNotDue)
       .value("NON_FINITE", RoundStatus::kNonFinite)
-      .value("NO_ROOM", RoundStatus::kNoRoom);
+      .value("NO_ROOM", RoundStatus::kNoRoom)
+      .value("INVALID", RoundStatus::kInvalid);
+#ifdef TRIATTN_PYTHON_WITH_CUDA
+  m.def("round_error",
+        [](const ConstArray& workspace) {
+          if (workspace.device_type() != nb::device::cuda::value)
+            throw logic_error("triattn: round_error: the workspace is not a CUDA array (CPU rounds raise instead)");
+          nb::gil_scoped_release release;
+          return cuda_glue::round_error(workspace.data(), workspace.device_id());
+        },
+        nb::arg("workspace"),
+        "Why the device refused the last round run with `workspace` (statuses INVALID): \"\" when it did not. "
+        "Waits for the device.");
+#endif
   m.def("_last_round_ns", [] { return g_last_round_ns.load(); },
         "Host nanoseconds the last round spent inside the library call (benchmarks).");
   m.def("kept_rows", &kept_rows, nb::arg("mode"), nb::arg("num_layers"), nb::arg("num_kv_heads"),
@@ -422,7 +435,8 @@ void bind_paged(nb::module_& m) {
         return kept_rows(mode, c.geometry.num_layers, c.geometry.num_kv_heads);
       }, "Rows of kept positions per sequence under the current mode.")
       .def("workspace_size",
-           [](Compressor& c, int batch, int max_len, const std::string& device, int max_seqs) -> std::size_t {
+           [](Compressor& c, int batch, int max_len, const std::string& device, int max_seqs,
+              int num_blocks) -> std::size_t {
              if (batch < 0 || max_len < 0)
                throw logic_error("triattn: workspace_size: batch = " + std::to_string(batch) + " and max_len = " +
                                  std::to_string(max_len) + " must be non-negative");
@@ -435,15 +449,18 @@ void bind_paged(nb::module_& m) {
                  throw logic_error("triattn: workspace_size: device '" + device + "' is not \"cuda\" or \"cuda:N\"");
                if (device.size() > 5) id = std::stoi(device.substr(5));
                return locked(c, [&] {
-                 return cuda_glue::workspace_size(c.device_model(id), c.selection, batch, max_len, max_seqs);
+                 return cuda_glue::workspace_size(c.device_model(id), c.selection, batch, max_len, max_seqs,
+                                                  num_blocks);
                });
              }
 #endif
              throw logic_error("triattn: workspace_size: unknown or unsupported device '" + device + "'");
            },
            nb::arg("batch"), nb::arg("max_len"), nb::arg("device") = "cpu", nb::arg("max_seqs") = 0,
+           nb::arg("num_blocks") = 0,
            "Workspace bytes of a round of `batch` sequences of at most `max_len` slots on `device` (\"cpu\" or "
-           "\"cuda:N\"); the device round also needs the view's rows, `max_seqs`.")
+           "\"cuda:N\"); the device round also needs the view's rows, `max_seqs`, and its blocks, `num_blocks` "
+           "(the device counts every block's references).")
       .def("_round", &run_round, nb::arg("cache"), nb::arg("block_tables").none(), nb::arg("seq_lens").none(),
            nb::arg("seq_ids").none(), nb::arg("t0").none(), nb::arg("prompt_lens").none(), nb::arg("new_lens").none(),
            nb::arg("status").none(), nb::arg("freed_begin").none(), nb::arg("freed_end").none(), nb::arg("kept").none(),

@@ -137,7 +137,7 @@ def test_custom_op_graph_capture_and_compile():
     args = [x.cuda() for x in (tables, lens, ids, t0, prompts)]
     cache = paged("vllm_flash_attn", dev)
     handle = triattn.torch_ops.register(comp, cache)
-    ws = torch.empty(comp.workspace_size(len(ids), max_len, "cuda:0", tables.shape[0]), dtype=torch.uint8,
+    ws = torch.empty(comp.workspace_size(len(ids), max_len, "cuda:0", tables.shape[0], cache.num_blocks), dtype=torch.uint8,
                      device="cuda")
     rows = comp.kept_rows()
     pristine = [t.clone() for t in dev]

@@ -236,7 +236,7 @@ class Compressor(_triattn.Compressor):
                              f"block_size {cache.block_size} = {capacity}")
         device = "cpu" if not on_gpu else f"cuda:{_device_index(seq_ids)}"
         if workspace is None:
-            size = self.workspace_size(batch, max_len, device, tables_shape[0])
+            size = self.workspace_size(batch, max_len, device, tables_shape[0], cache.num_blocks)
             workspace = _empty(seq_ids, (max(1, size),), "uint8")
         if out is None:
             rows = self.kept_rows()

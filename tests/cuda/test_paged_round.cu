@@ -340,7 +340,8 @@ void check_case(const Case& c, std::uint32_t seed, bool graph = false) {
   const int max_keep = max_len;
   Outputs<T> out(batch, krows, max_keep);
   const cuda::RoundShape shape{c.L, c.Hq, c.Hkv};
-  const std::size_t ws_bytes = cuda::paged_round_workspace_size(shape, c.sp.mode, batch, max_len, max_seqs);
+  const std::size_t ws_bytes =
+      cuda::paged_round_workspace_size(shape, c.sp.mode, batch, max_len, max_seqs, dview.num_blocks);
   test::DeviceBuffer<char> d_ws(ws_bytes);
   const RoundBatch dbatch{d_seq.get(), d_t0.get(), d_prompts.get(), batch, max_len,
                           c.shared.empty() ? nullptr : d_shared.get()};

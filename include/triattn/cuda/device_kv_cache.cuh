@@ -177,7 +177,7 @@ class DeviceRounds {
     const RoundOutputs out = outputs(d, lay, batch, rows, max_keep);
     const std::size_t ws_bytes = paged_round_workspace_size(
         RoundShape{cfg.model.num_layers, cfg.model.num_q_heads, cfg.model.num_kv_heads}, sp.mode, batch, max_len,
-        cfg.max_seqs);
+        cfg.max_seqs, cfg.num_blocks);
     const auto run = [&](auto tag) {
       using T = typename decltype(tag)::type;
       if (agreement_) {
@@ -196,7 +196,10 @@ class DeviceRounds {
       }
     };
     triattn::dispatch_dtype(cfg.dtype, run);
-    TRIATTN_CUDA_TRY(cudaMemcpyAsync(h + lay.outputs, d + lay.outputs, lay.total - lay.outputs, cudaMemcpyDeviceToHost,
+    TRIATTN_CUDA_TRY(cudaMemcpyAsync(h + lay.outputs, d + lay.outputs, lay.err - lay.outputs, cudaMemcpyDeviceToHost,
+                                     stream));
+    // The device checks' verdict (all clear for a consistent cache; commit() throws otherwise).
+    TRIATTN_CUDA_TRY(cudaMemcpyAsync(h + lay.err, paged_round_error(ws_), sizeof(RoundError), cudaMemcpyDeviceToHost,
                                      stream));
     TRIATTN_CUDA_TRY(cudaEventRecord(event_, stream));
     in_flight_.assign(seqs.begin(), seqs.end());  // reuses its capacity
@@ -269,7 +272,7 @@ class DeviceRounds {
 
  private:
   struct Layout {
-    std::size_t ids, t0, prompts, shared, inputs, outputs, new_lens, status, fb, fe, fm, kept, total;
+    std::size_t ids, t0, prompts, shared, inputs, outputs, new_lens, status, fb, fe, fm, kept, err, total;
   };
   // Rows of kept slots a round brings back: none unless the cache tracks positions.
   [[nodiscard]] int kept_row_count() const {
@@ -294,7 +297,8 @@ class DeviceRounds {
     l.fe = l.fb + up(B * 4);
     l.fm = l.fe + up(B * 4);
     l.kept = l.fm + up(B * 4);
-    l.total = l.kept + up(B * static_cast<std::size_t>(rows) * static_cast<std::size_t>(max_keep) * 4);
+    l.err = l.kept + up(B * static_cast<std::size_t>(rows) * static_cast<std::size_t>(max_keep) * 4);
+    l.total = l.err + up(sizeof(RoundError));
     return l;
   }
   static RoundOutputs outputs(char* base, const Layout& l, int batch, int rows, int max_keep) noexcept {
@@ -319,7 +323,7 @@ class DeviceRounds {
     const std::size_t io = layout(batch, rows, max_keep).total;
     const std::size_t ws = paged_round_workspace_size(
         RoundShape{cfg.model.num_layers, cfg.model.num_q_heads, cfg.model.num_kv_heads}, sp.mode, batch, max_len,
-        cfg.max_seqs);
+        cfg.max_seqs, cfg.num_blocks);
     if (event_ == nullptr) TRIATTN_CUDA_TRY(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
     if (io > io_bytes_) {
       if (dev_ != nullptr) TRIATTN_CUDA_TRY(cudaFree(dev_));
@@ -346,6 +350,8 @@ class DeviceRounds {
     pending_ = false;
     last_seqs_.swap(in_flight_);  // both keep their capacity
     in_flight_.clear();
+    // A refused round wrote nothing: the cache stays as it was and the error names the input.
+    check_round_error(*reinterpret_cast<const RoundError*>(static_cast<char*>(host_) + lay.err));
     cache_->commit_round(last_seqs_, out, reports_);
     publish(*cache_, stream_);
     return reports_;
