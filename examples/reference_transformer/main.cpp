@@ -113,6 +113,7 @@ struct Options {
   bool weights_bf16 = false;     // GPU: matrices stored as bf16
   bool no_graphs = false;        // GPU: launch decode steps kernel by kernel
   bool static_pool = false;      // GPU: --allocator static (one cudaMalloc pool) instead of VMM
+  int prefill_chunk = 0;         // prefill tokens per step (0: every prompt in one step)
   int tp = 1;                    // tensor-parallel ranks
   triattn::PruningMode mode = triattn::PruningMode::kPerHead;
 };
@@ -153,6 +154,8 @@ void usage() {
       "  --kv-dtype T          f32 (default) | bf16 | f16\n"
       "  --block-size N        tokens per KV block (default 16)\n"
       "  --report-every N      status line every N decode steps (default 64; 0 = off)\n"
+      "  --prefill-chunk N     prefill at most N prompt tokens per step (e.g. 512-2048; default 0:\n"
+      "                        every prompt in one step)\n"
       "  --quiet               do not stream the text\n"
       "  --device D            cpu (default) | gpu (needs a build with TRIATTN_ENABLE_CUDA=ON)\n"
       "  --weight-dtype T      gpu: f32 (default) | bf16 weight matrices\n"
@@ -257,6 +260,7 @@ Options parse_args(int argc, char** argv) {
       else throw std::runtime_error("--kv-dtype: '" + v + "' is not f32, bf16 or f16");
     } else if (a == "--block-size") o.block_size = to_int(a, need(i), 1, 1 << 16);
     else if (a == "--report-every") o.report_every = to_int(a, need(i), 0, kIntMax);
+    else if (a == "--prefill-chunk") o.prefill_chunk = to_int(a, need(i), 0, kIntMax);
     else if (a == "--quiet") o.quiet = true;
     else if (a == "--device") {
       o.device = need(i);
@@ -417,6 +421,7 @@ int run(ModelT& model, Cache& cache, const TextCodec& codec, const std::vector<s
   go.max_new_tokens = o.steps;
   go.stop_at_bos = codec.tok.has_value();  // llama2.c ends a story at BOS; a random model would stop anywhere
   go.stop_at_eos = codec.bpe.has_value();  // a chat model ends its turn with EOS (<|im_end|>)
+  go.prefill_chunk = o.prefill_chunk;
   ex::GenerationCallbacks cb;
   cb.on_token = [&](int i, int token, std::int64_t, std::span<const float>) {
     if (stream && token != model.config().bos_id) {
@@ -742,6 +747,7 @@ int serve(const Options& o, const ex::ServeArgs& serve, ModelT& model, Cache& ca
   ex::GenerationOptions go;
   go.max_new_tokens = o.steps;
   go.stop_at_bos = codec.tok.has_value();
+  go.prefill_chunk = o.prefill_chunk;
   const ex::ServeReport rep = ex::serve_shared(model, cache, std::span<const std::vector<int>>(prompts),
                                                std::span<ex::Sampler>(samplers), go, serve.prefix_cache, serve.wave, compress);
   if (!o.quiet)
