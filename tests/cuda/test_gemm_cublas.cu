@@ -32,26 +32,14 @@ namespace {
 
 namespace ex = triattn_example;
 using triattn::test::DeviceBuffer;
+using triattn::test::prompt_tokens;
+using triattn::test::rounded_to_bf16;
 
 ex::ModelConfig gemm_config() {
-  ex::ModelConfig c = ex::synthetic_config("tiny");
-  c.name = "gemm-test";
-  c.dim = 256;
-  c.hidden_dim = 512;
+  ex::ModelConfig c = triattn::test::small_config(64);
   c.n_layers = 1;
-  c.n_heads = 4;
-  c.n_kv_heads = 2;
-  c.head_dim = 64;
-  c.vocab_size = 1000;
   c.has_qkv_bias = true;
   return c;
-}
-
-/// The same weights with every matrix rounded to bf16 (what a bf16 WeightStore holds exactly).
-ex::ModelWeights rounded_to_bf16(ex::ModelWeights w) {
-  for (std::vector<float>* t : {&w.tok_emb, &w.wq, &w.wk, &w.wv, &w.wo, &w.w1, &w.w2, &w.w3, &w.wcls})
-    for (float& x : *t) x = triattn::to_float(triattn::from_float<triattn::bf16_storage>(x));
-  return w;
 }
 
 float round_bf16(float x) { return triattn::to_float(triattn::from_float<triattn::bf16_storage>(x)); }
@@ -189,12 +177,6 @@ void run_groups(ex::WeightType wt, ex::MatmulPath path, bool fuse, int n, std::m
   for (std::size_t i = 0; i < picked.size(); ++i)
     check_mat(hl, w.wcls.data(), nullptr, V, D, hxf, nullptr, static_cast<std::size_t>(picked[i]), i, cls_rows);
   CHECK_MESSAGE(ck.bad == 0, ck.bad << " of " << ck.checked << " outputs outside the bound (worst inside: " << ck.worst << ")");
-}
-
-std::vector<int> prompt_tokens(int len, int salt, int vocab) {
-  std::vector<int> t = {1};
-  for (int i = 1; i < len; ++i) t.push_back((i * 37 + salt * 101 + 11) % vocab);
-  return t;
 }
 
 }  // namespace

@@ -25,27 +25,9 @@ namespace {
 
 namespace ex = triattn_example;
 
-ex::ModelConfig engine_config() {
-  ex::ModelConfig c = ex::synthetic_config("tiny");
-  c.name = "engine-test";
-  c.dim = 256;
-  c.hidden_dim = 512;
-  c.n_layers = 2;
-  c.n_heads = 4;
-  c.n_kv_heads = 2;
-  c.head_dim = 64;
-  c.vocab_size = 1000;
-  c.rope_theta = 1e6;
-  return c;
-}
-
 std::vector<std::vector<int>> prompts_of(const std::vector<int>& lens, int vocab) {
   std::vector<std::vector<int>> ps;
-  for (std::size_t s = 0; s < lens.size(); ++s) {
-    std::vector<int> t = {1};
-    for (int i = 1; i < lens[s]; ++i) t.push_back((i * 37 + static_cast<int>(s) * 101 + 11) % vocab);
-    ps.push_back(t);
-  }
+  for (std::size_t s = 0; s < lens.size(); ++s) ps.push_back(triattn::test::prompt_tokens(lens[s], static_cast<int>(s), vocab));
   return ps;
 }
 
@@ -82,7 +64,7 @@ TEST_SUITE("gpu") {
 
 TEST_CASE("GPU engine: the KV cache on VMM equals the static pool and its resident bytes follow the live blocks") {
   triattn::test::require_device();
-  const ex::ModelConfig c = engine_config();
+  const ex::ModelConfig c = triattn::test::small_config(64);
   const ex::ModelWeights w = ex::make_synthetic_weights(c, 21);
   const auto prompts = prompts_of({40, 3, 97}, c.vocab_size);
   constexpr int kSteps = 24;
@@ -125,7 +107,7 @@ TEST_CASE("GPU engine: the KV cache on VMM equals the static pool and its reside
 
 TEST_CASE("GPU engine: chunked prefill gives bitwise the tokens and logits of one prefill step") {
   triattn::test::require_device();
-  const ex::ModelConfig c = engine_config();
+  const ex::ModelConfig c = triattn::test::small_config(64);
   const ex::ModelWeights w = ex::make_synthetic_weights(c, 33);
   // 200 tokens: no chunk size below leaves a step of only one-token tails (such a step would go
   // to the decode attention kernel, whose arithmetic differs from the prefill kernel's)
