@@ -46,6 +46,7 @@
 #include <triattn/cuda/algorithms/append.cuh>
 #include <triattn/cuda/algorithms/compression_round.cuh>
 #include <triattn/cuda/algorithms/decode_attention.cuh>
+#include <triattn/cuda/backend/vmm_allocator.cuh>
 #include <triattn/cuda/device_kv_cache.cuh>
 #include <triattn/cuda/error.cuh>
 #include <triattn/cuda/griddep.cuh>
@@ -69,6 +70,17 @@ namespace triattn_example {
 using GpuPlainCache = triattn::KvCache<triattn::cuda::DeviceAllocator, triattn::cuda::DeviceCompactor>;
 using GpuTriCache = triattn::KvCache<triattn::cuda::DeviceAllocator, triattn::cuda::DeviceCompactor,
                                      triattn::cuda::TriAttentionDeviceScorer, triattn::TopKSelector>;
+/// The same two over CUDA virtual memory (cuda::VmmAllocator): pages are mapped as blocks are
+/// first used and go back to the driver at trim(), so resident memory follows what is live.
+using GpuVmmPlainCache = triattn::KvCache<triattn::cuda::VmmAllocator, triattn::cuda::DeviceCompactor>;
+using GpuVmmTriCache = triattn::KvCache<triattn::cuda::VmmAllocator, triattn::cuda::DeviceCompactor,
+                                        triattn::cuda::TriAttentionDeviceScorer, triattn::TopKSelector>;
+/// Device memory in use on the current device, all processes (cudaMemGetInfo: total - free).
+[[nodiscard]] inline std::size_t device_memory_used() {
+  std::size_t free_b = 0, total_b = 0;
+  TRIATTN_CUDA_TRY(cudaMemGetInfo(&free_b, &total_b));
+  return total_b - free_b;
+}
 /// The same two with the prefix cache (core/prefix_cache.hpp) over the device pool: requests that
 /// share a prompt prefix share its blocks (serve_shared.hpp).
 using GpuPrefixAllocator = triattn::PrefixCachingAllocator<triattn::cuda::DeviceAllocator>;

@@ -45,7 +45,9 @@
 #include <triattn/cuda/launch.cuh>
 
 #include "backend.hpp"
+#include "cublas_context.cuh"
 #include "cuda_kernels.cuh"
+#include "gemm_cublas.cuh"
 #include "gemv_stream_kernel.cuh"
 #include "model_config.hpp"
 #include "tp_kernels.cuh"
@@ -65,6 +67,8 @@ struct CudaBackendOptions {
   bool direct_kv_write = false;  ///< the RoPE kernel writes K/V into the cache itself (else triattn's append kernel)
   /// bf16 GEMVs of 1-2 rows: gemv_stream_kernel.cuh variant (0 = warp kernel); -1: TRIATTN_GEMV_VARIANT or the default
   int gemv_variant = -1;
+  /// GEMV kernels or cuBLAS per matmul (gemm_cublas.cuh): by row count at the measured crossover
+  MatmulPath matmul_path = MatmulPath::kAuto;
 };
 
 namespace cuda_detail {
@@ -306,7 +310,7 @@ class StepRecorder {
  public:
   using Options = CudaBackendOptions;
   static constexpr int kPlanGranule = 512;
-  enum ScratchId : int { kQt = 0, kKt, kVt, kWorkspace, kScratchCount };
+  enum ScratchId : int { kQt = 0, kKt, kVt, kWorkspace, kXt, kScratchCount };
 
   struct RowInfo {
     long long pos = -1, seq = -1, slot = -1;
@@ -357,6 +361,7 @@ class StepRecorder {
   RecorderStats stats;
   int tp_size = 1;
   AllReduceFn all_reduce;  // empty: a single rank
+  std::unique_ptr<CublasContext> cublas;  // created at the first matmul that goes to cuBLAS
 
   explicit StepRecorder(const Options& o) : opt(o) {
     TRIATTN_CUDA_TRY(cudaStreamCreate(&stream));  // blocking: legacy-stream copies wait for it
@@ -368,6 +373,7 @@ class StepRecorder {
     triattn::cuda::report_error(cudaStreamSynchronize(stream), "CudaBackend: cudaStreamSynchronize");
     for (Graph& g : graphs) triattn::cuda::report_error(cudaGraphExecDestroy(g.exec), "CudaBackend: cudaGraphExecDestroy");
     graphs.clear();
+    cublas.reset();  // before its stream
     triattn::cuda::report_error(cudaStreamDestroy(stream), "CudaBackend: cudaStreamDestroy");
   }
 
@@ -552,10 +558,11 @@ class StepRecorder {
   /// What a captured graph depends on: the op list (pointers, shapes, plans, arena offsets),
   /// the arena's device address and the scratch buffers the planner adds.
   std::vector<unsigned char> signature() const {
-    const void* extra[3] = {arena.device_base(), scratch_mem[kKt].get(), scratch_mem[kVt].get()};
-    const unsigned char flags[4] = {static_cast<unsigned char>(opt.fuse), static_cast<unsigned char>(opt.pdl),
+    const void* extra[4] = {arena.device_base(), scratch_mem[kKt].get(), scratch_mem[kVt].get(), scratch_mem[kXt].get()};
+    const unsigned char flags[5] = {static_cast<unsigned char>(opt.fuse), static_cast<unsigned char>(opt.pdl),
                                     static_cast<unsigned char>(opt.direct_kv_write),
-                                    static_cast<unsigned char>(opt.gemv_variant + 1)};
+                                    static_cast<unsigned char>(opt.gemv_variant + 1),
+                                    static_cast<unsigned char>(opt.matmul_path)};
     std::vector<unsigned char> sig(ops.size() * sizeof(cuda_detail::Op) + sizeof extra + sizeof flags);
     unsigned char* out = sig.data();
     std::memcpy(out, ops.data(), ops.size() * sizeof(cuda_detail::Op));
@@ -657,6 +664,7 @@ class StepRecorder {
       launch(gpu::rmsnorm_kernel, dim3(static_cast<unsigned>(rows)), dim3(gpu::kNormThreads), 0, norm.y, norm.x,
              static_cast<const float*>(norm.w), norm.a, norm.eps, arena.dev<long long>(roff), 0LL);
     });
+    prepare_matmul(rows, mm.b, mm.wbf16 != 0, true);
     items.push_back([this, norm, mm, rows, roff] {
       gpu::GemvParams p;
       p.nseg = 1;
@@ -746,6 +754,7 @@ class StepRecorder {
       }
     }
     const bool bf16 = m0.wbf16 != 0;
+    prepare_matmul(p.n, p.K, bf16, false);
     items.push_back([this, p, bf16] { launch_gemv(p, bf16); });
     return j - i;
   }
@@ -867,6 +876,7 @@ class StepRecorder {
         });
         break;
       case OpKind::kMatmul:
+        prepare_matmul(o.n, o.b, o.wbf16 != 0, false);
         items.push_back([this, o] {
           gpu::GemvParams p;
           p.nseg = 1;
@@ -959,8 +969,26 @@ class StepRecorder {
     return 1;
   }
 
-  /// Picks the GEMV kernel for p (units and segment starts are filled in here).
+  /// At plan time (never inside a graph capture): the cuBLAS handle and the x scratch a matmul
+  /// of n rows of K will need if it goes to cuBLAS.
+  void prepare_matmul(int n, int K, bool bf16, bool gathered) {
+    if (!use_cublas(opt.matmul_path, bf16, n)) return;
+    if (!cublas) cublas = std::make_unique<CublasContext>(stream);
+    const std::size_t bytes = cuda_detail::cublas_x_scratch_bytes(n, K, bf16, gathered);
+    if (bytes > 0) (void)scratch(kXt, bytes);
+  }
+
+  /// Picks the GEMV kernel for p (units and segment starts are filled in here), or cuBLAS for
+  /// many rows (gemm_cublas.cuh; prepare_matmul ran at plan time).
   void launch_gemv(gpu::GemvParams p, bool bf16) {
+    if (use_cublas(opt.matmul_path, bf16, p.n)) {
+      TRIATTN_EXPECTS(cublas != nullptr, "CudaBackend: a cuBLAS matmul was not prepared at plan time");
+      cuda_detail::cublas_matmul(p, bf16, *cublas, scratch_mem[kXt].get(), scratch_bytes[kXt],
+                                 [this](auto kernel, dim3 grid, dim3 block, auto&&... args) {
+                                   launch(kernel, grid, block, 0, args...);
+                                 });
+      return;
+    }
     const int V = bf16 ? 8 : 4;
     const std::size_t wsize = bf16 ? 2 : 4;
     bool vec = p.K % V == 0 && cuda_detail::aligned16(p.x) && (p.x_rows != nullptr || p.x_stride % 4 == 0) &&

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // A minimal continuous-batching loop over Model<Backend> and a KvCache: prefill every prompt in
-// one step, then decode all unfinished sequences together, one token each per step. After every
+// one step (or in steps of at most GenerationOptions::prefill_chunk tokens), then decode all
+// unfinished sequences together, one token each per step. After every
 // step an optional hook may run compression rounds (the engine's scheduler decides; see
 // docs/integration.md). This is the worked example of where an engine calls what.
 #pragma once
@@ -8,6 +9,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <span>
 #include <string>
 #include <vector>
@@ -24,6 +26,9 @@ struct GenerationOptions {
   int max_new_tokens = 256;  ///< tokens sampled per sequence (the prefill step samples the first)
   bool stop_at_bos = true;   ///< llama2.c ends a story when it samples BOS
   bool stop_at_eos = false;
+  /// Prefill tokens per step over all prompts (0 = every prompt in one step): long prompts are
+  /// prefilled in chunks, each step attending to what the earlier chunks cached.
+  int prefill_chunk = 0;
 };
 
 struct SequenceResult {
@@ -118,21 +123,46 @@ std::vector<SequenceResult> generate(ModelT& model, Cache& cache, std::span<cons
     st.compress_seconds += std::chrono::duration<double>(clock::now() - t0).count();
   };
 
-  // Prefill: every prompt in one step.
-  std::vector<Chunk> chunks;
+  // Prefill: every prompt in one step, or steps of at most opt.prefill_chunk tokens (prompts in
+  // order, a prompt's tail continuing in the next step).
+  TRIATTN_EXPECTS(opt.prefill_chunk >= 0, "generate: prefill_chunk must be >= 0");
+  std::vector<std::size_t> next(prompts.size());
   for (std::size_t i = 0; i < prompts.size(); ++i) {
-    chunks.push_back(Chunk{res[i].seq, std::span<const int>(prompts[i]).subspan(static_cast<std::size_t>(cached[i])),
-                           triattn::Phase::kPrefill});
+    next[i] = static_cast<std::size_t>(cached[i]);
     st.prefill_tokens += static_cast<std::int64_t>(prompts[i].size()) - cached[i];
   }
+  std::vector<Chunk> chunks;
+  std::vector<std::size_t> owner;  // prompt of each chunk
+  std::vector<std::vector<float>> last_logits(prompts.size());
+  const std::size_t budget = opt.prefill_chunk > 0 ? static_cast<std::size_t>(opt.prefill_chunk) : std::numeric_limits<std::size_t>::max();
   auto t0 = clock::now();
-  StepOutput out = model.step(cache, chunks, opt.max_new_tokens > 0 ? LogitsFor::kLastOfEachChunk : LogitsFor::kNone);
+  for (std::size_t first = 0; first < prompts.size();) {
+    chunks.clear();
+    owner.clear();
+    bool any_last = false;
+    std::size_t used = 0;
+    for (std::size_t i = first; i < prompts.size() && used < budget; ++i) {
+      const std::size_t take = std::min(prompts[i].size() - next[i], budget - used);
+      chunks.push_back(Chunk{res[i].seq, std::span<const int>(prompts[i]).subspan(next[i], take), triattn::Phase::kPrefill});
+      owner.push_back(i);
+      next[i] += take;
+      used += take;
+      any_last = any_last || next[i] == prompts[i].size();
+    }
+    const bool logits = opt.max_new_tokens > 0 && any_last;
+    const StepOutput out = model.step(cache, chunks, logits ? LogitsFor::kLastOfEachChunk : LogitsFor::kNone);
+    for (std::size_t c = 0; c < chunks.size(); ++c)
+      if (logits && next[owner[c]] == prompts[owner[c]].size()) {
+        const std::span<const float> row = out.row(static_cast<int>(c));
+        last_logits[owner[c]].assign(row.begin(), row.end());
+      }
+    while (first < prompts.size() && next[first] == prompts[first].size()) ++first;
+  }
   st.prefill_seconds += std::chrono::duration<double>(clock::now() - t0).count();
   if (cb.after_prefill) cb.after_prefill(std::span<const SequenceResult>(res));
   if (opt.max_new_tokens <= 0) return res;
   for (std::size_t i = 0; i < prompts.size(); ++i)
-    accept(i, samplers[i].sample(out.row(static_cast<int>(i))), static_cast<std::int64_t>(prompts[i].size()) - 1,
-           out.row(static_cast<int>(i)));
+    accept(i, samplers[i].sample(last_logits[i]), static_cast<std::int64_t>(prompts[i].size()) - 1, last_logits[i]);
   compress();
 
   // Decode: one token per unfinished sequence per step.
@@ -149,7 +179,7 @@ std::vector<SequenceResult> generate(ModelT& model, Cache& cache, std::span<cons
     }
     if (chunks.empty()) break;
     t0 = clock::now();
-    out = model.step(cache, chunks, LogitsFor::kLastOfEachChunk);
+    const StepOutput out = model.step(cache, chunks, LogitsFor::kLastOfEachChunk);
     for (std::size_t j = 0; j < idx.size(); ++j) {
       const std::size_t i = idx[j];
       accept(i, samplers[i].sample(out.row(static_cast<int>(j))), out.rows[j].pos, out.row(static_cast<int>(j)));

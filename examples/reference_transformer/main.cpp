@@ -113,6 +113,8 @@ struct Options {
   std::string device = "cpu";   // cpu | gpu
   bool weights_bf16 = false;     // GPU: matrices stored as bf16
   bool no_graphs = false;        // GPU: launch decode steps kernel by kernel
+  bool static_pool = false;      // GPU: --allocator static (one cudaMalloc pool) instead of VMM
+  int prefill_chunk = 0;         // prefill tokens per step (0: every prompt in one step)
   int tp = 1;                    // tensor-parallel ranks
   triattn::PruningMode mode = triattn::PruningMode::kPerHead;
 };
@@ -157,10 +159,14 @@ void usage() {
       "  --kv-dtype T          f32 (default) | bf16 | f16\n"
       "  --block-size N        tokens per KV block (default 16)\n"
       "  --report-every N      status line every N decode steps (default 64; 0 = off)\n"
+      "  --prefill-chunk N     prefill at most N prompt tokens per step (e.g. 512-2048; default 0:\n"
+      "                        every prompt in one step)\n"
       "  --quiet               do not stream the text\n"
       "  --device D            cpu (default) | gpu (needs a build with TRIATTN_ENABLE_CUDA=ON)\n"
       "  --weight-dtype T      gpu: f32 (default) | bf16 weight matrices\n"
       "  --no-graphs           gpu: launch every decode step kernel by kernel (no CUDA graphs)\n"
+      "  --allocator A         gpu: vmm (default: KV pages mapped as used, returned after rounds) |\n"
+      "                        static (one pool, all resident); --tp and --system-prompt use static\n"
       "  --tp N                tensor parallelism over N ranks (threads; gpu: devices 0..N-1, NCCL);\n"
       "                        N must divide the query heads, KV heads and MLP width (default 1)\n"
       "  --system-prompt TEXT  serve the prompts as requests that start with TEXT, through the prefix\n"
@@ -255,6 +261,7 @@ Options parse_args(int argc, char** argv) {
       else throw std::runtime_error("--kv-dtype: '" + v + "' is not f32, bf16 or f16");
     } else if (a == "--block-size") o.block_size = to_int(a, need(i), 1, 1 << 16);
     else if (a == "--report-every") o.report_every = to_int(a, need(i), 0, kIntMax);
+    else if (a == "--prefill-chunk") o.prefill_chunk = to_int(a, need(i), 0, kIntMax);
     else if (a == "--quiet") o.quiet = true;
     else if (a == "--device") {
       o.device = need(i);
@@ -265,6 +272,11 @@ Options parse_args(int argc, char** argv) {
       else if (v == "bf16") o.weights_bf16 = true;
       else throw std::runtime_error("--weight-dtype: '" + v + "' is not f32 or bf16");
     } else if (a == "--no-graphs") o.no_graphs = true;
+    else if (a == "--allocator") {
+      const std::string v = need(i);
+      if (v != "vmm" && v != "static") throw std::runtime_error("--allocator: '" + v + "' is not vmm or static");
+      o.static_pool = v == "static";
+    }
     else if (a == "--tp") o.tp = to_int(a, need(i), 1, 1024);
     else throw std::runtime_error("unknown option '" + a + "' (--help lists them)");
   }
@@ -284,8 +296,8 @@ Options parse_args(int argc, char** argv) {
     throw std::runtime_error(
         "--device gpu: this build has no CUDA support; reconfigure with -DTRIATTN_ENABLE_CUDA=ON on a machine with "
         "the CUDA toolkit (scripts/demo.sh does that when nvcc is present), or use --device cpu");
-  if (o.device == "cpu" && (o.weights_bf16 || o.no_graphs))
-    throw std::runtime_error("--weight-dtype bf16 and --no-graphs apply to --device gpu only");
+  if (o.device == "cpu" && (o.weights_bf16 || o.no_graphs || o.static_pool))
+    throw std::runtime_error("--weight-dtype bf16, --no-graphs and --allocator apply to --device gpu only");
   if (o.prompts.empty()) o.prompts.emplace_back();
   return o;
 }
@@ -418,6 +430,7 @@ int run(ModelT& model, Cache& cache, const TextCodec& codec, const std::vector<s
   go.max_new_tokens = o.steps;
   go.stop_at_bos = codec.tok.has_value();  // llama2.c ends a story at BOS; a random model would stop anywhere
   go.stop_at_eos = codec.bpe.has_value();  // a chat model ends its turn with EOS (<|im_end|>)
+  go.prefill_chunk = o.prefill_chunk;
   ex::GenerationCallbacks cb;
   cb.on_token = [&](int i, int token, std::int64_t, std::span<const float>) {
     if (stream && token != model.config().bos_id) {
@@ -596,28 +609,62 @@ void check_gpu_head_dim(const ex::ModelConfig& mc) {
                              " (compress on the CPU with --device cpu, or run without --stats)");
 }
 
-/// The GPU path: Model<CudaBackend>, the cache in device memory, TriAttention rounds on the device.
+/// The GPU path: Model<CudaBackend>, the cache in device memory (VMM pages, or a static pool with
+/// --allocator static), TriAttention rounds on the device. After the summary: device memory in
+/// use (cudaMemGetInfo) now and at its peak after a step's rounds, and the KV pool's resident bytes.
+template <class PlainT, class TriT>
+int run_gpu_with(const Options& o, ex::Model<ex::CudaBackend>& model, ex::CudaBackend& backend, const TextCodec& codec,
+                 const std::vector<std::vector<int>>& prompts, const triattn::CacheConfig& cfg, bool compress,
+                 triattn::Calibrator* calibrator) {
+  constexpr bool kVmm = std::is_same_v<typename PlainT::allocator_type, triattn::cuda::VmmAllocator>;
+  const ex::ModelConfig& mc = model.config();
+  std::size_t peak_used = ex::device_memory_used();
+  auto report = [&](const auto& cache) {
+    backend.synchronize();
+    const std::size_t used = ex::device_memory_used();
+    std::fprintf(stderr, "device memory (cudaMemGetInfo): %s in use at the end, peak %s after a step; KV %s resident (%s)\n",
+                 human_bytes(static_cast<double>(used)).c_str(),
+                 human_bytes(static_cast<double>(std::max(peak_used, used))).c_str(),
+                 human_bytes(static_cast<double>(cache.memory().bytes_resident)).c_str(),
+                 kVmm ? "VMM: mapped pages" : "static pool");
+  };
+  if (!compress) {
+    PlainT cache(cfg, triattn::cuda::DeviceCompactor(backend.stream()));
+    const int rc = run(model, cache, codec, prompts, o, calibrator);
+    report(cache);
+    return rc;
+  }
+  check_gpu_head_dim(mc);
+  const triattn::QueryStats stats = load_stats(o.stats_path, mc);
+  TriT cache(cfg, triattn::cuda::DeviceCompactor(backend.stream()),
+             triattn::cuda::TriAttentionDeviceScorer(stats, rope_config(mc), triattn::ScoringParams{}, mc.n_kv_heads,
+                                                     backend.stream()),
+             triattn::TopKSelector(selection_params(o)));
+  triattn::cuda::DeviceRounds<TriT> rounds(cache);  // score, select and compact on the device, one batch per step
+  const int rc = run(model, cache, codec, prompts, o, nullptr, [&](std::span<const triattn::SeqId> live) {
+    auto done = rounds.compress_if_needed_and_wait(live, backend.stream());
+    if constexpr (kVmm) {
+      // Pages the rounds emptied go back once the stream passes them; two empty slabs stay
+      // mapped for regrowth (the lazy release bench_decode_step measures).
+      (void)cache.allocator().trim(backend.stream(), 2 * cache.allocator().stats().slab_bytes);
+    }
+    peak_used = std::max(peak_used, ex::device_memory_used());
+    return done;
+  });
+  report(cache);
+  return rc;
+}
+
 int run_gpu(const Options& o, const ex::ModelWeights& weights, const TextCodec& codec,
             const std::vector<std::vector<int>>& prompts, const triattn::CacheConfig& cfg, bool compress,
             triattn::Calibrator* calibrator) {
   require_gpu();
   ex::CudaBackend backend(backend_options(o));
   ex::Model<ex::CudaBackend> model(weights, backend);
-  const ex::ModelConfig& mc = model.config();
-  if (!compress) {
-    ex::GpuPlainCache cache(cfg, triattn::cuda::DeviceCompactor(backend.stream()));
-    return run(model, cache, codec, prompts, o, calibrator);
-  }
-  check_gpu_head_dim(mc);
-  const triattn::QueryStats stats = load_stats(o.stats_path, mc);
-  ex::GpuTriCache cache(cfg, triattn::cuda::DeviceCompactor(backend.stream()),
-                        triattn::cuda::TriAttentionDeviceScorer(stats, rope_config(mc), triattn::ScoringParams{},
-                                                                mc.n_kv_heads, backend.stream()),
-                        triattn::TopKSelector(selection_params(o)));
-  ex::DeviceRounds rounds(cache);  // score, select and compact on the device, one batch per step
-  return run(model, cache, codec, prompts, o, nullptr, [&](std::span<const triattn::SeqId> live) {
-    return rounds.compress_if_needed_and_wait(live, backend.stream());
-  });
+  if (o.static_pool)
+    return run_gpu_with<ex::GpuPlainCache, ex::GpuTriCache>(o, model, backend, codec, prompts, cfg, compress, calibrator);
+  return run_gpu_with<ex::GpuVmmPlainCache, ex::GpuVmmTriCache>(o, model, backend, codec, prompts, cfg, compress,
+                                                               calibrator);
 }
 #endif
 
@@ -722,6 +769,7 @@ int serve(const Options& o, const ex::ServeArgs& serve, ModelT& model, Cache& ca
   ex::GenerationOptions go;
   go.max_new_tokens = o.steps;
   go.stop_at_bos = codec.tok.has_value();
+  go.prefill_chunk = o.prefill_chunk;
   const ex::ServeReport rep = ex::serve_shared(model, cache, std::span<const std::vector<int>>(prompts),
                                                std::span<ex::Sampler>(samplers), go, serve.prefix_cache, serve.wave, compress);
   if (!o.quiet)

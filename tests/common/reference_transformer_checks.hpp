@@ -29,8 +29,31 @@
 #include "../../examples/reference_transformer/mini_json.hpp"
 #include "../../examples/reference_transformer/model.hpp"
 #include "../../examples/reference_transformer/sampler.hpp"
+#include "../../examples/reference_transformer/synthetic.hpp"
 
 namespace triattn::test {
+
+/// A small Llama shape whose head_dim triattn's kernels compile (decode attention, append, scoring).
+inline triattn_example::ModelConfig small_config(int head_dim, int vocab = 1000) {
+  triattn_example::ModelConfig c = triattn_example::synthetic_config("tiny");
+  c.name = "synthetic-test-" + std::to_string(head_dim);
+  c.dim = 256;
+  c.hidden_dim = 512;
+  c.n_layers = 2;
+  c.n_heads = 4;
+  c.n_kv_heads = 2;
+  c.head_dim = head_dim;
+  c.vocab_size = vocab;
+  c.rope_theta = 1e6;
+  return c;
+}
+
+/// The same weights with every matrix rounded to bf16 (what a bf16 WeightStore holds exactly).
+inline triattn_example::ModelWeights rounded_to_bf16(triattn_example::ModelWeights w) {
+  for (std::vector<float>* t : {&w.tok_emb, &w.wq, &w.wk, &w.wv, &w.wo, &w.w1, &w.w2, &w.w3, &w.wcls})
+    for (float& x : *t) x = triattn::to_float(triattn::from_float<triattn::bf16_storage>(x));
+  return w;
+}
 
 /// TRIATTN_SHARED_DATA_DIR/models/<name>; a missing file fails the test.
 inline std::string data_file(const std::string& name) {
