@@ -34,13 +34,14 @@ enum class MatmulPath : int {
 };
 
 /// Rows (x vectors of one matmul) from which kAuto sends a bf16 matmul to cuBLAS; below it the
-/// streaming GEMVs (n <= 2) and gemv_mma_kernel (n >= 3) run. PROVISIONAL, not yet measured:
-/// set it to the smallest n from which cuBLAS is at least as fast on every shape of both models
-/// in `bench_gemm_crossover` (BM_Matmul, wtype 1) on the H100.
-inline constexpr int kCublasMinRowsBf16 = 32;
-/// The same for fp32 weights (gemv_warp_kernel below it). PROVISIONAL, not yet measured: set
-/// it from `bench_gemm_crossover` (BM_Matmul, wtype 0) on the H100.
-inline constexpr int kCublasMinRowsF32 = 8;
+/// streaming GEMV runs. Measured by bench_gemm_crossover (BM_Matmul, wtype 1; H100, 2026-12-07):
+/// the GEMV wins only at n = 1 on most shapes, and this threshold's matmul time summed over the
+/// five shapes of each model for n = 1..128 is within 11% (SmolLM2-135M) and 1% (Qwen3-8B shape)
+/// of picking the faster path per shape; the next best, 32, was 19% / 10% off.
+inline constexpr int kCublasMinRowsBf16 = 2;
+/// The same for fp32 weights (gemv_warp_kernel below it; BM_Matmul wtype 0, same run): within
+/// 24% (SmolLM2-135M, whose tiny shapes favour neither path) and 0.4% (Qwen3-8B shape).
+inline constexpr int kCublasMinRowsF32 = 4;
 
 [[nodiscard]] inline bool use_cublas(MatmulPath path, bool bf16, int n) noexcept {
   if (path == MatmulPath::kGemv || n <= 0) return false;
