@@ -29,7 +29,12 @@
 #include <triattn/core/policy/triattention_scorer.hpp>
 #include <triattn/core/stats/random.hpp>
 
+#include "common/round_settings.hpp"
+
 using namespace triattn;
+using triattn::test::kProtections;
+using triattn::test::make_params;
+using triattn::test::Protection;
 
 namespace {
 
@@ -37,15 +42,6 @@ using Cache = KvCache<StaticAllocator<HostBackend>, HostCompactor, TriAttentionS
 
 constexpr int kL = 2, kHq = 4, kHkv = 2, kD = 16, kBlock = 8, kMaxTokens = 128, kSteps = 40;
 
-struct Protection {
-  const char* name;
-  PromptMode prompt;
-  int n_sink, window;
-  bool normalize;
-};
-constexpr Protection kProtections[] = {{"pinned_in_budget", PromptMode::kPinnedInBudget, 0, 0, true},
-                                       {"pinned_on_top", PromptMode::kPinnedOnTop, 2, 4, true},
-                                       {"compete", PromptMode::kCompete, 4, 8, false}};
 constexpr PruningMode kModes[] = {PruningMode::kPerHead, PruningMode::kPerLayerPerHead, PruningMode::kUnion};
 
 const QueryStats& stats() {
@@ -66,18 +62,6 @@ CacheConfig make_config(DType dt, bool positions) {
   c.dtype = dt;
   c.track_positions = positions;
   return c;
-}
-
-SelectionParams make_params(PruningMode mode, const Protection& p) {
-  SelectionParams sp;
-  sp.budget = 24;
-  sp.divide_length = 8;
-  sp.mode = mode;
-  sp.prompt = p.prompt;
-  sp.n_sink = p.n_sink;
-  sp.window = p.window;
-  sp.normalize = p.normalize;
-  return sp;
 }
 
 // Appends n random tokens to `seq` (the same draws for every path: one rng per run).

@@ -30,7 +30,12 @@
 #include <triattn/core/policy/triattention_scorer.hpp>
 #include <triattn/core/stats/random.hpp>
 
+#include "common/round_settings.hpp"
+
 using namespace triattn;
+using triattn::test::kProtections;
+using triattn::test::make_params;
+using triattn::test::Protection;
 
 namespace {
 
@@ -175,26 +180,6 @@ struct Standin {
   }
 };
 
-struct Protection {
-  PromptMode prompt;
-  int n_sink, window;
-  bool normalize;
-};
-constexpr Protection kProtections[] = {{PromptMode::kPinnedInBudget, 0, 0, true},
-                                       {PromptMode::kPinnedOnTop, 2, 4, true},
-                                       {PromptMode::kCompete, 4, 8, false}};
-
-SelectionParams make_params(PruningMode mode, const Protection& p) {
-  SelectionParams sp;
-  sp.budget = 24;
-  sp.divide_length = 8;
-  sp.mode = mode;
-  sp.prompt = p.prompt;
-  sp.n_sink = p.n_sink;
-  sp.window = p.window;
-  sp.normalize = p.normalize;
-  return sp;
-}
 
 CacheConfig make_config(int bs, KvLayout layout, int max_seqs) {
   CacheConfig c;
