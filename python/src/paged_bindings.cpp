@@ -316,11 +316,7 @@ nb::object run_round(Compressor& c, PagedCache& cache, nb::handle block_tables_h
         n = paged_round(view, c.host, c.selection, c.geometry, trigger, batch, out, ws, ws_bytes);
         g_last_round_ns = since(t);
       };
-      switch (cache.dtype) {
-        case DType::kF32: go(std::type_identity<float>{}); break;
-        case DType::kF16: go(std::type_identity<f16_storage>{}); break;
-        case DType::kBF16: go(std::type_identity<bf16_storage>{}); break;
-      }
+      triattn::dispatch_dtype(cache.dtype, go);
       return n;
     });
     return nb::int_(done);

@@ -8,6 +8,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <nanobind/stl/string.h>
@@ -26,21 +27,15 @@ using NumpyArray = nb::ndarray<nb::numpy>;
 
 /// numpy dtype of the cache's storage type; bfloat16 (which numpy lacks) as its uint16 bits.
 nb::dlpack::dtype numpy_dtype(DType t) {
-  switch (t) {
-    case DType::kF32: return nb::dtype<float>();
-    case DType::kF16: return nb::dlpack::dtype{static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float), 16, 1};
-    case DType::kBF16: return nb::dtype<std::uint16_t>();
-  }
-  return nb::dtype<float>();
-}
-
-template <class F>
-void with_storage_type(DType t, F&& f) {
-  switch (t) {
-    case DType::kF32: f(std::type_identity<float>{}); break;
-    case DType::kF16: f(std::type_identity<f16_storage>{}); break;
-    case DType::kBF16: f(std::type_identity<bf16_storage>{}); break;
-  }
+  return triattn::dispatch_dtype(t, [](auto tag) -> nb::dlpack::dtype {
+    using T = typename decltype(tag)::type;
+    if constexpr (std::is_same_v<T, f16_storage>)
+      return {static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float), 16, 1};
+    else if constexpr (std::is_same_v<T, bf16_storage>)
+      return nb::dtype<std::uint16_t>();
+    else
+      return nb::dtype<T>();
+  });
 }
 
 /// A fresh numpy array of `bytes` bytes owned by a capsule, with the given shape and dtype.
@@ -162,7 +157,7 @@ void bind_round(nb::module_& m) {
              check_tokens(c, k, "k", n);
              check_tokens(c, v, "v", n);
              bool ok = false;
-             with_storage_type(c.config().dtype, [&](auto tag) {
+             triattn::dispatch_dtype(c.config().dtype, [&](auto tag) {
                using T = typename decltype(tag)::type;
                const std::size_t count = k.size();
                const AppendResult r = c.append<T>(seq, std::span<const T>(static_cast<const T*>(k.data()), count),
@@ -205,7 +200,7 @@ void bind_round(nb::module_& m) {
                                                                static_cast<std::size_t>(g.num_kv_heads),
                                                                static_cast<std::size_t>(g.head_dim)};
              NumpyArray k = owned_array(per, shape, dt), v = owned_array(per, shape, dt);
-             with_storage_type(c.config().dtype, [&](auto tag) {
+             triattn::dispatch_dtype(c.config().dtype, [&](auto tag) {
                using T = typename decltype(tag)::type;
                const auto view = c.view<T>();
                auto* kd = static_cast<std::uint8_t*>(k.data());
