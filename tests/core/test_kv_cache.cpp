@@ -733,5 +733,14 @@ TEST_CASE("kv cache: per-head reports after per-layer plans name every layer's o
         INFO("layer ", l, " head ", h, " position ", p);
         CHECK((l == 0 ? (p >= 4 && p < 16) : (p >= 0 && p < 12)));
       }
+      const auto kept = rep.kept(row);
+      CHECK(c.positions(s, l, h) == std::vector<std::int32_t>(kept.begin(), kept.end()));
     }
+  // Appended slots are implicit (logical - length + slot) and no position work per token.
+  REQUIRE(c.append(s, std::span<const float>(k.data(), k.size() / 16 * 2), std::span<const float>(v.data(), v.size() / 16 * 2), 2).ok());
+  const std::vector<std::int32_t> after = c.positions(s, 1, 0);
+  REQUIRE(after.size() == 10);
+  CHECK(after[8] == 16);
+  CHECK(after[9] == 17);
+  CHECK(c.position_state(s).explicit_len == 8);
 }

@@ -48,7 +48,6 @@ CacheConfig make_config(DType dtype, KvLayout layout) {
   cfg.max_blocks_per_seq = 30;
   cfg.layout = layout;
   cfg.dtype = dtype;
-  cfg.track_positions = true;  // rounds.last_plan: the kept slots come back
   return cfg;
 }
 
@@ -310,6 +309,28 @@ TEST_SUITE("gpu") {
     }
   }
 
+  // The device's tracked positions of the last round (DeviceRounds::kept_positions) against the host
+  // twin's (KvCache::positions after the same plans): every row of every compressed sequence.
+  template <class Rounds, class Host>
+  void require_same_positions(const Rounds& rounds, const Host& host, std::span<const SeqId> seqs) {
+    const auto kp = rounds.kept_positions();
+    REQUIRE(kp.batch == static_cast<int>(seqs.size()));
+    std::vector<std::int32_t> got(static_cast<std::size_t>(kp.batch) * kp.rows * kp.max_keep);
+    TRIATTN_TEST_CUDA(cudaMemcpy(got.data(), kp.positions, got.size() * 4, cudaMemcpyDeviceToHost));
+    const ModelGeometry& g = host.config().model;
+    REQUIRE(kp.rows == g.num_layers * g.num_kv_heads);
+    long long differ = 0, checked = 0;
+    for (std::size_t b = 0; b < seqs.size(); ++b)
+      for (int l = 0; l < g.num_layers; ++l)
+        for (int h = 0; h < g.num_kv_heads; ++h) {
+          const std::vector<std::int32_t> want = host.positions(seqs[b], l, h);
+          const std::int32_t* row = got.data() + (b * kp.rows + static_cast<std::size_t>(l * g.num_kv_heads + h)) * kp.max_keep;
+          for (std::size_t i = 0; i < want.size(); ++i, ++checked) differ += row[i] != want[i];
+        }
+    CHECK(checked > 0);
+    CHECK_MESSAGE(differ == 0, differ, " of ", checked, " kept positions differ from the host twin's");
+  }
+
   TEST_CASE("device rounds: sequences sharing prefix blocks compress only their private part") {
     test::require_device();
     const std::uint64_t seed = test::test_seed();
@@ -323,7 +344,7 @@ TEST_SUITE("gpu") {
     cfg.max_seqs = 4;
     cfg.max_blocks_per_seq = 12;
     cfg.dtype = DType::kBF16;
-    cfg.track_positions = true;  // rounds.last_plan: the kept slots come back
+    cfg.track_positions = true;  // rounds.last_plan and kept_positions; the host twin tracks them too
     for (PruningMode mode : {PruningMode::kPerHead, PruningMode::kUnion}) {
       CAPTURE(to_string(mode));
       SelectionParams sp;
@@ -390,6 +411,7 @@ TEST_SUITE("gpu") {
           CHECK(in_place);
           host.apply_keep_plan(seqs[i], plan);  // refuses a plan that would rewrite a shared block
         }
+        require_same_positions(rounds, host, seqs);
         CHECK(std::equal(shared_blocks.begin(), shared_blocks.end(), dev.block_table(a).begin()));
         CHECK(std::equal(shared_blocks.begin(), shared_blocks.end(), dev.block_table(b).begin()));
         CHECK(dev.allocator().ref_count(shared_blocks[0]) == 2);
@@ -404,6 +426,9 @@ TEST_SUITE("gpu") {
         for (std::size_t i = 0; i < rounds.last_seqs().size(); ++i)
           host.apply_keep_plan(rounds.last_seqs()[i], rounds.last_plan(i));
         require_same<T>(host, dev);
+        require_same_positions(rounds, host, rounds.last_seqs());
+        // Host rounds cannot update positions kept on the device: refused, naming the way.
+        CHECK_THROWS_WITH_AS(dev.compress(a), doctest::Contains("DeviceRounds"), logic_error);
       }
       TRIATTN_TEST_CUDA(cudaStreamDestroy(stream));
     }

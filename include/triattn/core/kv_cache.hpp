@@ -56,6 +56,14 @@ struct AppendResult {
   [[nodiscard]] bool ok() const noexcept { return status == AppendStatus::kOk; }
 };
 
+/// Which slots of a sequence hold their positions implicitly (KvCache::position_state): slot i
+/// holds logical position i below in_place, the explicitly tracked one below explicit_len, and
+/// logical - length + i from there on (appended since the last compaction).
+struct PositionState {
+  int in_place = 0;
+  int explicit_len = 0;
+};
+
 /// Memory accounting of one cache.
 struct MemoryStats {
   std::size_t blocks_total = 0;
@@ -80,6 +88,9 @@ struct CompressionReport {
   /// True when the cache tracks positions (CacheConfig::track_positions) and kept_positions
   /// holds them; false: the report carries lengths and status only.
   bool has_positions = false;
+  /// A device round of a cache that tracks positions: they stay in device memory
+  /// (cuda::DeviceRounds::kept_positions), kept_positions is empty.
+  bool positions_on_device = false;
   /// Rows of kept_positions: kept_rows(mode) with a selector that has SelectionParams, else
   /// layers * kv_heads (kept_row_source says which (layer, KV head) a row describes).
   int kept_rows = 0;
@@ -89,6 +100,8 @@ struct CompressionReport {
   /// @throws logic_error naming CacheConfig::track_positions when a compressed sequence's
   /// positions were not tracked (asking for them must never read as "nothing kept").
   void require_positions() const {
+    TRIATTN_EXPECTS(!positions_on_device, "CompressionReport::kept: this device round's kept positions stay in device "
+                                          "memory; copy them from cuda::DeviceRounds::kept_positions()");
     TRIATTN_EXPECTS(has_positions || status != RoundStatus::kCompressed,
                     "CompressionReport::kept: the cache does not track positions; set CacheConfig::track_positions "
                     "to have rounds report the kept tokens' positions");
@@ -373,6 +386,7 @@ class KvCache {
   /// would leave a shared block partly filled (the next append would write into it).
   void apply_keep_plan(SeqId seq, const KeepPlan& plan) {
     (void)state(seq, "apply_keep_plan");
+    check_host_positions("apply_keep_plan");
     check_keep_plan(seq, plan, "apply_keep_plan");
     commit_keep_plan(seq, plan);
   }
@@ -424,7 +438,7 @@ class KvCache {
   /// inconsistent, or a compaction would have rewritten a shared block.
   void commit_round(std::span<const SeqId> seqs, const RoundOutputs& out, std::vector<CompressionReport>& reports) {
     const ModelGeometry& g = config_.model;
-    const bool positions = config_.track_positions;
+    const bool positions = config_.track_positions && !tracks_positions_on_device;  // mapped here
     TRIATTN_EXPECTS(seqs.empty() || (out.new_lens != nullptr && out.status != nullptr),
                     "commit_round: out.new_lens and out.status must not be null");
     TRIATTN_EXPECTS(seqs.empty() || !positions || out.kept != nullptr,
@@ -478,10 +492,16 @@ class KvCache {
         reports.push_back(unchanged_report(q, static_cast<RoundStatus>(out.status[b])));
         continue;
       }
-      if (with_plans)
+      if (positions) {
         reports.push_back(commit_with_report(q, plans_[b], g.num_layers * g.num_kv_heads));
-      else
-        reports.push_back(commit_counts(q, out.new_lens[b], out.first_moved[b]));
+        continue;
+      }
+      const int first = with_plans ? plans_[b].first_moved() : out.first_moved[b];
+      reports.push_back(commit_counts(q, out.new_lens[b], first));
+      if (config_.track_positions) {  // the device round mapped them into its position store
+        seqs_[idx(q)].positions_len = out.new_lens[b];
+        reports.back().positions_on_device = true;
+      }
     }
   }
 
@@ -494,6 +514,34 @@ class KvCache {
   }
 
   // ---- queries --------------------------------------------------------------------------------
+
+  /// True when this cache's tracked positions (CacheConfig::track_positions) live in device
+  /// memory, kept by cuda::DeviceRounds; host rounds are then refused.
+  static constexpr bool tracks_positions_on_device = memory_space == MemorySpace::kDevice;
+
+  /// Where `seq`'s slots hold their positions implicitly (PositionState): what a device round
+  /// that maps tracked positions needs.
+  [[nodiscard]] PositionState position_state(SeqId seq) const {
+    const SeqState& s = state(seq, "position_state");
+    const int len = lens_[idx(seq)];
+    return {std::min(s.in_place, len), std::min(s.positions_len, len)};
+  }
+
+  /// Original logical position of every slot of row (layer, kv_head) of `seq`
+  /// ([physical_length]). Host caches with CacheConfig::track_positions only.
+  [[nodiscard]] std::vector<std::int32_t> positions(SeqId seq, int layer, int kv_head) const {
+    const SeqState& s = state(seq, "positions");
+    TRIATTN_EXPECTS(config_.track_positions && !tracks_positions_on_device,
+                    "positions: only a host cache with CacheConfig::track_positions keeps them here");
+    TRIATTN_EXPECTS(layer >= 0 && layer < config_.model.num_layers && kv_head >= 0 && kv_head < config_.model.num_kv_heads,
+                    "positions: (layer " + std::to_string(layer) + ", kv head " + std::to_string(kv_head) +
+                        ") is outside the model");
+    const int len = lens_[idx(seq)];
+    const std::size_t c = static_cast<std::size_t>(layer) * config_.model.num_kv_heads + kv_head;
+    std::vector<std::int32_t> p(static_cast<std::size_t>(len));
+    for (int i = 0; i < len; ++i) p[static_cast<std::size_t>(i)] = position_of(s, len, i, c);
+    return p;
+  }
 
   /// Block ids of `seq`, in slot order ([ceil(physical_length / block_size)]).
   [[nodiscard]] std::span<const index_type> block_table(SeqId seq) const {
@@ -653,6 +701,14 @@ class KvCache {
     return static_cast<std::int32_t>(s.logical - len + slot);
   }
 
+  // Host rounds map tracked positions on the host; a device cache keeps them on the device.
+  void check_host_positions(const char* op) const {
+    TRIATTN_EXPECTS(!(config_.track_positions && tracks_positions_on_device),
+                    std::string(op) + ": this device cache tracks positions in device memory "
+                                      "(CacheConfig::track_positions), which only cuda::DeviceRounds updates; run its "
+                                      "rounds through DeviceRounds");
+  }
+
   // Every check apply_keep_plan makes, without changing anything.
   void check_keep_plan(SeqId seq, const KeepPlan& plan, const char* op) const {
     (void)state(seq, op);
@@ -810,6 +866,7 @@ class KvCache {
   // checked (nothing written), then every plan applied.
   std::vector<CompressionReport> round(std::span<const SeqId> seqs, bool only_due, const char* op) {
     check_batch_ids(seqs, op);
+    check_host_positions(op);
     const ModelGeometry& g = config_.model;
     const SelectionParams* params = nullptr;
     // Report-not-throw needs a selector whose SelectionParams describe it and that decides alone

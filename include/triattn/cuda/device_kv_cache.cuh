@@ -24,6 +24,7 @@
 #include <triattn/cuda/algorithms/paged_round.cuh>
 #include <triattn/cuda/device_tables.cuh>
 #include <triattn/cuda/error.cuh>
+#include <triattn/cuda/kernels/positions_kernel.cuh>
 #include <triattn/cuda/policy/device_compactor.cuh>
 
 namespace triattn::cuda {
@@ -77,8 +78,10 @@ template <class T, class Cache>
 /// of `seqs` whose trigger fired and records an event behind it; it does not wait. The cache's
 /// block tables, lengths, prompt state and freed blocks are updated by poll() (when the event has
 /// completed; no wait) or wait() (waits for it): a few integers per sequence come back, and the
-/// commit is O(batch + blocks freed). With CacheConfig::track_positions the round also brings back
-/// every row's kept slots and the cache maps the positions (O(kept slots) on the host). Until then the launched sequences are in flight:
+/// commit is O(batch + blocks freed). With CacheConfig::track_positions the positions stay in
+/// device memory beside the KV (a store indexed like the pool, [num_blocks, block_size, layers *
+/// KV heads], which the round updates on the device); kept_positions() holds the last round's kept
+/// tokens' original positions for the caller to copy, and its kept slots also come back (last_plan). Until then the launched sequences are in flight:
 /// the engine must not extend, fork or release them (in_flight(seq) tells), nothing else changes,
 /// and their tail blocks stay allocated, so no block is reused while a kernel may touch it.
 /// Other sequences may be extended meanwhile (their appends publish tables the round does not read
@@ -101,7 +104,8 @@ class DeviceRounds {
       if (pending_) report_error(cudaEventSynchronize(event_), "DeviceRounds: waiting for a round at destruction");
       report_error(cudaEventDestroy(event_), "DeviceRounds: cudaEventDestroy");
     }
-    for (void* p : {dev_, ws_}) report_error(p != nullptr ? cudaFree(p) : cudaSuccess, "DeviceRounds: cudaFree");
+    for (void* p : {dev_, ws_, static_cast<void*>(store_), static_cast<void*>(positions_)})
+      report_error(p != nullptr ? cudaFree(p) : cudaSuccess, "DeviceRounds: cudaFree");
     report_error(host_ != nullptr ? cudaFreeHost(host_) : cudaSuccess, "DeviceRounds: cudaFreeHost");
   }
 
@@ -162,12 +166,19 @@ class DeviceRounds {
     auto* h_t0 = reinterpret_cast<std::int64_t*>(h + lay.t0);
     auto* h_prompts = reinterpret_cast<std::int32_t*>(h + lay.prompts);
     auto* h_shared = reinterpret_cast<std::int32_t*>(h + lay.shared);
+    auto* h_in_place = reinterpret_cast<std::int32_t*>(h + lay.in_place);
+    auto* h_explicit = reinterpret_cast<std::int32_t*>(h + lay.explicit_len);
+    auto* h_old = reinterpret_cast<std::int32_t*>(h + lay.old_lens);
     for (int b = 0; b < batch; ++b) {
       const SeqId s = seqs[static_cast<std::size_t>(b)];
       h_ids[b] = s;
       h_t0[b] = cache_->logical_position(s);
       h_prompts[b] = cache_->prompt_length(s);
       h_shared[b] = cache_->shared_prefix(s);
+      const PositionState ps = cache_->position_state(s);
+      h_in_place[b] = ps.in_place;
+      h_explicit[b] = ps.explicit_len;
+      h_old[b] = cache_->physical_length(s);
     }
     publish(*cache_, stream);  // the round reads the device mirror of the tables and lengths
     TRIATTN_CUDA_TRY(cudaMemcpyAsync(d, h, lay.inputs, cudaMemcpyHostToDevice, stream));
@@ -196,6 +207,7 @@ class DeviceRounds {
       }
     };
     triattn::dispatch_dtype(cfg.dtype, run);
+    if (rows > 0) map_positions(d, lay, rb, out, stream);
     TRIATTN_CUDA_TRY(cudaMemcpyAsync(h + lay.outputs, d + lay.outputs, lay.err - lay.outputs, cudaMemcpyDeviceToHost,
                                      stream));
     // The device checks' verdict (all clear for a consistent cache; commit() throws otherwise).
@@ -265,6 +277,22 @@ class DeviceRounds {
     return plan;
   }
 
+  /// The last launched round's kept positions in device memory (CacheConfig::track_positions):
+  /// positions[(b * rows + r) * max_keep + i] is the original logical position of the token slot
+  /// i of row r = layer * num_kv_heads + kv_head of batch entry b holds after the round, i below
+  /// the entry's new length (kCompressed entries only). Ordered on the round's stream; valid until
+  /// the next launch. Copy it asynchronously if wanted; nothing comes to the host otherwise.
+  struct KeptPositions {
+    const std::int32_t* positions = nullptr;
+    int batch = 0, rows = 0, max_keep = 0;
+  };
+  [[nodiscard]] KeptPositions kept_positions() const {
+    TRIATTN_EXPECTS(cache_->config().track_positions,
+                    "DeviceRounds::kept_positions: the cache does not track positions (CacheConfig::track_positions)");
+    const CacheConfig& cfg = cache_->config();
+    return {positions_, batch_, cfg.model.num_layers * cfg.model.num_kv_heads, max_keep_};
+  }
+
   [[nodiscard]] bool pending() const noexcept { return pending_; }
   [[nodiscard]] bool in_flight(SeqId s) const noexcept {
     return pending_ && std::find(in_flight_.begin(), in_flight_.end(), s) != in_flight_.end();
@@ -272,7 +300,8 @@ class DeviceRounds {
 
  private:
   struct Layout {
-    std::size_t ids, t0, prompts, shared, inputs, outputs, new_lens, status, fb, fe, fm, kept, err, total;
+    std::size_t ids, t0, prompts, shared, in_place, explicit_len, old_lens, inputs, outputs, new_lens, status, fb, fe,
+        fm, kept, err, total;
   };
   // Rows of kept slots a round brings back: none unless the cache tracks positions.
   [[nodiscard]] int kept_row_count() const {
@@ -289,7 +318,10 @@ class DeviceRounds {
     l.ids = up(B * 8);
     l.prompts = l.ids + up(B * 4);
     l.shared = l.prompts + up(B * 4);
-    l.inputs = l.shared + up(B * 4);
+    l.in_place = l.shared + up(B * 4);
+    l.explicit_len = l.in_place + up(B * 4);
+    l.old_lens = l.explicit_len + up(B * 4);
+    l.inputs = l.old_lens + up(B * 4);
     l.outputs = l.inputs;
     l.new_lens = l.outputs;
     l.status = l.new_lens + up(B * 4);
@@ -341,6 +373,37 @@ class DeviceRounds {
       TRIATTN_CUDA_TRY(cudaMalloc(&ws_, ws));
       ws_bytes_ = ws;
     }
+    if (!cfg.track_positions) return;
+    const std::size_t R = static_cast<std::size_t>(cfg.model.num_layers) * cfg.model.num_kv_heads;
+    if (store_ == nullptr)  // one entry per (block, slot, row) of the pool
+      TRIATTN_CUDA_TRY(cudaMalloc(&store_, static_cast<std::size_t>(cfg.num_blocks) * cfg.block_size * R * 4));
+    const std::size_t pos = static_cast<std::size_t>(batch) * R * static_cast<std::size_t>(max_keep) * 4;
+    if (pos > positions_bytes_) {
+      if (positions_ != nullptr) TRIATTN_CUDA_TRY(cudaFree(positions_));
+      positions_ = nullptr;
+      positions_bytes_ = 0;
+      TRIATTN_CUDA_TRY(cudaMalloc(&positions_, pos));
+      positions_bytes_ = pos;
+    }
+  }
+
+  // The tracked positions' two passes behind the round (positions_kernel.cuh).
+  void map_positions(char* d, const Layout& lay, const RoundBatch& rb, const RoundOutputs& out, cudaStream_t stream) {
+    const CacheConfig& cfg = cache_->config();
+    PositionPass p;
+    p.store = store_;
+    p.positions = positions_;
+    p.in_place = reinterpret_cast<const std::int32_t*>(d + lay.in_place);
+    p.explicit_len = reinterpret_cast<const std::int32_t*>(d + lay.explicit_len);
+    p.old_lens = reinterpret_cast<const std::int32_t*>(d + lay.old_lens);
+    p.rows = cfg.model.num_layers * cfg.model.num_kv_heads;
+    p.num_kv_heads = cfg.model.num_kv_heads;
+    const std::int32_t* tables = cache_->allocator().published_tables();
+    const dim3 grid(static_cast<unsigned>(rb.batch), static_cast<unsigned>(std::min(p.rows, 64)));
+    map_kept_positions_kernel<<<grid, 256, 0, stream>>>(tables, cfg.blocks_per_seq(), cfg.block_size, rb, out, p);
+    TRIATTN_CUDA_TRY(check_launch(stream));
+    store_kept_positions_kernel<<<grid, 256, 0, stream>>>(tables, cfg.blocks_per_seq(), cfg.block_size, rb, out, p);
+    TRIATTN_CUDA_TRY(check_launch(stream));
   }
 
   // Applies the downloaded outputs to the cache (O(batch + blocks freed) without positions).
@@ -362,7 +425,9 @@ class DeviceRounds {
   void* dev_ = nullptr;   // [inputs | outputs] device
   void* host_ = nullptr;  // the same layout, pinned
   void* ws_ = nullptr;
-  std::size_t io_bytes_ = 0, ws_bytes_ = 0;
+  std::size_t io_bytes_ = 0, ws_bytes_ = 0, positions_bytes_ = 0;
+  std::int32_t* store_ = nullptr;      // tracked positions [num_blocks, block_size, layers * KV heads]
+  std::int32_t* positions_ = nullptr;  // the last round's kept positions [batch, rows, max_keep]
   cudaEvent_t event_ = nullptr;
   cudaStream_t stream_ = nullptr;
   bool pending_ = false;
