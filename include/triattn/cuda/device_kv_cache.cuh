@@ -8,6 +8,7 @@
 #pragma once
 
 #include <algorithm>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -90,8 +91,22 @@ template <class T, class Cache>
 /// Steady state allocates nothing, on the device or the host: buffers grow to the largest round
 /// seen (reserve() sizes them up front), and the reports returned by reference are reused. A sequence with non-finite scores is reported kNonFinite and
 /// left unchanged (NonFinitePolicy::kRefuse).
+/// A scorer whose statistics live on the device (TriAttentionDeviceScorer): what a device round
+/// scores with.
+template <class S>
+concept DeviceScorer = requires(const S& s) {
+  { s.device_model() } -> std::convertible_to<const ScoreModelView&>;
+};
+
 template <class Cache>
 class DeviceRounds {
+  static_assert(DeviceScorer<typename Cache::scorer_type>,
+                "DeviceRounds<Cache>: the cache's scorer must be a DeviceScorer (device_model() returning the "
+                "ScoreModelView the device round scores with), e.g. cuda::TriAttentionDeviceScorer");
+  static_assert(requires(const typename Cache::selector_type& s) {
+    { s.params() } -> std::convertible_to<const SelectionParams&>;
+  }, "DeviceRounds<Cache>: the cache's selector must describe itself by SelectionParams (params()), e.g. TopKSelector");
+
  public:
   /// Tensor parallelism: union rounds agree through `agree` (see paged_round with an agreement).
   using AgreementFn = std::function<cudaError_t(std::uint8_t* flags, float* vmax, int batch, int max_len, cudaStream_t)>;
