@@ -225,7 +225,6 @@ void paged_round(const KvCacheView<T, Id>& view, const ScoreModelView& model, co
 
   PagedRoundParams p;
   p.select = params;
-  p.threshold = params.budget + params.divide_length;
   p.if_due = trigger == RoundTrigger::kIfDue;
   p.refuse_nonfinite = params.nonfinite == NonFinitePolicy::kRefuse;
   p.num_layers = shape.num_layers;
