@@ -19,6 +19,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <triattn/core/admission.hpp>
+#include <triattn/core/cache_geometry.hpp>
 #include <triattn/core/paged_round.hpp>
 #include <triattn/core/policy/triattention_scorer.hpp>
 
@@ -243,12 +244,8 @@ nb::object run_round(Compressor& c, PagedCache& cache, nb::handle block_tables_h
                      std::uintptr_t stream, nb::handle protected_prefix_h) {
   const int dt = cache.device_type, di = cache.device_id;
   // Geometry: the statistics and the cache must describe the same model.
-  if (cache.num_layers != c.geometry.num_layers || cache.block.num_kv_heads != c.geometry.num_kv_heads ||
-      cache.block.head_dim != c.geometry.head_dim)
-    throw logic_error("triattn: the cache has [layers " + std::to_string(cache.num_layers) + ", kv heads " +
-                      std::to_string(cache.block.num_kv_heads) + ", head_dim " + std::to_string(cache.block.head_dim) +
-                      "] but the compressor's statistics describe [" + std::to_string(c.geometry.num_layers) + ", " +
-                      std::to_string(c.geometry.num_kv_heads) + ", " + std::to_string(c.geometry.head_dim) + "]");
+  check_cache_geometry({cache.num_layers, cache.block.num_kv_heads, cache.block.head_dim}, cache_geometry(c.geometry),
+                       "triattn", "the compressor's statistics");
   // The arrays live (and hold their memory) until this call returns, after the round.
   const auto block_tables = as_array<ConstArray>(block_tables_h, "block_tables");
   const auto seq_lens = as_array<ConstArray>(seq_lens_h, "seq_lens");

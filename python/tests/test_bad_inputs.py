@@ -214,7 +214,7 @@ def test_geometry_mismatch():
     case = build_case("sglang", (2, 4, 2, 16), 1, F32, [(4, 40)], sel, seed=2)
     comp = triattn.Compressor(triattn.random_query_stats(7, 3, 4, 16), triattn.RopeConfig(theta=1e4), sel,
                               num_kv_heads=2)
-    with pytest.raises(triattn.LogicError, match="statistics describe"):
+    with pytest.raises(triattn.LogicError, match="does not match the compressor.s statistics"):
         comp.round(case.engine.paged_cache(), case.tables, case.lens, np.array(case.rows, np.int32),
                    np.array([44], np.int64), np.array([4], np.int32))
 

@@ -22,11 +22,12 @@
 #include <triattn/core/kv_cache.hpp>
 #include <triattn/core/scoring_params.hpp>
 
+#include "common/json_file.hpp"
+
 // Relative paths, so the tests also build when the examples are not configured
 // (TRIATTN_BUILD_EXAMPLES=OFF).
 #include "../../examples/reference_transformer/generate.hpp"
 #include "../../examples/reference_transformer/llama2c.hpp"
-#include "../../examples/reference_transformer/mini_json.hpp"
 #include "../../examples/reference_transformer/model.hpp"
 #include "../../examples/reference_transformer/sampler.hpp"
 #include "../../examples/reference_transformer/synthetic.hpp"
@@ -66,14 +67,14 @@ inline std::string data_file(const std::string& name) {
 /// stories260K and llama2.c's recorded greedy run of it (stories260K_greedy_ref.json), loaded once.
 struct Stories {
   triattn_example::ModelWeights weights;
-  triattn_example::json::Value ref;
+  triattn::detail::JsonValue ref;
   std::vector<int> greedy;  // llama2.c's greedy story (256 tokens after BOS)
   static const Stories& get() {
     static const Stories s = [] {
       Stories t;
       t.weights = triattn_example::load_llama2c_checkpoint(data_file("stories260K.bin"));
-      t.ref = triattn_example::json::parse_file(data_file("stories260K_greedy_ref.json"));
-      t.greedy = t.ref.at("greedy_ids").ints();
+      t.ref = triattn::test::json_file(data_file("stories260K_greedy_ref.json"));
+      t.greedy = triattn::test::json_numbers<int>(t.ref.at("greedy_ids"));
       return t;
     }();
     return s;
@@ -109,7 +110,7 @@ template <class RowAt>
 float check_reference_logits(const Stories& s, RowAt&& row_at) {
   float worst = 0.0f;
   for (int p : kLogitPositions) {
-    const std::vector<float> ref = s.ref.at("logits").at(std::to_string(p)).floats();
+    const std::vector<float> ref = triattn::test::json_numbers<float>(s.ref.at("logits").at(std::to_string(p)));
     const float d = max_abs_diff(row_at(p), ref);
     INFO("logits at position " << p << ": max abs diff " << d);
     CHECK(d < 1e-4f);
@@ -163,8 +164,10 @@ float reference_kv_diff(const Stories& s, const View& view, SeqId seq) {
   float kv_worst = 0.0f;
   for (int l = 0; l < mc.n_layers; ++l)
     for (int p = 0; p < 4; ++p) {
-      const auto kref = s.ref.at("k_cache_pos0to3").at(static_cast<std::size_t>(l)).at(static_cast<std::size_t>(p)).floats();
-      const auto vref = s.ref.at("v_cache_pos0to3").at(static_cast<std::size_t>(l)).at(static_cast<std::size_t>(p)).floats();
+      const auto kref =
+          triattn::test::json_numbers<float>(s.ref.at("k_cache_pos0to3").at(static_cast<std::size_t>(l)).at(static_cast<std::size_t>(p)));
+      const auto vref =
+          triattn::test::json_numbers<float>(s.ref.at("v_cache_pos0to3").at(static_cast<std::size_t>(l)).at(static_cast<std::size_t>(p)));
       REQUIRE(kref.size() == static_cast<std::size_t>(mc.kv_dim()));
       for (int h = 0; h < mc.n_kv_heads; ++h)
         for (int i = 0; i < mc.head_dim; ++i) {

@@ -39,25 +39,25 @@ struct Smol {
   triattn_example::gguf::File file = triattn_example::gguf::File::load(data_file(kSmolLM2File));
   triattn_example::ModelWeights weights = triattn_example::gguf_llama_weights(file);
   triattn_example::BpeTokenizer tok = triattn_example::BpeTokenizer::from_gguf(file);
-  triattn_example::json::Value ref = triattn_example::json::parse_file(data_file("smollm2_ref.json"));
+  triattn::detail::JsonValue ref = triattn::test::json_file(data_file("smollm2_ref.json"));
   static const Smol& get() {
     static const Smol s;
     return s;
   }
-  [[nodiscard]] const triattn_example::json::Value& prompt(std::size_t i) const { return ref.at("prompts").at(i); }
-  [[nodiscard]] std::size_t num_prompts() const { return ref.at("prompts").size(); }
+  [[nodiscard]] const triattn::detail::JsonValue& prompt(std::size_t i) const { return ref.at("prompts").at(i); }
+  [[nodiscard]] std::size_t num_prompts() const { return ref.at("prompts").items.size(); }
 };
 
 /// Largest |logits[id] - value| over the reference's (id, value) pairs.
-inline double worst_logit_diff(std::span<const float> logits, const triattn_example::json::Value& ids,
-                               const triattn_example::json::Value& values) {
+inline double worst_logit_diff(std::span<const float> logits, const triattn::detail::JsonValue& ids,
+                               const triattn::detail::JsonValue& values) {
   double worst = 0.0;
-  REQUIRE(ids.size() == values.size());
-  for (std::size_t k = 0; k < ids.size(); ++k) {
-    const int id = static_cast<int>(ids.at(k).num());
+  REQUIRE(ids.items.size() == values.items.size());
+  for (std::size_t k = 0; k < ids.items.size(); ++k) {
+    const int id = static_cast<int>(ids.at(k).as_double());
     REQUIRE(id >= 0);
     REQUIRE(static_cast<std::size_t>(id) < logits.size());
-    worst = std::max(worst, std::fabs(static_cast<double>(logits[static_cast<std::size_t>(id)]) - values.at(k).num()));
+    worst = std::max(worst, std::fabs(static_cast<double>(logits[static_cast<std::size_t>(id)]) - values.at(k).as_double()));
   }
   return worst;
 }
@@ -69,20 +69,20 @@ struct RecordedLogits {
   double worst = 0.0;
   int argmax_equal = 0, argmax_rows = 0;
 };
-inline RecordedLogits check_recorded_logits(const triattn_example::StepOutput& out, const triattn_example::json::Value& p) {
+inline RecordedLogits check_recorded_logits(const triattn_example::StepOutput& out, const triattn::detail::JsonValue& p) {
   RecordedLogits r;
-  const int n = static_cast<int>(p.at("ids").size());
-  for (std::size_t k = 0; k < p.at("first_positions").size(); ++k) {
-    const triattn_example::json::Value& fp = p.at("first_positions").at(k);
-    const int pos = static_cast<int>(fp.at("position").num());
+  const int n = static_cast<int>(p.at("ids").items.size());
+  for (std::size_t k = 0; k < p.at("first_positions").items.size(); ++k) {
+    const triattn::detail::JsonValue& fp = p.at("first_positions").at(k);
+    const int pos = static_cast<int>(fp.at("position").as_double());
     REQUIRE(pos < out.num_logit_rows());
-    r.argmax_equal += triattn_example::Sampler::argmax(out.row(pos)) == static_cast<int>(fp.at("top5").at(0).num());
+    r.argmax_equal += triattn_example::Sampler::argmax(out.row(pos)) == static_cast<int>(fp.at("top5").at(0).as_double());
     ++r.argmax_rows;
     r.worst = std::max(r.worst, worst_logit_diff(out.row(pos), fp.at("top5"), fp.at("top5_logits")));
   }
-  const triattn_example::json::Value& last = p.at("last_prompt_logits");
-  REQUIRE(static_cast<int>(last.at("position").num()) == n - 1);
-  r.argmax_equal += triattn_example::Sampler::argmax(out.row(n - 1)) == static_cast<int>(last.at("top10").at(0).num());
+  const triattn::detail::JsonValue& last = p.at("last_prompt_logits");
+  REQUIRE(static_cast<int>(last.at("position").as_double()) == n - 1);
+  r.argmax_equal += triattn_example::Sampler::argmax(out.row(n - 1)) == static_cast<int>(last.at("top10").at(0).as_double());
   ++r.argmax_rows;
   r.worst = std::max(r.worst, worst_logit_diff(out.row(n - 1), last.at("top10"), last.at("top10_logits")));
   return r;
@@ -90,11 +90,13 @@ inline RecordedLogits check_recorded_logits(const triattn_example::StepOutput& o
 
 /// Max |K - ref|, |V - ref| of layer 0, KV head 0, positions 0..3; kv(t) returns {K, V} as cached.
 template <class KvAt>
-double worst_layer0_kv_diff(const triattn_example::json::Value& p, int head_dim, KvAt&& kv) {
+double worst_layer0_kv_diff(const triattn::detail::JsonValue& p, int head_dim, KvAt&& kv) {
   double worst = 0.0;
   for (int t = 0; t < 4; ++t) {
-    const std::vector<double> k_ref = p.at("layer0_kvhead0_k_pos0_3").at(static_cast<std::size_t>(t)).doubles();
-    const std::vector<double> v_ref = p.at("layer0_kvhead0_v_pos0_3").at(static_cast<std::size_t>(t)).doubles();
+    const std::vector<double> k_ref =
+        triattn::test::json_numbers<double>(p.at("layer0_kvhead0_k_pos0_3").at(static_cast<std::size_t>(t)));
+    const std::vector<double> v_ref =
+        triattn::test::json_numbers<double>(p.at("layer0_kvhead0_v_pos0_3").at(static_cast<std::size_t>(t)));
     REQUIRE(k_ref.size() == static_cast<std::size_t>(head_dim));
     REQUIRE(v_ref.size() == static_cast<std::size_t>(head_dim));
     const std::array<std::vector<float>, 2> got = kv(t);
@@ -116,11 +118,11 @@ struct GreedyPromptRun {
   RecordedLogits logits;
 };
 template <class ModelT, class Cache, class AfterPrefill>
-GreedyPromptRun run_greedy_prompt(ModelT& model, Cache& cache, const triattn_example::json::Value& p,
+GreedyPromptRun run_greedy_prompt(ModelT& model, Cache& cache, const triattn::detail::JsonValue& p,
                                   AfterPrefill&& after_prefill) {
   GreedyPromptRun r;
-  const std::vector<int> prompt = p.at("ids").ints();
-  r.want = p.at("greedy_new_ids").ints();
+  const std::vector<int> prompt = triattn::test::json_numbers<int>(p.at("ids"));
+  r.want = triattn::test::json_numbers<int>(p.at("greedy_new_ids"));
   const triattn::SeqId seq = cache.add_sequence();
   const triattn_example::Chunk pre{seq, prompt, triattn::Phase::kPrefill};
   const triattn_example::StepOutput out =
@@ -147,12 +149,12 @@ struct ForcedRun {
   RecordedLogits logits;
 };
 template <class ModelT, class Cache>
-ForcedRun run_forced_prompt(ModelT& model, Cache& cache, const triattn_example::json::Value& p) {
+ForcedRun run_forced_prompt(ModelT& model, Cache& cache, const triattn::detail::JsonValue& p) {
   ForcedRun r;
-  std::vector<int> seq_tokens = p.at("ids").ints();
+  std::vector<int> seq_tokens = triattn::test::json_numbers<int>(p.at("ids"));
   const int n = static_cast<int>(seq_tokens.size());
-  r.want = p.at("greedy_new_ids").ints();
-  r.margin = p.at("greedy_top1_top2_margins").doubles();
+  r.want = triattn::test::json_numbers<int>(p.at("greedy_new_ids"));
+  r.margin = triattn::test::json_numbers<double>(p.at("greedy_top1_top2_margins"));
   REQUIRE(r.margin.size() == r.want.size());
   seq_tokens.insert(seq_tokens.end(), r.want.begin(), r.want.end() - 1);
   r.seq = cache.add_sequence();

@@ -19,7 +19,6 @@
 
 #include "../../examples/reference_transformer/bpe_tokenizer.hpp"
 #include "../../examples/reference_transformer/gguf.hpp"
-#include "../../examples/reference_transformer/mini_json.hpp"
 
 namespace ex = triattn_example;
 using triattn::test::cjk_run;
@@ -137,9 +136,9 @@ TEST_CASE("Chat prompt: messages that spell control tokens stay plain text") {
     CHECK(tok.decode(ids) == ex::BpeTokenizer::chat_prompt(std::span<const ex::ChatMessage>(&user, 1)));
   }
   // Without such text, llama.cpp's ids of the rendered template (smollm2_ref.json's prompt).
-  const ex::json::Value ref = ex::json::parse_file(data_file("smollm2_ref.json"));
+  const triattn::detail::JsonValue ref = triattn::test::json_file(data_file("smollm2_ref.json"));
   const ex::ChatMessage user{"user", "What is the capital of France?"};
-  const std::vector<int> ref_ids = ref.at("prompts").at(0).at("ids").ints();
+  const std::vector<int> ref_ids = triattn::test::json_numbers<int>(ref.at("prompts").at(0).at("ids"));
   CHECK(tok.encode_chat(std::span<const ex::ChatMessage>(&user, 1)).ids == ref_ids);
   const std::vector<ex::ChatMessage> turns{{"system", "Be brief."}, {"user", "  two spaces\n\nand lines "}};
   CHECK(tok.encode_chat(turns).ids == tok.encode(ex::BpeTokenizer::chat_prompt(turns)));

@@ -32,7 +32,6 @@
 // (TRIATTN_BUILD_EXAMPLES=OFF); with examples on, triattn_example_model adds the folder too.
 #include "../../examples/reference_transformer/generate.hpp"
 #include "../../examples/reference_transformer/llama2c.hpp"
-#include "../../examples/reference_transformer/mini_json.hpp"
 #include "../../examples/reference_transformer/model.hpp"
 #include "../../examples/reference_transformer/sampler.hpp"
 #include "../../examples/reference_transformer/synthetic.hpp"
@@ -213,7 +212,8 @@ TEST_CASE("stories260K: a bf16 cache stores the rounded K/V and still runs") {
   const ex::ModelConfig& mc = s.weights.config;
   for (int l = 0; l < mc.n_layers; ++l)
     for (int p = 0; p < 4; ++p) {
-      const auto kref = s.ref.at("k_cache_pos0to3").at(static_cast<std::size_t>(l)).at(static_cast<std::size_t>(p)).floats();
+      const auto kref =
+          triattn::test::json_numbers<float>(s.ref.at("k_cache_pos0to3").at(static_cast<std::size_t>(l)).at(static_cast<std::size_t>(p)));
       for (int h = 0; h < mc.n_kv_heads; ++h)
         for (int i = 0; i < mc.head_dim; ++i) {
           const float want = kref[static_cast<std::size_t>(h * mc.head_dim + i)];
@@ -292,7 +292,7 @@ TEST_CASE("llama2.c checkpoint and tokenizer and JSON loaders refuse a directory
   for (const auto& [path, why] : {std::pair{p.dir, "directory"}, std::pair{p.fifo, "FIFO"}}) {
     triattn::test::check_refused([](const std::string& f) { (void)ex::load_llama2c_checkpoint(f); }, path, why);
     triattn::test::check_refused([](const std::string& f) { (void)ex::Tokenizer::load(f, 512); }, path, why);
-    triattn::test::check_refused([](const std::string& f) { (void)ex::json::parse_file(f); }, path, why);
+    triattn::test::check_refused([](const std::string& f) { (void)triattn::test::json_file(f); }, path, why);
   }
 }
 
@@ -304,7 +304,7 @@ TEST_CASE("tokenizer: decode of the reference tokens and encode/decode round tri
   CHECK(tok.piece(259) == " t");
   CHECK(tok.piece(265) == " the");
   CHECK(tok.decode_piece(13, 16) == std::string(1, '\x0d'));  // <0x0D> is a raw byte
-  const std::string text = s.ref.at("text").str();
+  const std::string text = triattn::test::json_string(s.ref.at("text"));
   CHECK(tok.decode(s.greedy) == text);
 
   const std::vector<int> ids = tok.encode(text, true, false);

@@ -370,4 +370,37 @@ TEST_CASE("stats: JSON reader") {
   CHECK(contains(err("\"a\tb\""), "raw control character"));
 }
 
+TEST_CASE("stats: JSON reader in its full subset (reference data files) reads fractions and literals") {
+  using triattn::detail::JsonSubset;
+  using triattn::detail::JsonValue;
+  using triattn::detail::parse_json;
+  const JsonValue v =
+      parse_json(R"({"r": [1.5, -2e-3, 0.25E+2, 7], "t": true, "f": false, "n": null})", "j", JsonSubset::kFull);
+  const JsonValue& r = v.at("r");
+  REQUIRE(r.items.size() == 4);
+  CHECK(r.at(std::size_t{0}).kind == JsonValue::Kind::kReal);
+  CHECK(r.at(std::size_t{0}).as_double() == 1.5);
+  CHECK(r.at(1).as_double() == -2e-3);
+  CHECK(r.at(2).as_double() == 25.0);
+  CHECK(r.at(3).kind == JsonValue::Kind::kInt);
+  CHECK(r.at(3).as_double() == 7.0);
+  CHECK((v.at("t").kind == JsonValue::Kind::kBool && v.at("t").integer == 1));
+  CHECK((v.at("f").kind == JsonValue::Kind::kBool && v.at("f").integer == 0));
+  CHECK(v.at("n").kind == JsonValue::Kind::kNull);
+  CHECK_THROWS_AS((void)v.at("missing"), triattn::format_error);
+  CHECK_THROWS_AS((void)r.at(4), triattn::format_error);
+  CHECK_THROWS_AS((void)v.at("t").as_double(), triattn::format_error);
+  auto err = [](const std::string& text) -> std::string {
+    try {
+      (void)parse_json(text, "j", JsonSubset::kFull);
+    } catch (const triattn::format_error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  for (const char* bad : {"[1.]", "[1e]", "[1e+]", "[.5]", "[-]", "[tru]", "[01.5]", "[1e999]"})
+    CHECK_MESSAGE(!err(bad).empty(), bad);
+  CHECK(contains(err("[1.x]"), "at byte 3"));
+}
+
 }  // TEST_SUITE

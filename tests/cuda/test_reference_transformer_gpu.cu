@@ -39,7 +39,6 @@
 #include "../../examples/reference_transformer/cuda_device_model.cuh"
 #include "../../examples/reference_transformer/generate.hpp"
 #include "../../examples/reference_transformer/llama2c.hpp"
-#include "../../examples/reference_transformer/mini_json.hpp"
 #include "../../examples/reference_transformer/model.hpp"
 #include "../../examples/reference_transformer/sampler.hpp"
 #include "../../examples/reference_transformer/serve_shared.hpp"

@@ -58,7 +58,7 @@ TEST_CASE("SmolLM2 on the GPU: float32 greedy continuations and logits and layer
   ex::Model<ex::CudaBackend> model(s.weights, be);
   double worst_logit = 0.0, worst_kv = 0.0;
   for (std::size_t pi = 0; pi < s.num_prompts(); ++pi) {
-    const ex::json::Value& p = s.prompt(pi);
+    const triattn::detail::JsonValue& p = s.prompt(pi);
     INFO("prompt " << pi);
     ex::GpuPlainCache cache(cache_config(mc, 64, 1), triattn::cuda::DeviceCompactor(be.stream()));
     const triattn::test::GreedyPromptRun r = triattn::test::run_greedy_prompt(model, cache, p, [&](triattn::SeqId seq) {
@@ -89,7 +89,7 @@ TEST_CASE("SmolLM2 on the GPU: bf16 weights and bf16 KV stay within the bf16 tol
     double worst = 0.0, worst_kv = 0.0;
     int agree = 0, decisive = 0;
     for (std::size_t pi = 0; pi < s.num_prompts(); ++pi) {
-      const ex::json::Value& p = s.prompt(pi);
+      const triattn::detail::JsonValue& p = s.prompt(pi);
       ex::GpuPlainCache cache(cache_config(mc, 64, 1, 16, triattn::DType::kBF16),
                               triattn::cuda::DeviceCompactor(be.stream()));
       const triattn::test::ForcedRun r = triattn::test::run_forced_prompt(model, cache, p);

@@ -44,6 +44,7 @@
 #include <vector>
 
 #include <triattn/core/cache_config.hpp>
+#include <triattn/core/cache_geometry.hpp>
 #include <triattn/core/config.hpp>
 #include <triattn/core/error.hpp>
 #include <triattn/core/keep_plan.hpp>
@@ -554,12 +555,7 @@ int paged_round(const KvCacheView<T, Id>& view, Scorer& scorer, const SelectionP
   g.validate();
   TRIATTN_EXPECTS(trigger == RoundTrigger::kIfDue || trigger == RoundTrigger::kAlways,
                   "paged_round: trigger has invalid value " + std::to_string(static_cast<int>(trigger)));
-  TRIATTN_EXPECTS(view.num_layers == g.num_layers && view.block.num_kv_heads == g.num_kv_heads &&
-                      view.block.head_dim == g.head_dim,
-                  "paged_round: view geometry [layers " + std::to_string(view.num_layers) + ", kv heads " +
-                      std::to_string(view.block.num_kv_heads) + ", head_dim " + std::to_string(view.block.head_dim) +
-                      "] does not match the model's [" + std::to_string(g.num_layers) + ", " +
-                      std::to_string(g.num_kv_heads) + ", " + std::to_string(g.head_dim) + "]");
+  check_cache_geometry(cache_geometry(view), cache_geometry(g), "paged_round", "the model's");
   TRIATTN_EXPECTS(batch.batch >= 0 && batch.max_len >= 0,
                   "paged_round: batch = " + std::to_string(batch.batch) + " and max_len = " +
                       std::to_string(batch.max_len) + " must be non-negative");

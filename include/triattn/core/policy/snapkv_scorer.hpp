@@ -17,6 +17,7 @@
 #include <vector>
 
 #include <triattn/core/cache_config.hpp>
+#include <triattn/core/cache_geometry.hpp>
 #include <triattn/core/concepts.hpp>
 #include <triattn/core/dtype.hpp>
 #include <triattn/core/error.hpp>
@@ -140,12 +141,7 @@ class SnapKvScorer {
   ///         (a stale window: see forget()).
   template <class T, class Id>
   void score(const KvCacheView<T, Id>& view, int seq, int length, std::int64_t t0, std::span<float> out) {
-    TRIATTN_EXPECTS(view.num_layers == g_.num_layers && view.block.num_kv_heads == g_.num_kv_heads &&
-                        view.block.head_dim == g_.head_dim,
-                    "SnapKvScorer: cache geometry [layers " + std::to_string(view.num_layers) + ", kv heads " +
-                        std::to_string(view.block.num_kv_heads) + ", head_dim " + std::to_string(view.block.head_dim) +
-                        "] does not match the scorer's [" + std::to_string(g_.num_layers) + ", " +
-                        std::to_string(g_.num_kv_heads) + ", " + std::to_string(g_.head_dim) + "]");
+    check_cache_geometry(cache_geometry(view), cache_geometry(g_), "SnapKvScorer", "the scorer's");
     (void)detail::scorer_num_q_heads(out.size(), g_.num_layers, g_.num_kv_heads, length, g_.num_q_heads,
                                      "SnapKvScorer");
     if (length == 0) return;

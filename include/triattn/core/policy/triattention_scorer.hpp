@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include <triattn/core/cache_geometry.hpp>
 #include <triattn/core/concepts.hpp>
 #include <triattn/core/dtype.hpp>
 #include <triattn/core/kv_view.hpp>
@@ -33,12 +34,8 @@ class TriAttentionScorer {
   /// @param out [num_layers, num_q_heads, length]
   template <class T, class Id>
   void score(const KvCacheView<T, Id>& view, int seq, int length, std::int64_t t0, std::span<float> out) {
-    TRIATTN_EXPECTS(view.num_layers == model_.num_layers() && view.block.num_kv_heads == model_.num_kv_heads() &&
-                        view.block.head_dim == model_.head_dim(),
-                    "TriAttentionScorer: cache geometry [layers " + std::to_string(view.num_layers) + ", kv heads " +
-                        std::to_string(view.block.num_kv_heads) + ", head_dim " + std::to_string(view.block.head_dim) +
-                        "] does not match the statistics [" + std::to_string(model_.num_layers()) + ", " +
-                        std::to_string(model_.num_kv_heads()) + ", " + std::to_string(model_.head_dim()) + "]");
+    check_cache_geometry(cache_geometry(view), {model_.num_layers(), model_.num_kv_heads(), model_.head_dim()},
+                         "TriAttentionScorer", "the statistics");
     TRIATTN_EXPECTS(out.size() == static_cast<std::size_t>(model_.num_layers()) * model_.num_q_heads() * length,
                     "TriAttentionScorer: output holds " + std::to_string(out.size()) + " floats, expected L*Hq*length");
     const int d = view.block.head_dim;

@@ -1,10 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
-// Tiny JSON reader and writer for safetensors headers: objects, arrays, strings (all escapes,
-// \u surrogate pairs to UTF-8) and integers. Floats, true/false/null are rejected because a
-// safetensors header never holds them. Nesting is limited so hostile input cannot overflow the
-// stack, and duplicate object keys are errors (JSON leaves them undefined).
+// Tiny JSON reader and writer: objects, arrays, strings (all escapes, \u surrogate pairs to
+// UTF-8) and integers. JsonSubset::kSafetensorsHeader (the default) rejects fractions, exponents,
+// true/false/null because a safetensors header never holds them; JsonSubset::kFull accepts them
+// (reference data files). Nesting is limited so hostile input cannot overflow the stack, and
+// duplicate object keys are errors (JSON leaves them undefined).
 #pragma once
 
+#include <charconv>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -19,11 +21,18 @@
 
 namespace triattn::detail {
 
+/// What parse_json accepts besides objects, arrays, strings and integers.
+enum class JsonSubset : std::uint8_t {
+  kSafetensorsHeader,  ///< nothing else
+  kFull,               ///< also numbers with a fraction or exponent (kReal) and true/false/null
+};
+
 struct JsonValue {
-  enum class Kind : std::uint8_t { kString, kInt, kArray, kObject };
+  enum class Kind : std::uint8_t { kString, kInt, kArray, kObject, kReal, kBool, kNull };
   Kind kind = Kind::kInt;
   std::string str;                 ///< kString
-  std::int64_t integer = 0;        ///< kInt
+  std::int64_t integer = 0;        ///< kInt; kBool: 0 or 1
+  double real = 0.0;               ///< kReal
   std::vector<JsonValue> items;    ///< kArray: elements; kObject: values, parallel to keys
   std::vector<std::string> keys;   ///< kObject: keys in file order
 
@@ -33,6 +42,28 @@ struct JsonValue {
       if (keys[i] == key) return &items[i];
     return nullptr;
   }
+
+  /// Member `key` of an object. @throws triattn::format_error when absent or not an object.
+  [[nodiscard]] const JsonValue& at(std::string_view key) const {
+    if (kind != Kind::kObject) throw format_error("json: not an object (looking up \"" + std::string(key) + "\")");
+    const JsonValue* v = find(key);
+    if (v == nullptr) throw format_error("json: missing key \"" + std::string(key) + "\"");
+    return *v;
+  }
+
+  /// Element i of an array. @throws triattn::format_error when out of range or not an array.
+  [[nodiscard]] const JsonValue& at(std::size_t i) const {
+    if (kind != Kind::kArray) throw format_error("json: not an array");
+    if (i >= items.size()) throw format_error("json: index " + std::to_string(i) + " out of range");
+    return items[i];
+  }
+
+  /// A number (kInt or kReal) as a double. @throws triattn::format_error otherwise.
+  [[nodiscard]] double as_double() const {
+    if (kind == Kind::kInt) return static_cast<double>(integer);
+    if (kind != Kind::kReal) throw format_error("json: not a number");
+    return real;
+  }
 };
 
 [[nodiscard]] inline const char* json_kind_name(JsonValue::Kind k) noexcept {
@@ -41,6 +72,9 @@ struct JsonValue {
     case JsonValue::Kind::kInt: return "integer";
     case JsonValue::Kind::kArray: return "array";
     case JsonValue::Kind::kObject: return "object";
+    case JsonValue::Kind::kReal: return "number";
+    case JsonValue::Kind::kBool: return "boolean";
+    case JsonValue::Kind::kNull: return "null";
   }
   return "?";
 }
@@ -125,7 +159,8 @@ namespace json_impl {
 
 class Parser {
  public:
-  Parser(std::string_view text, const std::string& where) : s_(text), where_(where) {}
+  Parser(std::string_view text, const std::string& where, JsonSubset subset)
+      : s_(text), where_(where), full_(subset == JsonSubset::kFull) {}
 
   JsonValue parse_document() {
     skip_ws();
@@ -139,7 +174,7 @@ class Parser {
   static constexpr int kMaxDepth = 16;
 
   [[noreturn]] void fail(const std::string& what) const {
-    throw format_error(where_ + ": " + what + " at header byte " + std::to_string(pos_));
+    throw format_error(where_ + ": " + what + (full_ ? " at byte " : " at header byte ") + std::to_string(pos_));
   }
   void skip_ws() {
     while (pos_ < s_.size() && (s_[pos_] == ' ' || s_[pos_] == '\t' || s_[pos_] == '\n' || s_[pos_] == '\r')) ++pos_;
@@ -160,10 +195,18 @@ class Parser {
       v.kind = JsonValue::Kind::kString;
       v.str = string();
     } else if (c == '-' || (c >= '0' && c <= '9')) {
-      v.kind = JsonValue::Kind::kInt;
-      v.integer = integer();
+      number(v);
+    } else if (full_ && literal("true")) {
+      v.kind = JsonValue::Kind::kBool;
+      v.integer = 1;
+    } else if (full_ && literal("false")) {
+      v.kind = JsonValue::Kind::kBool;
+    } else if (full_ && literal("null")) {
+      v.kind = JsonValue::Kind::kNull;
     } else {
-      fail(pos_ >= s_.size() ? "JSON ends early (truncated)" : "unsupported JSON value (only strings, integers, arrays, objects)");
+      fail(pos_ >= s_.size() ? "JSON ends early (truncated)"
+           : full_           ? "unexpected character"
+                             : "unsupported JSON value (only strings, integers, arrays, objects)");
     }
     return v;
   }
@@ -220,6 +263,38 @@ class Parser {
     }
   }
 
+  bool literal(std::string_view lit) {
+    if (s_.substr(pos_, lit.size()) != lit) return false;
+    pos_ += lit.size();
+    return true;
+  }
+
+  /// An integer (kInt), or under kFull one with a fraction and/or exponent (kReal).
+  void number(JsonValue& v) {
+    const std::size_t start = pos_;
+    v.kind = JsonValue::Kind::kInt;
+    v.integer = integer();
+    if (!full_ || pos_ >= s_.size() || (s_[pos_] != '.' && s_[pos_] != 'e' && s_[pos_] != 'E')) return;
+    const auto digits = [&] {
+      const std::size_t from = pos_;
+      while (pos_ < s_.size() && s_[pos_] >= '0' && s_[pos_] <= '9') ++pos_;
+      if (pos_ == from) fail("expected digits");
+    };
+    if (s_[pos_] == '.') {
+      ++pos_;
+      digits();
+    }
+    if (pos_ < s_.size() && (s_[pos_] == 'e' || s_[pos_] == 'E')) {
+      ++pos_;
+      if (pos_ < s_.size() && (s_[pos_] == '+' || s_[pos_] == '-')) ++pos_;
+      digits();
+    }
+    const auto r = std::from_chars(s_.data() + start, s_.data() + pos_, v.real);
+    if (r.ec != std::errc() || r.ptr != s_.data() + pos_) fail("number out of range");
+    v.kind = JsonValue::Kind::kReal;
+    v.integer = 0;
+  }
+
   std::int64_t integer() {
     const bool neg = peek() == '-';
     if (neg) ++pos_;
@@ -234,7 +309,7 @@ class Parser {
     }
     if (pos_ == start) fail("expected digits");
     if (pos_ - start > 1 && s_[start] == '0') fail("integer with a leading zero");
-    if (pos_ < s_.size() && (s_[pos_] == '.' || s_[pos_] == 'e' || s_[pos_] == 'E'))
+    if (!full_ && pos_ < s_.size() && (s_[pos_] == '.' || s_[pos_] == 'e' || s_[pos_] == 'E'))
       fail("only integers are supported in a safetensors header");
     return neg ? -static_cast<std::int64_t>(v) : static_cast<std::int64_t>(v);
   }
@@ -245,14 +320,16 @@ class Parser {
 
   std::string_view s_;
   const std::string& where_;
+  bool full_;
   std::size_t pos_ = 0;
 };
 
 }  // namespace json_impl
 
 /// Parses one JSON document; `where` starts every error message.
-[[nodiscard]] inline JsonValue parse_json(std::string_view text, const std::string& where) {
-  return json_impl::Parser(text, where).parse_document();
+[[nodiscard]] inline JsonValue parse_json(std::string_view text, const std::string& where,
+                                          JsonSubset subset = JsonSubset::kSafetensorsHeader) {
+  return json_impl::Parser(text, where, subset).parse_document();
 }
 
 /// `s` as a JSON string literal (quotes included); control characters become \u escapes.

@@ -15,6 +15,7 @@
 #include <string>
 #include <type_traits>
 
+#include <triattn/core/cache_geometry.hpp>
 #include <triattn/core/error.hpp>
 #include <triattn/core/kv_view.hpp>
 #include <triattn/core/paged_round.hpp>
@@ -171,13 +172,11 @@ void paged_round(const KvCacheView<T, Id>& view, const ScoreModelView& model, co
   using detail::paged_round_what;
   params.validate();
   const RoundShape shape{model.num_layers, model.num_q_heads, model.num_kv_heads};
-  TRIATTN_EXPECTS(shape.valid() && model.num_layers == view.num_layers &&
-                      model.num_kv_heads == view.block.num_kv_heads && model.head_dim == view.block.head_dim,
-                  paged_round_what("model") + " has " + std::to_string(model.num_layers) + " layers, " +
-                      std::to_string(model.num_q_heads) + " query / " + std::to_string(model.num_kv_heads) +
-                      " KV heads, head_dim " + std::to_string(model.head_dim) + "; the view has " +
-                      std::to_string(view.num_layers) + " layers, " + std::to_string(view.block.num_kv_heads) +
-                      " KV heads, head_dim " + std::to_string(view.block.head_dim));
+  TRIATTN_EXPECTS(shape.valid(), paged_round_what("model") + " has " + std::to_string(model.num_layers) +
+                                     " layers, " + std::to_string(model.num_q_heads) + " query / " +
+                                     std::to_string(model.num_kv_heads) + " KV heads (whole GQA groups needed)");
+  check_cache_geometry(cache_geometry(view), {model.num_layers, model.num_kv_heads, model.head_dim},
+                       "cuda::paged_round", "the model's");
   TRIATTN_EXPECTS(batch.batch >= 0 && batch.batch <= 65535,
                   paged_round_what("batch.batch") + " = " + std::to_string(batch.batch) + " must be in [0, 65535]");
   TRIATTN_EXPECTS(batch.max_len >= 0, paged_round_what("batch.max_len") + " must be >= 0");
@@ -225,7 +224,6 @@ void paged_round(const KvCacheView<T, Id>& view, const ScoreModelView& model, co
 
   PagedRoundParams p;
   p.select = params;
-  p.threshold = params.budget + params.divide_length;
   p.if_due = trigger == RoundTrigger::kIfDue;
   p.refuse_nonfinite = params.nonfinite == NonFinitePolicy::kRefuse;
   p.num_layers = shape.num_layers;

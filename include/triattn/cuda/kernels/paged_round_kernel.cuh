@@ -28,7 +28,6 @@ namespace triattn::cuda {
 /// What the round's small kernels need besides the view (trivially copyable).
 struct PagedRoundParams {
   SelectionParams select;
-  int threshold = 0;       ///< budget + divide_length (RoundTrigger::kIfDue)
   bool if_due = false;     ///< RoundTrigger::kIfDue
   bool refuse_nonfinite = true;
   int num_layers = 0, num_q_heads = 0, num_kv_heads = 0;
@@ -85,12 +84,11 @@ static_assert(std::is_trivially_copyable_v<PagedRoundScratch>);
 
 namespace detail {
 
-/// Whether sequence b takes part in the round (kAlways, or its counted length reached the threshold).
+/// Whether sequence b takes part in the round: kAlways, or CompressionTrigger's rule on a decode
+/// step, as the host round decides (an out-of-range prompt length is clamped; the checks flag it).
 __device__ __forceinline__ bool paged_round_due(int len, int prompt_len, const PagedRoundParams& p) {
-  if (!p.if_due) return true;
-  prompt_len = prompt_len < 0 ? 0 : (prompt_len > len ? len : prompt_len);
-  const int counted = p.select.prompt == PromptMode::kPinnedOnTop ? len - prompt_len : len;
-  return counted >= p.threshold;
+  return !p.if_due ||
+         CompressionTrigger::fires(CompressionTrigger::counted(len, prompt_len, p.select.prompt), true, p.select);
 }
 
 __device__ __forceinline__ int paged_round_len(int len, int max_len) {

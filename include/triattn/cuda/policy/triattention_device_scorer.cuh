@@ -22,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include <triattn/core/cache_geometry.hpp>
 #include <triattn/core/concepts.hpp>
 #include <triattn/core/error.hpp>
 #include <triattn/core/kv_view.hpp>
@@ -128,13 +129,8 @@ class TriAttentionDeviceScorer {
 
   template <class T, class Id>
   void check_view(const KvCacheView<T, Id>& view) const {
-    TRIATTN_EXPECTS(view.num_layers == model_.num_layers() && view.block.num_kv_heads == model_.num_kv_heads() &&
-                        view.block.head_dim == model_.head_dim(),
-                    "TriAttentionDeviceScorer: cache geometry [layers " + std::to_string(view.num_layers) +
-                        ", kv heads " + std::to_string(view.block.num_kv_heads) + ", head_dim " +
-                        std::to_string(view.block.head_dim) + "] does not match the statistics [" +
-                        std::to_string(model_.num_layers()) + ", " + std::to_string(model_.num_kv_heads()) + ", " +
-                        std::to_string(model_.head_dim()) + "]");
+    check_cache_geometry(cache_geometry(view), {model_.num_layers(), model_.num_kv_heads(), model_.head_dim()},
+                         "TriAttentionDeviceScorer", "the statistics");
   }
 
   static bool is_device_memory(const void* p) {
