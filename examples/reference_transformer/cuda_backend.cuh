@@ -2,8 +2,9 @@
 // CudaBackend: the GPU backend of Model<Backend> (backend.hpp). Activations live in device
 // memory (fp32), weights are uploaded once (fp32, or bf16 for the matrices), the K/V go into a
 // device KvCache (cuda::DeviceAllocator: published device block tables) through triattn's append
-// kernel, decode rows attend through triattn's paged decode attention, prefill rows (and head
-// dims triattn does not compile, e.g. stories260K's 8) through this folder's causal kernel.
+// kernel, decode rows attend through triattn's paged decode attention, prefill rows of 16-bit
+// caches through the tensor-core prefill kernel (prefill_attention.cuh), and the rest (fp32
+// caches, head dims it does not compile, e.g. stories260K's 8) through attention_rows_kernel.
 //
 // How calls become kernels: the backend records each call as an op and launches a step's ops
 // at a flush, fused and captured into a CUDA graph when it is a decode step
@@ -386,7 +387,7 @@ class CudaBackend {
       }
     }
     if (decode) {
-      o.flag = 1;
+      o.flag = cuda_detail::kAttnDecode;
       // A rounded bound keeps the plan (and a captured graph) stable while sequences grow.
       const int bound = (max_len + State::kPlanGranule - 1) / State::kPlanGranule * State::kPlanGranule;
       o.plan = triattn::cuda::decode_attention::make_plan(triattn::dtype_of<T>, n, c.n_kv_heads, c.group_size(), bound,
@@ -395,6 +396,11 @@ class CudaBackend {
       o.workspace = o.workspace_bytes > 0 ? s.scratch(State::kWorkspace, o.workspace_bytes) : nullptr;
       if constexpr (!std::is_same_v<T, float>)
         o.q_t = s.scratch(State::kQt, static_cast<std::size_t>(n) * c.q_dim() * sizeof(T));
+    } else if (gpu::prefill_attention_refusal(cache.template view<T>(), c.head_dim).empty()) {
+      // Prefill (or mixed) rows of a 16-bit cache: the tensor-core kernel over the row tiles.
+      o.flag = cuda_detail::kAttnPrefill;
+      o.arena_c = ri.tiles;
+      o.count = ri.n_tiles;
     }
     s.ops.push_back(o);
   }

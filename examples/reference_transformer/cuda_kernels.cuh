@@ -15,7 +15,8 @@
 //                           pairing) in place, plus converted copies for triattn's kernels or a
 //                           direct write of K/V into the paged cache
 //   attention_rows_kernel   causal paged attention, one warp per (row, query head), any head_dim:
-//                           prefill chunks and head dims triattn's decode kernel does not compile
+//                           fp32 caches and head dims prefill_attention.cuh does not compile
+//                           (16-bit caches with head_dim 64 / 128 go to its tensor-core kernel)
 //   write_kv_kernel         K/V rows -> paged cache at explicit slots (any head_dim, converting)
 //   add/bias/swiglu/convert element-wise ops; argmax_kernel greedy token per row
 //   synth_fill_kernel       synthetic.hpp's counter-based weight generator, on the device

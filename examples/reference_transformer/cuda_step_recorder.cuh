@@ -50,6 +50,7 @@
 #include "gemm_cublas.cuh"
 #include "gemv_stream_kernel.cuh"
 #include "model_config.hpp"
+#include "prefill_attention.cuh"
 #include "tp_kernels.cuh"
 
 namespace triattn_example {
@@ -226,13 +227,19 @@ class Arena {
 // ---- recorded ops ----------------------------------------------------------------------------------
 
 enum class OpKind : std::uint8_t { kEmbed = 1, kRmsNorm, kMatmul, kBias, kRope, kWriteKv, kAttention, kSwiglu, kAdd, kAllReduce };
+/// Op::flag of an attention: which kernel runs it.
+enum AttnKernel : std::uint8_t {
+  kAttnRows = 0,     // gpu::attention_rows_kernel (fp32 caches, other head dims)
+  kAttnDecode = 1,   // triattn's paged decode attention (one row per sequence at its last slot)
+  kAttnPrefill = 2,  // gpu::prefill_attention_kernel (tensor cores, 16-bit caches)
+};
 
 /// One recorded backend call, plain data (the graph signature is the byte image of the op list).
 struct Op {
   OpKind kind;
   std::uint8_t wbf16;   // matmul / embed: bf16 weights
   std::uint8_t dtype;   // write_kv / attention: the cache's triattn::DType
-  std::uint8_t flag;    // rope: float32 angles; attention: triattn decode kernel
+  std::uint8_t flag;    // rope: float32 angles; attention: kAttn* (which kernel)
   std::uint8_t style;   // rope: RopeStyle
   std::uint8_t pad0[3];  // explicit: the byte image has no implicit padding
   int n;                // rows
@@ -248,6 +255,7 @@ struct Op {
   const void* w;        // weights, norm weights, bias, float64 frequencies
   long long arena_a;    // embed: tokens; rope: positions; write_kv: slots; attention: row sequences
   long long arena_b;    // attention: row slots
+  long long arena_c;    // attention (prefill kernel): PrefillTile array; `count` holds its length
   triattn::KvCacheView<float, std::int32_t> view;  // type-erased cache view (write_kv, attention)
   triattn::cuda::DecodeAttentionPlan plan;
   int pad1;
@@ -261,7 +269,7 @@ inline Op make_op(OpKind k) {
   Op o;
   std::memset(static_cast<void*>(&o), 0, sizeof o);
   o.kind = k;
-  o.arena_a = o.arena_b = -1;
+  o.arena_a = o.arena_b = o.arena_c = -1;
   return o;
 }
 
@@ -298,6 +306,7 @@ struct RecorderStats {
   std::uint64_t graph_replays = 0;   ///< steps replayed from a captured graph (captures included)
   std::uint64_t eager_flushes = 0;   ///< flushes launched kernel by kernel
   std::uint64_t kernels = 0;         ///< kernels the backend launched itself (outside replays)
+  std::uint64_t prefill_attention = 0;  ///< attention ops run by the tensor-core prefill kernel
 };
 
 /// Tensor parallelism: an in-place sum of `count` device floats over the ranks on `stream`.
@@ -314,6 +323,8 @@ class StepRecorder {
 
   struct RowInfo {
     long long pos = -1, seq = -1, slot = -1;
+    long long tiles = -1;  // gpu::PrefillTile array of the rows (prefill_attention.cuh)
+    int n_tiles = 0;
   };
   struct RopeDev {
     const RopeTables* key = nullptr;
@@ -417,6 +428,9 @@ class StepRecorder {
     rows_info.pos = arena.push(pos.data(), pos.size() * sizeof(long long), 16, stream);
     rows_info.seq = arena.push(seq.data(), seq.size() * sizeof(std::int32_t), 16, stream);
     rows_info.slot = arena.push(slot.data(), slot.size() * sizeof(std::int32_t), 16, stream);
+    const std::vector<gpu::PrefillTile> tiles = gpu::build_prefill_tiles(seq.data(), slot.data(), static_cast<int>(rows.size()));
+    rows_info.tiles = arena.push(tiles.data(), tiles.size() * sizeof(gpu::PrefillTile), 16, stream);
+    rows_info.n_tiles = static_cast<int>(tiles.size());
     return rows_info;
   }
 
@@ -794,7 +808,7 @@ class StepRecorder {
     // q in the cache type for the decode attention right after
     void* q_t = nullptr;
     if (w0 != nullptr && wend < ops.size() && ops[wend].kind == OpKind::kAttention && ops[wend].x == rq.y &&
-        ops[wend].flag != 0 && ops[wend].q_t != nullptr && ops[wend].dtype == w0->dtype) {
+        ops[wend].flag == cuda_detail::kAttnDecode && ops[wend].q_t != nullptr && ops[wend].dtype == w0->dtype) {
       q_t = ops[wend].q_t;
       q_ready[wend] = 1;
     }
@@ -924,7 +938,7 @@ class StepRecorder {
           cuda_detail::dispatch_cache_type(static_cast<triattn::DType>(o.dtype), [&](auto st, auto dtag) {
             using ST = typename decltype(st)::type;
             using DT = typename decltype(dtag)::type;
-            if (o.flag != 0) {
+            if (o.flag == cuda_detail::kAttnDecode) {
               const ST* q = reinterpret_cast<const ST*>(o.x);
               if constexpr (!std::is_same_v<ST, float>) {
                 if (!q_ready) {
@@ -937,6 +951,22 @@ class StepRecorder {
                   o.plan, cuda_detail::typed_view<ST>(o.view), o.layer, q, o.y, o.n, o.a,
                   arena.dev<std::int32_t>(o.arena_a), 1.0f / std::sqrt(static_cast<float>(o.d)), o.workspace,
                   o.workspace_bytes, stream));
+            } else if (o.flag == cuda_detail::kAttnPrefill) {
+              gpu::PrefillAttentionParams<ST> p;
+              p.out = o.y;
+              p.q = o.x;
+              p.view = cuda_detail::typed_view<ST>(o.view);
+              p.row_slot = arena.dev<std::int32_t>(o.arena_b);
+              p.tiles = arena.dev<gpu::PrefillTile>(o.arena_c);
+              p.layer = o.layer;
+              p.hq = o.a;
+              p.group = o.a / o.b;
+              p.scale_log2 = 1.4426950408889634f / std::sqrt(static_cast<float>(o.d));
+              ++stats.prefill_attention;
+              gpu::run_prefill_attention(p, o.d, static_cast<int>(o.count),
+                                         [this](auto kernel, dim3 grid, dim3 block, std::size_t smem, auto&&... args) {
+                                           launch(kernel, grid, block, smem, args...);
+                                         });
             } else {
               const long long warps = static_cast<long long>(o.n) * o.a;
               launch(gpu::attention_rows_kernel<DT>, blocks(warps, gpu::kAttnRowWarps), dim3(gpu::kAttnRowWarps * 32), 0,
