@@ -391,14 +391,13 @@ TEST_CASE("TriAttention on the GPU: device rounds keep exactly what the CPU scor
     INFO("KV " << std::string(triattn::dtype_name(kv)));
     ex::CudaBackend be;
     ex::Model<ex::CudaBackend> model(w, be);
-    triattn::CacheConfig cfg = cache_config(c, kBudget + kDivide + 48, 3, 16, kv);
-    cfg.track_positions = true;  // device_rounds.last_plan: the kept slots come back
-    ex::GpuTriCache cache(cfg, triattn::cuda::DeviceCompactor(be.stream()),
+    ex::GpuTriCache cache(cache_config(c, kBudget + kDivide + 48, 3, 16, kv), triattn::cuda::DeviceCompactor(be.stream()),
                           triattn::cuda::TriAttentionDeviceScorer(stats, rope, triattn::ScoringParams{}, c.n_kv_heads, be.stream()),
                           triattn::TopKSelector(sel));
     triattn::TriAttentionScorer cpu_scorer(stats, rope, triattn::ScoringParams{}, c.n_kv_heads);
     const triattn::TopKSelector cpu_selector(sel);
     ex::DeviceRounds device_rounds(cache);
+    device_rounds.set_keep_plans(true);  // last_plan: the kept slots come back
     // Prompts of 5 and 21 tokens reach the trigger on the same steps: rounds of two sequences at once.
     const std::vector<std::vector<int>> prompts = {prompt_tokens(5, 1, c.vocab_size), prompt_tokens(21, 2, c.vocab_size),
                                                    prompt_tokens(12, 3, c.vocab_size)};

@@ -107,10 +107,7 @@ RankOut run_compressed(const Setup& su, ModelT& model, ex::CudaBackend& be, cons
   triattn::RopeConfig rope;
   rope.style = mc.rope_style;
   rope.theta = mc.rope_theta;
-  triattn::CacheConfig cfg =
-      cache_config(mc, 64 + su.sel.budget + su.sel.divide_length, static_cast<int>(su.prompts.size()), 16, su.kv);
-  cfg.track_positions = true;  // rounds.last_plan: the kept slots come back
-  ex::GpuTriCache cache(cfg,
+  ex::GpuTriCache cache(cache_config(mc, 64 + su.sel.budget + su.sel.divide_length, static_cast<int>(su.prompts.size()), 16, su.kv),
                         triattn::cuda::DeviceCompactor(be.stream()),
                         triattn::cuda::TriAttentionDeviceScorer(stats, rope, triattn::ScoringParams{}, mc.n_kv_heads, be.stream()),
                         triattn::TopKSelector(su.sel));
@@ -119,6 +116,7 @@ RankOut run_compressed(const Setup& su, ModelT& model, ex::CudaBackend& be, cons
   opt.max_new_tokens = su.steps;
   opt.stop_at_bos = false;
   ex::DeviceRounds rounds(cache);
+  rounds.set_keep_plans(true);  // last_plan: the kept slots come back
   if (attach) attach(rounds);
   RankOut out;
   ex::GenerationCallbacks cb;

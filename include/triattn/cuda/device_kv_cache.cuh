@@ -126,6 +126,13 @@ class DeviceRounds {
 
   void set_agreement(AgreementFn agree) { agreement_ = std::move(agree); }
 
+  /// Also bring back every round's kept slots (last_plan), with or without tracked positions: a
+  /// [batch, kept rows, max_keep] download per round, for tests and tools that replay the plans.
+  void set_keep_plans(bool on) {
+    TRIATTN_EXPECTS(!pending_, "DeviceRounds::set_keep_plans: a round is in flight");
+    keep_plans_ = on;
+  }
+
   /// Sizes the buffers for rounds of up to `batch` sequences of up to `max_len` slots.
   void reserve(int batch, int max_len) { ensure(batch, max_len, max_len); }
 
@@ -222,7 +229,7 @@ class DeviceRounds {
       }
     };
     triattn::dispatch_dtype(cfg.dtype, run);
-    if (rows > 0) map_positions(d, lay, rb, out, stream);
+    if (cfg.track_positions) map_positions(d, lay, rb, out, stream);
     TRIATTN_CUDA_TRY(cudaMemcpyAsync(h + lay.outputs, d + lay.outputs, lay.err - lay.outputs, cudaMemcpyDeviceToHost,
                                      stream));
     // The device checks' verdict (all clear for a consistent cache; commit() throws otherwise).
@@ -272,9 +279,8 @@ class DeviceRounds {
   /// the next launch. @throws logic_error unless the cache tracks positions (the kept slots only
   /// come back then).
   [[nodiscard]] KeepPlan last_plan(std::size_t b) const {
-    TRIATTN_EXPECTS(cache_->config().track_positions,
-                    "DeviceRounds::last_plan: the kept slots come back only when the cache tracks positions "
-                    "(CacheConfig::track_positions)");
+    TRIATTN_EXPECTS(rows_ > 0, "DeviceRounds::last_plan: the kept slots come back only with set_keep_plans(true) "
+                               "or when the cache tracks positions (CacheConfig::track_positions)");
     TRIATTN_EXPECTS(!pending_ && b < last_seqs_.size(), "DeviceRounds::last_plan: entry " + std::to_string(b) +
                                                             " of the last committed round does not exist");
     const ModelGeometry& g = cache_->config().model;
@@ -318,10 +324,10 @@ class DeviceRounds {
     std::size_t ids, t0, prompts, shared, in_place, explicit_len, old_lens, inputs, outputs, new_lens, status, fb, fe,
         fm, kept, err, total;
   };
-  // Rows of kept slots a round brings back: none unless the cache tracks positions.
+  // Rows of kept slots a round brings back: none unless positions or plans are asked for.
   [[nodiscard]] int kept_row_count() const {
     const CacheConfig& cfg = cache_->config();
-    return cfg.track_positions
+    return cfg.track_positions || keep_plans_
                ? kept_rows(cache_->selector().params().mode, cfg.model.num_layers, cfg.model.num_kv_heads)
                : 0;
   }
@@ -446,6 +452,7 @@ class DeviceRounds {
   cudaEvent_t event_ = nullptr;
   cudaStream_t stream_ = nullptr;
   bool pending_ = false;
+  bool keep_plans_ = false;
   std::vector<SeqId> in_flight_, last_seqs_, due_;
   std::vector<std::uint8_t> seen_;
   std::vector<CompressionReport> reports_;
