@@ -30,6 +30,7 @@ MUTANTS=(
 "safetensors-crc-not-checked|include/triattn/core/stats/safetensors.hpp|if (crc_text != detail::hex32(crc) && detail::kEnforceChecksums)|if (false)|test_core_test_stats_safetensors|stats: 200 corruptions of qwen3_8b statistics*"
 "fifo-read-as-file|include/triattn/core/file_io.hpp|  if (!S_ISREG(mode)) throw|  if (S_ISDIR(mode)) throw|test_core_test_stats_pt|stats loaders refuse a directory or a FIFO*"
 "sinks-plus-window-over-budget-accepted|include/triattn/core/scoring_params.hpp|static_cast<long long>(n_sink) + window <= budget,|true,|test_core_test_kv_cache_limits|limits: n_sink + window over the budget*"
+"in-place-ignores-first-moved|include/triattn/core/kv_cache.hpp|    s.in_place = std::min({s.in_place, first_changed, keep});|    s.in_place = std::min(s.in_place, keep);|test_core_test_keep_sets_golden|keep sets: positions off leaves the same cache*"
 "moved-from-cache-unguarded|include/triattn/core/kv_cache.hpp|    check_live(op);\n|\n|test_core_test_kv_cache_limits|limits: every query on a moved-from KvCache*"
 )
 

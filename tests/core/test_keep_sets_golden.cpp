@@ -139,6 +139,18 @@ void record_state(std::ostringstream& os, const Cache& c, const std::vector<SeqI
           }
     os << "step " << step << " seq " << s << " len " << len << " logical " << c.logical_position(s) << " prompt "
        << c.prompt_length(s) << " forkable " << c.forkable_prefix(s) << " kv " << h << '\n';
+    if (!c.config().track_positions) continue;
+    // Independent of the cache's own bookkeeping: the leading slots whose token is still the one
+    // of that index in every row bound the prompt and give the forkable prefix exactly.
+    int in_order = len;
+    for (int l = 0; l < kL; ++l)
+      for (int hd = 0; hd < kHkv; ++hd) {
+        const std::vector<std::int32_t> p = c.positions(s, l, hd);
+        for (int i = 0; i < in_order; ++i)
+          if (p[static_cast<std::size_t>(i)] != i) in_order = i;
+      }
+    CHECK(c.forkable_prefix(s) == in_order - in_order % kBlock);
+    CHECK(c.prompt_length(s) <= in_order);
   }
 }
 
