@@ -206,16 +206,16 @@ TEST_CASE("max_pool_same: stride 1 and same padding clipped at the edges") {
 }
 
 TEST_CASE("snapkv_visible_limit: the tokens after a query are the newest slots") {
-  CHECK(ref::snapkv_visible_limit(100, 500, 499) == 99);  // newest query sees everything
-  CHECK(ref::snapkv_visible_limit(100, 500, 490) == 90);
-  CHECK(ref::snapkv_visible_limit(100, 500, 500) == 99);  // observed before its token was appended
-  CHECK(ref::snapkv_visible_limit(100, 500, 900) == 99);
-  CHECK(ref::snapkv_visible_limit(100, 500, 400) == 0);
-  CHECK(ref::snapkv_visible_limit(100, 500, 399) == -1);  // sees nothing
-  CHECK(ref::snapkv_visible_limit(100, 500, 0) == -1);
-  CHECK(ref::snapkv_visible_limit(0, 5, 4) == -1);
-  CHECK(ref::snapkv_visible_limit(100, 100, -1) == -1);  // empty window slot
-  CHECK(ref::snapkv_visible_limit(100, 50, -1) == -1);
+  CHECK(snapkv_visible_limit(100, 500, 499) == 99);  // newest query sees everything
+  CHECK(snapkv_visible_limit(100, 500, 490) == 90);
+  CHECK(snapkv_visible_limit(100, 500, 500) == 99);  // observed before its token was appended
+  CHECK(snapkv_visible_limit(100, 500, 900) == 99);
+  CHECK(snapkv_visible_limit(100, 500, 400) == 0);
+  CHECK(snapkv_visible_limit(100, 500, 399) == -1);  // sees nothing
+  CHECK(snapkv_visible_limit(100, 500, 0) == -1);
+  CHECK(snapkv_visible_limit(0, 5, 4) == -1);
+  CHECK(snapkv_visible_limit(100, 100, -1) == -1);  // empty window slot
+  CHECK(snapkv_visible_limit(100, 50, -1) == -1);
 }
 
 TEST_CASE("SnapKV window attention matches an independent evaluation with causal limits") {

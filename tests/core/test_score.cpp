@@ -113,7 +113,7 @@ struct Oracle {
   }
 };
 
-std::vector<float> run_scores(const Problem& p, const ref::TriAttentionModel& m, long long t0) {
+std::vector<float> run_scores(const Problem& p, const TriAttentionModel& m, long long t0) {
   std::vector<float> out(static_cast<std::size_t>(p.L) * p.Hq * p.T, std::nanf(""));
   ref::score_sequence(m, t0, [&](int l, int g, int j) { return p.key(l, g, j); }, p.T, out.data());
   return out;
@@ -192,7 +192,7 @@ TEST_CASE("scores match an independent long-double evaluation of the spec formul
             sp.aggregation = v.agg;
             sp.disable_mlr = v.no_mlr;
             sp.disable_trig = v.no_trig;
-            const ref::TriAttentionModel m(p.stats, rope, sp, p.Hkv);
+            const TriAttentionModel m(p.stats, rope, sp, p.Hkv);
             Oracle o;
             for (int f = 0; f < d / 2; ++f) o.omega.push_back(std::pow(1e6L, -2.0L * f / d));
             o.M = M;
@@ -220,7 +220,7 @@ TEST_CASE("YaRN: s² = α² scales every term") {
       rope.scaling.original_max_position = 4096;
       ScoringParams sp;
       sp.aggregation = agg;
-      const ref::TriAttentionModel m(p.stats, rope, sp, p.Hkv);
+      const TriAttentionModel m(p.stats, rope, sp, p.Hkv);
       const long double alpha = 0.1L * std::log(16.0L) + 1.0L;  // independent of the library
       CHECK(m.freq_scale_sq() == doctest::Approx(static_cast<double>(alpha * alpha)).epsilon(1e-14));
       Oracle o;
@@ -258,7 +258,7 @@ TEST_CASE("sign convention: the folded score is the dot product of RoPE-rotated 
     const std::vector<double> w = rope_inv_freq(d, rope);
     ScoringParams sp;
     sp.offset_max_length = 1;
-    const ref::TriAttentionModel m(p.stats, rope, sp, 1);
+    const TriAttentionModel m(p.stats, rope, sp, 1);
     for (long long t0 : {1LL, 300LL, 2500LL}) {
       for (long long pos : {0LL, 13LL, t0 - 1}) {
         std::vector<float> q(d), k(d);
@@ -284,7 +284,7 @@ TEST_CASE("sign convention: the folded score is the dot product of RoPE-rotated 
         CAPTURE(pos);
         CHECK(s[0] == doctest::Approx(alpha * dot + extra).epsilon(1e-5).scale(std::abs(dot) + std::abs(extra)));
         // The opposite sign (W_re·K_re − W_im·K_im) would give Re(W·K) instead: far off.
-        const ref::FoldedWeights fw = m.fold(t0);
+        const FoldedWeights fw = m.fold(t0);
         double wrong = 0;
         for (int f = 0; f < F; ++f) {
           const int re = style == RopeStyle::kHalf ? f : 2 * f, im = style == RopeStyle::kHalf ? f + F : 2 * f + 1;
@@ -305,7 +305,7 @@ TEST_CASE("fold and max weights match the per-offset path") {
       rope.theta = 1e6;
       ScoringParams sp;
       sp.aggregation = agg;
-      const ref::TriAttentionModel m(p.stats, rope, sp, p.Hkv);
+      const TriAttentionModel m(p.stats, rope, sp, p.Hkv);
       CHECK(m.group_size() == 4);
       CHECK(m.num_offsets() == 17);
       for (long long t0 : {0LL, 31337LL, 1234567LL}) {
@@ -333,7 +333,7 @@ TEST_CASE("GQA: query head h reads KV head h / G") {
   for (int j = 0; j < p.T; ++j)
     for (int i = 0; i < p.d; ++i) p.keys[(static_cast<std::size_t>(1) * p.T + j) * p.d + i] = 0.0f;
   RopeConfig rope;
-  const ref::TriAttentionModel m(p.stats, rope, ScoringParams{}, 2);
+  const TriAttentionModel m(p.stats, rope, ScoringParams{}, 2);
   const std::vector<float> s = run_scores(p, m, 100);
   for (int h = 0; h < 4; ++h) {
     double floor_score = 0;
@@ -353,9 +353,9 @@ TEST_CASE("fold weights: float64 phase and formula and host-device helper agree"
   const Problem p = make_problem(64, RopeStyle::kHalf, 11, 1, 2, 1, 1);
   RopeConfig rope;
   rope.theta = 1e6;
-  const ref::TriAttentionModel m(p.stats, rope, ScoringParams{}, 1);
+  const TriAttentionModel m(p.stats, rope, ScoringParams{}, 1);
   const long long t0 = 987654;
-  const ref::FoldedWeights w = m.fold(t0);
+  const FoldedWeights w = m.fold(t0);
   for (int h = 0; h < 2; ++h)
     for (int f = 0; f < 32; ++f) {
       const std::size_t i = m.offset(0, h) + f;
@@ -377,8 +377,8 @@ TEST_CASE("fold weights: float64 phase and formula and host-device helper agree"
     }
   ScoringParams nt;
   nt.disable_trig = true;
-  const ref::TriAttentionModel mt(p.stats, rope, nt, 1);
-  const ref::FoldedWeights z = mt.fold(t0);
+  const TriAttentionModel mt(p.stats, rope, nt, 1);
+  const FoldedWeights z = mt.fold(t0);
   for (float x : z.w_re) CHECK(x == 0.0f);
   for (float x : z.w_im) CHECK(x == 0.0f);
 }
@@ -387,7 +387,7 @@ TEST_CASE("a float32 phase would be wrong at t0 ~ 1e5") {
   const Problem p = make_problem(128, RopeStyle::kHalf, 2024, 1, 4, 1, 64);
   RopeConfig rope;
   rope.theta = 1e6;
-  const ref::TriAttentionModel m(p.stats, rope, ScoringParams{}, 1);
+  const TriAttentionModel m(p.stats, rope, ScoringParams{}, 1);
   Oracle o;
   for (int f = 0; f < 64; ++f) o.omega.push_back(std::pow(1e6L, -2.0L * f / 128));
   for (long long t0 : {123457LL, 1234567LL}) {
@@ -395,8 +395,8 @@ TEST_CASE("a float32 phase would be wrong at t0 ~ 1e5") {
     const double err64 = nerr(p, run_scores(p, m, t0), o, t0);
     CHECK(err64 < 1e-5);
     // Same fold with the phase formed and evaluated in float32.
-    const ref::FoldedWeights w64 = m.fold(t0);
-    ref::FoldedWeights w = w64;
+    const FoldedWeights w64 = m.fold(t0);
+    FoldedWeights w = w64;
     double worst = 0;  // largest relative weight error
     for (int h = 0; h < 4; ++h)
       for (int f = 0; f < 64; ++f) {
@@ -429,32 +429,32 @@ TEST_CASE("a float32 phase would be wrong at t0 ~ 1e5") {
 TEST_CASE("TriAttentionModel rejects malformed input") {
   Problem p = make_problem(8, RopeStyle::kHalf, 3, 1, 4, 2, 1);
   RopeConfig rope;
-  CHECK_NOTHROW(ref::TriAttentionModel(p.stats, rope, ScoringParams{}, 2));
-  CHECK_THROWS_WITH_AS(ref::TriAttentionModel(p.stats, rope, ScoringParams{}, 3), doctest::Contains("num_kv_heads"),
+  CHECK_NOTHROW(TriAttentionModel(p.stats, rope, ScoringParams{}, 2));
+  CHECK_THROWS_WITH_AS(TriAttentionModel(p.stats, rope, ScoringParams{}, 3), doctest::Contains("num_kv_heads"),
                        logic_error);
-  CHECK_THROWS_AS(ref::TriAttentionModel(p.stats, rope, ScoringParams{}, 0), logic_error);
+  CHECK_THROWS_AS(TriAttentionModel(p.stats, rope, ScoringParams{}, 0), logic_error);
   RopeConfig inter;
   inter.style = RopeStyle::kInterleaved;
-  CHECK_THROWS_WITH_AS(ref::TriAttentionModel(p.stats, inter, ScoringParams{}, 2), doctest::Contains("style"),
+  CHECK_THROWS_WITH_AS(TriAttentionModel(p.stats, inter, ScoringParams{}, 2), doctest::Contains("style"),
                        logic_error);
   ScoringParams bad;
   bad.offset_max_length = -3;
-  CHECK_THROWS_WITH_AS(ref::TriAttentionModel(p.stats, rope, bad, 2), doctest::Contains("-3"), logic_error);
+  CHECK_THROWS_WITH_AS(TriAttentionModel(p.stats, rope, bad, 2), doctest::Contains("-3"), logic_error);
   QueryStats s = p.stats;
   s.q_abs_mean.pop_back();
-  CHECK_THROWS_WITH_AS(ref::TriAttentionModel(s, rope, ScoringParams{}, 2), doctest::Contains("q_abs_mean"),
+  CHECK_THROWS_WITH_AS(TriAttentionModel(s, rope, ScoringParams{}, 2), doctest::Contains("q_abs_mean"),
                        logic_error);
   s = p.stats;
   s.head_dim = 7;
-  CHECK_THROWS_AS(ref::TriAttentionModel(s, rope, ScoringParams{}, 2), logic_error);
+  CHECK_THROWS_AS(TriAttentionModel(s, rope, ScoringParams{}, 2), logic_error);
   s = p.stats;
   s.q_mean_imag[5] = std::nanf("");
-  CHECK_THROWS_WITH_AS(ref::TriAttentionModel(s, rope, ScoringParams{}, 2), doctest::Contains("q head 1, f 1"),
+  CHECK_THROWS_WITH_AS(TriAttentionModel(s, rope, ScoringParams{}, 2), doctest::Contains("q head 1, f 1"),
                        logic_error);
   RopeConfig badrope;
   badrope.theta = 0.5;
-  CHECK_THROWS_AS(ref::TriAttentionModel(p.stats, badrope, ScoringParams{}, 2), logic_error);
-  const ref::TriAttentionModel m(p.stats, rope, ScoringParams{}, 2);
+  CHECK_THROWS_AS(TriAttentionModel(p.stats, badrope, ScoringParams{}, 2), logic_error);
+  const TriAttentionModel m(p.stats, rope, ScoringParams{}, 2);
   CHECK_THROWS_AS((void)m.fold(-1), logic_error);
   CHECK_THROWS_AS((void)m.fold_per_offset(-1), logic_error);
   std::vector<float> out(4);

@@ -282,7 +282,7 @@ TEST_CASE_TEMPLATE("SnapKV kernels match ref::snapkv_scores", T, float, f16_stor
             for (int l = 0; l < L; ++l) {
               const std::size_t bl = static_cast<std::size_t>(i) * L + l;
               for (int qi = 0; qi < n; ++qi)
-                lim[qi] = ref::snapkv_visible_limit(len, b.t0[static_cast<std::size_t>(i)], pos[bl * n + qi]);
+                lim[qi] = snapkv_visible_limit(len, b.t0[static_cast<std::size_t>(i)], pos[bl * n + qi]);
               for (int g = 0; g < hkv; ++g) {
                 const std::vector<float> k = s.keys(seq, l, g);
                 for (int h = g * (hq / hkv); h < (g + 1) * (hq / hkv); ++h) {

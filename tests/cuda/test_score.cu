@@ -107,7 +107,7 @@ QueryStats random_stats(std::mt19937& rng, int L, int Hq, int d, RopeStyle style
 
 /// CPU reference scores of batch entry b: [L, Hq, len].
 template <class T>
-std::vector<float> ref_scores(Paged<T>& p, const ref::TriAttentionModel& m, int b, long long t0) {
+std::vector<float> ref_scores(Paged<T>& p, const TriAttentionModel& m, int b, long long t0) {
   const int len = p.lens[b], seq = p.seq_ids[b];
   std::vector<float> out(static_cast<std::size_t>(m.num_layers()) * m.num_q_heads() * len);
   std::vector<float> key(p.d);

@@ -20,7 +20,7 @@
 
 #include <triattn/core/kv_cache.hpp>
 #include <triattn/core/paged_round.hpp>
-#include <triattn/core/ref/select.hpp>
+#include <triattn/core/keep_counts.hpp>
 #include <triattn/cuda/algorithms/append.cuh>
 #include <triattn/cuda/algorithms/paged_round.cuh>
 #include <triattn/cuda/device_tables.cuh>

@@ -50,7 +50,7 @@ struct SnapKvParams {
 ///   a[j]     = mean over window queries i that see at least one key of
 ///              softmax_{j' <= lim_i}(q_i · k_{j'} / sqrt(d))[j]      (0 for j > lim_i)
 ///   score[j] = max of a over [j − pool_kernel/2, j + pool_kernel/2] ∩ [0, length)
-/// with the causal limit lim_i = ref::snapkv_visible_limit(length, t0, position_i): the tokens
+/// with the causal limit lim_i = snapkv_visible_limit(length, t0, position_i): the tokens
 /// after query i are taken to be the newest slots. That holds while no compaction has run since
 /// the query was observed, i.e. when rounds are at least `window` decode steps apart
 /// (SelectionParams::divide_length >= window, as with the defaults 128 >= 32) or when
@@ -158,7 +158,7 @@ class SnapKvScorer {
       const int n = win.count[static_cast<std::size_t>(l)];
       limits_.resize(static_cast<std::size_t>(n));
       for (int i = 0; i < n; ++i)
-        limits_[i] = ref::snapkv_visible_limit(length, t0, checked_position(win.pos[slot_of(win, l, i)], seq, t0));
+        limits_[i] = snapkv_visible_limit(length, t0, checked_position(win.pos[slot_of(win, l, i)], seq, t0));
       qbuf_.resize(static_cast<std::size_t>(n) * d);
       for (int g = 0; g < g_.num_kv_heads; ++g) {
         for (int s = 0; s < length; ++s) {  // widen one (layer, KV head) row of keys to float

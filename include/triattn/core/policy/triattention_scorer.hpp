@@ -28,7 +28,7 @@ class TriAttentionScorer {
   TriAttentionScorer(const QueryStats& stats, const RopeConfig& rope, const ScoringParams& params, int num_kv_heads)
       : model_(stats, rope, params, num_kv_heads) {}
 
-  [[nodiscard]] const ref::TriAttentionModel& model() const noexcept { return model_; }
+  [[nodiscard]] const TriAttentionModel& model() const noexcept { return model_; }
 
   /// Scores slots [0, length) of `seq` for round start t0 (its logical position).
   /// @param out [num_layers, num_q_heads, length]
@@ -56,7 +56,7 @@ class TriAttentionScorer {
   }
 
  private:
-  ref::TriAttentionModel model_;
+  TriAttentionModel model_;
   std::vector<float> row_;  // [length, head_dim] scratch
 };
 

@@ -41,7 +41,7 @@ struct snapkv {
   }
 
   /// Scores slots [0, length_b) of every sequence of the batch for every (layer, query head).
-  /// Window query i of (sequence b, layer l) attends slots j <= ref::snapkv_visible_limit(length_b,
+  /// Window query i of (sequence b, layer l) attends slots j <= snapkv_visible_limit(length_b,
   /// t0[b], positions[b, l, i]).
   /// @param workspace device memory of at least workspace_size(...) bytes, 256-byte aligned
   /// @param view      paged cache in device memory; its seq_lens give each sequence's length

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Key-norm (KnormPress) scores on the GPU: one pass over the cached keys of a batch of sequences
 // through the paged view, score = −‖k‖₂ per (layer, KV head, slot), written to every query head
-// of the GQA group. Oracle: ref::key_norm_scores (core/ref/baseline_scores.hpp). Launcher:
+// of the GQA group. Oracle: ref::key_norm_scores (tests/cuda/test_baseline_scorers.cu). Launcher:
 // cuda/algorithms/key_norm.cuh.
 #pragma once
 

@@ -38,7 +38,8 @@
 #include <triattn/core/config.hpp>
 #include <triattn/core/dtype.hpp>
 #include <triattn/core/kv_view.hpp>
-#include <triattn/core/ref/score.hpp>
+#include <triattn/core/math/score_math.hpp>
+#include <triattn/core/math/score_model.hpp>
 #include <triattn/core/rope_types.hpp>
 #include <triattn/cuda/config.cuh>
 #include <triattn/cuda/device/async_copy.cuh>

@@ -2,8 +2,8 @@
 // SnapKV-style scores on the GPU, for a batch of sequences: the causal softmax attention of n
 // window queries over each sequence's cached keys, averaged over the window, then max-pooled
 // along the tokens. Sequence slots, lengths, round starts and window positions are read on the
-// device (causal limits via ref::snapkv_visible_limit), so a round needs no host work.
-// Oracle: ref::snapkv_scores (core/ref/baseline_scores.hpp). Four kernels, run in order by
+// device (causal limits via snapkv_visible_limit), so a round needs no host work.
+// Oracle: ref::snapkv_scores (tests/cuda/test_baseline_scorers.cu). Four kernels, run in order by
 // cuda/algorithms/snapkv.cuh:
 //   1. snapkv_partial_kernel   per (sequence, layer, q head, token chunk): online-softmax max
 //                              and sum of each window query over the chunk's visible keys
@@ -20,7 +20,7 @@
 
 #include <triattn/core/config.hpp>
 #include <triattn/core/kv_view.hpp>
-#include <triattn/core/ref/baseline_scores.hpp>
+#include <triattn/core/math/baseline_math.hpp>
 #include <triattn/cuda/config.cuh>
 #include <triattn/cuda/types.cuh>
 
@@ -114,8 +114,8 @@ __device__ __forceinline__ SnapKvBlock snapkv_block(const KvCacheView<T, Id>& vi
   k.row = k.bl * p.num_q_heads + k.h;
   const std::int64_t t0 = p.t0[b];
   const std::int64_t* pos = p.positions + k.bl * p.num_queries;
-  k.lim0 = lane < p.num_queries ? ref::snapkv_visible_limit(k.length, t0, pos[lane]) : -1;
-  k.lim1 = lane + 32 < p.num_queries ? ref::snapkv_visible_limit(k.length, t0, pos[lane + 32]) : -1;
+  k.lim0 = lane < p.num_queries ? snapkv_visible_limit(k.length, t0, pos[lane]) : -1;
+  k.lim1 = lane + 32 < p.num_queries ? snapkv_visible_limit(k.length, t0, pos[lane + 32]) : -1;
   return k;
 }
 

@@ -26,7 +26,8 @@
 #include <triattn/core/concepts.hpp>
 #include <triattn/core/error.hpp>
 #include <triattn/core/kv_view.hpp>
-#include <triattn/core/ref/score.hpp>
+#include <triattn/core/math/score_math.hpp>
+#include <triattn/core/math/score_model.hpp>
 #include <triattn/core/rope_types.hpp>
 #include <triattn/core/scoring_params.hpp>
 #include <triattn/core/stats/query_stats.hpp>
@@ -48,10 +49,10 @@ class TriAttentionDeviceScorer {
   /// @throws logic_error on invalid statistics or parameters, cuda_error when an upload fails.
   TriAttentionDeviceScorer(const QueryStats& stats, const RopeConfig& rope, const ScoringParams& params,
                            int num_kv_heads, cudaStream_t stream = nullptr)
-      : TriAttentionDeviceScorer(ref::TriAttentionModel(stats, rope, params, num_kv_heads), stream) {}
+      : TriAttentionDeviceScorer(TriAttentionModel(stats, rope, params, num_kv_heads), stream) {}
 
   /// Uploads the constants of an existing reference model.
-  explicit TriAttentionDeviceScorer(ref::TriAttentionModel model, cudaStream_t stream = nullptr)
+  explicit TriAttentionDeviceScorer(TriAttentionModel model, cudaStream_t stream = nullptr)
       : model_(std::move(model)), stream_(stream) {
     upload();
   }
@@ -70,7 +71,7 @@ class TriAttentionDeviceScorer {
   ~TriAttentionDeviceScorer() { reset(); }
 
   /// The host model (the CPU oracle of this scorer).
-  [[nodiscard]] const ref::TriAttentionModel& model() const noexcept { return model_; }
+  [[nodiscard]] const TriAttentionModel& model() const noexcept { return model_; }
   /// Device constants for cuda::score / cuda::compression_round (valid while *this lives).
   [[nodiscard]] const ScoreModelView& device_model() const noexcept { return view_; }
   [[nodiscard]] cudaStream_t stream() const noexcept { return stream_; }
@@ -145,7 +146,7 @@ class TriAttentionDeviceScorer {
   /// One allocation: q_re, q_im (double), omega, cmean_re, cmean_im, offsets, cos / sin of δ·ω_f
   /// (double), c (float).
   void upload() {
-    const ref::TriAttentionModel& m = model_;
+    const TriAttentionModel& m = model_;
     const std::size_t n = static_cast<std::size_t>(m.num_layers()) * m.num_q_heads() * m.num_freqs();
     const std::size_t F = static_cast<std::size_t>(m.num_freqs());
     const std::size_t D = static_cast<std::size_t>(m.num_offsets());
@@ -240,7 +241,7 @@ class TriAttentionDeviceScorer {
     std::swap(scratch_bytes_, o.scratch_bytes_);
   }
 
-  ref::TriAttentionModel model_;
+  TriAttentionModel model_;
   ScoreModelView view_{};           // device pointers into constants_
   cudaStream_t stream_ = nullptr;   // not owned
   char* constants_ = nullptr;       // [upload() layout] device constants
