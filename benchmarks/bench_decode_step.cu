@@ -1,4 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
+// links: triattn_example_cuda
 // Decode step of the reference transformer on the GPU, Qwen3-8B-like synthetic model (36 layers,
 // hidden 4096, 32 q / 8 KV heads, d = 128, intermediate 12288, vocab 151936, half-pairing RoPE,
 // θ = 1e6), bf16 weights generated on the device from a seed (8.2e9 parameters, 16.4 GB), bf16
@@ -95,8 +96,8 @@
 #include "common/cuda_event_timer.hpp"
 #include "common/decode_step_setup.cuh"
 
-#include "../examples/reference_transformer/cuda_backend.cuh"
-#include "../examples/reference_transformer/cuda_device_model.cuh"
+#include <reference_transformer/cuda_backend.cuh>
+#include <reference_transformer/cuda_device_model.cuh>
 
 namespace ex = triattn_example;
 using triattn::SeqId;

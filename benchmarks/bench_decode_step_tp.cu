@@ -1,4 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
+// links: triattn_example_cuda
 // Decode step of the tensor-parallel reference transformer (examples/reference_transformer/
 // tensor_parallel.hpp, tp_cuda.cuh) at tp = 1 (GPU 0) and tp = 2 (GPUs 0 and 1), Qwen3-8B-like
 // synthetic model (as bench_decode_step.cu: 36 layers, hidden 4096, 32 q / 8 KV heads, d = 128,
@@ -41,10 +42,10 @@
 #include "common/cuda_event_timer.hpp"
 #include "common/decode_step_setup.cuh"
 
-#include "../examples/reference_transformer/cuda_backend.cuh"
-#include "../examples/reference_transformer/cuda_device_model.cuh"
-#include "../examples/reference_transformer/tensor_parallel.hpp"
-#include "../examples/reference_transformer/tp_cuda.cuh"
+#include <reference_transformer/cuda_backend.cuh>
+#include <reference_transformer/cuda_device_model.cuh>
+#include <reference_transformer/tensor_parallel.hpp>
+#include <reference_transformer/tp_cuda.cuh>
 
 namespace ex = triattn_example;
 using triattn::SeqId;

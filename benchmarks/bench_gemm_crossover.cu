@@ -1,4 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
+// links: triattn_example_cuda
 // GEMV kernels vs cuBLAS for the reference transformer's matmuls, over the row count n: the
 // measurement behind kCublasMinRowsBf16 / kCublasMinRowsF32 (examples/reference_transformer/
 // gemm_cublas.cuh). Both paths run through the step recorder's own dispatch
@@ -31,7 +32,7 @@
 #include <string>
 #include <vector>
 
-#include "../examples/reference_transformer/cuda_step_recorder.cuh"
+#include <reference_transformer/cuda_step_recorder.cuh>
 
 namespace ex = triattn_example;
 namespace gpu = triattn_example::gpu;

@@ -1,4 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
+// links: triattn_example_model
 // The small-batch bf16 GEMVs of the reference transformer (examples/reference_transformer/
 // gemv_stream_kernel.cuh) on the Qwen3-8B-like decode step's shapes, variant against variant:
 //   shape 0 qkv    [4096 + 1024 + 1024, 4096] one launch, bias + RMSNorm prologue
@@ -31,7 +32,7 @@
 
 #include "common/cuda_event_timer.hpp"
 
-#include "../examples/reference_transformer/gemv_stream_kernel.cuh"
+#include <reference_transformer/gemv_stream_kernel.cuh>
 
 namespace gpu = triattn_example::gpu;
 

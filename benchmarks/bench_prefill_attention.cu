@@ -1,4 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
+// links: triattn_example_model
 // The reference transformer's causal prefill attention on Qwen3-8B shapes (32 query / 8 KV
 // heads, head_dim 128, bf16 cache, pages of 16, identity block table): one sequence, a chunk of
 // `rows` queries after `before` cached slots. BM_prefill_tc: the tensor-core kernel
@@ -14,8 +15,8 @@
 
 #include "common/cuda_event_timer.hpp"
 
-#include "../examples/reference_transformer/cuda_kernels.cuh"
-#include "../examples/reference_transformer/prefill_attention.cuh"
+#include <reference_transformer/cuda_kernels.cuh>
+#include <reference_transformer/prefill_attention.cuh>
 
 namespace {
 

@@ -1,4 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
+// links: triattn_example_cuda
 // Prefix caching with compression on the GPU: bench_ref_prefix_workload.cpp's workload (64 requests
 // share a 4,096-token prefix, each adds 256 tokens of its own and generates 4,096; budget 2,048,
 // divide_length 128, PromptMode::kPinnedOnTop) with real device memory and a real model:
@@ -57,8 +58,8 @@
 #include "common/cuda_event_timer.hpp"
 #include "common/decode_step_setup.cuh"
 
-#include "../examples/reference_transformer/cuda_backend.cuh"
-#include "../examples/reference_transformer/cuda_device_model.cuh"
+#include <reference_transformer/cuda_backend.cuh>
+#include <reference_transformer/cuda_device_model.cuh>
 
 namespace ex = triattn_example;
 using triattn::SeqId;

@@ -1,4 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
+// links: triattn_example_model
 // BpeTokenizer::encode (examples/reference_transformer/bpe_tokenizer.hpp) with SmolLM2's
 // vocabulary on texts that are one long pre-tokenized word, where a merge that rescans every
 // pair is quadratic (100 KB of one letter took 79 s), and on ordinary mixed text.
@@ -15,8 +16,8 @@
 #include <string>
 #include <vector>
 
-#include "../examples/reference_transformer/bpe_tokenizer.hpp"
-#include "../examples/reference_transformer/gguf.hpp"
+#include <reference_transformer/bpe_tokenizer.hpp>
+#include <reference_transformer/gguf.hpp>
 #include "common/tokenizer_texts.hpp"
 
 namespace {

@@ -14,3 +14,13 @@ function(triattn_project_target target)
   endif()
   target_compile_definitions(${target} PRIVATE TRIATTN_SHARED_DATA_DIR="${TRIATTN_SHARED_DATA_DIR}")
 endfunction()
+
+# A test or benchmark source that includes example code names the example target it needs with a
+# line "// links: <target>" (triattn_example_model, or triattn_example_cuda for the CUDA backend).
+function(triattn_link_marked target src)
+  file(STRINGS ${src} link_lines REGEX "^// links: [A-Za-z0-9_:]+$")
+  foreach(line IN LISTS link_lines)
+    string(REGEX REPLACE "^// links: " "" lib "${line}")
+    target_link_libraries(${target} PRIVATE ${lib})
+  endforeach()
+endfunction()

@@ -17,9 +17,9 @@
 
 #include <triattn/core/error.hpp>
 
-#include "../examples/reference_transformer/bpe_tokenizer.hpp"
-#include "../examples/reference_transformer/gguf.hpp"
-#include "../examples/reference_transformer/gguf_llama.hpp"
+#include <reference_transformer/bpe_tokenizer.hpp>
+#include <reference_transformer/gguf.hpp>
+#include <reference_transformer/gguf_llama.hpp>
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   constexpr std::string_view kName = "fuzz.gguf";

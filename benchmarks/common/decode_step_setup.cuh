@@ -26,8 +26,8 @@
 
 #include "common/cuda_event_timer.hpp"
 
-#include "../examples/reference_transformer/cuda_backend.cuh"
-#include "../examples/reference_transformer/cuda_device_model.cuh"
+#include <reference_transformer/cuda_backend.cuh>
+#include <reference_transformer/cuda_device_model.cuh>
 
 namespace triattn::bench {
 

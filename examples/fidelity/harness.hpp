@@ -33,11 +33,10 @@
 #include <triattn/core/rope.hpp>
 #include <triattn/core/stats/calibrator.hpp>
 
-// Relative paths: the test that includes this header does not get the model's include folder.
-#include "../reference_transformer/backend.hpp"
-#include "../reference_transformer/cpu_backend.hpp"
-#include "../reference_transformer/model.hpp"
-#include "../reference_transformer/sampler.hpp"
+#include <reference_transformer/backend.hpp>
+#include <reference_transformer/cpu_backend.hpp>
+#include <reference_transformer/model.hpp>
+#include <reference_transformer/sampler.hpp>
 #include "metrics.hpp"
 
 namespace triattn_fidelity {

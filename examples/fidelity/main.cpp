@@ -39,13 +39,14 @@
 #include <triattn/core/policy/triattention_scorer.hpp>
 #include <triattn/core/stats/calibrator.hpp>
 
-#include "bpe_tokenizer.hpp"
+#include <reference_transformer/bpe_tokenizer.hpp>
+#include <reference_transformer/gguf.hpp>
+#include <reference_transformer/gguf_llama.hpp>
+#include <reference_transformer/llama2c.hpp>
+#include <reference_transformer/synthetic.hpp>
+
 #include "document.hpp"
-#include "gguf.hpp"
-#include "gguf_llama.hpp"
 #include "harness.hpp"
-#include "llama2c.hpp"
-#include "synthetic.hpp"
 
 #ifndef TRIATTN_SHARED_DATA_DIR
 #define TRIATTN_SHARED_DATA_DIR "../shared/data"

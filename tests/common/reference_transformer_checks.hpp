@@ -24,13 +24,11 @@
 
 #include "common/json_file.hpp"
 
-// Relative paths, so the tests also build when the examples are not configured
-// (TRIATTN_BUILD_EXAMPLES=OFF).
-#include "../../examples/reference_transformer/generate.hpp"
-#include "../../examples/reference_transformer/llama2c.hpp"
-#include "../../examples/reference_transformer/model.hpp"
-#include "../../examples/reference_transformer/sampler.hpp"
-#include "../../examples/reference_transformer/synthetic.hpp"
+#include <reference_transformer/generate.hpp>
+#include <reference_transformer/llama2c.hpp>
+#include <reference_transformer/model.hpp>
+#include <reference_transformer/sampler.hpp>
+#include <reference_transformer/synthetic.hpp>
 
 namespace triattn::test {
 

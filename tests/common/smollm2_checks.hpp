@@ -18,9 +18,9 @@
 
 #include "common/reference_transformer_checks.hpp"
 
-#include "../../examples/reference_transformer/bpe_tokenizer.hpp"
-#include "../../examples/reference_transformer/gguf.hpp"
-#include "../../examples/reference_transformer/gguf_llama.hpp"
+#include <reference_transformer/bpe_tokenizer.hpp>
+#include <reference_transformer/gguf.hpp>
+#include <reference_transformer/gguf_llama.hpp>
 
 namespace triattn::test {
 

@@ -8,7 +8,7 @@
 #include <random>
 #include <string>
 
-#include "../../examples/reference_transformer/bpe_tokenizer.hpp"
+#include <reference_transformer/bpe_tokenizer.hpp>
 
 namespace triattn::test {
 

@@ -1,4 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
+// links: triattn_example_model
 // The byte-level BPE tokenizer (examples/reference_transformer/bpe_tokenizer.hpp) on SmolLM2's
 // vocabulary: its priority-queue merge against the straightforward quadratic merge, words of a
 // megabyte, chat prompts whose messages spell control tokens, and bytes without a token.
@@ -17,8 +18,8 @@
 #include "common/reference_transformer_checks.hpp"
 #include "common/tokenizer_texts.hpp"
 
-#include "../../examples/reference_transformer/bpe_tokenizer.hpp"
-#include "../../examples/reference_transformer/gguf.hpp"
+#include <reference_transformer/bpe_tokenizer.hpp>
+#include <reference_transformer/gguf.hpp>
 
 namespace ex = triattn_example;
 using triattn::test::cjk_run;

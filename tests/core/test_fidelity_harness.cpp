@@ -1,4 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
+// links: triattn_example_model
 // Tests of the fidelity harness (examples/fidelity): the metric arithmetic (KL, attention
 // recall, greedy agreement, position tracking through keep plans) and, on the synthetic 'tiny'
 // model, that its runs measure what they claim: recall 1 and KL 0 when nothing is evicted, the
@@ -20,11 +21,10 @@
 #include <triattn/core/policy/snapkv_scorer.hpp>
 #include <triattn/core/policy/topk_selector.hpp>
 
-// Relative paths, so this test also builds when the examples are not configured.
-#include "../../examples/fidelity/document.hpp"
-#include "../../examples/fidelity/harness.hpp"
-#include "../../examples/fidelity/metrics.hpp"
-#include "../../examples/reference_transformer/synthetic.hpp"
+#include <fidelity/document.hpp>
+#include <fidelity/harness.hpp>
+#include <fidelity/metrics.hpp>
+#include <reference_transformer/synthetic.hpp>
 
 namespace ex = triattn_example;
 namespace fid = triattn_fidelity;

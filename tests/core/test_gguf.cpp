@@ -1,4 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
+// links: triattn_example_model
 // ctest: TIMEOUT 300
 // The GGUF reader (examples/reference_transformer/gguf.hpp) and the llama mapping
 // (gguf_llama.hpp) on small files built in memory (tests/common/gguf_builder.hpp) and on the real
@@ -26,9 +27,9 @@
 #include "common/non_regular_files.hpp"
 #include "common/reference_transformer_checks.hpp"
 
-#include "../../examples/reference_transformer/bpe_tokenizer.hpp"
-#include "../../examples/reference_transformer/gguf.hpp"
-#include "../../examples/reference_transformer/gguf_llama.hpp"
+#include <reference_transformer/bpe_tokenizer.hpp>
+#include <reference_transformer/gguf.hpp>
+#include <reference_transformer/gguf_llama.hpp>
 
 // Live bytes requested through operator new, for the check that the GGUF reader's memory count
 // covers what it allocates (mallinfo would not see allocations under ASan's allocator).

@@ -1,4 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
+// links: triattn_example_model
 // The reference transformer serving requests that share a system prompt (serve_shared.hpp):
 // with TriAttention compression on, the prefix cache on gives bitwise the same tokens as off,
 // while later requests take the system prompt's blocks from the cache and compute only the rest.
@@ -15,10 +16,10 @@
 
 #include "common/reference_transformer_checks.hpp"
 
-#include "../../examples/reference_transformer/generate.hpp"
-#include "../../examples/reference_transformer/llama2c.hpp"
-#include "../../examples/reference_transformer/model.hpp"
-#include "../../examples/reference_transformer/serve_shared.hpp"
+#include <reference_transformer/generate.hpp>
+#include <reference_transformer/llama2c.hpp>
+#include <reference_transformer/model.hpp>
+#include <reference_transformer/serve_shared.hpp>
 
 namespace ex = triattn_example;
 using triattn::test::cache_config;

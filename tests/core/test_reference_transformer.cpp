@@ -1,4 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
+// links: triattn_example_model
 // Tests of the reference transformer (examples/reference_transformer): the llama2.c loader and
 // tokenizer, the Model's forward pass over a triattn::KvCache against recorded llama2.c outputs
 // (stories260K_greedy_ref.json: greedy tokens, logits, post-RoPE K and V), prefill vs decode,
@@ -28,13 +29,11 @@
 #include "common/non_regular_files.hpp"
 #include "common/reference_transformer_checks.hpp"
 
-// Relative paths, so this test also builds when the examples are not configured
-// (TRIATTN_BUILD_EXAMPLES=OFF); with examples on, triattn_example_model adds the folder too.
-#include "../../examples/reference_transformer/generate.hpp"
-#include "../../examples/reference_transformer/llama2c.hpp"
-#include "../../examples/reference_transformer/model.hpp"
-#include "../../examples/reference_transformer/sampler.hpp"
-#include "../../examples/reference_transformer/synthetic.hpp"
+#include <reference_transformer/generate.hpp>
+#include <reference_transformer/llama2c.hpp>
+#include <reference_transformer/model.hpp>
+#include <reference_transformer/sampler.hpp>
+#include <reference_transformer/synthetic.hpp>
 
 namespace ex = triattn_example;
 using triattn::DType;

@@ -1,4 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
+// links: triattn_example_model
 // Tensor-parallel reference transformer on the CPU (examples/reference_transformer/
 // tensor_parallel.hpp): tp ranks in tp threads, triattn::tp::ThreadTeamCollective as the
 // all-reduce (the CPU stand-in for NCCL).
@@ -29,12 +30,12 @@
 
 #include "common/reference_transformer_checks.hpp"
 
-#include "../../examples/reference_transformer/generate.hpp"
-#include "../../examples/reference_transformer/llama2c.hpp"
-#include "../../examples/reference_transformer/model.hpp"
-#include "../../examples/reference_transformer/sampler.hpp"
-#include "../../examples/reference_transformer/synthetic.hpp"
-#include "../../examples/reference_transformer/tensor_parallel.hpp"
+#include <reference_transformer/generate.hpp>
+#include <reference_transformer/llama2c.hpp>
+#include <reference_transformer/model.hpp>
+#include <reference_transformer/sampler.hpp>
+#include <reference_transformer/synthetic.hpp>
+#include <reference_transformer/tensor_parallel.hpp>
 
 namespace ex = triattn_example;
 using triattn::PruningMode;

@@ -1,4 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
+// links: triattn_example_model
 // The reference transformer's Sampler (examples/reference_transformer/sampler.hpp): temperature
 // sampling stays a valid distribution for any finite temperature.
 #include <doctest/doctest.h>
@@ -10,7 +11,7 @@
 
 #include <triattn/core/error.hpp>
 
-#include "../../examples/reference_transformer/sampler.hpp"
+#include <reference_transformer/sampler.hpp>
 
 namespace ex = triattn_example;
 

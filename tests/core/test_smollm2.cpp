@@ -1,4 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
+// links: triattn_example_model
 // SmolLM2-135M-Instruct from its GGUF file (examples/reference_transformer/gguf*.hpp,
 // bpe_tokenizer.hpp) against smollm2_ref.json (float64 forward on the dequantised weights, token
 // ids from llama.cpp's tokenizer): the tokenizer on every reference text, greedy continuations of

@@ -1,4 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
+// links: triattn_example_cuda
 // The reference transformer's matmuls through cuBLAS (examples/reference_transformer/
 // gemm_cublas.cuh) against a float64 CPU reference and against the GEMV kernels, on fresh random
 // inputs with every output poisoned (NaN bytes) first:
@@ -24,9 +25,9 @@
 
 #include "common/reference_transformer_checks.hpp"
 
-#include "../../examples/reference_transformer/cuda_backend.cuh"
-#include "../../examples/reference_transformer/model.hpp"
-#include "../../examples/reference_transformer/synthetic.hpp"
+#include <reference_transformer/cuda_backend.cuh>
+#include <reference_transformer/model.hpp>
+#include <reference_transformer/synthetic.hpp>
 
 namespace {
 

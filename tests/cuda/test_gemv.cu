@@ -1,4 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
+// links: triattn_example_cuda
 // The small-batch bf16 GEMVs of the reference transformer (examples/reference_transformer/
 // gemv_stream_kernel.cuh: variant 0 = gemv_warp_kernel, 1 = stream, 2 = stream-wide, 3 = bulk)
 // against a float64 CPU reference on fresh random inputs, outputs poisoned (NaN bytes) before
@@ -30,10 +31,10 @@
 #include <string>
 #include <vector>
 
-#include "../../examples/reference_transformer/cuda_backend.cuh"
-#include "../../examples/reference_transformer/gemv_stream_kernel.cuh"
-#include "../../examples/reference_transformer/model.hpp"
-#include "../../examples/reference_transformer/synthetic.hpp"
+#include <reference_transformer/cuda_backend.cuh>
+#include <reference_transformer/gemv_stream_kernel.cuh>
+#include <reference_transformer/model.hpp>
+#include <reference_transformer/synthetic.hpp>
 
 namespace {
 

@@ -1,4 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
+// links: triattn_example_cuda
 // The tensor-core causal prefill attention (examples/reference_transformer/prefill_attention.cuh,
 // issue #48):
 //   * against a float64 CPU attention on random q and a random paged cache (shuffled block
@@ -28,10 +29,10 @@
 #include "cuda_test_utils.cuh"
 #include "common/reference_transformer_checks.hpp"
 
-#include "../../examples/reference_transformer/cuda_backend.cuh"
-#include "../../examples/reference_transformer/model.hpp"
-#include "../../examples/reference_transformer/prefill_attention.cuh"
-#include "../../examples/reference_transformer/synthetic.hpp"
+#include <reference_transformer/cuda_backend.cuh>
+#include <reference_transformer/model.hpp>
+#include <reference_transformer/prefill_attention.cuh>
+#include <reference_transformer/synthetic.hpp>
 
 namespace {
 

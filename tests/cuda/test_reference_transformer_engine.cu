@@ -1,4 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
+// links: triattn_example_cuda
 // The reference transformer's engine paths on the GPU (issue #48):
 //   * the KV cache on cuda::VmmAllocator (reference_transformer's GPU default) gives bitwise the
 //     tokens and logits of the static pool; its resident bytes follow the blocks in use, and
@@ -15,11 +16,11 @@
 #include "cuda_test_utils.cuh"
 #include "common/reference_transformer_checks.hpp"
 
-#include "../../examples/reference_transformer/cuda_backend.cuh"
-#include "../../examples/reference_transformer/generate.hpp"
-#include "../../examples/reference_transformer/model.hpp"
-#include "../../examples/reference_transformer/sampler.hpp"
-#include "../../examples/reference_transformer/synthetic.hpp"
+#include <reference_transformer/cuda_backend.cuh>
+#include <reference_transformer/generate.hpp>
+#include <reference_transformer/model.hpp>
+#include <reference_transformer/sampler.hpp>
+#include <reference_transformer/synthetic.hpp>
 
 namespace {
 

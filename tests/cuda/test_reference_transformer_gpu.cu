@@ -1,4 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
+// links: triattn_example_cuda
 // The reference transformer on the GPU (examples/reference_transformer/cuda_backend.cuh):
 //   * stories260K greedy decoding through Model<CudaBackend> and a device KvCache reproduces
 //     llama2.c (stories260K_greedy_ref.json): 256 tokens, logits within 1e-4, K/V of positions
@@ -35,14 +36,14 @@
 #include "cuda_test_utils.cuh"
 #include "common/reference_transformer_checks.hpp"
 
-#include "../../examples/reference_transformer/cuda_backend.cuh"
-#include "../../examples/reference_transformer/cuda_device_model.cuh"
-#include "../../examples/reference_transformer/generate.hpp"
-#include "../../examples/reference_transformer/llama2c.hpp"
-#include "../../examples/reference_transformer/model.hpp"
-#include "../../examples/reference_transformer/sampler.hpp"
-#include "../../examples/reference_transformer/serve_shared.hpp"
-#include "../../examples/reference_transformer/synthetic.hpp"
+#include <reference_transformer/cuda_backend.cuh>
+#include <reference_transformer/cuda_device_model.cuh>
+#include <reference_transformer/generate.hpp>
+#include <reference_transformer/llama2c.hpp>
+#include <reference_transformer/model.hpp>
+#include <reference_transformer/sampler.hpp>
+#include <reference_transformer/serve_shared.hpp>
+#include <reference_transformer/synthetic.hpp>
 
 namespace ex = triattn_example;
 using triattn::DType;

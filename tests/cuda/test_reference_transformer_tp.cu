@@ -1,4 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
+// links: triattn_example_cuda
 // The tensor-parallel reference transformer on GPUs (examples/reference_transformer/tp_cuda.cuh):
 // rank r in its own thread on device r, NCCL all-reduces after the attention output and MLP down
 // projections, TriAttention rounds on the device (union agreement over NCCL).
@@ -29,14 +30,14 @@
 #include "cuda_test_utils.cuh"
 #include "common/reference_transformer_checks.hpp"
 
-#include "../../examples/reference_transformer/cuda_backend.cuh"
-#include "../../examples/reference_transformer/cuda_device_model.cuh"
-#include "../../examples/reference_transformer/generate.hpp"
-#include "../../examples/reference_transformer/model.hpp"
-#include "../../examples/reference_transformer/sampler.hpp"
-#include "../../examples/reference_transformer/synthetic.hpp"
-#include "../../examples/reference_transformer/tensor_parallel.hpp"
-#include "../../examples/reference_transformer/tp_cuda.cuh"
+#include <reference_transformer/cuda_backend.cuh>
+#include <reference_transformer/cuda_device_model.cuh>
+#include <reference_transformer/generate.hpp>
+#include <reference_transformer/model.hpp>
+#include <reference_transformer/sampler.hpp>
+#include <reference_transformer/synthetic.hpp>
+#include <reference_transformer/tensor_parallel.hpp>
+#include <reference_transformer/tp_cuda.cuh>
 
 namespace ex = triattn_example;
 using triattn::DType;

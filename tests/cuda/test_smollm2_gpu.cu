@@ -1,4 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
+// links: triattn_example_cuda
 // SmolLM2-135M-Instruct (GGUF, 30 layers, GQA 9/3, head_dim 64) through Model<CudaBackend> and a
 // device KvCache against smollm2_ref.json:
 //   * float32 weights and cache: both prompts' greedy continuations token for token, the recorded
@@ -20,7 +21,7 @@
 #include "common/reference_transformer_checks.hpp"
 #include "common/smollm2_checks.hpp"
 
-#include "../../examples/reference_transformer/cuda_backend.cuh"
+#include <reference_transformer/cuda_backend.cuh>
 
 namespace ex = triattn_example;
 using triattn::test::cache_config;
