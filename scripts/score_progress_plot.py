@@ -2,9 +2,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Plots the score kernels' time on one 32K layer, run by run, against the issue's targets.
 
-usage: score_progress_plot.py RESULTS_ROOT OUT_PNG
+usage: score_progress_plot.py OUT_PNG [REV]
 
-RESULTS_ROOT is benchmarks/results. Each point is the median of one run's repetitions of
+The runs are read from git: benchmarks/results/<run>/ at REV (default a8ec57a, the last commit
+that held them in the tree; docs/performance-history.md). Each point is the median of one run's
+repetitions of
 BM_score/agg:{0,1}/page:16/hnd:0/variant:V/queued:1 (one 32K layer, launch hidden) for the
 fastest variant that the library itself offered at that commit (MILESTONES below: builds of main,
 no experiments or diagnostic builds, whose JSON sits in the same folders). The x axis lists the
@@ -16,6 +18,7 @@ import json
 import os
 import re
 import statistics
+import subprocess
 import sys
 
 import matplotlib
@@ -47,14 +50,22 @@ TARGETS = [  # (aggregation, µs, label, label offset in µs: the 24.7 and 24.9 
     ("mean", 24.7, "target: mean 50x the Triton scorer (24.7 µs)", -1.6),
     ("mean", 17.6, "target: mean 85% of 4.49 TB/s (17.6 µs)", -1.4),
 ]
-PLAIN_READ_US = 18.4  # BM_read_k/queued:1 (a plain 16-byte read of the same 67 MB), docs/performance.md
+PLAIN_READ_US = 18.4  # BM_read_k/queued:1 (a plain 16-byte read of the same 67 MB), docs/performance-history.md
+RUNS_REV = "a8ec57a"  # the last commit with every run below in benchmarks/results/
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAME = re.compile(r"BM_score/agg:([01])/page:16/hnd:0/variant:(\d+)/queued:1/manual_time(_median)?$")
 
 
-def run_times(path):
+def read_run(rev, folder, name):
+    """One run's JSON as committed at rev (the runs were pruned from the tree after it)."""
+    path = f"benchmarks/results/{folder}/{name}"
+    text = subprocess.run(["git", "-C", REPO, "show", f"{rev}:{path}"], check=True, capture_output=True,
+                          text=True).stdout
+    return path, json.loads(text)
+
+
+def run_times(path, doc):
     """(aggregation 'mean'/'max', variant) -> [µs of each repetition], and the run's date."""
-    with open(path) as f:
-        doc = json.load(f)
     out = {}
     for b in doc["benchmarks"]:
         m = NAME.match(b["name"])
@@ -67,13 +78,13 @@ def run_times(path):
     return out, date
 
 
-def points(root):
+def points(rev):
     """aggregation -> [(date, median µs, variant, commit)] over MILESTONES."""
     pts = {"mean": [], "max": []}
     for folder, files, commit, mean_vars, max_vars in MILESTONES:
         times, date = {}, None
         for name in files:
-            t, d = run_times(os.path.join(root, folder, name))
+            t, d = run_times(*read_run(rev, folder, name))
             date = date or d
             for k, v in t.items():
                 times.setdefault(k, []).extend(v)
@@ -88,10 +99,10 @@ def points(root):
 
 
 def main(argv):
-    if len(argv) != 3:
+    if len(argv) not in (2, 3):
         print(__doc__, file=sys.stderr)
         return 2
-    pts = points(argv[1])
+    pts = points(argv[2] if len(argv) == 3 else RUNS_REV)
     # x: the milestones in date order, evenly spaced, labelled by commit and date.
     order = sorted({(d, c) for agg in pts for d, _, _, c in pts[agg]})
     xpos = {c: i for i, (_, c) in enumerate(order)}
@@ -121,7 +132,7 @@ def main(argv):
     ax.set_title("Score kernels on an H200, commit by commit (launch hidden; the public Triton scorer: 1235 µs)",
                  fontsize=10)
     fig.tight_layout()
-    fig.savefig(argv[2], dpi=120)
+    fig.savefig(argv[1], dpi=120)
     for agg in ("mean", "max"):
         print(agg, " ".join(f"{c}:v{v}={t:.1f}" for _, t, v, c in sorted(pts[agg])))
     return 0
