@@ -12,8 +12,9 @@
 // SM sub-partitions (register-file ports, issue slots), and the norm term cannot hide under the
 // products as the scorer intends. The split rows (one warpgroup multiplies, the other computes
 // norms) say whether putting the two in different warpgroups overlaps them instead.
-// H200, 2026-12-04 (benchmarks/results/2026-12-04_session20): they add in every arrangement; with
-// MMAs running, the other warps' FMAs, roots and loads issue at about half their rate.
+// H200, 2026-12-04 (git show a8ec57a:benchmarks/results/2026-12-04_session20/README.md): they add
+// in every arrangement; with MMAs running, the other warps' FMAs, roots and loads issue at about
+// half their rate.
 // Standalone: nvcc -std=c++20 -gencode=arch=compute_90a,code=sm_90a -O3 -I../../include
 //             mma_overlap_probe.cu -o mma_overlap_probe && ./mma_overlap_probe
 #include <cuda_runtime.h>

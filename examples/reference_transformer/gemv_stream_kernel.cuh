@@ -49,8 +49,9 @@ inline constexpr int kGemvVariantStream = 1;
 inline constexpr int kGemvVariantStreamWide = 2;
 inline constexpr int kGemvVariantBulk = 3;
 inline constexpr int kGemvNumVariants = 4;
-// H200, 2026-11-30 (benchmarks/results/2026-11-30_gemv): stream-wide streams a whole layer's
-// weights at 3.85 TB/s (stream 3.77, bulk 3.73, warp 2.71) and gives the fastest batch-1 step.
+// H200, 2026-11-30 (git show a8ec57a:benchmarks/results/2026-11-30_gemv_vmm/bench_gemv.json):
+// stream-wide streams a whole layer's weights at 3.85 TB/s (stream 3.77, bulk 3.73, warp 2.71)
+// and gives the fastest batch-1 step.
 inline constexpr int kGemvDefaultVariant = kGemvVariantStreamWide;
 
 [[nodiscard]] inline const char* gemv_variant_name(int v) noexcept {
