@@ -641,7 +641,7 @@ TEST_SUITE("gpu") {
       }
   }
 
-  TEST_CASE("device kv cache: a device round's report keeps tracked positions on the device, naming where to read them") {
+  TEST_CASE("device kv cache: a device round's report keeps tracked positions on the device and names where to read them") {
     test::require_device();
     CacheConfig cfg;
     cfg.model = ModelGeometry{1, 2, 1, 64};

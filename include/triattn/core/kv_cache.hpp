@@ -424,7 +424,8 @@ class KvCache {
   /// Per-sequence data problems do not throw: a sequence with non-finite scores is left unchanged
   /// and reported kNonFinite (NonFinitePolicy::kEvictFirst lets it compress instead), the others
   /// complete. (A selector without SelectionParams, or a tensor-parallel one, decides itself: it
-  /// may throw, still before anything changed.)
+  /// may throw, still before anything changed.) On a device cache the round runs on the device
+  /// when the scorer provides compress_round (see compress).
   std::vector<CompressionReport> compress_if_needed(std::span<const SeqId> seqs)
     requires(!std::is_same_v<scorer_type, NoScorer> && !std::is_same_v<selector_type, NoSelector>)
   {
