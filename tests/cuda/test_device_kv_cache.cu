@@ -38,6 +38,13 @@ static_assert(BlockAllocator<cuda::DeviceAllocator>);
 static_assert(std::is_nothrow_move_constructible_v<cuda::DeviceBackend>);
 static_assert(std::is_nothrow_move_constructible_v<cuda::DeviceCompactor>);
 static_assert(std::is_nothrow_move_constructible_v<cuda::DeviceTables>);
+// DeviceRounds (and KvCache::compress's device round) take any cache these concepts accept.
+static_assert(cuda::DeviceScorer<cuda::TriAttentionDeviceScorer>);
+static_assert(!cuda::DeviceScorer<NoScorer>);
+static_assert(cuda::DeviceRoundCache<cuda::DeviceKvCache<cuda::TriAttentionDeviceScorer, TopKSelector>>);
+static_assert(!cuda::DeviceRoundCache<cuda::DeviceKvCache<>>);
+static_assert(!cuda::DeviceRoundCache<KvCache<StaticAllocator<cuda::DeviceBackend>, cuda::DeviceCompactor,
+                                              cuda::TriAttentionDeviceScorer, TopKSelector>>);  // no device tables
 
 using HostCache = KvCache<>;
 using DevCache = KvCache<StaticAllocator<cuda::DeviceBackend>, cuda::DeviceCompactor>;
