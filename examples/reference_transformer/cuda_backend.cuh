@@ -66,8 +66,8 @@
 namespace triattn_example {
 
 /// A KvCache in device memory without compression, and one running TriAttention rounds with
-/// the device scorer (KvCache::compress: device scores, host top-k) or DeviceRounds (all on the
-/// device). Construct the compactor / scorer with the backend's stream.
+/// the device scorer (KvCache::compress: the device round, waited for) or DeviceRounds (the same
+/// round, asynchronous). Construct the compactor / scorer with the backend's stream.
 using GpuPlainCache = triattn::KvCache<triattn::cuda::DeviceAllocator, triattn::cuda::DeviceCompactor>;
 using GpuTriCache = triattn::KvCache<triattn::cuda::DeviceAllocator, triattn::cuda::DeviceCompactor,
                                      triattn::cuda::TriAttentionDeviceScorer, triattn::TopKSelector>;

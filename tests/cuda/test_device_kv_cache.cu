@@ -12,6 +12,9 @@
 // Plus DeviceBackend / DeviceTables basics.
 #include "cuda_test_utils.cuh"
 
+#include <limits>
+#include <map>
+
 #include <triattn/core/keep_counts.hpp>
 #include <triattn/core/kv_cache.hpp>
 #include <triattn/core/policy/topk_selector.hpp>
@@ -35,6 +38,13 @@ static_assert(BlockAllocator<cuda::DeviceAllocator>);
 static_assert(std::is_nothrow_move_constructible_v<cuda::DeviceBackend>);
 static_assert(std::is_nothrow_move_constructible_v<cuda::DeviceCompactor>);
 static_assert(std::is_nothrow_move_constructible_v<cuda::DeviceTables>);
+// DeviceRounds (and KvCache::compress's device round) take any cache these concepts accept.
+static_assert(cuda::DeviceScorer<cuda::TriAttentionDeviceScorer>);
+static_assert(!cuda::DeviceScorer<NoScorer>);
+static_assert(cuda::DeviceRoundCache<cuda::DeviceKvCache<cuda::TriAttentionDeviceScorer, TopKSelector>>);
+static_assert(!cuda::DeviceRoundCache<cuda::DeviceKvCache<>>);
+static_assert(!cuda::DeviceRoundCache<KvCache<StaticAllocator<cuda::DeviceBackend>, cuda::DeviceCompactor,
+                                              cuda::TriAttentionDeviceScorer, TopKSelector>>);  // no device tables
 
 using HostCache = KvCache<>;
 using DevCache = KvCache<StaticAllocator<cuda::DeviceBackend>, cuda::DeviceCompactor>;
@@ -79,8 +89,8 @@ void append_both(std::mt19937_64& rng, HostCache& host, DevCache& dev, SeqId seq
 }
 
 /// Tables, lengths and the whole pool must match.
-template <class T, class D>
-void require_same(const HostCache& host, D& dev) {
+template <class T, class H, class D>
+void require_same(const H& host, D& dev) {
   REQUIRE(std::equal(host.host_block_tables().begin(), host.host_block_tables().end(),
                      dev.host_block_tables().begin(), dev.host_block_tables().end()));
   REQUIRE(std::equal(host.host_lengths().begin(), host.host_lengths().end(), dev.host_lengths().begin(),
@@ -427,10 +437,251 @@ TEST_SUITE("gpu") {
           host.apply_keep_plan(rounds.last_seqs()[i], rounds.last_plan(i));
         require_same<T>(host, dev);
         require_same_positions(rounds, host, rounds.last_seqs());
-        // Host rounds cannot update positions kept on the device: refused, naming the way.
-        CHECK_THROWS_WITH_AS(dev.compress(a), doctest::Contains("DeviceRounds"), logic_error);
+        // A host plan cannot update positions kept on the device: refused, naming the way.
+        CHECK_THROWS_WITH_AS(dev.apply_keep_plan(a, rounds.last_plan(0)), doctest::Contains("DeviceRounds"), logic_error);
       }
       TRIATTN_TEST_CUDA(cudaStreamDestroy(stream));
     }
+  }
+
+  // The device scorer with its host-span score() counted: KvCache::compress on a device cache must
+  // never call it (scores stay on the device). device_scores() is the same call, uncounted, for
+  // the host twin.
+  struct CountingDeviceScorer : cuda::TriAttentionDeviceScorer {
+    using cuda::TriAttentionDeviceScorer::TriAttentionDeviceScorer;
+    int host_scores = 0;
+    template <class T, class Id>
+    void score(const KvCacheView<T, Id>& view, int seq, int length, std::int64_t t0, std::span<float> out) {
+      ++host_scores;
+      cuda::TriAttentionDeviceScorer::score(view, seq, length, t0, out);
+    }
+    template <class T, class Id>
+    std::vector<float> device_scores(const KvCacheView<T, Id>& view, int seq, int length, std::int64_t t0) {
+      std::vector<float> out(static_cast<std::size_t>(model().num_layers()) * model().num_q_heads() * length);
+      cuda::TriAttentionDeviceScorer::score(view, seq, length, t0, std::span<float>(out));
+      return out;
+    }
+  };
+
+  // The host twin's scorer: the scores the device scorer gave each sequence, so the host round
+  // selects on exactly the device's scores (what KvCache::compress did before the device round).
+  struct GivenScores {
+    using policy_role = scorer_role;
+    static constexpr MemorySpace memory_space = MemorySpace::kHost;
+    std::map<SeqId, std::vector<float>> by_seq;  // [L, Hq, length]
+    template <class T, class Id>
+    void score(const KvCacheView<T, Id>&, int seq, int length, std::int64_t, std::span<float> out) const {
+      const std::vector<float>& sc = by_seq.at(seq);
+      REQUIRE(sc.size() == out.size());
+      REQUIRE(out.size() % static_cast<std::size_t>(length > 0 ? length : 1) == 0);
+      std::copy(sc.begin(), sc.end(), out.begin());
+    }
+  };
+
+  template <class H, class D>
+  void require_same_sequences(const H& host, const D& dev, std::span<const SeqId> seqs, cudaStream_t stream) {
+    CHECK(dev.memory().blocks_free == host.memory().blocks_free);
+    const ModelGeometry& g = host.config().model;
+    long long differ = 0, checked = 0;
+    for (SeqId s : seqs) {
+      CAPTURE(s);
+      CHECK(dev.physical_length(s) == host.physical_length(s));
+      CHECK(dev.prompt_length(s) == host.prompt_length(s));
+      CHECK(dev.logical_position(s) == host.logical_position(s));
+      CHECK(dev.shared_prefix(s) == host.shared_prefix(s));
+      if (!host.config().track_positions) continue;
+      for (int l = 0; l < g.num_layers; ++l)
+        for (int h = 0; h < g.num_kv_heads; ++h) {
+          const std::vector<std::int32_t> want = host.positions(s, l, h);
+          const std::vector<std::int32_t> got = cuda::tracked_positions(dev, s, l, h, stream);
+          REQUIRE(got.size() == want.size());
+          for (std::size_t i = 0; i < want.size(); ++i, ++checked) differ += got[i] != want[i];
+        }
+    }
+    CHECK_MESSAGE(differ == 0, differ, " of ", checked, " tracked positions differ from the host twin's");
+  }
+
+  void require_same_reports(const std::vector<CompressionReport>& got, const std::vector<CompressionReport>& want,
+                            bool tracked) {
+    REQUIRE(got.size() == want.size());
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      CAPTURE(i);
+      CHECK(got[i].seq == want[i].seq);
+      CHECK(got[i].status == want[i].status);
+      CHECK(got[i].length_before == want[i].length_before);
+      CHECK(got[i].length_after == want[i].length_after);
+      CHECK(got[i].blocks_freed == want[i].blocks_freed);
+      const bool compressed = want[i].status == RoundStatus::kCompressed;
+      CHECK(want[i].has_positions == (tracked && compressed));
+      CHECK_FALSE(got[i].has_positions);  // kept on the device, never copied
+      CHECK(got[i].positions_on_device == (tracked && compressed));
+    }
+  }
+
+  TEST_CASE_TEMPLATE("device kv cache: compress and compress_if_needed run the device round and equal the host rounds",
+                     T, float, bf16_storage) {
+    test::require_device();
+    const std::uint64_t seed = test::test_seed();
+    MESSAGE("seed = ", seed, " (set TRIATTN_TEST_SEED to replay)");
+    CacheConfig cfg;
+    cfg.model = ModelGeometry{2, 8, 2, 64};
+    cfg.block_size = 16;
+    cfg.num_blocks = 48;
+    cfg.max_seqs = 4;
+    cfg.max_blocks_per_seq = 12;
+    cfg.dtype = dtype_of<T>;
+    for (const bool tracked : {false, true})
+      for (PruningMode mode : {PruningMode::kPerHead, PruningMode::kPerLayerPerHead, PruningMode::kUnion}) {
+        CAPTURE(tracked);
+        CAPTURE(to_string(mode));
+        cfg.track_positions = tracked;
+        SelectionParams sp;
+        sp.budget = 48;
+        sp.divide_length = 16;
+        sp.prompt = PromptMode::kCompete;
+        sp.window = 8;
+        sp.mode = mode;
+        std::mt19937_64 rng(seed ^ test::dtype_salt<T>() ^ (static_cast<std::uint64_t>(mode) << 8) ^ (tracked ? 1u : 0u));
+        cudaStream_t stream = nullptr;
+        TRIATTN_TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+        {
+          std::mt19937 srng(static_cast<unsigned>(seed));
+          const QueryStats stats =
+              random_query_stats(srng, cfg.model.num_layers, cfg.model.num_q_heads, cfg.model.head_dim);
+          cuda::DeviceKvCache<CountingDeviceScorer, TopKSelector> dev(
+              cfg, cuda::DeviceCompactor(stream),
+              CountingDeviceScorer(stats, RopeConfig{}, ScoringParams{}, cfg.model.num_kv_heads, stream), TopKSelector(sp));
+          KvCache<GivenScores, TopKSelector> host(cfg, GivenScores{}, TopKSelector(sp));
+          // nan_slot >= 0: that token's first key element of layer 0, KV head 0 is NaN.
+          auto add = [&](SeqId s, int n, Phase phase, int nan_slot = -1) {
+            auto k = tokens<T>(rng, cfg, n);
+            const auto v = tokens<T>(rng, cfg, n);
+            if (nan_slot >= 0)
+              k[static_cast<std::size_t>(nan_slot) * cfg.model.num_kv_heads * cfg.model.head_dim] =
+                  from_float<T>(std::numeric_limits<float>::quiet_NaN());
+            REQUIRE(host.template append<T>(s, k, v, n, phase).ok());
+            DeviceBuffer<T> dk(k), dv(v);
+            REQUIRE(cuda::append_tokens(dev, s, dk.get(), dv.get(), n, stream, phase).ok());
+            TRIATTN_TEST_CUDA(cudaStreamSynchronize(stream));
+          };
+          // The host twin scores with what the device scorer gives the same keys.
+          auto give_scores = [&](std::span<const SeqId> seqs) {
+            cuda::publish(dev, stream);
+            for (SeqId s : seqs)
+              host.scorer().by_seq[s] = dev.scorer().device_scores(dev.template view<T>(), s, dev.physical_length(s),
+                                                                   dev.logical_position(s));
+          };
+          const SeqId a = host.add_sequence();
+          REQUIRE(dev.add_sequence() == a);
+          add(a, 40, Phase::kPrefill);
+          const SeqId b = host.fork_prefix(a, 32);  // blocks 0 and 1 shared: protected in every round
+          REQUIRE(dev.fork_prefix(a, 32) == b);
+          const SeqId c = host.add_sequence(), d = host.add_sequence();
+          REQUIRE(dev.add_sequence() == c);
+          REQUIRE(dev.add_sequence() == d);
+          add(a, 30, Phase::kDecode);
+          add(b, 45, Phase::kDecode);
+          add(c, 20, Phase::kPrefill);
+          add(c, 35, Phase::kDecode);
+          add(d, 30, Phase::kPrefill, 5);  // a selectable NaN key: d's rounds are refused (kNonFinite)
+          add(d, 40, Phase::kDecode);
+          const std::vector<SeqId> all{a, b, c, d};
+          const std::vector<std::int32_t> shared_blocks(dev.block_table(a).begin(), dev.block_table(a).begin() + 2);
+          REQUIRE(dev.shared_prefix(b) == 32);
+          require_same<T>(host, dev);
+
+          // compress: one sequence, below its trigger (brought to its keep count anyway).
+          give_scores(std::span<const SeqId>(&c, 1));
+          const CompressionReport want_c = host.compress(c);
+          const CompressionReport got_c = dev.compress(c);
+          REQUIRE(want_c.status == RoundStatus::kCompressed);
+          REQUIRE(want_c.length_after < want_c.length_before);
+          require_same_reports({got_c}, {want_c}, tracked);
+          require_same<T>(host, dev);
+          require_same_sequences(host, dev, all, stream);
+
+          // Bad input is refused before anything changes, naming it.
+          const std::vector<SeqId> twice{a, c, a};
+          CHECK_THROWS_WITH_AS(dev.compress_if_needed(twice), doctest::Contains("appears twice"), logic_error);
+          CHECK_THROWS_WITH_AS(dev.compress(SeqId{7}), doctest::Contains("sequence 7"), logic_error);
+          require_same<T>(host, dev);
+
+          // compress_if_needed over a ragged batch: a, b and d are due (d refused: non-finite), c not.
+          give_scores(all);
+          const std::vector<CompressionReport> want = host.compress_if_needed(all);
+          const std::vector<CompressionReport> got = dev.compress_if_needed(all);
+          REQUIRE(want.size() == 3);
+          CHECK(want[0].seq == a);
+          CHECK(want[1].seq == b);
+          CHECK(want[2].status == RoundStatus::kNonFinite);
+          require_same_reports(got, want, tracked);
+          require_same<T>(host, dev);
+          require_same_sequences(host, dev, all, stream);
+
+          // More decoding, then a round through cuda::DeviceRounds: it reads the positions the
+          // KvCache rounds left in the cache's store (one store per cache).
+          add(a, 20, Phase::kDecode);
+          add(b, 10, Phase::kDecode);
+          add(c, 20, Phase::kDecode);
+          const std::vector<SeqId> abc{a, b, c};
+          cuda::DeviceRounds<decltype(dev)> rounds(dev);
+          rounds.set_keep_plans(true);
+          rounds.launch(abc, stream);
+          REQUIRE(rounds.wait().size() == abc.size());
+          for (std::size_t i = 0; i < abc.size(); ++i) host.apply_keep_plan(abc[i], rounds.last_plan(i));
+          require_same<T>(host, dev);
+          require_same_sequences(host, dev, all, stream);
+
+          // And KvCache::compress again after it.
+          add(b, 12, Phase::kDecode);
+          give_scores(std::span<const SeqId>(&b, 1));
+          require_same_reports({dev.compress(b)}, {host.compress(b)}, tracked);
+          require_same<T>(host, dev);
+          require_same_sequences(host, dev, all, stream);
+
+          CHECK(std::equal(shared_blocks.begin(), shared_blocks.end(), dev.block_table(a).begin()));
+          CHECK(std::equal(shared_blocks.begin(), shared_blocks.end(), dev.block_table(b).begin()));
+          CHECK(dev.allocator().ref_count(shared_blocks[0]) == 2);
+          CHECK(dev.scorer().host_scores == 0);  // no round copied scores to the host
+        }
+        TRIATTN_TEST_CUDA(cudaStreamDestroy(stream));
+      }
+  }
+
+  TEST_CASE("device kv cache: a device round's report keeps tracked positions on the device and names where to read them") {
+    test::require_device();
+    CacheConfig cfg;
+    cfg.model = ModelGeometry{1, 2, 1, 64};
+    cfg.block_size = 8;
+    cfg.num_blocks = 8;
+    cfg.max_seqs = 1;
+    cfg.max_blocks_per_seq = 8;
+    cfg.dtype = DType::kF32;
+    cfg.track_positions = true;
+    SelectionParams sp;
+    sp.budget = 8;
+    sp.divide_length = 8;
+    sp.prompt = PromptMode::kCompete;
+    std::mt19937 srng(3);
+    cuda::DeviceKvCache<cuda::TriAttentionDeviceScorer, TopKSelector> dev(
+        cfg, cuda::TriAttentionDeviceScorer(random_query_stats(srng, 1, 2, 64), RopeConfig{}, ScoringParams{}, 1),
+        TopKSelector(sp));
+    const SeqId s = dev.add_sequence();
+    std::mt19937_64 rng(5);
+    const auto k = tokens<float>(rng, cfg, 20);
+    DeviceBuffer<float> dk(k), dv(k);
+    REQUIRE(cuda::append_tokens(dev, s, dk.get(), dv.get(), 20, nullptr, Phase::kPrefill).ok());
+    const CompressionReport rep = dev.compress(s);
+    REQUIRE(rep.status == RoundStatus::kCompressed);
+    CHECK(rep.length_after == keep_counts_unchecked(20, 20, sp, 0).keep);
+    CHECK(rep.positions_on_device);
+    CHECK(rep.kept_positions.empty());
+    CHECK_THROWS_WITH_AS((void)rep.kept(0), doctest::Contains("cuda::tracked_positions"), logic_error);
+    const std::vector<std::int32_t> pos = cuda::tracked_positions(dev, s, 0, 0, nullptr);
+    REQUIRE(pos.size() == static_cast<std::size_t>(rep.length_after));
+    CHECK(std::is_sorted(pos.begin(), pos.end()));
+    CHECK(std::adjacent_find(pos.begin(), pos.end()) == pos.end());
+    CHECK(pos.front() >= 0);
+    CHECK(pos.back() < 20);
   }
 }

@@ -480,7 +480,7 @@ TEST_CASE("TriAttention on the GPU: device rounds keep exactly what the CPU scor
       CHECK(cache.physical_length(r.seq) < kBudget + kDivide);
       CHECK(cache.logical_position(r.seq) == static_cast<std::int64_t>(r.prompt.size()) + kSteps - 1);
     }
-    // The ordinary KvCache path (device scores, host top-k, device compaction) runs too; the
+    // The ordinary KvCache path (the device round, waited for) runs too; the
     // last rounds shrank host tables after the step's publish, so publish first.
     triattn::cuda::publish(cache, be.stream());
     const SeqId extra = res[0].seq;

@@ -89,7 +89,8 @@ struct CompressionReport {
   /// holds them; false: the report carries lengths and status only.
   bool has_positions = false;
   /// A device round of a cache that tracks positions: they stay in device memory
-  /// (cuda::DeviceRounds::kept_positions), kept_positions is empty.
+  /// (cuda::tracked_positions reads a sequence's, cuda::DeviceRounds::kept_positions a round's),
+  /// kept_positions is empty.
   bool positions_on_device = false;
   /// Rows of kept_positions: kept_rows(mode) with a selector that has SelectionParams, else
   /// layers * kv_heads (kept_row_source says which (layer, KV head) a row describes).
@@ -101,7 +102,8 @@ struct CompressionReport {
   /// positions were not tracked (asking for them must never read as "nothing kept").
   void require_positions() const {
     TRIATTN_EXPECTS(!positions_on_device, "CompressionReport::kept: this device round's kept positions stay in device "
-                                          "memory; copy them from cuda::DeviceRounds::kept_positions()");
+                                          "memory; read them with cuda::tracked_positions(cache, seq, layer, kv_head) "
+                                          "or copy cuda::DeviceRounds::kept_positions()");
     TRIATTN_EXPECTS(has_positions || status != RoundStatus::kCompressed,
                     "CompressionReport::kept: the cache does not track positions; set CacheConfig::track_positions "
                     "to have rounds report the kept tokens' positions");
@@ -400,11 +402,15 @@ class KvCache {
   }
 
   /// One compression round for `seq`: score every cached key, select the keep set, compact, free
-  /// tail blocks (the batched round's host pieces, core/paged_round.hpp). CPU path (and any scorer
-  /// whose memory space matches). The report carries the kept tokens' original positions. A
-  /// sequence with non-finite scores (NonFinitePolicy::kRefuse) is left unchanged and reported
-  /// kNonFinite. @throws logic_error (cache unchanged) on a bad id or when compaction would
-  /// rewrite a shared block.
+  /// tail blocks (the batched round's host pieces, core/paged_round.hpp). On a device cache whose
+  /// scorer provides compress_round(cache, seqs, reports) (cuda::TriAttentionDeviceScorer with
+  /// device tables and a selector with SelectionParams) the whole round runs on the device, as
+  /// cuda::DeviceRounds runs it, and returns once it is done: scores and keep sets never come to
+  /// the host. With CacheConfig::track_positions the report carries the kept tokens' original
+  /// positions (a device cache keeps them on the device: positions_on_device). A sequence with
+  /// non-finite scores (NonFinitePolicy::kRefuse) is left unchanged and reported kNonFinite.
+  /// @throws logic_error (cache unchanged) on a bad id or when compaction would rewrite a shared
+  /// block.
   CompressionReport compress(SeqId seq)
     requires(!std::is_same_v<scorer_type, NoScorer> && !std::is_same_v<selector_type, NoSelector>)
   {
@@ -418,7 +424,8 @@ class KvCache {
   /// Per-sequence data problems do not throw: a sequence with non-finite scores is left unchanged
   /// and reported kNonFinite (NonFinitePolicy::kEvictFirst lets it compress instead), the others
   /// complete. (A selector without SelectionParams, or a tensor-parallel one, decides itself: it
-  /// may throw, still before anything changed.)
+  /// may throw, still before anything changed.) On a device cache the round runs on the device
+  /// when the scorer provides compress_round (see compress).
   std::vector<CompressionReport> compress_if_needed(std::span<const SeqId> seqs)
     requires(!std::is_same_v<scorer_type, NoScorer> && !std::is_same_v<selector_type, NoSelector>)
   {
@@ -705,8 +712,8 @@ class KvCache {
   void check_host_positions(const char* op) const {
     TRIATTN_EXPECTS(!(config_.track_positions && tracks_positions_on_device),
                     std::string(op) + ": this device cache tracks positions in device memory "
-                                      "(CacheConfig::track_positions), which only cuda::DeviceRounds updates; run its "
-                                      "rounds through DeviceRounds");
+                                      "(CacheConfig::track_positions), which only device rounds update (KvCache::compress "
+                                      "with cuda::TriAttentionDeviceScorer, or cuda::DeviceRounds); run its rounds there");
   }
 
   // Every check apply_keep_plan makes, without changing anything.
@@ -866,6 +873,16 @@ class KvCache {
   // checked (nothing written), then every plan applied.
   std::vector<CompressionReport> round(std::span<const SeqId> seqs, bool only_due, const char* op) {
     check_batch_ids(seqs, op);
+    // A scorer that runs the whole round where the cache lives (cuda::TriAttentionDeviceScorer on a
+    // cache with device tables): scores, keep sets, compaction and tracked positions stay there.
+    if constexpr (requires(std::vector<CompressionReport>& r) { scorer_.compress_round(*this, seqs, r); }) {
+      round_seqs_.clear();
+      for (SeqId q : seqs)
+        if (!only_due || needs_compression(q)) round_seqs_.push_back(q);
+      std::vector<CompressionReport> done;
+      if (!round_seqs_.empty()) scorer_.compress_round(*this, std::span<const SeqId>(round_seqs_), done);
+      return done;
+    }
     check_host_positions(op);
     const ModelGeometry& g = config_.model;
     const SelectionParams* params = nullptr;
@@ -996,6 +1013,7 @@ class KvCache {
   std::vector<index_type> fresh_;       // blocks allocated by one extend()
   std::vector<KeepPlan> plans_;         // commit_round's plans (tracked positions only)
   std::vector<std::int32_t> moved_;     // positions after a compaction (tracked positions only)
+  std::vector<SeqId> round_seqs_;       // the sequences a scorer's compress_round compresses
   mutable std::vector<std::uint8_t> seen_;  // check_batch_ids' marks, all zero between calls
 };
 

@@ -70,6 +70,24 @@ template <class T, class Cache>
   return r;
 }
 
+/// A scorer whose statistics live on the device (TriAttentionDeviceScorer): the ScoreModelView
+/// a device round scores with is all DeviceRounds asks of it.
+template <class S>
+concept DeviceScorer = requires(const S& s) {
+  { s.device_model() } -> std::convertible_to<const ScoreModelView&>;
+};
+
+/// A selector that describes itself by SelectionParams (TopKSelector): what a device round selects with.
+template <class S>
+concept ParamsSelector = requires(const S& s) {
+  { s.params() } -> std::convertible_to<const SelectionParams&>;
+};
+
+/// A KvCache a device round can run on: published device tables, a DeviceScorer and a ParamsSelector.
+template <class Cache>
+concept DeviceRoundCache =
+    has_device_tables_v<Cache> && DeviceScorer<typename Cache::scorer_type> && ParamsSelector<typename Cache::selector_type>;
+
 /// Batched, asynchronous compression rounds for a KvCache on the GPU (a device allocator with
 /// published tables, TriAttentionDeviceScorer, a selector with SelectionParams). A sequence's
 /// shared prefix (KvCache::shared_prefix: blocks another sequence or the prefix cache holds) is
@@ -80,33 +98,21 @@ template <class T, class Cache>
 /// block tables, lengths, prompt state and freed blocks are updated by poll() (when the event has
 /// completed; no wait) or wait() (waits for it): a few integers per sequence come back, and the
 /// commit is O(batch + blocks freed). With CacheConfig::track_positions the positions stay in
-/// device memory beside the KV (a store indexed like the pool, [num_blocks, block_size, layers *
-/// KV heads], which the round updates on the device); kept_positions() holds the last round's kept
-/// tokens' original positions for the caller to copy, and its kept slots also come back (last_plan). Until then the launched sequences are in flight:
+/// device memory beside the KV (the allocator's WithDeviceTables::position_store, which the round
+/// updates on the device; tracked_positions() reads a sequence's); kept_positions() holds the last
+/// round's kept tokens' original positions for the caller to copy, and its kept slots also come
+/// back (last_plan). Until then the launched sequences are in flight:
 /// the engine must not extend, fork or release them (in_flight(seq) tells), nothing else changes,
 /// and their tail blocks stay allocated, so no block is reused while a kernel may touch it.
 /// Other sequences may be extended meanwhile (their appends publish tables the round does not read
 /// after it started). One round is in flight at a time: compress_if_needed first polls and, while
 /// the previous round is still running, launches nothing (the trigger fires again next step).
 /// Steady state allocates nothing, on the device or the host: buffers grow to the largest round
-/// seen (reserve() sizes them up front), and the reports returned by reference are reused. A sequence with non-finite scores is reported kNonFinite and
-/// left unchanged (NonFinitePolicy::kRefuse).
-/// A scorer whose statistics live on the device (TriAttentionDeviceScorer): what a device round
-/// scores with.
-template <class S>
-concept DeviceScorer = requires(const S& s) {
-  { s.device_model() } -> std::convertible_to<const ScoreModelView&>;
-};
-
+/// seen (reserve() sizes them up front), and the reports returned by reference are reused. A
+/// sequence with non-finite scores is reported kNonFinite and left unchanged (NonFinitePolicy::kRefuse).
 template <class Cache>
+  requires DeviceRoundCache<Cache>
 class DeviceRounds {
-  static_assert(DeviceScorer<typename Cache::scorer_type>,
-                "DeviceRounds<Cache>: the cache's scorer must be a DeviceScorer (device_model() returning the "
-                "ScoreModelView the device round scores with), e.g. cuda::TriAttentionDeviceScorer");
-  static_assert(requires(const typename Cache::selector_type& s) {
-    { s.params() } -> std::convertible_to<const SelectionParams&>;
-  }, "DeviceRounds<Cache>: the cache's selector must describe itself by SelectionParams (params()), e.g. TopKSelector");
-
  public:
   /// Tensor parallelism: union rounds agree through `agree` (see paged_round with an agreement).
   using AgreementFn = std::function<cudaError_t(std::uint8_t* flags, float* vmax, int batch, int max_len, cudaStream_t)>;
@@ -119,7 +125,7 @@ class DeviceRounds {
       if (pending_) report_error(cudaEventSynchronize(event_), "DeviceRounds: waiting for a round at destruction");
       report_error(cudaEventDestroy(event_), "DeviceRounds: cudaEventDestroy");
     }
-    for (void* p : {dev_, ws_, static_cast<void*>(store_), static_cast<void*>(positions_)})
+    for (void* p : {dev_, ws_, static_cast<void*>(positions_)})
       report_error(p != nullptr ? cudaFree(p) : cudaSuccess, "DeviceRounds: cudaFree");
     report_error(host_ != nullptr ? cudaFreeHost(host_) : cudaSuccess, "DeviceRounds: cudaFreeHost");
   }
@@ -396,8 +402,7 @@ class DeviceRounds {
     }
     if (!cfg.track_positions) return;
     const std::size_t R = static_cast<std::size_t>(cfg.model.num_layers) * cfg.model.num_kv_heads;
-    if (store_ == nullptr)  // one entry per (block, slot, row) of the pool
-      TRIATTN_CUDA_TRY(cudaMalloc(&store_, static_cast<std::size_t>(cfg.num_blocks) * cfg.block_size * R * 4));
+    (void)cache_->allocator().position_store(static_cast<int>(R));  // the cache's store, shared by its rounds
     const std::size_t pos = static_cast<std::size_t>(batch) * R * static_cast<std::size_t>(max_keep) * 4;
     if (pos > positions_bytes_) {
       if (positions_ != nullptr) TRIATTN_CUDA_TRY(cudaFree(positions_));
@@ -412,7 +417,7 @@ class DeviceRounds {
   void map_positions(char* d, const Layout& lay, const RoundBatch& rb, const RoundOutputs& out, cudaStream_t stream) {
     const CacheConfig& cfg = cache_->config();
     PositionPass p;
-    p.store = store_;
+    p.store = cache_->allocator().position_store(cfg.model.num_layers * cfg.model.num_kv_heads);
     p.positions = positions_;
     p.in_place = reinterpret_cast<const std::int32_t*>(d + lay.in_place);
     p.explicit_len = reinterpret_cast<const std::int32_t*>(d + lay.explicit_len);
@@ -447,7 +452,6 @@ class DeviceRounds {
   void* host_ = nullptr;  // the same layout, pinned
   void* ws_ = nullptr;
   std::size_t io_bytes_ = 0, ws_bytes_ = 0, positions_bytes_ = 0;
-  std::int32_t* store_ = nullptr;      // tracked positions [num_blocks, block_size, layers * KV heads]
   std::int32_t* positions_ = nullptr;  // the last round's kept positions [batch, rows, max_keep]
   cudaEvent_t event_ = nullptr;
   cudaStream_t stream_ = nullptr;
@@ -458,5 +462,47 @@ class DeviceRounds {
   std::vector<CompressionReport> reports_;
   int batch_ = 0, rows_ = 0, max_keep_ = 0;
 };
+
+/// Original logical position of every slot of row (layer, kv_head) of `seq` ([physical_length]) in
+/// a device cache with CacheConfig::track_positions: KvCache::positions for positions kept on the
+/// device. Copies the sequence's tracked entries of the position store on `stream` and waits.
+/// @throws logic_error naming CacheConfig::track_positions when the cache does not track them, or
+/// on a bad id, layer or head; cuda_error when a copy fails.
+template <class Cache>
+  requires has_device_tables_v<Cache>
+[[nodiscard]] std::vector<std::int32_t> tracked_positions(const Cache& cache, SeqId seq, int layer, int kv_head,
+                                                          cudaStream_t stream) {
+  const CacheConfig& cfg = cache.config();
+  TRIATTN_EXPECTS(cfg.track_positions, "cuda::tracked_positions: the cache does not track positions "
+                                       "(CacheConfig::track_positions)");
+  const int len = cache.physical_length(seq);  // throws on a bad or inactive id
+  TRIATTN_EXPECTS(layer >= 0 && layer < cfg.model.num_layers && kv_head >= 0 && kv_head < cfg.model.num_kv_heads,
+                  "cuda::tracked_positions: (layer " + std::to_string(layer) + ", kv head " + std::to_string(kv_head) +
+                      ") is outside the model");
+  const PositionState ps = cache.position_state(seq);
+  const std::int64_t base = cache.logical_position(seq) - len;  // an appended slot holds base + slot
+  const std::size_t rows = static_cast<std::size_t>(cfg.model.num_layers) * static_cast<std::size_t>(cfg.model.num_kv_heads);
+  const std::size_t row = static_cast<std::size_t>(layer) * static_cast<std::size_t>(cfg.model.num_kv_heads) +
+                          static_cast<std::size_t>(kv_head);
+  std::vector<std::int32_t> p(static_cast<std::size_t>(len));
+  for (int i = 0; i < len; ++i) p[static_cast<std::size_t>(i)] = static_cast<std::int32_t>(i < ps.in_place ? i : base + i);
+  if (ps.explicit_len > ps.in_place) {  // slots [in_place, explicit_len) read the store, block by block
+    const std::int32_t* store = cache.allocator().position_store();
+    TRIATTN_EXPECTS(store != nullptr, "cuda::tracked_positions: sequence " + std::to_string(seq) +
+                                          " has tracked positions but the cache has no position store");
+    const auto table = cache.block_table(seq);
+    const int bs = cfg.block_size;
+    for (int j = ps.in_place / bs; j * bs < ps.explicit_len; ++j) {
+      const int lo = std::max(j * bs, ps.in_place), hi = std::min((j + 1) * bs, ps.explicit_len);
+      const std::int32_t* src =
+          store + (static_cast<std::size_t>(table[static_cast<std::size_t>(j)]) * bs + static_cast<std::size_t>(lo % bs)) * rows + row;
+      TRIATTN_CUDA_TRY(cudaMemcpy2DAsync(p.data() + lo, sizeof(std::int32_t), src, rows * sizeof(std::int32_t),
+                                         sizeof(std::int32_t), static_cast<std::size_t>(hi - lo), cudaMemcpyDeviceToHost,
+                                         stream));
+    }
+    TRIATTN_CUDA_TRY(cudaStreamSynchronize(stream));
+  }
+  return p;
+}
 
 }  // namespace triattn::cuda

@@ -20,6 +20,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <span>
 #include <string>
 #include <utility>
@@ -158,7 +159,7 @@ class WithDeviceTables : public Base {
   static_assert(Base::memory_space == MemorySpace::kDevice, "WithDeviceTables: the base allocator must own device memory");
 
   explicit WithDeviceTables(const CacheConfig& cfg)
-      : Base(cfg), block_size_(cfg.block_size), tables_(cfg.max_seqs, cfg.blocks_per_seq()) {}
+      : Base(cfg), block_size_(cfg.block_size), num_blocks_(cfg.num_blocks), tables_(cfg.max_seqs, cfg.blocks_per_seq()) {}
 
   /// Device block tables [max_seqs, max_blocks_per_seq] as of the last publish().
   [[nodiscard]] const std::int32_t* published_tables() const noexcept { return tables_.tables(); }
@@ -171,9 +172,37 @@ class WithDeviceTables : public Base {
   }
   [[nodiscard]] DeviceTables& device_tables() noexcept { return tables_; }
 
+  /// The tracked positions of a cache with CacheConfig::track_positions, beside the KV: int32
+  /// [num_blocks, block_size, rows] (rows = layers * KV heads) in device memory, indexed like the
+  /// pool, allocated at the first call. One store per cache, so every round over it (KvCache::compress
+  /// on the device, any cuda::DeviceRounds) reads what the previous one wrote; an entry is written
+  /// by the round that compacts its slot before any round reads it (positions_kernel.cuh).
+  /// @throws logic_error when rows differs from the first call's, cuda_error when allocation fails.
+  [[nodiscard]] std::int32_t* position_store(int rows) {
+    TRIATTN_EXPECTS(rows > 0 && (store_rows_ == 0 || rows == store_rows_),
+                    "WithDeviceTables::position_store: rows = " + std::to_string(rows) + " (the store holds " +
+                        std::to_string(store_rows_) + " rows per slot)");
+    if (store_ == nullptr) {
+      void* p = nullptr;
+      TRIATTN_CUDA_TRY(cudaMalloc(&p, static_cast<std::size_t>(num_blocks_) * static_cast<std::size_t>(block_size_) *
+                                          static_cast<std::size_t>(rows) * sizeof(std::int32_t)));
+      store_.reset(static_cast<std::int32_t*>(p));
+      store_rows_ = rows;
+    }
+    return store_.get();
+  }
+  /// The store position_store() allocated (null before its first call).
+  [[nodiscard]] const std::int32_t* position_store() const noexcept { return store_.get(); }
+
  private:
+  struct DeviceFree {
+    void operator()(std::int32_t* p) const noexcept { report_error(cudaFree(p), "WithDeviceTables: cudaFree"); }
+  };
   int block_size_;
+  int num_blocks_;
   DeviceTables tables_;
+  std::unique_ptr<std::int32_t, DeviceFree> store_;
+  int store_rows_ = 0;
 };
 
 /// StaticAllocator over one cudaMalloc, with published device tables.

@@ -4,12 +4,16 @@
 // C_f, the offsets, s²) are uploaded once at construction; every round after that computes its
 // weights on the device from t0, so the device paths need no per-round host work.
 //
-// Two ways to use it:
-//   * KvCache::compress(seq) calls score(view, seq, length, t0, std::span<float> out) with a host
-//     span (the CPU selector then picks the plan and the DeviceCompactor applies it). That path
-//     uploads (seq, t0), launches, and copies [L, Hq, length] scores back: it synchronises.
-//   * Engines call device_model() and run cuda::score / cuda::compression_round themselves with
-//     device arrays, asynchronously and capturable in a CUDA graph (score_async is a shorthand).
+// Three ways to use it:
+//   * KvCache::compress(seq) / compress_if_needed(seqs) on a cache with device tables and a
+//     selector with SelectionParams call compress_round(): the batched device round of
+//     cuda::DeviceRounds (score, select, compact, positions when tracked) on stream(), waited for.
+//     Scores and keep sets never leave the device; a few integers per sequence come back.
+//   * score(view, seq, length, t0, std::span<float> out) copies [L, Hq, length] scores to the host
+//     (synchronises): what KvCache rounds use where the device round cannot run (a
+//     tensor-parallel selector that meets the other ranks in select()), and tests comparing scores.
+//   * Engines call device_model() and run cuda::score / cuda::paged_round themselves with device
+//     arrays, asynchronously and capturable in a CUDA graph (score_async is a shorthand).
 #pragma once
 
 #include <algorithm>
@@ -17,6 +21,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <span>
 #include <string>
 #include <utility>
@@ -33,6 +38,7 @@
 #include <triattn/core/stats/query_stats.hpp>
 #include <triattn/cuda/algorithms/score.cuh>
 #include <triattn/cuda/config.cuh>
+#include <triattn/cuda/device_kv_cache.cuh>
 #include <triattn/cuda/dispatch.cuh>
 #include <triattn/cuda/error.cuh>
 #include <triattn/cuda/launch.cuh>
@@ -116,6 +122,28 @@ class TriAttentionDeviceScorer {
     TRIATTN_CUDA_TRY(
         cudaMemcpyAsync(out.data(), dev_scores, out.size() * sizeof(float), cudaMemcpyDeviceToHost, stream_));
     TRIATTN_CUDA_TRY(cudaStreamSynchronize(stream_));
+  }
+
+  /// KvCache's round on a device cache (KvCache::compress / compress_if_needed call it with the
+  /// checked sequences to compress): cuda::DeviceRounds' batched round over `seqs` on stream(),
+  /// waited for. Every sequence is brought to its keep count (RoundTrigger::kAlways); scores and
+  /// keep sets stay on the device, and with CacheConfig::track_positions so do the positions.
+  /// `reports` gets one per sequence, in order. Not while a DeviceRounds round over any of `seqs`
+  /// is in flight. @throws logic_error (cache unchanged) as DeviceRounds::launch and wait do.
+  template <class Cache>
+    requires DeviceRoundCache<Cache> && (!requires(const typename Cache::selector_type& s) { s.collective(); })
+  void compress_round(Cache& cache, std::span<const SeqId> seqs, std::vector<CompressionReport>& reports) {
+    // One DeviceRounds per cache, its buffers reused round after round; a moved cache gets a new one.
+    if (rounds_ == nullptr || rounds_cache_ != static_cast<const void*>(&cache) || rounds_type_ != &kRoundsOf<Cache>) {
+      rounds_ = std::make_shared<DeviceRounds<Cache>>(cache);
+      rounds_cache_ = &cache;
+      rounds_type_ = &kRoundsOf<Cache>;
+    }
+    auto& rounds = *static_cast<DeviceRounds<Cache>*>(rounds_.get());
+    // Compactions (apply_keep_plan) queued on the compactor's stream come first.
+    if constexpr (requires { cache.compactor().synchronize(); }) cache.compactor().synchronize();
+    rounds.launch(seqs, stream_);
+    reports = rounds.wait();
   }
 
   /// Device path: asynchronous cuda::score with this scorer's constants (see cuda::score).
@@ -239,6 +267,9 @@ class TriAttentionDeviceScorer {
     std::swap(constants_, o.constants_);
     std::swap(scratch_, o.scratch_);
     std::swap(scratch_bytes_, o.scratch_bytes_);
+    std::swap(rounds_, o.rounds_);
+    std::swap(rounds_cache_, o.rounds_cache_);
+    std::swap(rounds_type_, o.rounds_type_);
   }
 
   TriAttentionModel model_;
@@ -247,6 +278,12 @@ class TriAttentionDeviceScorer {
   char* constants_ = nullptr;       // [upload() layout] device constants
   char* scratch_ = nullptr;         // [kHeaderBytes + L·Hq·length floats] score() scratch
   std::size_t scratch_bytes_ = 0;
+  // compress_round's DeviceRounds<Cache> of the cache at rounds_cache_; rounds_type_ names Cache.
+  template <class Cache>
+  static constexpr char kRoundsOf = 0;
+  std::shared_ptr<void> rounds_;
+  const void* rounds_cache_ = nullptr;
+  const char* rounds_type_ = nullptr;
 };
 
 }  // namespace triattn::cuda
