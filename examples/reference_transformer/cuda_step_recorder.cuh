@@ -584,9 +584,18 @@ class StepRecorder {
     if (why == FlushReason::kLayersDone) step_open = false;
     else if (step_open) mid_flush = true;
 
-    if (graphable && opt.graph_buckets && !all_reduce) {  // one graph per batch bucket
-      const int n = ops.front().n;
-      if (pad_decode_step(*this, n, decode_bucket(n))) ++stats.padded_steps;
+    if (graphable) {
+      if (opt.graph_buckets && !all_reduce) {  // one graph per batch bucket
+        const int n = ops.front().n;
+        if (pad_decode_step(*this, n, decode_bucket(n))) ++stats.padded_steps;
+      }
+      // What only the padding reads stays out of the signature (the spare slot moves as
+      // sequences come and go; the plan already holds what the length bound decides).
+      for (cuda_detail::Op& o : ops)
+        if (o.kind == cuda_detail::OpKind::kAttention && o.flag == cuda_detail::kAttnDecode) {
+          o.spare_seq = -1;
+          o.count = 0;
+        }
     }
     if (graphable) {  // a replay needs no planning: the launches are the graph's
       const std::vector<unsigned char> sig = signature();

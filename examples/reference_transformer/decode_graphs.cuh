@@ -151,7 +151,6 @@ template <class Recorder>
             !rows_in(o.y, static_cast<long long>(B) * o.a * o.d) || !rows_in(o.x, static_cast<long long>(B) * o.a * o.d))
           return false;
         o.n = B;
-        o.spare_seq = 0;  // the spare slot is in the arena now
         attn_at.push_back(out.size());
         break;
       case OpKind::kAllReduce: return false;
