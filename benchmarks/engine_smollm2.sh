@@ -16,7 +16,8 @@
 # Env: BUILD (build dir holding examples/reference_transformer/reference_transformer, default
 #      build-gpu), BIN (the binary itself), MODEL, DATA (shared data dir, default ../shared/data
 #      next to the repository), REQUESTS, PROMPT_TOKENS, STEPS, PREFILL_CHUNK (default 4096),
-#      BUDGET, CALIB_TOKENS.
+#      BUDGET, CALIB_TOKENS, EXTRA_ARGS (more reference_transformer options for both runs, e.g.
+#      "--no-graph-buckets" or "--allocator static").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -56,6 +57,8 @@ PROMPTS=()
 for _ in $(seq "$REQUESTS"); do PROMPTS+=(--prompt-file "$OUT/passage.txt"); done
 RUN=("${COMMON[@]}" --weight-dtype bf16 --kv-dtype bf16 --prefill-chunk "$PREFILL_CHUNK" --steps "$STEPS"
      --prompt-tokens "$PROMPT_TOKENS" "${PROMPTS[@]}")
+read -r -a EXTRA <<<"${EXTRA_ARGS:-}"
+RUN+=("${EXTRA[@]}")
 echo "== $REQUESTS x $PROMPT_TOKENS tokens + $STEPS new, no compression"
 "$BIN" "${RUN[@]}" --json "$OUT/smollm2_full.json" 2>"$OUT/smollm2_full.log"
 echo "== $REQUESTS x $PROMPT_TOKENS tokens + $STEPS new, TriAttention budget $BUDGET"

@@ -113,6 +113,7 @@ struct Options {
   std::string device = "cpu";   // cpu | gpu
   bool weights_bf16 = false;     // GPU: matrices stored as bf16
   bool no_graphs = false;        // GPU: launch decode steps kernel by kernel
+  bool no_graph_buckets = false; // GPU: one decode graph per batch size instead of per bucket
   bool static_pool = false;      // GPU: --allocator static (one cudaMalloc pool) instead of VMM
   int prefill_chunk = 0;         // prefill tokens per step (0: every prompt in one step)
   int prompt_tokens = 0;         // keep the first N tokens of every encoded prompt (0: all)
@@ -171,6 +172,8 @@ void usage() {
       "  --device D            cpu (default) | gpu (needs a build with TRIATTN_ENABLE_CUDA=ON)\n"
       "  --weight-dtype T      gpu: f32 (default) | bf16 weight matrices\n"
       "  --no-graphs           gpu: launch every decode step kernel by kernel (no CUDA graphs)\n"
+      "  --no-graph-buckets    gpu: capture a decode graph per batch size, not per power-of-two\n"
+      "                        bucket (decode steps are then never padded)\n"
       "  --allocator A         gpu: vmm (default: KV pages mapped as used, returned after rounds) |\n"
       "                        static (one pool, all resident); --tp and --system-prompt use static\n"
       "  --tp N                tensor parallelism over N ranks (threads; gpu: devices 0..N-1, NCCL);\n"
@@ -280,6 +283,7 @@ Options parse_args(int argc, char** argv) {
       else if (v == "bf16") o.weights_bf16 = true;
       else throw std::runtime_error("--weight-dtype: '" + v + "' is not f32 or bf16");
     } else if (a == "--no-graphs") o.no_graphs = true;
+    else if (a == "--no-graph-buckets") o.no_graph_buckets = true;
     else if (a == "--allocator") {
       const std::string v = need(i);
       if (v != "vmm" && v != "static") throw std::runtime_error("--allocator: '" + v + "' is not vmm or static");
@@ -675,11 +679,12 @@ void require_gpu() {
   }
 }
 
-/// --weights-bf16, --no-graphs.
+/// --weight-dtype, --no-graphs, --no-graph-buckets.
 ex::CudaBackendOptions backend_options(const Options& o) {
   ex::CudaBackendOptions bo;
   bo.weights = o.weights_bf16 ? ex::WeightType::kBF16 : ex::WeightType::kF32;
   bo.graphs = !o.no_graphs;
+  bo.graph_buckets = !o.no_graph_buckets;
   return bo;
 }
 
