@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Shared pieces of the CUDA benchmarks: H200 rooflines, device allocation and upload, a seeded
-// bf16 fill, bandwidth counters, and the device-to-device copy every copy-bound benchmark is
-// compared against. Benchmark code: errors end the process (TRIATTN_BENCH_CUDA).
+// bf16 fill, bandwidth counters, the device-to-device copy every copy-bound benchmark is
+// compared against, and the card's read bandwidth measured in the running process. Benchmark
+// code: errors end the process (TRIATTN_BENCH_CUDA).
 #pragma once
 
 #include <benchmark/benchmark.h>
@@ -94,6 +95,58 @@ inline void time_device_copy(benchmark::State& state, std::size_t bytes) {
   cudaStreamDestroy(stream);
   cudaFree(src);
   cudaFree(dst);
+}
+
+/// Reads `n` 16-byte words of `p` (grid-stride, four loads in flight per thread) and writes
+/// nothing unless their XOR is a value random data never gives: a kernel that only reads.
+__global__ void read_only_kernel(const uint4* __restrict__ p, std::size_t n, unsigned* sink) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  unsigned acc = 0;
+  std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
+  for (; i + 3 * stride < n; i += 4 * stride) {
+    const uint4 a = __ldcs(p + i), b = __ldcs(p + i + stride), c = __ldcs(p + i + 2 * stride), d = __ldcs(p + i + 3 * stride);
+    acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w ^ c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^ d.z ^ d.w;
+  }
+  for (; i < n; i += stride) {
+    const uint4 a = __ldcs(p + i);
+    acc ^= a.x ^ a.y ^ a.z ^ a.w;
+  }
+  if (acc == 0x9E3779B9u) *sink = acc;
+}
+
+/// The current device's measured read bandwidth in bytes/s: the best of `reps` passes of
+/// read_only_kernel over `bytes` (many times L2, so every pass reads HBM), measured once per
+/// process. Decode steps read weights and KV once: this is their floor's denominator.
+inline double measured_read_bandwidth(std::size_t bytes = std::size_t{2} << 30, int reps = 10) {
+  static double bw = 0;
+  if (bw > 0) return bw;
+  const std::size_t words = bytes / 16;
+  uint4* p = device_alloc<uint4>(words);
+  unsigned* sink = device_alloc<unsigned>(1);
+  fill_random_bf16<<<1024, 256>>>(reinterpret_cast<std::uint16_t*>(p), words * 8, 7);
+  int sms = 0, dev = 0;
+  TRIATTN_BENCH_CUDA(cudaGetDevice(&dev));
+  TRIATTN_BENCH_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  cudaEvent_t t0, t1;
+  TRIATTN_BENCH_CUDA(cudaEventCreate(&t0));
+  TRIATTN_BENCH_CUDA(cudaEventCreate(&t1));
+  float best = 0.f;
+  for (int r = 0; r <= reps; ++r) {  // pass 0 warms up
+    TRIATTN_BENCH_CUDA(cudaEventRecord(t0));
+    read_only_kernel<<<static_cast<unsigned>(sms * 8), 512>>>(p, words, sink);
+    TRIATTN_BENCH_CUDA(cudaEventRecord(t1));
+    TRIATTN_BENCH_CUDA(cudaEventSynchronize(t1));
+    float ms = 0.f;
+    TRIATTN_BENCH_CUDA(cudaEventElapsedTime(&ms, t0, t1));
+    if (r > 0 && (best == 0.f || ms < best)) best = ms;
+  }
+  TRIATTN_BENCH_CUDA(cudaGetLastError());
+  cudaEventDestroy(t0);
+  cudaEventDestroy(t1);
+  cudaFree(p);
+  cudaFree(sink);
+  bw = static_cast<double>(words * 16) / (static_cast<double>(best) * 1e-3);
+  return bw;
 }
 
 }  // namespace triattn::bench

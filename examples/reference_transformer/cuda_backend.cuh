@@ -157,7 +157,13 @@ class CudaBackend {
     State& s = *s_;
     s.flush(FlushReason::kOther);  // the buffer this one replaces may still be named by pending ops
     Buffer b;
-    b.mem_ = std::shared_ptr<void>(cuda_detail::device_alloc(n * sizeof(float)).release(), cuda_detail::DeviceFree{});
+    void* raw = cuda_detail::device_alloc(n * sizeof(float)).release();
+    // Tracked while it lives: a decode step is padded to its bucket only inside such buffers.
+    b.mem_ = std::shared_ptr<void>(raw, [owner = std::weak_ptr<State>(s_)](void* p) noexcept {
+      if (const std::shared_ptr<State> st = owner.lock()) st->buffers.remove(p);
+      cuda_detail::DeviceFree{}(p);
+    });
+    s.buffers.add(raw, n * sizeof(float));
     b.ptr_ = static_cast<float*>(b.mem_.get());
     b.n_ = n;
     TRIATTN_CUDA_TRY(cudaMemsetAsync(b.ptr_, 0, n * sizeof(float), s.stream));
@@ -392,6 +398,8 @@ class CudaBackend {
       const int bound = (max_len + State::kPlanGranule - 1) / State::kPlanGranule * State::kPlanGranule;
       o.plan = triattn::cuda::decode_attention::make_plan(triattn::dtype_of<T>, n, c.n_kv_heads, c.group_size(), bound,
                                                           s.resident_ctas<T>(c.head_dim));
+      o.count = bound;                    // a padded step re-plans for its bucket (decode_graphs.cuh)
+      o.spare_seq = s.spare_seq(cache);  // what its padding rows attend to
       o.workspace_bytes = triattn::cuda::decode_attention::workspace_size(o.plan, n, c.n_heads, c.head_dim);
       o.workspace = o.workspace_bytes > 0 ? s.scratch(State::kWorkspace, o.workspace_bytes) : nullptr;
       if constexpr (!std::is_same_v<T, float>)

@@ -10,8 +10,9 @@
 //   rmsnorm + matmul per picked row (classifier)  -> one RMSNorm + one GEMV over the picked rows
 // Flushes happen when the layers are done (the model's 2 * n_layers residual adds), at
 // host_view(), alloc(), the next step's embed() and synchronize(). A step whose rows are all
-// decode rows is captured into a CUDA graph at that first flush and replayed afterwards while
-// the op list (pointers, shapes, decode-attention plan) stays the same; per-step data (token
+// decode rows is padded to its batch bucket (decode_graphs.cuh: one graph per power of two
+// serves every batch size in it), captured into a CUDA graph at that first flush and replayed
+// afterwards while the op list (pointers, shapes, decode-attention plan) stays the same; per-step data (token
 // ids, positions, slots, sequence ids) lives in a device arena uploaded before each launch, and
 // the block tables are published (cuda::publish) at the step's first write_kv. Kernels are
 // launched with programmatic dependent launch: each GEMV fetches its first weights while the
@@ -63,6 +64,8 @@ enum class WeightType : int { kF32 = 0, kBF16 = 1 };
 struct CudaBackendOptions {
   WeightType weights = WeightType::kF32;
   bool graphs = true;            ///< capture decode steps into CUDA graphs and replay them
+  /// pad decode steps to power-of-two batch buckets: one graph per bucket (decode_graphs.cuh)
+  bool graph_buckets = true;
   bool pdl = true;               ///< programmatic dependent launch between the backend's kernels
   bool fuse = true;              ///< fused epilogues, batched matmuls, RoPE + KV write in one pass
   bool direct_kv_write = false;  ///< the RoPE kernel writes K/V into the cache itself (else triattn's append kernel)
@@ -203,6 +206,11 @@ class Arena {
     return off < 0 ? nullptr : reinterpret_cast<const T*>(static_cast<const char*>(dev_.get()) + off);
   }
   [[nodiscard]] const void* device_base() const noexcept { return dev_.get(); }
+  /// What was pushed at `off` (host staging; valid until the next reset).
+  template <class T>
+  [[nodiscard]] const T* host(long long off) const {
+    return reinterpret_cast<const T*>(static_cast<const char*>(host_.get()) + off);
+  }
 
  private:
   void grow(std::size_t need, cudaStream_t stream) {
@@ -248,7 +256,7 @@ struct Op {
   int d;                // head_dim (write_kv, attention)
   int layer;
   float eps;
-  long long count;      // add / swiglu: elements
+  long long count;      // add / swiglu: elements; attention: prefill tiles, or the decode plan's length bound
   float* y;             // output or in-place target
   const float* x;       // input
   const float* x2;      // add: y; swiglu: up; write_kv: v; rope: float32 frequencies
@@ -258,7 +266,7 @@ struct Op {
   long long arena_c;    // attention (prefill kernel): PrefillTile array; `count` holds its length
   triattn::KvCacheView<float, std::int32_t> view;  // type-erased cache view (write_kv, attention)
   triattn::cuda::DecodeAttentionPlan plan;
-  int pad1;
+  int spare_seq;        // attention (decode): a sequence slot of length 0 for padding rows, -1: none
   void* q_t;            // attention (decode, 16-bit cache): q converted to the cache type
   void* workspace;
   std::size_t workspace_bytes;
@@ -270,6 +278,7 @@ inline Op make_op(OpKind k) {
   std::memset(static_cast<void*>(&o), 0, sizeof o);
   o.kind = k;
   o.arena_a = o.arena_b = o.arena_c = -1;
+  o.spare_seq = -1;
   return o;
 }
 
@@ -304,6 +313,7 @@ enum class FlushReason { kLayersDone, kOther };
 struct RecorderStats {
   std::uint64_t graph_captures = 0;  ///< steps captured into a new graph
   std::uint64_t graph_replays = 0;   ///< steps replayed from a captured graph (captures included)
+  std::uint64_t padded_steps = 0;    ///< decode steps padded to their batch bucket (decode_graphs.cuh)
   std::uint64_t eager_flushes = 0;   ///< flushes launched kernel by kernel
   std::uint64_t kernels = 0;         ///< kernels the backend launched itself (outside replays)
   std::uint64_t prefill_attention = 0;  ///< attention ops run by the tensor-core prefill kernel
@@ -311,6 +321,15 @@ struct RecorderStats {
 
 /// Tensor parallelism: an in-place sum of `count` device floats over the ranks on `stream`.
 using AllReduceFn = std::function<void(float* x, std::size_t count, cudaStream_t stream)>;
+
+}  // namespace cuda_detail
+}  // namespace triattn_example
+
+// Padding of decode steps to batch buckets: needs the op list above, used by the flush below.
+#include "decode_graphs.cuh"
+
+namespace triattn_example {
+namespace cuda_detail {
 
 /// CudaBackend's state, shared by its copies: the stream, the recorded ops of the open step, the
 /// per-step arena, scratch buffers and the captured graphs.
@@ -373,6 +392,9 @@ class StepRecorder {
   int tp_size = 1;
   AllReduceFn all_reduce;  // empty: a single rank
   std::unique_ptr<CublasContext> cublas;  // created at the first matmul that goes to cuBLAS
+  BufferMap buffers;  // the activation buffers alloc() handed out (padding stays inside them)
+  const void* spare_cache = nullptr;  // the cache whose spare slot was looked up this step
+  int spare = -1;
 
   explicit StepRecorder(const Options& o) : opt(o) {
     TRIATTN_CUDA_TRY(cudaStreamCreate(&stream));  // blocking: legacy-stream copies wait for it
@@ -403,6 +425,31 @@ class StepRecorder {
     adds = 0;
     step_open = true;
     mid_flush = false;
+    spare_cache = nullptr;
+  }
+
+  /// After the arena was rebuilt (pad_decode_step): later calls of the step push their rows again.
+  void forget_row_memos() {
+    rows_copy.clear();
+    rows_info = RowInfo{};
+    slot_memo.clear();
+    slot_cursor = 0;
+  }
+
+  /// A sequence slot of `cache` holding no token (padding rows of a decode step attend to it),
+  /// or -1; looked up once per step.
+  template <class Cache>
+  int spare_seq(const Cache& cache) {
+    if (spare_cache == static_cast<const void*>(&cache)) return spare;
+    spare_cache = &cache;
+    spare = -1;
+    const auto lens = cache.host_lengths();
+    for (std::size_t s = 0; s < lens.size(); ++s)
+      if (lens[s] == 0) {
+        spare = static_cast<int>(s);
+        break;
+      }
+    return spare;
   }
 
   template <class Cache>
@@ -537,6 +584,19 @@ class StepRecorder {
     if (why == FlushReason::kLayersDone) step_open = false;
     else if (step_open) mid_flush = true;
 
+    if (graphable) {
+      if (opt.graph_buckets && !all_reduce) {  // one graph per batch bucket
+        const int n = ops.front().n;
+        if (pad_decode_step(*this, n, decode_bucket(n))) ++stats.padded_steps;
+      }
+      // What only the padding reads stays out of the signature (the spare slot moves as
+      // sequences come and go; the plan already holds what the length bound decides).
+      for (cuda_detail::Op& o : ops)
+        if (o.kind == cuda_detail::OpKind::kAttention && o.flag == cuda_detail::kAttnDecode) {
+          o.spare_seq = -1;
+          o.count = 0;
+        }
+    }
     if (graphable) {  // a replay needs no planning: the launches are the graph's
       const std::vector<unsigned char> sig = signature();
       for (Graph& g : graphs)
@@ -573,10 +633,11 @@ class StepRecorder {
   /// the arena's device address and the scratch buffers the planner adds.
   std::vector<unsigned char> signature() const {
     const void* extra[4] = {arena.device_base(), scratch_mem[kKt].get(), scratch_mem[kVt].get(), scratch_mem[kXt].get()};
-    const unsigned char flags[5] = {static_cast<unsigned char>(opt.fuse), static_cast<unsigned char>(opt.pdl),
+    const unsigned char flags[6] = {static_cast<unsigned char>(opt.fuse), static_cast<unsigned char>(opt.pdl),
                                     static_cast<unsigned char>(opt.direct_kv_write),
                                     static_cast<unsigned char>(opt.gemv_variant + 1),
-                                    static_cast<unsigned char>(opt.matmul_path)};
+                                    static_cast<unsigned char>(opt.matmul_path),
+                                    static_cast<unsigned char>(opt.graph_buckets)};
     std::vector<unsigned char> sig(ops.size() * sizeof(cuda_detail::Op) + sizeof extra + sizeof flags);
     unsigned char* out = sig.data();
     std::memcpy(out, ops.data(), ops.size() * sizeof(cuda_detail::Op));

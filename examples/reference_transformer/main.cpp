@@ -113,8 +113,11 @@ struct Options {
   std::string device = "cpu";   // cpu | gpu
   bool weights_bf16 = false;     // GPU: matrices stored as bf16
   bool no_graphs = false;        // GPU: launch decode steps kernel by kernel
+  bool no_graph_buckets = false; // GPU: one decode graph per batch size instead of per bucket
   bool static_pool = false;      // GPU: --allocator static (one cudaMalloc pool) instead of VMM
   int prefill_chunk = 0;         // prefill tokens per step (0: every prompt in one step)
+  int prompt_tokens = 0;         // keep the first N tokens of every encoded prompt (0: all)
+  std::string json_out;          // --json PATH: the run's numbers as one JSON object
   int tp = 1;                    // tensor-parallel ranks
   triattn::PruningMode mode = triattn::PruningMode::kPerHead;
 };
@@ -161,10 +164,16 @@ void usage() {
       "  --report-every N      status line every N decode steps (default 64; 0 = off)\n"
       "  --prefill-chunk N     prefill at most N prompt tokens per step (e.g. 512-2048; default 0:\n"
       "                        every prompt in one step)\n"
+      "  --prompt-tokens N     keep the first N tokens of every encoded prompt (a shorter prompt is\n"
+      "                        an error): prompts of an exact length for measurements\n"
+      "  --json PATH           write the run's numbers (prefill and decode tok/s, KV live and\n"
+      "                        resident at the end, gpu: device memory in use) to PATH as JSON\n"
       "  --quiet               do not stream the text\n"
       "  --device D            cpu (default) | gpu (needs a build with TRIATTN_ENABLE_CUDA=ON)\n"
       "  --weight-dtype T      gpu: f32 (default) | bf16 weight matrices\n"
       "  --no-graphs           gpu: launch every decode step kernel by kernel (no CUDA graphs)\n"
+      "  --no-graph-buckets    gpu: capture a decode graph per batch size, not per power-of-two\n"
+      "                        bucket (decode steps are then never padded)\n"
       "  --allocator A         gpu: vmm (default: KV pages mapped as used, returned after rounds) |\n"
       "                        static (one pool, all resident); --tp and --system-prompt use static\n"
       "  --tp N                tensor parallelism over N ranks (threads; gpu: devices 0..N-1, NCCL);\n"
@@ -262,6 +271,8 @@ Options parse_args(int argc, char** argv) {
     } else if (a == "--block-size") o.block_size = to_int(a, need(i), 1, 1 << 16);
     else if (a == "--report-every") o.report_every = to_int(a, need(i), 0, kIntMax);
     else if (a == "--prefill-chunk") o.prefill_chunk = to_int(a, need(i), 0, kIntMax);
+    else if (a == "--prompt-tokens") o.prompt_tokens = to_int(a, need(i), 1, kIntMax);
+    else if (a == "--json") o.json_out = need(i);
     else if (a == "--quiet") o.quiet = true;
     else if (a == "--device") {
       o.device = need(i);
@@ -272,6 +283,7 @@ Options parse_args(int argc, char** argv) {
       else if (v == "bf16") o.weights_bf16 = true;
       else throw std::runtime_error("--weight-dtype: '" + v + "' is not f32 or bf16");
     } else if (a == "--no-graphs") o.no_graphs = true;
+    else if (a == "--no-graph-buckets") o.no_graph_buckets = true;
     else if (a == "--allocator") {
       const std::string v = need(i);
       if (v != "vmm" && v != "static") throw std::runtime_error("--allocator: '" + v + "' is not vmm or static");
@@ -358,7 +370,9 @@ triattn::CacheConfig make_cache_config(const ex::ModelConfig& mc, const std::vec
   cfg.block_size = o.block_size;
   cfg.dtype = o.kv_dtype;
   cfg.layout = triattn::KvLayout::kNHD;
-  cfg.max_seqs = static_cast<int>(prompts.size());
+  // One slot more than prompts: never used, it is the empty sequence the padding rows of
+  // bucketed decode graphs attend to (decode_graphs.cuh); it holds no block.
+  cfg.max_seqs = static_cast<int>(prompts.size()) + 1;
   std::int64_t total = 0, widest = 1;
   for (const auto& p : prompts) {
     std::int64_t peak = static_cast<std::int64_t>(p.size()) + o.steps;
@@ -389,6 +403,77 @@ void print_status(const Cache& cache, std::span<const ex::SequenceResult> res) {
                  cache.physical_length(r.seq), static_cast<long long>(cache.logical_position(r.seq)),
                  r.compression_rounds, static_cast<long long>(r.tokens_evicted));
   }
+}
+
+/// JSON text of a string (quotes, backslashes and control characters escaped).
+std::string json_string(const std::string& s) {
+  std::string out = "\"";
+  for (const unsigned char c : s) {
+    if (c == '"' || c == '\\') out += {'\\', static_cast<char>(c)};
+    else if (c < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\u%04x", c);
+      out += buf;
+    } else out += static_cast<char>(c);
+  }
+  return out + "\"";
+}
+
+/// --json: the run's numbers as one JSON object (written atomically), read at the end of the
+/// run with the sequences still open: prefill and decode rates, the KV cache's live and resident
+/// bytes, and on the GPU the device memory in use (cudaMemGetInfo) and the CUDA-graph counts.
+template <class ModelT, class Cache>
+void write_run_json(const Options& o, ModelT& model, const Cache& cache, std::size_t prompts,
+                    const ex::GenerationStats& st, std::int64_t generated, double total_s) {
+  constexpr bool kCompress = !std::is_same_v<typename Cache::scorer_type, triattn::NoScorer>;
+  const triattn::MemoryStats m = cache.memory();
+  auto rate = [](double n, double s) { return s > 0 ? n / s : 0.0; };
+  std::vector<std::pair<std::string, std::string>> f;  // key, JSON value
+  auto num = [&](const char* k, double v) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%.17g", v);
+    f.emplace_back(k, buf);
+  };
+  f.emplace_back("model", json_string(model.full_config().name));
+  f.emplace_back("backend", json_string(ModelT::backend_type::kName));
+  f.emplace_back("kv_dtype", json_string(triattn::dtype_name(cache.config().dtype)));
+  f.emplace_back("compression", kCompress ? "true" : "false");
+  num("budget", kCompress ? o.budget : 0);
+  num("divide_length", kCompress ? o.divide_length : 0);
+  num("prompts", static_cast<double>(prompts));
+  num("prefill_chunk", o.prefill_chunk);
+  num("prefill_tokens", static_cast<double>(st.prefill_tokens));
+  num("prefill_seconds", st.prefill_seconds);
+  num("prefill_tok_s", rate(static_cast<double>(st.prefill_tokens), st.prefill_seconds));
+  num("decode_tokens", static_cast<double>(st.decode_tokens));
+  num("decode_steps", st.decode_steps);
+  num("decode_seconds", st.decode_seconds);
+  num("decode_tok_s", rate(static_cast<double>(st.decode_tokens), st.decode_seconds));
+  num("compress_seconds", st.compress_seconds);
+  num("generated_tokens", static_cast<double>(generated));
+  num("total_seconds", total_s);
+  num("kv_bytes_live", static_cast<double>(m.bytes_live));
+  num("kv_bytes_in_used_blocks", static_cast<double>(m.bytes_in_used_blocks));
+  num("kv_bytes_resident", static_cast<double>(m.bytes_resident));
+  num("kv_resident_over_live", m.bytes_live > 0 ? static_cast<double>(m.bytes_resident) / static_cast<double>(m.bytes_live) : 0.0);
+#if defined(TRIATTN_EXAMPLE_CUDA)
+  if constexpr (std::is_same_v<typename ModelT::backend_type, ex::CudaBackend>) {
+    model.backend().synchronize();
+    const auto bs = model.backend().stats();
+    f.emplace_back("weights", json_string(ex::weight_type_name(model.backend().options().weights)));
+    f.emplace_back("allocator", json_string(o.static_pool ? "static" : "vmm"));
+    num("device_memory_used_bytes", static_cast<double>(ex::device_memory_used()));
+    num("graph_captures", static_cast<double>(bs.graph_captures));
+    num("graph_replays", static_cast<double>(bs.graph_replays));
+    num("graph_padded_steps", static_cast<double>(bs.padded_steps));
+  }
+#endif
+  std::string text = "{\n";
+  for (std::size_t i = 0; i < f.size(); ++i)
+    text += "  " + json_string(f[i].first) + ": " + f[i].second + (i + 1 < f.size() ? ",\n" : "\n");
+  text += "}\n";
+  triattn::write_file_atomically(o.json_out, std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(text.data()), text.size()), "--json");
+  std::fprintf(stderr, "numbers written to %s\n", o.json_out.c_str());
 }
 
 /// Tensor parallelism: which rank run() is, and where it leaves its KV memory at the end.
@@ -523,6 +608,7 @@ int run(ModelT& model, Cache& cache, const TextCodec& codec, const std::vector<s
   }
 #endif
   print_status(cache, std::span<const ex::SequenceResult>(res));
+  if (!o.json_out.empty()) write_run_json(o, model, cache, prompts.size(), st, generated, total_s);
 
   if (calibrator != nullptr) {
     const std::string& out = o.calibrate_out;
@@ -593,11 +679,12 @@ void require_gpu() {
   }
 }
 
-/// --weights-bf16, --no-graphs.
+/// --weight-dtype, --no-graphs, --no-graph-buckets.
 ex::CudaBackendOptions backend_options(const Options& o) {
   ex::CudaBackendOptions bo;
   bo.weights = o.weights_bf16 ? ex::WeightType::kBF16 : ex::WeightType::kF32;
   bo.graphs = !o.no_graphs;
+  bo.graph_buckets = !o.no_graph_buckets;
   return bo;
 }
 
@@ -846,6 +933,7 @@ int real_main(int argc, char** argv) {
   const std::string data_dir = TRIATTN_SHARED_DATA_DIR;
   // The output path is checked now, not after the run: a FIFO or a missing directory fails fast.
   if (!o.calibrate_out.empty()) triattn::check_write_target(o.calibrate_out, "--calibrate");
+  if (!o.json_out.empty()) triattn::check_write_target(o.json_out, "--json");
 
   ex::ModelWeights weights;
   TextCodec codec;
@@ -892,6 +980,13 @@ int real_main(int argc, char** argv) {
 
   std::vector<std::vector<int>> prompts;
   for (const std::string& p : o.prompts) prompts.push_back(codec.encode(serve.system_prompt + p));
+  if (o.prompt_tokens > 0)
+    for (std::size_t i = 0; i < prompts.size(); ++i) {
+      if (prompts[i].size() < static_cast<std::size_t>(o.prompt_tokens))
+        throw std::runtime_error("--prompt-tokens " + std::to_string(o.prompt_tokens) + ": prompt " + std::to_string(i) +
+                                 " has only " + std::to_string(prompts[i].size()) + " tokens");
+      prompts[i].resize(static_cast<std::size_t>(o.prompt_tokens));
+    }
   // GGUF models (the ones with a BPE codec) state llama.context_length; llama2.c's seq_len is
   // nominal (stories260K runs past its 512 in the demo) and synthetic models have none.
   if (codec.bpe && weights.config.max_seq_len > 0) check_context_length(prompts, o.steps, weights.config);
@@ -912,7 +1007,8 @@ int real_main(int argc, char** argv) {
 
   const triattn::CacheConfig cfg = make_cache_config(mc, prompts, o, compress);
   if (serve.on) {
-    if (o.tp > 1 || calibrator) throw std::runtime_error("--system-prompt serves with --tp 1, without --calibrate");
+    if (o.tp > 1 || calibrator || !o.json_out.empty())
+      throw std::runtime_error("--system-prompt serves with --tp 1, without --calibrate or --json");
 #if defined(TRIATTN_EXAMPLE_CUDA)
     if (o.device == "gpu") return run_serve_gpu(o, serve, weights, codec, prompts, cfg, compress);
 #endif
