@@ -404,11 +404,12 @@ class CudaBackend {
       o.workspace = o.workspace_bytes > 0 ? s.scratch(State::kWorkspace, o.workspace_bytes) : nullptr;
       if constexpr (!std::is_same_v<T, float>)
         o.q_t = s.scratch(State::kQt, static_cast<std::size_t>(n) * c.q_dim() * sizeof(T));
-    } else if (gpu::prefill_attention_refusal(cache.template view<T>(), c.head_dim).empty()) {
+    } else if (gpu::prefill_attention_refusal(cache.template view<T>(), c.head_dim, c.group_size()).empty()) {
       // Prefill (or mixed) rows of a 16-bit cache: the tensor-core kernel over the row tiles.
       o.flag = cuda_detail::kAttnPrefill;
-      o.arena_c = ri.tiles;
-      o.count = ri.n_tiles;
+      const State::RowInfo ti = s.prefill_tiles(c.group_size());
+      o.arena_c = ti.tiles;
+      o.count = ti.n_tiles;
     }
     s.ops.push_back(o);
   }

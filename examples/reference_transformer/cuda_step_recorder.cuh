@@ -342,8 +342,9 @@ class StepRecorder {
 
   struct RowInfo {
     long long pos = -1, seq = -1, slot = -1;
-    long long tiles = -1;  // gpu::PrefillTile array of the rows (prefill_attention.cuh)
+    long long tiles = -1;  // gpu::PrefillTile array of the rows (prefill_attention.cuh), by prefill_tiles
     int n_tiles = 0;
+    int tiles_group = 0;   // the GQA group the tiles were cut for
   };
   struct RopeDev {
     const RopeTables* key = nullptr;
@@ -376,6 +377,7 @@ class StepRecorder {
   cuda_detail::Arena arena;
   std::vector<TokenInfo> rows_copy;
   RowInfo rows_info;
+  std::vector<std::int32_t> rows_seq, rows_slot;  // host copies of rows_info.seq / .slot
   std::vector<SlotMemo> slot_memo;
   std::size_t slot_cursor = 0;
   std::vector<RopeDev> ropes;
@@ -465,8 +467,12 @@ class StepRecorder {
         std::memcmp(rows.data(), rows_copy.data(), rows.size_bytes()) == 0)
       return rows_info;
     rows_copy.assign(rows.begin(), rows.end());
+    rows_info = RowInfo{};  // new rows: the tiles too are rebuilt on demand
     std::vector<long long> pos(rows.size());
-    std::vector<std::int32_t> seq(rows.size()), slot(rows.size());
+    std::vector<std::int32_t>& seq = rows_seq;
+    std::vector<std::int32_t>& slot = rows_slot;
+    seq.resize(rows.size());
+    slot.resize(rows.size());
     for (std::size_t i = 0; i < rows.size(); ++i) {
       pos[i] = rows[i].pos;
       seq[i] = rows[i].seq;
@@ -475,9 +481,18 @@ class StepRecorder {
     rows_info.pos = arena.push(pos.data(), pos.size() * sizeof(long long), 16, stream);
     rows_info.seq = arena.push(seq.data(), seq.size() * sizeof(std::int32_t), 16, stream);
     rows_info.slot = arena.push(slot.data(), slot.size() * sizeof(std::int32_t), 16, stream);
-    const std::vector<gpu::PrefillTile> tiles = gpu::build_prefill_tiles(seq.data(), slot.data(), static_cast<int>(rows.size()));
+    return rows_info;
+  }
+
+  /// The prefill attention's tiles of the rows of the last row_info call for GQA group `group`
+  /// (gpu::build_prefill_tiles), in the arena; built once per step and group.
+  RowInfo prefill_tiles(int group) {
+    if (rows_info.tiles >= 0 && rows_info.tiles_group == group) return rows_info;
+    const std::vector<gpu::PrefillTile> tiles =
+        gpu::build_prefill_tiles(rows_seq.data(), rows_slot.data(), static_cast<int>(rows_seq.size()), group);
     rows_info.tiles = arena.push(tiles.data(), tiles.size() * sizeof(gpu::PrefillTile), 16, stream);
     rows_info.n_tiles = static_cast<int>(tiles.size());
+    rows_info.tiles_group = group;
     return rows_info;
   }
 

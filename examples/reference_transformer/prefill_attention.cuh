@@ -9,16 +9,18 @@
 // are physical, not positions: after compression rounds a chunk starting at physical length
 // len_before has row_slot = len_before + i, and the chunk's own K/V are in the cache already.
 //
-// Work split: the host groups the rows into tiles of at most kPrefillTileRows rows of one
-// sequence (build_prefill_tiles); CTA (tile, query head) runs 4 warps of 16 rows each. The KV
-// slots [0, tile.kv_len) stream through shared memory in blocks of kPrefillKvBlock slots
-// (cp.async, 16-byte chunks XOR-swizzled per row so ldmatrix is free of bank conflicts; K of
-// the next block loads while P·V of this one runs). Per block and warp:
-//   S[16 x 64]  = Q[16 x d] · K^T       mma.sync m16n8k16, Q fragments in registers (bf16),
-//                                       K^T fragments by ldmatrix from K rows
-//   online softmax in fp32 (log2 units), per-row causal mask slot <= row_slot
-//   O[16 x d]  += P[16 x 64] · V        P from the S accumulators (hi + lo 16-bit parts, as the
-//                                       decode kernel does: ~16 bits of P), V by ldmatrix.trans
+// Work split (prefill_tiles.hpp): CTA (KV head, tile) runs the tile's rows for all `group` query
+// heads of its KV head as kPrefillMmaRows = 128 MMA rows (8 warps of 16), so each K/V block is
+// read and staged once per GQA group. The KV slots [0, tile.kv_len) stream through shared memory
+// in blocks of kPrefillKvBlock slots, a ring of kPrefillStages blocks in flight (cp.async, 16-byte
+// chunks XOR-swizzled per row so ldmatrix is free of bank conflicts; the page table is read per
+// staged slot). Per block and warp:
+//   S[16 x 64]  = Q[16 x d] · K^T       mma.sync m16n8k16, Q fragments in registers, K^T
+//                                       fragments by ldmatrix from K rows
+//   online softmax in fp32 (log2 units); the causal mask only on blocks crossing a row's limit,
+//   blocks past all of a warp's rows skipped
+//   O[16 x d]  += P[16 x 64] · V        P rounded to the cache type (as FlashAttention does), V
+//                                       by ldmatrix.trans
 // q and out are the backend's fp32 activations [rows, hq, d]; q is rounded to the cache type
 // once (as the decode path does), the logits are scaled in fp32.
 #pragma once
@@ -27,59 +29,38 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <type_traits>
-#include <vector>
 
 #include <triattn/core/dtype.hpp>
 #include <triattn/core/error.hpp>
 #include <triattn/core/kv_view.hpp>
 #include <triattn/cuda/device/async_copy.cuh>
+#include <triattn/cuda/error.cuh>
 #include <triattn/cuda/griddep.cuh>
-#include <triattn/cuda/kernels/decode_attention_kernel.cuh>  // mma_16816, split_pack
+#include <triattn/cuda/kernels/decode_attention_kernel.cuh>  // mma_16816
 #include <triattn/cuda/kernels/score_kernel.cuh>             // ldmatrix_x4
+#include <triattn/cuda/launch.cuh>                           // DynamicSmemGrant
 #include <triattn/cuda/types.cuh>
+
+#include "prefill_tiles.hpp"
 
 namespace triattn_example::gpu {
 
-inline constexpr int kPrefillWarps = 4;
-inline constexpr int kPrefillTileRows = 16 * kPrefillWarps;  // query rows of one CTA
-inline constexpr int kPrefillKvBlock = 64;                   // KV slots per shared-memory block
-
-/// Rows [row0, row0 + rows) of the step, all of sequence seq; kv_len = max row_slot + 1.
-struct PrefillTile {
-  int row0, rows, seq, kv_len;
-};
-
-/// Tiles of the step's rows (row_seq / row_slot per row): runs of consecutive rows of one
-/// sequence, cut every kPrefillTileRows rows.
-inline std::vector<PrefillTile> build_prefill_tiles(const std::int32_t* row_seq, const std::int32_t* row_slot, int n) {
-  std::vector<PrefillTile> tiles;
-  for (int r = 0; r < n; ++r) {
-    PrefillTile* t = tiles.empty() ? nullptr : &tiles.back();
-    if (t == nullptr || t->seq != row_seq[r] || t->rows == kPrefillTileRows) {
-      tiles.push_back(PrefillTile{r, 0, row_seq[r], 0});
-      t = &tiles.back();
-    }
-    ++t->rows;
-    t->kv_len = std::max(t->kv_len, row_slot[r] + 1);
-  }
-  return tiles;
-}
-
-/// Why the tensor-core prefill kernel cannot take this cache and head_dim, or "" if it can:
-/// a 16-bit cache, head_dim 64 or 128, head vectors 16-byte aligned (any NHD / HND / strided
-/// layout whose strides and base keep them so).
+/// Why the tensor-core prefill kernel cannot take this cache, head_dim and GQA group, or "" if
+/// it can: a 16-bit cache, head_dim 64 or 128, group 1..kPrefillMaxGroup, head vectors 16-byte
+/// aligned (any NHD / HND / strided layout whose strides and base keep them so).
 template <class T>
-std::string prefill_attention_refusal(const triattn::KvCacheView<T, std::int32_t>& view, int head_dim) {
+std::string prefill_attention_refusal(const triattn::KvCacheView<T, std::int32_t>& view, int head_dim, int group) {
   const triattn::DType dt = triattn::dtype_of<T>;
   if (dt != triattn::DType::kBF16 && dt != triattn::DType::kF16)
     return std::string("prefill attention: cache dtype ") + triattn::dtype_name(dt) +
            " has no tensor-core path (bf16 and f16 only)";
   if (head_dim != 64 && head_dim != 128)
     return "prefill attention: head_dim " + std::to_string(head_dim) + " is not compiled (64 and 128 only)";
+  if (group < 1 || group > kPrefillMaxGroup)
+    return "prefill attention: GQA group " + std::to_string(group) + " is outside 1.." + std::to_string(kPrefillMaxGroup);
   const triattn::BlockLayout& b = view.block;
   if (b.head_dim != head_dim) return "prefill attention: view.block.head_dim " + std::to_string(b.head_dim) +
                                      " differs from head_dim " + std::to_string(head_dim);
@@ -96,12 +77,17 @@ struct PrefillAttentionParams {
   const float* q;                     ///< [rows, hq, d]
   triattn::KvCacheView<T, std::int32_t> view;
   const std::int32_t* row_slot;       ///< [rows] last slot each row attends to
-  const PrefillTile* tiles;           ///< [gridDim.x]
+  const PrefillTile* tiles;           ///< [gridDim.y], from build_prefill_tiles(..., group)
   int layer;
   int hq;
   int group;                          ///< query heads per KV head
   float scale_log2;                   ///< log2(e) / sqrt(d)
 };
+
+/// Dynamic shared memory of the kernel for head_dim d: kPrefillStages blocks of K and V.
+constexpr std::size_t prefill_smem_bytes(int d) {
+  return static_cast<std::size_t>(kPrefillStages) * 2 * kPrefillKvBlock * d * 2;
+}
 
 namespace detail {
 
@@ -113,11 +99,10 @@ __device__ __forceinline__ void ldmatrix_x4_trans(std::uint32_t (&r)[4], std::ui
                : "r"(addr));
 }
 
-/// Byte offset of 16-byte chunk c of row r in a [kPrefillKvBlock x D] tile: chunks XOR (r % 8),
-/// so the 8 rows an ldmatrix reads land in 8 distinct bank groups.
+/// Byte offset of 16-byte chunk c of row r in a [kPrefillKvBlock x D] tile (prefill_smem_chunk).
 template <int D>
 __device__ __forceinline__ std::uint32_t tile_off(int r, int c) {
-  return static_cast<std::uint32_t>((r * (D / 8) + (c ^ (r & 7))) * 16);
+  return static_cast<std::uint32_t>(prefill_smem_chunk(r, c, D) * 16);
 }
 
 template <class DT>
@@ -133,20 +118,21 @@ __device__ __forceinline__ std::uint32_t pack2(float x, float y) {
 
 }  // namespace detail
 
-/// Grid: [tiles, hq], kPrefillWarps * 32 threads, static shared memory 2 * kPrefillKvBlock * D * 2 bytes.
+/// Grid: [num_kv_heads, tiles], kPrefillWarps * 32 threads, prefill_smem_bytes(D) bytes of
+/// dynamic shared memory. Tiles must hold at most prefill_tile_rows(group) rows (build_prefill_tiles).
 template <int D, class T>
-__global__ void __launch_bounds__(kPrefillWarps * 32) prefill_attention_kernel(PrefillAttentionParams<T> p) {
+__global__ void __launch_bounds__(kPrefillWarps * 32, D == 64 ? 2 : 1) prefill_attention_kernel(PrefillAttentionParams<T> p) {
   using DT = triattn::cuda::device_type_t<T>;
   static_assert(D == 64 || D == 128, "head_dim 64 and 128");
   static_assert(sizeof(DT) == 2, "16-bit caches");
   constexpr int kN = kPrefillKvBlock;
-  constexpr int kCPR = D / 8;    // 16-byte chunks per head vector
   constexpr int kKSteps = D / 16;
   constexpr int kDTiles = D / 8;
   constexpr int kNTiles = kN / 8;
   constexpr int kThreads = kPrefillWarps * 32;
-  __shared__ __align__(128) unsigned char smem_k[kN * D * 2];
-  __shared__ __align__(128) unsigned char smem_v[kN * D * 2];
+  constexpr int kStageBytes = 2 * kN * D * 2;  // K then V of one block
+  static_assert(kThreads % (D / 8) == 0 && kN % (kThreads / (D / 8)) == 0, "copy rows divide the block");
+  extern __shared__ __align__(128) unsigned char prefill_smem[];
 
   triattn::cuda::detail::griddep_launch_dependents();
   triattn::cuda::detail::griddep_wait();  // q and the cache are written by the kernels before
@@ -156,23 +142,31 @@ __global__ void __launch_bounds__(kPrefillWarps * 32) prefill_attention_kernel(P
   const int warp = tid >> 5;
   const int g = lane >> 2;
   const int q4 = lane & 3;
-  const PrefillTile tile = p.tiles[blockIdx.x];
-  const int h = static_cast<int>(blockIdx.y);
-  const int kvh = h / p.group;
+  const int kvh = static_cast<int>(blockIdx.x);
+  const PrefillTile tile = p.tiles[blockIdx.y];
+  const int group = p.group;
+  const int m_valid = tile.rows * group;  // MMA rows holding a (row, head) pair
 
-  // This lane's two rows (g, g + 8 of the warp's 16); rows past the tile attend to nothing.
-  const int ra = warp * 16 + g, rb = ra + 8;
-  const int lim_a = ra < tile.rows ? p.row_slot[tile.row0 + ra] : -1;
-  const int lim_b = rb < tile.rows ? p.row_slot[tile.row0 + rb] : -1;
-  int warp_lim = max(lim_a, lim_b);
+  // This lane's two MMA rows (g, g + 8 of the warp's 16). Rows past m_valid repeat the last
+  // valid one (finite work, never stored); a warp with no valid row skips every block.
+  const int ma = warp * 16 + g, mb = ma + 8;
+  const PrefillMmaRow pa = prefill_mma_row(min(ma, m_valid - 1), group, kvh);
+  const PrefillMmaRow pb = prefill_mma_row(min(mb, m_valid - 1), group, kvh);
+  const int lim_a = p.row_slot[tile.row0 + pa.row];
+  const int lim_b = p.row_slot[tile.row0 + pb.row];
+  int warp_max = max(lim_a, lim_b), warp_min = min(lim_a, lim_b);
 #pragma unroll
-  for (int x = 1; x < 32; x <<= 1) warp_lim = max(warp_lim, __shfl_xor_sync(0xffffffffu, warp_lim, x));
+  for (int x = 1; x < 32; x <<= 1) {
+    warp_max = max(warp_max, __shfl_xor_sync(0xffffffffu, warp_max, x));
+    warp_min = min(warp_min, __shfl_xor_sync(0xffffffffu, warp_min, x));
+  }
+  if (warp * 16 >= m_valid) warp_max = -1;
 
   // Q A fragments: a0 (row g, dims 2q4..), a1 (row g+8), a2 (row g, dims 8+2q4..), a3 (row g+8).
   std::uint32_t qf[kKSteps][4];
   {
-    const float* qa = p.q + (static_cast<std::int64_t>(tile.row0 + min(ra, tile.rows - 1)) * p.hq + h) * D;
-    const float* qb = p.q + (static_cast<std::int64_t>(tile.row0 + min(rb, tile.rows - 1)) * p.hq + h) * D;
+    const float* qa = p.q + (static_cast<std::int64_t>(tile.row0 + pa.row) * p.hq + pa.head) * D;
+    const float* qb = p.q + (static_cast<std::int64_t>(tile.row0 + pb.row) * p.hq + pb.head) * D;
 #pragma unroll
     for (int s = 0; s < kKSteps; ++s) {
       const int c = 16 * s + 2 * q4;
@@ -195,58 +189,79 @@ __global__ void __launch_bounds__(kPrefillWarps * 32) prefill_attention_kernel(P
   const int bs = view.block.block_size;
   const DT* kbase = reinterpret_cast<const DT*>(view.range(p.layer, triattn::KvKind::kKey));
   const DT* vbase = reinterpret_cast<const DT*>(view.range(p.layer, triattn::KvKind::kValue));
-  const std::uint32_t sk = triattn::cuda::detail::smem_addr(smem_k);
-  const std::uint32_t sv = triattn::cuda::detail::smem_addr(smem_v);
+  const std::uint32_t smem0 = triattn::cuda::detail::smem_addr(prefill_smem);
   const int kv_len = tile.kv_len;
-  const int nblocks = (kv_len + kN - 1) / kN;
+  const int nblocks = prefill_kv_blocks(kv_len);
 
-  // Copies slots [n0, n0 + kN) of K or V into shared memory; slots past kv_len repeat the last
-  // one (finite, masked out), so nothing past the tile's slots (or its block table) is read.
-  auto issue = [&](const DT* base, std::uint32_t dst, int n0) {
+  // Stages block blk (slots blk * kN ..) into ring buffer blk % kStages and commits one cp.async
+  // group (empty past the last block, so the group count per iteration stays uniform). This
+  // thread copies one chunk of kRowIters rows (prefill_copy_row), of K and of V; pages[i] holds
+  // those rows' page ids, read one iteration ahead (load_pages) so the table lookup's latency
+  // hides behind a block's math.
+  constexpr int kRowIters = prefill_copy_iters(D);
+  const int c = prefill_copy_chunk(tid, D);
+  int pages[kRowIters];
+  auto load_pages = [&](int blk) {
 #pragma unroll
-    for (int i = tid; i < kN * kCPR; i += kThreads) {
-      const int r = i / kCPR, c = i % kCPR;
-      const int slot = min(n0 + r, kv_len - 1);
-      const std::int64_t off = view.block.offset(table[slot / bs], slot % bs, kvh);
-      triattn::cuda::detail::cp_async_16(dst + detail::tile_off<D>(r, c), base + off + c * 8);
+    for (int i = 0; i < kRowIters; ++i)
+      pages[i] = blk < nblocks ? table[prefill_stage_slot(blk * kN, prefill_copy_row(tid, i, D), kv_len) / bs] : 0;
+  };
+  auto stage = [&](int blk) {
+    if (blk < nblocks) {
+      const std::uint32_t dk = smem0 + static_cast<std::uint32_t>((blk % kPrefillStages) * kStageBytes);
+      const std::uint32_t dv = dk + kN * D * 2;
+#pragma unroll
+      for (int i = 0; i < kRowIters; ++i) {
+        const int r = prefill_copy_row(tid, i, D);
+        const std::int64_t off = prefill_chunk_offset(view.block, pages[i], prefill_stage_slot(blk * kN, r, kv_len), kvh, c);
+        triattn::cuda::detail::cp_async_16(dk + detail::tile_off<D>(r, c), kbase + off);
+        triattn::cuda::detail::cp_async_16(dv + detail::tile_off<D>(r, c), vbase + off);
+      }
     }
     triattn::cuda::detail::cp_async_commit();
   };
 
-  issue(kbase, sk, 0);
-  issue(vbase, sv, 0);
+#pragma unroll
+  for (int b = 0; b < kPrefillStages - 1; ++b) {
+    load_pages(b);
+    stage(b);
+  }
+  load_pages(kPrefillStages - 1);
   for (int blk = 0; blk < nblocks; ++blk) {
-    const int n0 = blk * kN;
-    const bool more = blk + 1 < nblocks;
-    const bool active = n0 <= warp_lim;  // some row of this warp sees a slot of this block
-    triattn::cuda::detail::cp_async_wait<1>();  // K of this block landed (V may be in flight)
+    // Groups committed so far: kStages - 1 + blk; at most kStages - 2 pending means block blk
+    // (group blk) has landed. The barrier publishes it and ends every warp's use of block
+    // blk - 1, whose buffer the next stage call refills.
+    triattn::cuda::detail::cp_async_wait<kPrefillStages - 2>();
     __syncthreads();
+    stage(blk + kPrefillStages - 1);
+    load_pages(blk + kPrefillStages);
+
+    const int n0 = blk * kN;
+    if (!prefill_block_active(n0, warp_max)) continue;  // no row of this warp sees this block
+    const std::uint32_t sk = smem0 + static_cast<std::uint32_t>((blk % kPrefillStages) * kStageBytes);
+    const std::uint32_t sv = sk + kN * D * 2;
 
     float s[kNTiles][4];
 #pragma unroll
     for (int j = 0; j < kNTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-    if (active) {
 #pragma unroll
-      for (int j = 0; j < kNTiles; ++j) {
+    for (int j = 0; j < kNTiles; ++j) {
 #pragma unroll
-        for (int s2 = 0; s2 < kKSteps / 2; ++s2) {
-          // matrices: slots 8j..8j+7 x chunks 4 s2 + 0..3 -> (b0, b1) of k-steps 2 s2 and 2 s2 + 1
-          std::uint32_t b[4];
-          triattn::cuda::detail::ldmatrix_x4(b, sk + detail::tile_off<D>(8 * j + (lane & 7), 4 * s2 + (lane >> 3)));
-          triattn::cuda::detail::mma_16816<DT>(s[j], qf[2 * s2][0], qf[2 * s2][1], qf[2 * s2][2], qf[2 * s2][3],
-                                               b[0], b[1]);
-          triattn::cuda::detail::mma_16816<DT>(s[j], qf[2 * s2 + 1][0], qf[2 * s2 + 1][1], qf[2 * s2 + 1][2],
-                                               qf[2 * s2 + 1][3], b[2], b[3]);
-        }
+      for (int s2 = 0; s2 < kKSteps / 2; ++s2) {
+        // matrices: slots 8j..8j+7 x chunks 4 s2 + 0..3 -> (b0, b1) of k-steps 2 s2 and 2 s2 + 1
+        std::uint32_t b[4];
+        triattn::cuda::detail::ldmatrix_x4(b, sk + detail::tile_off<D>(8 * j + (lane & 7), 4 * s2 + (lane >> 3)));
+        triattn::cuda::detail::mma_16816<DT>(s[j], qf[2 * s2][0], qf[2 * s2][1], qf[2 * s2][2], qf[2 * s2][3], b[0],
+                                             b[1]);
+        triattn::cuda::detail::mma_16816<DT>(s[j], qf[2 * s2 + 1][0], qf[2 * s2 + 1][1], qf[2 * s2 + 1][2],
+                                             qf[2 * s2 + 1][3], b[2], b[3]);
       }
     }
-    __syncthreads();  // every warp is done with K
-    if (more) issue(kbase, sk, n0 + kN);
 
-    std::uint32_t ph[kN / 16][4], pl[kN / 16][4];  // P A fragments, hi and lo parts
-    if (active) {
-      // Causal mask and scale; s[j]: (row g, slots n0+8j+2q4, +1), (row g+8, same slots).
-      float mx_a = -INFINITY, mx_b = -INFINITY;
+    // Scale, and the causal mask where the block crosses a row's limit; s[j]: (row g, slots
+    // n0+8j+2q4, +1), (row g+8, same slots).
+    float mx_a = -INFINITY, mx_b = -INFINITY;
+    if (prefill_block_masked(n0, warp_min)) {
 #pragma unroll
       for (int j = 0; j < kNTiles; ++j) {
         const int t = n0 + 8 * j + 2 * q4;
@@ -254,70 +269,66 @@ __global__ void __launch_bounds__(kPrefillWarps * 32) prefill_attention_kernel(P
         s[j][1] = t + 1 <= lim_a ? s[j][1] * p.scale_log2 : -INFINITY;
         s[j][2] = t <= lim_b ? s[j][2] * p.scale_log2 : -INFINITY;
         s[j][3] = t + 1 <= lim_b ? s[j][3] * p.scale_log2 : -INFINITY;
-        mx_a = fmaxf(mx_a, fmaxf(s[j][0], s[j][1]));
-        mx_b = fmaxf(mx_b, fmaxf(s[j][2], s[j][3]));
       }
+    } else {
 #pragma unroll
-      for (int x = 1; x < 4; x <<= 1) {
-        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, x));
-        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, x));
-      }
-      const float mn_a = fmaxf(m_a, mx_a), mn_b = fmaxf(m_b, mx_b);
-      // A row with no visible slot yet keeps m = -inf: use 0 as its reference (all p are 0).
-      const float ref_a = mn_a == -INFINITY ? 0.f : mn_a, ref_b = mn_b == -INFINITY ? 0.f : mn_b;
-      const float al_a = exp2f(m_a - ref_a), al_b = exp2f(m_b - ref_b);
-      m_a = mn_a;
-      m_b = mn_b;
-      float sum_a = 0.f, sum_b = 0.f;
+      for (int j = 0; j < kNTiles; ++j)
 #pragma unroll
-      for (int j = 0; j < kNTiles; ++j) {
-        s[j][0] = exp2f(s[j][0] - ref_a);
-        s[j][1] = exp2f(s[j][1] - ref_a);
-        s[j][2] = exp2f(s[j][2] - ref_b);
-        s[j][3] = exp2f(s[j][3] - ref_b);
-        sum_a += s[j][0] + s[j][1];
-        sum_b += s[j][2] + s[j][3];
-      }
-      l_a = l_a * al_a + sum_a;
-      l_b = l_b * al_b + sum_b;
+        for (int e = 0; e < 4; ++e) s[j][e] *= p.scale_log2;
+    }
 #pragma unroll
-      for (int j = 0; j < kDTiles; ++j) {
-        o[j][0] *= al_a;
-        o[j][1] *= al_a;
-        o[j][2] *= al_b;
-        o[j][3] *= al_b;
-      }
-      // A fragment of k-step ks (slots 16ks..): a0 = S tile 2ks rows g, a1 = rows g+8, a2/a3 tile 2ks+1.
+    for (int j = 0; j < kNTiles; ++j) {
+      mx_a = fmaxf(mx_a, fmaxf(s[j][0], s[j][1]));
+      mx_b = fmaxf(mx_b, fmaxf(s[j][2], s[j][3]));
+    }
 #pragma unroll
-      for (int ks = 0; ks < kN / 16; ++ks) {
-        triattn::cuda::detail::split_pack<DT>(s[2 * ks][0], s[2 * ks][1], ph[ks][0], pl[ks][0]);
-        triattn::cuda::detail::split_pack<DT>(s[2 * ks][2], s[2 * ks][3], ph[ks][1], pl[ks][1]);
-        triattn::cuda::detail::split_pack<DT>(s[2 * ks + 1][0], s[2 * ks + 1][1], ph[ks][2], pl[ks][2]);
-        triattn::cuda::detail::split_pack<DT>(s[2 * ks + 1][2], s[2 * ks + 1][3], ph[ks][3], pl[ks][3]);
-      }
+    for (int x = 1; x < 4; x <<= 1) {
+      mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, x));
+      mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, x));
+    }
+    const float mn_a = fmaxf(m_a, mx_a), mn_b = fmaxf(m_b, mx_b);
+    // A row with no visible slot yet keeps m = -inf: use 0 as its reference (all p are 0).
+    const float ref_a = mn_a == -INFINITY ? 0.f : mn_a, ref_b = mn_b == -INFINITY ? 0.f : mn_b;
+    const float al_a = exp2f(m_a - ref_a), al_b = exp2f(m_b - ref_b);
+    m_a = mn_a;
+    m_b = mn_b;
+    float sum_a = 0.f, sum_b = 0.f;
+#pragma unroll
+    for (int j = 0; j < kNTiles; ++j) {
+      s[j][0] = exp2f(s[j][0] - ref_a);
+      s[j][1] = exp2f(s[j][1] - ref_a);
+      s[j][2] = exp2f(s[j][2] - ref_b);
+      s[j][3] = exp2f(s[j][3] - ref_b);
+      sum_a += s[j][0] + s[j][1];
+      sum_b += s[j][2] + s[j][3];
+    }
+    l_a = l_a * al_a + sum_a;
+    l_b = l_b * al_b + sum_b;
+#pragma unroll
+    for (int j = 0; j < kDTiles; ++j) {
+      o[j][0] *= al_a;
+      o[j][1] *= al_a;
+      o[j][2] *= al_b;
+      o[j][3] *= al_b;
     }
 
-    if (more) triattn::cuda::detail::cp_async_wait<1>();  // V of this block landed, next K may fly
-    else triattn::cuda::detail::cp_async_wait<0>();
-    __syncthreads();
-    if (active) {
 #pragma unroll
-      for (int ks = 0; ks < kN / 16; ++ks) {
+    for (int ks = 0; ks < kN / 16; ++ks) {
+      // A fragment of k-step ks (slots 16ks..): a0 = S tile 2ks rows g, a1 = rows g+8, a2/a3 tile 2ks+1.
+      const std::uint32_t a0 = detail::pack2<DT>(s[2 * ks][0], s[2 * ks][1]);
+      const std::uint32_t a1 = detail::pack2<DT>(s[2 * ks][2], s[2 * ks][3]);
+      const std::uint32_t a2 = detail::pack2<DT>(s[2 * ks + 1][0], s[2 * ks + 1][1]);
+      const std::uint32_t a3 = detail::pack2<DT>(s[2 * ks + 1][2], s[2 * ks + 1][3]);
 #pragma unroll
-        for (int dt = 0; dt < kDTiles; dt += 2) {
-          // matrices: slots 16ks + 0..7 / 8..15 x chunks dt, dt + 1 -> (b0, b1) of d-tiles dt and dt + 1
-          std::uint32_t b[4];
-          const int mi = lane >> 3;
-          detail::ldmatrix_x4_trans(b, sv + detail::tile_off<D>(16 * ks + 8 * (mi & 1) + (lane & 7), dt + (mi >> 1)));
-          triattn::cuda::detail::mma_16816<DT>(o[dt], ph[ks][0], ph[ks][1], ph[ks][2], ph[ks][3], b[0], b[1]);
-          triattn::cuda::detail::mma_16816<DT>(o[dt], pl[ks][0], pl[ks][1], pl[ks][2], pl[ks][3], b[0], b[1]);
-          triattn::cuda::detail::mma_16816<DT>(o[dt + 1], ph[ks][0], ph[ks][1], ph[ks][2], ph[ks][3], b[2], b[3]);
-          triattn::cuda::detail::mma_16816<DT>(o[dt + 1], pl[ks][0], pl[ks][1], pl[ks][2], pl[ks][3], b[2], b[3]);
-        }
+      for (int dt = 0; dt < kDTiles; dt += 2) {
+        // matrices: slots 16ks + 0..7 / 8..15 x chunks dt, dt + 1 -> (b0, b1) of d-tiles dt and dt + 1
+        std::uint32_t b[4];
+        const int mi = lane >> 3;
+        detail::ldmatrix_x4_trans(b, sv + detail::tile_off<D>(16 * ks + 8 * (mi & 1) + (lane & 7), dt + (mi >> 1)));
+        triattn::cuda::detail::mma_16816<DT>(o[dt], a0, a1, a2, a3, b[0], b[1]);
+        triattn::cuda::detail::mma_16816<DT>(o[dt + 1], a0, a1, a2, a3, b[2], b[3]);
       }
     }
-    __syncthreads();  // every warp is done with V
-    if (more) issue(vbase, sv, n0 + kN);
   }
 
 #pragma unroll
@@ -326,38 +337,50 @@ __global__ void __launch_bounds__(kPrefillWarps * 32) prefill_attention_kernel(P
     l_b += __shfl_xor_sync(0xffffffffu, l_b, x);
   }
   // o[j]: (row g, dims 8j + 2q4, +1), (row g+8, same dims).
-  if (ra < tile.rows) {
-    float* oa = p.out + (static_cast<std::int64_t>(tile.row0 + ra) * p.hq + h) * D + 2 * q4;
+  if (ma < m_valid) {
+    float* oa = p.out + (static_cast<std::int64_t>(tile.row0 + pa.row) * p.hq + pa.head) * D + 2 * q4;
+    const float inv = 1.0f / l_a;
 #pragma unroll
-    for (int j = 0; j < kDTiles; ++j) *reinterpret_cast<float2*>(oa + 8 * j) = make_float2(o[j][0] / l_a, o[j][1] / l_a);
+    for (int j = 0; j < kDTiles; ++j) *reinterpret_cast<float2*>(oa + 8 * j) = make_float2(o[j][0] * inv, o[j][1] * inv);
   }
-  if (rb < tile.rows) {
-    float* ob = p.out + (static_cast<std::int64_t>(tile.row0 + rb) * p.hq + h) * D + 2 * q4;
+  if (mb < m_valid) {
+    float* ob = p.out + (static_cast<std::int64_t>(tile.row0 + pb.row) * p.hq + pb.head) * D + 2 * q4;
+    const float inv = 1.0f / l_b;
 #pragma unroll
-    for (int j = 0; j < kDTiles; ++j) *reinterpret_cast<float2*>(ob + 8 * j) = make_float2(o[j][2] / l_b, o[j][3] / l_b);
+    for (int j = 0; j < kDTiles; ++j) *reinterpret_cast<float2*>(ob + 8 * j) = make_float2(o[j][2] * inv, o[j][3] * inv);
   }
 }
 
-/// Launches the kernel for p over n_tiles tiles through launch(kernel, grid, block, smem, p)
-/// (the backend's PDL launch, or a plain <<<>>> in tests). Throws triattn::unsupported naming
-/// the dtype / head_dim / layout the kernel does not take; q and out must be 8-byte aligned.
+namespace detail {
+/// Opts prefill_attention_kernel<D, T> into its dynamic shared memory (once per device) and launches it.
+template <int D, class T, class Launch>
+void launch_prefill(const PrefillAttentionParams<T>& p, dim3 grid, dim3 block, Launch& launch) {
+  static triattn::cuda::DynamicSmemGrant grant;
+  TRIATTN_CUDA_TRY(grant.ensure(prefill_attention_kernel<D, T>, prefill_smem_bytes(D)));
+  launch(prefill_attention_kernel<D, T>, grid, block, prefill_smem_bytes(D), p);
+}
+}  // namespace detail
+
+/// Launches the kernel for p over n_tiles tiles (build_prefill_tiles with p.group) through
+/// launch(kernel, grid, block, smem, p) (the backend's PDL launch, or a plain <<<>>> in tests).
+/// Throws triattn::unsupported naming the dtype / head_dim / group / layout the kernel does not
+/// take; q and out must be 8-byte aligned.
 template <class T, class Launch>
 void run_prefill_attention(const PrefillAttentionParams<T>& p, int head_dim, int n_tiles, Launch&& launch) {
-  const std::string why = prefill_attention_refusal(p.view, head_dim);
+  const std::string why = prefill_attention_refusal(p.view, head_dim, p.group);
   if (!why.empty()) throw triattn::unsupported(why);
-  TRIATTN_EXPECTS(p.hq > 0 && p.group > 0 && p.hq % p.group == 0 && p.hq / p.group == p.view.block.num_kv_heads,
+  TRIATTN_EXPECTS(p.hq > 0 && p.hq % p.group == 0 && p.hq / p.group == p.view.block.num_kv_heads,
                   "prefill attention: hq " + std::to_string(p.hq) + " / group " + std::to_string(p.group) +
                       " does not match the cache's " + std::to_string(p.view.block.num_kv_heads) + " KV heads");
-  TRIATTN_EXPECTS(n_tiles >= 0 && p.hq <= 65535, "prefill attention: bad grid (tiles " + std::to_string(n_tiles) +
-                                                     ", hq " + std::to_string(p.hq) + ")");
+  TRIATTN_EXPECTS(n_tiles >= 0 && n_tiles <= 65535, "prefill attention: bad grid (tiles " + std::to_string(n_tiles) + ")");
   TRIATTN_EXPECTS(reinterpret_cast<std::uintptr_t>(p.q) % 8 == 0 && reinterpret_cast<std::uintptr_t>(p.out) % 8 == 0,
                   "prefill attention: q and out must be 8-byte aligned");
   if constexpr (sizeof(T) == 2) {
     if (n_tiles == 0) return;
-    const dim3 grid(static_cast<unsigned>(n_tiles), static_cast<unsigned>(p.hq));
+    const dim3 grid(static_cast<unsigned>(p.view.block.num_kv_heads), static_cast<unsigned>(n_tiles));
     const dim3 block(kPrefillWarps * 32);
-    if (head_dim == 64) launch(prefill_attention_kernel<64, T>, grid, block, 0, p);
-    else launch(prefill_attention_kernel<128, T>, grid, block, 0, p);
+    if (head_dim == 64) detail::launch_prefill<64>(p, grid, block, launch);
+    else detail::launch_prefill<128>(p, grid, block, launch);
   }
 }
 

@@ -3,16 +3,18 @@
 // The tensor-core causal prefill attention (examples/reference_transformer/prefill_attention.cuh,
 // issue #48):
 //   * against a float64 CPU attention on random q and a random paged cache (shuffled block
-//     tables): bf16 and f16, page sizes 16 and 64, NHD and HND, head_dim 64 and 128, GQA 4:1 and
-//     1:1, ragged chunks of 1, 7, 64 and 300 rows after random physical lengths, one chunk's rows
-//     split around another sequence's (two tiles of one sequence). The output is poisoned (NaN)
-//     first, and the slots past each sequence's length are NaN in the cache: a row not written,
-//     or a slot read past the tile's last one, shows. The reference takes q rounded to the cache
-//     type (what the kernel multiplies); what is left is P's hi + lo rounding and fp32
-//     accumulation (~1e-5 relative), checked against 1e-2 of the row's max |output|. A causal
-//     off-by-one shows on the short rows (a row of one slot outputs that slot's V exactly).
-//   * refusals: an fp32 cache, head_dim 96 and a mismatched KV head count throw typed errors
-//     naming the dtype / head_dim / heads.
+//     tables): bf16 and f16, page sizes 16 and 64, NHD and HND, head_dim 64 and 128, GQA groups
+//     4 (8:2), 1 (4:4), 3 (9:3, SmolLM2's) and 8 (16:2), ragged chunks of 1, 7, 64, 300 and 45
+//     rows after random physical lengths (the 45-row chunk after 600..900 slots: more KV blocks
+//     than the cp.async ring holds), one chunk's rows split around another sequence's (two runs
+//     of one sequence). The output is poisoned (NaN) first, and the slots past each sequence's
+//     length are NaN in the cache: a (row, head) not written, or a slot read past the tile's last
+//     one, shows. The reference takes q rounded to the cache type (what the kernel multiplies);
+//     what is left is P rounded to the cache type (FlashAttention's choice, <= 2^-9 relative per
+//     weight in bf16) and fp32 accumulation, checked against 1e-2 of the row's max |output|. A
+//     causal off-by-one shows on the short rows (a row of one slot outputs that slot's V exactly).
+//   * refusals: an fp32 cache, head_dim 96, GQA groups 0 and 129 and a mismatched KV head count
+//     throw typed errors naming the dtype / head_dim / group / heads.
 //   * Model<CudaBackend> with a bf16 cache, prompts fed in ragged chunks (7, 64, 300 tokens per
 //     step) then forced decode steps: the backend runs the prefill kernel, and the logits stay
 //     within the bf16 tolerance (3e-2 of max |logit|) of the CPU model on the same cache dtype.
@@ -83,13 +85,14 @@ std::vector<double> ref_row(const KvCacheView<T, std::int32_t>& v, int layer, in
 template <class T>
 void check_against_reference(std::mt19937_64& rng, int block_size, KvLayout layout, int d, int hq, int hkv) {
   constexpr int kLayers = 2, kLayer = 1;
-  // Chunks of 1, 7, 64, 300 rows; the 300-row chunk starts at slot 0 (rows of 1..300 slots), the
-  // others after a random physical length (slots, as after compression rounds).
-  const std::vector<int> chunk = {1, 7, 64, 300};
+  // Chunks of 1, 7, 64, 300, 45 rows; the 300-row chunk starts at slot 0 (rows of 1..300 slots),
+  // the 45-row one after 600..900 slots, the others after a random physical length (slots, as
+  // after compression rounds).
+  const std::vector<int> chunk = {1, 7, 64, 300, 45};
   std::vector<int> before(chunk.size()), cap(chunk.size()), len(chunk.size());
-  std::uniform_int_distribution<int> before_d(1, 150), spare_d(1, 40);
+  std::uniform_int_distribution<int> before_d(1, 150), long_d(600, 900), spare_d(1, 40);
   for (std::size_t s = 0; s < chunk.size(); ++s) {
-    before[s] = chunk[s] == 300 ? 0 : before_d(rng);
+    before[s] = chunk[s] == 300 ? 0 : chunk[s] == 45 ? long_d(rng) : before_d(rng);
     len[s] = before[s] + chunk[s];
     cap[s] = len[s] + spare_d(rng);
   }
@@ -97,7 +100,7 @@ void check_against_reference(std::mt19937_64& rng, int block_size, KvLayout layo
   for (std::size_t s = 0; s < chunk.size(); ++s) f.poison_slots(static_cast<int>(s), len[s], cap[s] - len[s]);
   f.upload_pool();
 
-  // Row order: seq 3's first 150 rows, seqs 1 and 0, seq 3's last 150 rows, seq 2.
+  // Row order: seq 3's first 150 rows, seqs 1 and 0, seq 3's last 150 rows, seqs 2 and 4.
   std::vector<std::int32_t> row_seq, row_slot;
   auto add_rows = [&](int s, int i0, int i1) {
     for (int i = i0; i < i1; ++i) {
@@ -110,8 +113,9 @@ void check_against_reference(std::mt19937_64& rng, int block_size, KvLayout layo
   add_rows(0, 0, 1);
   add_rows(3, 150, 300);
   add_rows(2, 0, 64);
+  add_rows(4, 0, 45);
   const int n = static_cast<int>(row_seq.size());
-  const std::vector<gpu::PrefillTile> tiles = gpu::build_prefill_tiles(row_seq.data(), row_slot.data(), n);
+  const std::vector<gpu::PrefillTile> tiles = gpu::build_prefill_tiles(row_seq.data(), row_slot.data(), n, hq / hkv);
 
   // q with logits of a few units (a peaked softmax), rounded to T for the reference.
   std::uniform_real_distribution<float> qd(-6.0f, 6.0f);
@@ -209,14 +213,14 @@ TEST_CASE_TEMPLATE("prefill attention: tensor-core kernel equals a float64 causa
   for (const int bs : {16, 64})
     for (const KvLayout layout : triattn::test::kLayouts)
       for (const int d : triattn::test::kHeadDims)
-        for (const auto& [hq, hkv] : {std::pair{8, 2}, std::pair{4, 4}}) {
+        for (const auto& [hq, hkv] : {std::pair{8, 2}, std::pair{4, 4}, std::pair{9, 3}, std::pair{16, 2}}) {
           INFO("page size " << bs << ", layout " << (layout == KvLayout::kNHD ? "NHD" : "HND") << ", head_dim " << d << ", "
                             << hq << " query heads / " << hkv << " KV heads");
           check_against_reference<T>(rng, bs, layout, d, hq, hkv);
         }
 }
 
-TEST_CASE("prefill attention: fp32 caches and other head dims and a wrong head count are refused by name") {
+TEST_CASE("prefill attention: fp32 caches and other head dims and GQA groups and a wrong head count are refused by name") {
   triattn::test::require_device();
   const BlockLayout b64(KvLayout::kNHD, 16, 2, 64);
   gpu::PrefillAttentionParams<float> pf{};
@@ -231,6 +235,13 @@ TEST_CASE("prefill attention: fp32 caches and other head dims and a wrong head c
   pb.group = 4;
   CHECK_THROWS_WITH_AS(gpu::run_prefill_attention(pb, 96, 1, no_launch), doctest::Contains("96"), triattn::unsupported);
   pb.view.block = b64;
+  pb.group = 0;
+  CHECK_THROWS_WITH_AS(gpu::run_prefill_attention(pb, 64, 1, no_launch), doctest::Contains("GQA group 0"), triattn::unsupported);
+  pb.hq = 258;
+  pb.group = 129;  // 2 KV heads of 129 query heads: more than one CTA's 128 MMA rows
+  CHECK_THROWS_WITH_AS(gpu::run_prefill_attention(pb, 64, 1, no_launch), doctest::Contains("GQA group 129"),
+                       triattn::unsupported);
+  pb.hq = 8;
   pb.group = 2;  // 8 / 2 = 4 KV heads, the cache has 2
   CHECK_THROWS_WITH_AS(gpu::run_prefill_attention(pb, 64, 1, no_launch), doctest::Contains("KV heads"), triattn::error);
 }
