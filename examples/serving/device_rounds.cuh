@@ -12,9 +12,22 @@
 #include <cuda_runtime.h>
 
 #include <triattn/core/kv_cache.hpp>
+#include <triattn/core/policy/topk_selector.hpp>
+#include <triattn/core/prefix_cache.hpp>
+#include <triattn/cuda/backend/vmm_allocator.cuh>
 #include <triattn/cuda/device_kv_cache.cuh>
+#include <triattn/cuda/policy/device_compactor.cuh>
+#include <triattn/cuda/policy/triattention_device_scorer.cuh>
 
 namespace triattn_serving {
+
+/// The serving caches on the GPU: CUDA virtual memory (pages mapped as blocks are used, returned
+/// at trim) behind the prefix cache (LoopOptions::prefix_cache off: nothing is looked up or
+/// published), without compression and with TriAttention rounds on the device.
+using GpuAllocator = triattn::PrefixCachingAllocator<triattn::cuda::VmmAllocator>;
+using GpuPlainCache = triattn::KvCache<GpuAllocator, triattn::cuda::DeviceCompactor>;
+using GpuTriCache = triattn::KvCache<GpuAllocator, triattn::cuda::DeviceCompactor, triattn::cuda::TriAttentionDeviceScorer,
+                                     triattn::TopKSelector>;
 
 template <class Cache>
 class DeviceRoundsAdapter {

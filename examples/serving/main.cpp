@@ -389,10 +389,8 @@ void run_cpu(const Options& o, const ex::ModelWeights& weights) {
 }
 
 #if defined(TRIATTN_EXAMPLE_CUDA)
-using GpuAlloc = triattn::PrefixCachingAllocator<triattn::cuda::VmmAllocator>;
-using GpuPlain = triattn::KvCache<GpuAlloc, triattn::cuda::DeviceCompactor>;
-using GpuTri = triattn::KvCache<GpuAlloc, triattn::cuda::DeviceCompactor, triattn::cuda::TriAttentionDeviceScorer,
-                                triattn::TopKSelector>;
+using GpuPlain = sv::GpuPlainCache;
+using GpuTri = sv::GpuTriCache;
 
 void run_gpu(const Options& o, ex::Model<ex::CudaBackend>& model, ex::CudaBackend& backend) {
   const ex::ModelConfig& mc = model.config();
