@@ -11,7 +11,7 @@
 //      requests still prefilling, at most `prefill_chunk` prompt tokens in all;
 //   4. when the step does not fit the pool, preempt the most recently admitted request (its KV is
 //      dropped and it restarts from its prompt later: recompute) until it does;
-//   5. run the step, sample the tokens, publish finished prompts to the prefix cache, release
+//   5. run the step, sample the tokens, publish prefilled prompt blocks to the prefix cache, release
 //      finished requests.
 // A request's tokens depend only on its own sequence: its rounds fire at the same lengths as when
 // it runs alone (rounds are due after a step, before the next one extends it), so the tokens
@@ -163,6 +163,14 @@ template <class Cache>
   }
 }
 
+/// Blocks of a `matched`-block prefix hit that admit_prompt shares for a prompt of `prompt_len`
+/// tokens (at least one token is computed; without copy-on-write only whole blocks are shared).
+[[nodiscard]] inline int prefix_hit_blocks(int matched, int prompt_len, int block_size, bool copies_blocks) {
+  int tokens = std::min(matched * block_size, prompt_len - 1);
+  if (!copies_blocks) tokens -= tokens % block_size;
+  return (tokens + block_size - 1) / block_size;
+}
+
 /// Runs `requests` to completion through `model` and `cache` (empty at the start; every request's
 /// sequence is released at the end). `rounds` runs the compression rounds (HostRounds, or the GPU
 /// loop's DeviceRounds adapter); ignored by a cache without a scorer.
@@ -291,7 +299,17 @@ LoopResult serve(ModelT& model, Cache& cache, Rounds& rounds, std::span<const Re
       const Request& r = requests[i];
       const auto free_blocks = static_cast<std::int64_t>(cache.allocator().num_free());
       if (opt.admission == Admission::kExact) {
-        if (st[i].worst_blocks + (prefix ? 1 : 0) > free_blocks - reserved_blocks()) break;
+        // Blocks a prefix hit shares are held already; idle ones among them stop being free.
+        std::int64_t hit = 0, idle_hit = 0;
+        if constexpr (kCachesPrefixes<Cache>)
+          if (prefix) {
+            const triattn::PrefixMatch m = cache.allocator().match(std::span<const int>(r.prompt), 0);
+            hit = prefix_hit_blocks(m.num_blocks(), static_cast<int>(r.prompt.size()), cfg.block_size,
+                                    Cache::copies_blocks);
+            for (std::int64_t j = 0; j < hit; ++j)
+              idle_hit += cache.allocator().ref_count(m.blocks[static_cast<std::size_t>(j)]) == 1 ? 1 : 0;
+          }
+        if (st[i].worst_blocks + (prefix ? 1 : 0) - hit > free_blocks - idle_hit - reserved_blocks()) break;
       } else {
         const std::int64_t need = (static_cast<std::int64_t>(r.prompt.size()) + cfg.block_size) / cfg.block_size;
         if (!running.empty() && need + watermark > free_blocks - prompt_blocks_pending()) break;
@@ -446,10 +464,12 @@ LoopResult serve(ModelT& model, Cache& cache, Rounds& rounds, std::span<const Re
       RequestResult& rr = out.requests[i];
       if (s.phase == Phase::kPrefill) {
         s.next += chunks[c].tokens.size();
-        if (s.next < requests[i].prompt.size()) continue;
-        s.phase = Phase::kDecode;
+        // Each chunk's full blocks enter the prefix cache at once: requests admitted while this
+        // prompt is still prefilling share them. (Rounds start after the prompt: none moved yet.)
         if constexpr (kCachesPrefixes<Cache>)
           if (prefix) (void)triattn::publish_prompt(cache, s.seq, std::span<const int>(requests[i].prompt));
+        if (s.next < requests[i].prompt.size()) continue;
+        s.phase = Phase::kDecode;
       }
       const int tok = greedy ? picked[c]
                              : s.sampler.sample(std::span<const float>(logits + c * static_cast<std::size_t>(vocab),
