@@ -321,11 +321,10 @@ struct JsonSink {
   }
 };
 
-/// Runs every (configuration, rate) of `o`: uncompressed configurations on caches of make_plain,
-/// compressed ones through run_tri (its cache and rounds); prints the table.
-template <class ModelT, class MakePlain, class RunTri>
-void run_all(const Options& o, ModelT& model, const MakePlain& make_plain, const RunTri& run_tri,
-             const sv::LoopHooks& hooks, const char* backend) {
+/// Runs every (configuration, rate) of `o`: uncompressed configurations through run_plain,
+/// compressed ones through run_tri (each makes its cache, rounds and hooks); prints the table.
+template <class ModelT, class RunPlain, class RunTri>
+void run_all(const Options& o, ModelT& model, const RunPlain& run_plain, const RunTri& run_tri, const char* backend) {
   const ex::ModelConfig& mc = model.config();
   JsonSink sink;
   std::vector<sv::Summary> rows;
@@ -342,14 +341,8 @@ void run_all(const Options& o, ModelT& model, const MakePlain& make_plain, const
                    reqs.size(), cfg.num_blocks,
                    static_cast<double>(cfg.num_blocks) * static_cast<double>(cfg.block_bytes_all_ranges()) / (1u << 30));
       const sv::LoopOptions lo = loop_options(o, mc, prefix);
-      sv::LoopResult res;
-      if (tri) {
-        res = run_tri(cfg, std::span<const sv::Request>(reqs), lo);
-      } else {
-        auto cache = make_plain(cfg);
-        sv::HostRounds<std::remove_reference_t<decltype(*cache)>> none(*cache);
-        res = sv::serve(model, *cache, none, std::span<const sv::Request>(reqs), lo, hooks);
-      }
+      const sv::LoopResult res = tri ? run_tri(cfg, std::span<const sv::Request>(reqs), lo)
+                                     : run_plain(cfg, std::span<const sv::Request>(reqs), lo);
       const sv::Summary s = sv::summarize(res, c, rate > 0 ? rate : 0.0);
       rows.push_back(s);
       sv::print_table_header(stderr);
@@ -378,14 +371,18 @@ void run_cpu(const Options& o, const ex::ModelWeights& weights) {
   ex::Model<ex::CpuBackend> model(weights);
   const ex::ModelConfig& mc = model.config();
   const triattn::QueryStats stats = stats_for(o, mc);
-  auto make_plain = [](const triattn::CacheConfig& cfg) { return std::make_unique<HostPlain>(cfg); };
+  auto run_plain = [&](const triattn::CacheConfig& cfg, std::span<const sv::Request> reqs, const sv::LoopOptions& lo) {
+    HostPlain cache(cfg);
+    sv::HostRounds<HostPlain> none(cache);
+    return sv::serve(model, cache, none, reqs, lo);
+  };
   auto run_tri = [&](const triattn::CacheConfig& cfg, std::span<const sv::Request> reqs, const sv::LoopOptions& lo) {
     HostTri cache(cfg, triattn::TriAttentionScorer(stats, ex::rope_config(mc), triattn::ScoringParams{}, mc.n_kv_heads),
                   triattn::TopKSelector(selection(o)));
     sv::HostRounds<HostTri> rounds(cache);
     return sv::serve(model, cache, rounds, reqs, lo);
   };
-  run_all(o, model, make_plain, run_tri, {}, "cpu");
+  run_all(o, model, run_plain, run_tri, "cpu");
 }
 
 #if defined(TRIATTN_EXAMPLE_CUDA)
@@ -401,20 +398,30 @@ void run_gpu(const Options& o, ex::Model<ex::CudaBackend>& model, ex::CudaBacken
                                    std::to_string(mc.head_dim));
   const triattn::QueryStats stats = stats_for(o, mc);
   const cudaStream_t stream = backend.stream();
-  auto make_plain = [&](const triattn::CacheConfig& cfg) {
-    return std::make_unique<GpuPlain>(cfg, triattn::cuda::DeviceCompactor(stream));
+  // Device memory in use after every step; every 16 steps the VMM pool gives back the pages of
+  // released requests (two empty slabs stay mapped), so the timeline follows what is live.
+  auto hooks_for = [&](auto& cache) {
+    sv::LoopHooks h;
+    h.device_bytes = [] { return ex::device_memory_used(); };
+    h.after_step = [&cache, stream, n = std::size_t{0}]() mutable {
+      if (++n % 16 == 0) (void)cache.allocator().trim(stream, 2 * cache.allocator().stats().slab_bytes);
+    };
+    return h;
   };
-  sv::LoopHooks hooks;
-  hooks.device_bytes = [&] { return ex::device_memory_used(); };
+  auto run_plain = [&](const triattn::CacheConfig& cfg, std::span<const sv::Request> reqs, const sv::LoopOptions& lo) {
+    GpuPlain cache(cfg, triattn::cuda::DeviceCompactor(stream));
+    sv::HostRounds<GpuPlain> none(cache);
+    return sv::serve(model, cache, none, reqs, lo, hooks_for(cache));
+  };
   auto run_tri = [&](const triattn::CacheConfig& cfg, std::span<const sv::Request> reqs, const sv::LoopOptions& lo) {
     GpuTri cache(cfg, triattn::cuda::DeviceCompactor(stream),
                  triattn::cuda::TriAttentionDeviceScorer(stats, ex::rope_config(mc), triattn::ScoringParams{}, mc.n_kv_heads,
                                                          stream),
                  triattn::TopKSelector(selection(o)));
     sv::DeviceRoundsAdapter<GpuTri> rounds(cache, stream);
-    return sv::serve(model, cache, rounds, reqs, lo, hooks);
+    return sv::serve(model, cache, rounds, reqs, lo, hooks_for(cache));
   };
-  run_all(o, model, make_plain, run_tri, hooks, "cuda");
+  run_all(o, model, run_plain, run_tri, "cuda");
 }
 #endif
 

@@ -140,6 +140,7 @@ class HostRounds {
 /// What the loop asks of its surroundings besides the model and the cache.
 struct LoopHooks {
   std::function<std::size_t()> device_bytes;  ///< device memory in use now (GPU); empty: 0
+  std::function<void()> after_step;           ///< after every step (e.g. give unused pages back)
 };
 
 template <class Cache>
@@ -495,6 +496,7 @@ LoopResult serve(ModelT& model, Cache& cache, Rounds& rounds, std::span<const Re
     rec.running = static_cast<int>(running.size());
     rec.waiting = static_cast<int>(queue.size());
     rec.kv_bytes = cache.allocator().blocks_held() * static_cast<std::size_t>(block_bytes);
+    if (hooks.after_step) hooks.after_step();
     rec.device_bytes = hooks.device_bytes ? hooks.device_bytes() : 0;
     out.peak_kv_bytes = std::max(out.peak_kv_bytes, rec.kv_bytes);
     out.peak_device_bytes = std::max(out.peak_device_bytes, rec.device_bytes);
