@@ -62,7 +62,7 @@ struct Options {
   std::string model_path, synthetic, stats_path, trace_path, json_out, note;
   int synthetic_layers = 0, synthetic_vocab = 0;
   std::string device = "cpu";
-  bool weights_bf16 = false, batch_invariant = false, stop_at_eos = false;
+  bool weights_bf16 = false, batch_invariant = false, no_graphs = false, stop_at_eos = false;
   triattn::DType kv_dtype = triattn::DType::kF32;
   int block_size = 16, max_seqs = 256, prefill_chunk = 2048, budget = 2048, divide_length = 128;
   sv::WorkloadSpec workload;
@@ -86,6 +86,8 @@ void usage() {
       "  --kv-dtype T            f32 (default on cpu) | bf16 (default on gpu) | f16\n"
       "  --batch-invariant       gpu: GEMV matmuls and the per-row attention kernel for every step, so\n"
       "                          a row's arithmetic never depends on the batch (slower; for equality checks)\n"
+      "  --no-graphs             gpu: launch decode steps kernel by kernel (no CUDA graphs; a changing\n"
+      "                          batch composition captures a new graph whenever it changes)\n"
       "workload:\n"
       "  --workload W            reasoning (default) | longqa | shared\n"
       "  --trace PATH            replay a JSONL trace instead ({\"arrival\", \"prompt\" | \"prompt_len\",\n"
@@ -192,6 +194,7 @@ Options parse_args(int argc, char** argv) {
       else if (v == "f16") o.kv_dtype = triattn::DType::kF16;
       else throw triattn::logic_error("--kv-dtype: '" + v + "' is not f32, bf16 or f16");
     } else if (a == "--batch-invariant") o.batch_invariant = true;
+    else if (a == "--no-graphs") o.no_graphs = true;
     else if (a == "--workload") o.workload.kind = need(i);
     else if (a == "--trace") o.trace_path = need(i);
     else if (a == "--requests") o.workload.requests = to_int(a, need(i), 1, 1 << 20);
@@ -231,8 +234,8 @@ Options parse_args(int argc, char** argv) {
 #if !defined(TRIATTN_EXAMPLE_CUDA)
   if (o.device == "gpu") throw triattn::logic_error("--device gpu: this build has no CUDA support (TRIATTN_ENABLE_CUDA=ON)");
 #endif
-  if (o.device == "cpu" && (o.weights_bf16 || o.batch_invariant))
-    throw triattn::logic_error("--weight-dtype bf16 and --batch-invariant apply to --device gpu only");
+  if (o.device == "cpu" && (o.weights_bf16 || o.batch_invariant || o.no_graphs))
+    throw triattn::logic_error("--weight-dtype bf16, --batch-invariant and --no-graphs apply to --device gpu only");
   if (o.device == "gpu" && !kv_dtype_set) o.kv_dtype = triattn::DType::kBF16;
   if (o.temperature < 0 || !(o.top_p > 0)) throw triattn::logic_error("--temperature must be >= 0 and --top-p > 0");
   if (!(o.workload.scale > 0) || !(o.workload.gen_scale > 0)) throw triattn::logic_error("--scale and --gen-scale must be > 0");
@@ -443,6 +446,7 @@ int real_main(int argc, char** argv) {
   if (o.device == "gpu") {
     ex::CudaBackendOptions bo;
     bo.weights = o.weights_bf16 ? ex::WeightType::kBF16 : ex::WeightType::kF32;
+    bo.graphs = !o.no_graphs;
     if (o.batch_invariant) bo = ex::batch_invariant(bo);
     ex::CudaBackend backend(bo);
     if (!o.synthetic.empty()) {  // weights generated on the device (a Qwen3-8B shape has no room on the host path)

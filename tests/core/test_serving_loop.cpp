@@ -10,6 +10,7 @@
 #include <doctest/doctest.h>
 
 #include <memory>
+#include <string>
 #include <vector>
 
 #include <triattn/core/kv_cache.hpp>
@@ -26,6 +27,7 @@
 #include <reference_transformer/model.hpp>
 #include <reference_transformer/stats_io.hpp>
 #include <serving/serving_loop.hpp>
+#include <serving/workload.hpp>
 
 namespace ex = triattn_example;
 namespace sv = triattn_serving;
@@ -79,4 +81,33 @@ TEST_CASE("serving loop: a request that can never fit the pool is refused naming
   reqs[1].max_new_tokens = 200;  // 202 tokens: 13 blocks, more than the pool
   CHECK_THROWS_WITH_AS(sv::serve(model, cache, rounds, std::span<const sv::Request>(reqs), sv::LoopOptions{}),
                        doctest::Contains("request 1"), triattn::logic_error);
+}
+
+TEST_CASE("serving workloads: a JSONL trace replays through the loop and a bad line is refused naming it") {
+  const Stories& s = Stories::get();
+  const ex::ModelConfig& mc = s.weights.config;
+  const std::string text =
+      "{\"arrival\": 0.0, \"prompt\": [1, 40, 41, 42], \"max_new_tokens\": 20}\n"
+      "\n"
+      "{\"arrival\": 0.005, \"prompt_len\": 30, \"max_new_tokens\": 12}\n";
+  const std::vector<sv::Request> reqs = sv::parse_trace(text, "t.jsonl", mc.vocab_size, mc.bos_id, 3);
+  REQUIRE(reqs.size() == 2);
+  CHECK(reqs[0].prompt == std::vector<int>{1, 40, 41, 42});
+  CHECK(reqs[0].max_new_tokens == 20);
+  CHECK(reqs[1].arrival_s == doctest::Approx(0.005));
+  CHECK(reqs[1].prompt.size() == 30);
+  CHECK(reqs[1].prompt[0] == mc.bos_id);
+  ex::Model<> model(s.weights);
+  Plain cache(triattn::test::serving_pool(mc));
+  sv::HostRounds<Plain> rounds(cache);
+  const sv::LoopResult res = sv::serve(model, cache, rounds, std::span<const sv::Request>(reqs), sv::LoopOptions{});
+  CHECK(res.requests[0].generated.size() == 20);
+  CHECK(res.requests[1].generated.size() == 12);
+  CHECK(res.requests[1].first_token_s >= 0.005);  // not served before it arrived
+  CHECK_THROWS_WITH_AS((void)sv::parse_trace("{\"arrival\": 0, \"max_new_tokens\": 3, \"prompt\": [1]}\n{\"arrival\": 1}\n",
+                                             "t.jsonl", mc.vocab_size, mc.bos_id, 3),
+                       doctest::Contains("t.jsonl:2"), triattn::format_error);
+  CHECK_THROWS_WITH_AS((void)sv::parse_trace("{\"arrival\": 0, \"max_new_tokens\": 3, \"prompt\": [1, 9999]}\n", "t.jsonl",
+                                             mc.vocab_size, mc.bos_id, 3),
+                       doctest::Contains("t.jsonl:1"), triattn::format_error);
 }
