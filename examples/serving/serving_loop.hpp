@@ -149,6 +149,13 @@ inline constexpr bool kCompresses = !std::is_same_v<typename Cache::scorer_type,
 template <class Cache>
 inline constexpr bool kCachesPrefixes = requires(Cache& c) { c.allocator().prefix_stats(); };
 
+/// KV blocks the pool holds: in use by sequences, or cached by the prefix cache.
+template <class Cache>
+[[nodiscard]] std::size_t blocks_held(const Cache& cache) {
+  if constexpr (kCachesPrefixes<Cache>) return cache.allocator().blocks_held();
+  else return static_cast<std::size_t>(cache.config().num_blocks) - cache.allocator().num_free();
+}
+
 /// Most blocks request `r` ever holds in `cache` (its table at its peak): the exact worst case
 /// of core/admission.hpp under compression, prompt + max_new_tokens without.
 template <class Cache>
@@ -249,7 +256,7 @@ LoopResult serve(ModelT& model, Cache& cache, Rounds& rounds, std::span<const Re
     p.running = running.size();
     p.waiting = queue.size();
     p.generated = generated;
-    p.kv_bytes = cache.allocator().blocks_held() * static_cast<std::size_t>(block_bytes);
+    p.kv_bytes = blocks_held(cache) * static_cast<std::size_t>(block_bytes);
     p.preemptions = out.preemptions;
     opt.on_progress(p);
   };
@@ -495,7 +502,7 @@ LoopResult serve(ModelT& model, Cache& cache, Rounds& rounds, std::span<const Re
     last_end = rec.start_s + rec.seconds;
     rec.running = static_cast<int>(running.size());
     rec.waiting = static_cast<int>(queue.size());
-    rec.kv_bytes = cache.allocator().blocks_held() * static_cast<std::size_t>(block_bytes);
+    rec.kv_bytes = blocks_held(cache) * static_cast<std::size_t>(block_bytes);
     if (hooks.after_step) hooks.after_step();
     rec.device_bytes = hooks.device_bytes ? hooks.device_bytes() : 0;
     out.peak_kv_bytes = std::max(out.peak_kv_bytes, rec.kv_bytes);

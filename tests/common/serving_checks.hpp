@@ -97,17 +97,15 @@ inline std::string trace_name(const ServingTrace& t) {
          (t.temperature > 0 ? " sampled" : " greedy");
 }
 
-/// The requests of `t`: reasoning prompts of 3-26 tokens and 100-410 generated (times
-/// gen_scale); shared: a 41-token system prompt + 3 of each request's own, 164 generated (times
-/// gen_scale).
-inline std::vector<triattn_serving::Request> trace_requests(const ServingTrace& t, const triattn_example::ModelConfig& mc,
-                                                            double gen_scale) {
+/// The requests of `t`: reasoning prompts of 3-26 tokens and 100-410 generated; shared: a
+/// 41-token system prompt + 3 of each request's own, 164 generated.
+inline std::vector<triattn_serving::Request> trace_requests(const ServingTrace& t, const triattn_example::ModelConfig& mc) {
   triattn_serving::WorkloadSpec w;
   w.kind = t.workload;
   w.requests = 8;
   const bool shared = std::string(t.workload) == "shared";
   w.scale = shared ? 0.01 : 0.025;
-  w.gen_scale = (shared ? 4.0 : 1.0) * gen_scale;
+  w.gen_scale = shared ? 4.0 : 1.0;
   w.seed = 7;
   std::vector<triattn_serving::Request> r = triattn_serving::make_workload(w, mc.vocab_size, mc.bos_id);
   triattn_serving::poisson_arrivals(r, t.rate, 7);
@@ -160,12 +158,12 @@ inline triattn_serving::LoopOptions trace_loop_options(const ServingTrace& t) {
 /// request must also have been compressed. Returns the preemptions over all traces.
 template <class ModelT, class MakeCache, class MakeRounds, class AloneCompress>
 int check_serving_traces(ModelT& model, const MakeCache& make_cache, const MakeRounds& make_rounds,
-                         const AloneCompress& alone_compress, bool compressed, double gen_scale) {
+                         const AloneCompress& alone_compress, bool compressed) {
   const triattn_example::ModelConfig& mc = model.config();
   int preempted = 0;
   for (const ServingTrace& t : kServingTraces) {
     CAPTURE(trace_name(t));
-    const std::vector<triattn_serving::Request> reqs = trace_requests(t, mc, gen_scale);
+    const std::vector<triattn_serving::Request> reqs = trace_requests(t, mc);
     const triattn_serving::LoopOptions lo = trace_loop_options(t);
     auto cache = make_cache();
     auto rounds = make_rounds(*cache);

@@ -45,7 +45,7 @@ TEST_CASE("serving loop on the CPU: without compression every request generates 
   const int preempted = triattn::test::check_serving_traces(
       model, [&] { return std::make_unique<Plain>(triattn::test::serving_pool(s.weights.config)); },
       [](Plain& c) { return std::make_unique<sv::HostRounds<Plain>>(c); }, [](Plain&) { return ex::CompressFn{}; },
-      /*compressed=*/false, /*gen_scale=*/1.0);
+      /*compressed=*/false);
   CHECK(preempted > 0);  // the optimistic traces ran out of blocks and recomputed
 }
 
@@ -63,7 +63,7 @@ TEST_CASE("serving loop on the CPU: with TriAttention rounds every request gener
       },
       [](Tri& c) { return std::make_unique<sv::HostRounds<Tri>>(c); },
       [](Tri& c) { return ex::CompressFn([&c](std::span<const triattn::SeqId> live) { return c.compress_if_needed(live); }); },
-      /*compressed=*/true, /*gen_scale=*/1.0);
+      /*compressed=*/true);
 }
 
 TEST_CASE("serving loop: a request that can never fit the pool is refused naming it") {

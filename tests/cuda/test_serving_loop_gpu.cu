@@ -48,7 +48,7 @@ TEST_CASE("serving loop on the GPU: SmolLM2 f32 without compression: every reque
                                                    triattn::cuda::DeviceCompactor(stream));
       },
       [](sv::GpuPlainCache& c) { return std::make_unique<sv::HostRounds<sv::GpuPlainCache>>(c); },
-      [](sv::GpuPlainCache&) { return ex::CompressFn{}; }, /*compressed=*/false, /*gen_scale=*/0.5);
+      [](sv::GpuPlainCache&) { return ex::CompressFn{}; }, /*compressed=*/false);
   CHECK(preempted > 0);
 }
 
@@ -75,7 +75,7 @@ TEST_CASE("serving loop on the GPU: SmolLM2 f32 with device rounds: every reques
           return r->compress_if_needed_and_wait(live, stream);
         });
       },
-      /*compressed=*/true, /*gen_scale=*/0.5);
+      /*compressed=*/true);
 }
 
 }  // TEST_SUITE("gpu")
