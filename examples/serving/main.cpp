@@ -91,13 +91,13 @@ void usage() {
       "workload:\n"
       "  --workload W            reasoning (default) | longqa | shared\n"
       "  --trace PATH            replay a JSONL trace instead ({\"arrival\", \"prompt\" | \"prompt_len\",\n"
-      "                          \"max_new_tokens\"} per line); --rates then only matters if not 'trace'\n"
+      "                          \"max_new_tokens\"} per line), at its own arrival times unless --rates\n"
       "  --requests N            requests generated (default 16)\n"
       "  --scale F               all lengths times F (default 1)\n"
       "  --gen-scale F           generated lengths times F as well (default 1)\n"
       "  --seed S                workload, arrivals and sampling seed (default 1)\n"
       "  --rates R1,R2,...       Poisson arrival rates in requests/s; 0 = offline (all at t = 0);\n"
-      "                          'trace' = the trace's own arrival times (default 0)\n"
+      "                          'trace' = the trace's own arrival times (default: 0, or 'trace' with --trace)\n"
       "serving:\n"
       "  --configs C1,C2,...     full | tri | full+prefix | tri+prefix (default full)\n"
       "  --kv-limit BYTES        KV memory limit shared by all configurations (suffix K, M, G = 10^3..;\n"
@@ -161,7 +161,7 @@ std::uint64_t to_bytes(const std::string& flag, const std::string& v) {
 
 Options parse_args(int argc, char** argv) {
   Options o;
-  bool kv_dtype_set = false;
+  bool kv_dtype_set = false, rates_set = false;
   auto need = [&](int& i) -> std::string {
     if (i + 1 >= argc) throw triattn::logic_error(std::string("option ") + argv[i] + " needs a value");
     return argv[++i];
@@ -202,6 +202,7 @@ Options parse_args(int argc, char** argv) {
     else if (a == "--gen-scale") o.workload.gen_scale = to_double(a, need(i));
     else if (a == "--seed") o.workload.seed = static_cast<std::uint64_t>(ex::parse_int_option(a, need(i), 0, kMax));
     else if (a == "--rates") {
+      rates_set = true;
       o.rates.clear();
       for (const std::string& r : split(need(i))) o.rates.push_back(r == "trace" ? -1.0 : to_double("--rates", r));
       for (double r : o.rates)
@@ -237,6 +238,9 @@ Options parse_args(int argc, char** argv) {
   if (o.device == "cpu" && (o.weights_bf16 || o.batch_invariant || o.no_graphs))
     throw triattn::logic_error("--weight-dtype bf16, --batch-invariant and --no-graphs apply to --device gpu only");
   if (o.device == "gpu" && !kv_dtype_set) o.kv_dtype = triattn::DType::kBF16;
+  if (!o.trace_path.empty() && !rates_set) o.rates = {-1.0};  // a trace keeps its own arrival times
+  for (double r : o.rates)
+    if (r == -1.0 && o.trace_path.empty()) throw triattn::logic_error("--rates trace needs --trace");
   if (o.temperature < 0 || !(o.top_p > 0)) throw triattn::logic_error("--temperature must be >= 0 and --top-p > 0");
   if (!(o.workload.scale > 0) || !(o.workload.gen_scale > 0)) throw triattn::logic_error("--scale and --gen-scale must be > 0");
   if (o.progress_s < 0) throw triattn::logic_error("--progress must be >= 0");
@@ -309,7 +313,9 @@ struct JsonSink {
   std::vector<std::string> runs;
   void write(const Options& o, const ex::ModelConfig& mc, const triattn::CacheConfig& cfg, const char* backend) const {
     if (o.json_out.empty()) return;
-    std::string s = "{\"model\": " + triattn::detail::json_quote(mc.name) + ", \"backend\": \"" + backend +
+    std::string s = "{\"model\": " + triattn::detail::json_quote(mc.name) + ", \"layers\": " + std::to_string(mc.n_layers) +
+                    ", \"dim\": " + std::to_string(mc.dim) + ", \"kv_heads\": " + std::to_string(mc.n_kv_heads) +
+                    ", \"head_dim\": " + std::to_string(mc.head_dim) + ", \"backend\": \"" + backend +
                      "\", \"workload\": " + triattn::detail::json_quote(o.trace_path.empty() ? o.workload.kind : o.trace_path) +
                      ", \"scale\": " + std::to_string(o.workload.scale) + ", \"gen_scale\": " + std::to_string(o.workload.gen_scale) +
                      ", \"note\": " + triattn::detail::json_quote(o.note) + ", \"kv_limit_bytes\": " +
@@ -346,7 +352,7 @@ void run_all(const Options& o, ModelT& model, const RunPlain& run_plain, const R
       const sv::LoopOptions lo = loop_options(o, mc, prefix);
       const sv::LoopResult res = tri ? run_tri(cfg, std::span<const sv::Request>(reqs), lo)
                                      : run_plain(cfg, std::span<const sv::Request>(reqs), lo);
-      const sv::Summary s = sv::summarize(res, c, rate > 0 ? rate : 0.0);
+      const sv::Summary s = sv::summarize(res, c, rate);
       rows.push_back(s);
       sv::print_table_header(stderr);
       sv::print_table_row(stderr, s);

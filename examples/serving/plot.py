@@ -44,7 +44,7 @@ def print_text(files, slo):
         print(f"== {name}: {doc['model']}, {doc['workload']}, KV limit {doc['kv_limit_bytes'] / 1e9:.2f} GB"
               + (f" ({doc['note']})" if doc.get("note") else ""))
         for r in doc["runs"]:
-            rate = "offline" if r["rate"] <= 0 else f"{r['rate']:g}/s"
+            rate = "offline" if r["rate"] == 0 else "trace" if r["rate"] < 0 else f"{r['rate']:g}/s"
             print(f"  {r['config']:<12} {rate:>8}  {r['output_tok_s']:9.1f} tok/s  {r['requests_s']:7.3f} req/s  "
                   f"TTFT p50/p99 {r['ttft_s']['p50']:.2f}/{r['ttft_s']['p99']:.2f} s  "
                   f"TPOT p50 {r['tpot_s']['p50'] * 1e3:.1f} ms  decode ITL p50/p99 "

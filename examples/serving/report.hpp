@@ -43,7 +43,7 @@ struct Percentiles {
 /// The numbers of one run.
 struct Summary {
   std::string config;        ///< e.g. "tri+prefix"
-  double rate = 0.0;         ///< requests/s offered (0 = offline)
+  double rate = 0.0;         ///< requests/s offered (0 = offline, -1 = a trace's own arrival times)
   std::size_t requests = 0;
   std::int64_t output_tokens = 0, prompt_tokens = 0, cached_prompt_tokens = 0;
   double seconds = 0.0;
@@ -98,7 +98,7 @@ inline void print_table_header(std::FILE* f) {
 inline void print_table_row(std::FILE* f, const Summary& s) {
   constexpr double kMiB = 1024.0 * 1024.0;
   std::fprintf(f, "| %s | %s | %zu | %.1f | %.3f | %.2f / %.2f / %.2f | %.1f / %.1f / %.1f | %.2f / %.2f | %.1f | %.0f | %d | %d |\n",
-               s.config.c_str(), s.rate > 0 ? std::to_string(s.rate).substr(0, 6).c_str() : "offline", s.requests,
+               s.config.c_str(), s.rate > 0 ? std::to_string(s.rate).substr(0, 6).c_str() : s.rate < 0 ? "trace" : "offline", s.requests,
                s.output_tok_s, s.requests_s, s.ttft.p50, s.ttft.p90, s.ttft.p99, s.tpot.p50 * 1e3, s.tpot.p90 * 1e3,
                s.tpot.p99 * 1e3, s.itl_decode.p50 * 1e3, s.itl_decode.p99 * 1e3,
                static_cast<double>(s.peak_kv_bytes) / kMiB, static_cast<double>(s.peak_device_bytes) / kMiB, s.max_running,
