@@ -24,8 +24,20 @@ if command -v nvcc >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
 fi
 cmake -S . -B "$B" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTRIATTN_ENABLE_CUDA=$CUDA \
       -DTRIATTN_BUILD_TESTS=OFF -DTRIATTN_BUILD_BENCHMARKS=OFF >/dev/null
-cmake --build "$B" -j "$JOBS" --target reference_transformer
+TARGETS=(reference_transformer)
+[ "$DEVICE" = gpu ] && TARGETS+=(serving)  # the serving run below needs a GPU to be short
+cmake --build "$B" -j "$JOBS" --target "${TARGETS[@]}"
 BIN="$B/examples/reference_transformer/reference_transformer"
+# On a GPU, the demo ends with a short serving run (examples/serving/README.md): 32 requests
+# arriving at once into a 256 MB KV pool, full KV against TriAttention, on an 8-layer model of
+# Qwen3-8B's width (random bf16 weights), and its table.
+serving_demo() {
+  [ "$DEVICE" = gpu ] || return 0
+  printf '\n=== serving: 32 requests, 256 MB of KV, full KV vs TriAttention (budget 256), gpu ===\n'
+  "$B/examples/serving/serving" --device gpu --synthetic qwen3-8b-like --synthetic-layers 8 --synthetic-vocab 32000 \
+      --weight-dtype bf16 --workload reasoning --requests 32 --scale 0.0625 --kv-limit 256M \
+      --configs full,tri --budget 256 --divide-length 64 --progress 5
+}
 # With arguments: one run with them. Without: the whole path in two runs.
 if [ $# -gt 0 ]; then exec "$BIN" --device "$DEVICE" "$@"; fi
 DATA=../shared/data
@@ -47,6 +59,7 @@ if [ -f "$GGUF" ] && [ -f "$DATA/text/shakespeare.txt" ] && [ -f "$DATA/text/pri
   printf '\n=== 3/3 the same with TriAttention: budget 256, a round every 64 tokens, the document compressible (%s) ===\n' "$DEVICE"
   "$BIN" --device "$DEVICE" --model "$GGUF" --prompt-file "$DOC" --steps 48 --stats "$STATS" --budget 256 \
          --divide-length 64 --prompt-mode compete --report-every 8
+  serving_demo
   exit 0
 fi
 # Fast fallback: stories260K (or the synthetic model).
@@ -55,3 +68,4 @@ printf '\n=== 1/2 calibration: pre-RoPE query statistics over an uncompressed gr
 "$BIN" --device cpu --calibrate "$STATS" --steps 512 --quiet
 printf '\n=== 2/2 generation with TriAttention compression (%s): budget 128, a round every 32 tokens ===\n' "$DEVICE"
 "$BIN" --device "$DEVICE" --stats "$STATS" --budget 128 --divide-length 32 --steps 400
+serving_demo

@@ -32,6 +32,8 @@ MUTANTS=(
 "sinks-plus-window-over-budget-accepted|include/triattn/core/scoring_params.hpp|static_cast<long long>(n_sink) + window <= budget,|true,|test_core_test_kv_cache_limits|limits: n_sink + window over the budget*"
 "in-place-ignores-first-moved|include/triattn/core/kv_cache.hpp|    s.in_place = std::min({s.in_place, first_changed, keep});|    s.in_place = std::min(s.in_place, keep);|test_core_test_keep_sets_golden|keep sets: positions off leaves the same cache*"
 "moved-from-cache-unguarded|include/triattn/core/kv_cache.hpp|    check_live(op);\n|\n|test_core_test_kv_cache_limits|limits: every query on a moved-from KvCache*"
+"serving-rows-mixed|examples/serving/serving_loop.hpp|std::span<const float>(logits + c * static_cast<std::size_t>(vocab),|std::span<const float>(logits + (c + 1) % chunks.size() * static_cast<std::size_t>(vocab),|test_core_test_serving_loop|serving loop on the CPU: without compression*"
+"serving-round-on-neighbour|examples/serving/serving_loop.hpp|cache.needs_compression(st[i].seq)) due.push_back(st[i].seq);|cache.needs_compression(st[i].seq)) due.push_back(st[running[(std::find(running.begin(), running.end(), i) - running.begin() + 1) % running.size()]].seq);|test_core_test_serving_loop|serving loop on the CPU: with TriAttention rounds*"
 )
 
 t0=$(date +%s)

@@ -378,7 +378,7 @@ class CudaBackend {
     o.arena_a = ri.seq;
     o.arena_b = ri.slot;
     // triattn's decode kernel: one row per sequence at its last slot, a compiled head_dim.
-    bool decode = triattn::cuda::is_supported_head_dim(c.head_dim) && n <= 65535;
+    bool decode = !s.opt.row_attention && triattn::cuda::is_supported_head_dim(c.head_dim) && n <= 65535;
     int max_len = 1;
     if (decode) {
       s.seen.assign(static_cast<std::size_t>(cache.config().max_seqs), 0);
@@ -404,7 +404,8 @@ class CudaBackend {
       o.workspace = o.workspace_bytes > 0 ? s.scratch(State::kWorkspace, o.workspace_bytes) : nullptr;
       if constexpr (!std::is_same_v<T, float>)
         o.q_t = s.scratch(State::kQt, static_cast<std::size_t>(n) * c.q_dim() * sizeof(T));
-    } else if (gpu::prefill_attention_refusal(cache.template view<T>(), c.head_dim, c.group_size()).empty()) {
+    } else if (!s.opt.row_attention &&
+               gpu::prefill_attention_refusal(cache.template view<T>(), c.head_dim, c.group_size()).empty()) {
       // Prefill (or mixed) rows of a 16-bit cache: the tensor-core kernel over the row tiles.
       o.flag = cuda_detail::kAttnPrefill;
       const State::RowInfo ti = s.prefill_tiles(c.group_size());

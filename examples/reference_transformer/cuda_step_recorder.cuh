@@ -73,7 +73,19 @@ struct CudaBackendOptions {
   int gemv_variant = -1;
   /// GEMV kernels or cuBLAS per matmul (gemm_cublas.cuh): by row count at the measured crossover
   MatmulPath matmul_path = MatmulPath::kAuto;
+  /// Every step's attention through attention_rows_kernel (one warp per row and head), never the
+  /// split decode kernel or the tiled prefill kernel: with MatmulPath::kGemv a row's arithmetic
+  /// then never depends on the batch (batch_invariant(); slower, for equality checks).
+  bool row_attention = false;
 };
+
+/// Options whose results do not depend on the batch: a row gives bitwise the same logits alone
+/// or beside any other rows (GEMV matmuls, per-row attention).
+[[nodiscard]] inline CudaBackendOptions batch_invariant(CudaBackendOptions o) {
+  o.matmul_path = MatmulPath::kGemv;
+  o.row_attention = true;
+  return o;
+}
 
 namespace cuda_detail {
 

@@ -67,6 +67,7 @@
 #include "model.hpp"
 #include "sampler.hpp"
 #include "serve_shared.hpp"
+#include "stats_io.hpp"
 #include "synthetic.hpp"
 #include "tensor_parallel.hpp"
 
@@ -638,26 +639,6 @@ void check_context_length(const std::vector<std::vector<int>>& prompts, int step
   }
 }
 
-triattn::QueryStats load_stats(const std::string& path, const ex::ModelConfig& mc) {
-  triattn::StatsExpectation expect;
-  expect.num_layers = mc.n_layers;
-  expect.num_q_heads = mc.n_heads;
-  expect.head_dim = mc.head_dim;
-  expect.rope_style = mc.rope_style;
-  const auto bytes = triattn::read_regular_file<std::vector<std::uint8_t>>(path, triattn::kMaxStatsFileBytes, "--stats");
-  if (bytes.size() >= 2 && bytes[0] == 'P' && bytes[1] == 'K')
-    return triattn::load_pt_stats(std::span<const std::uint8_t>(bytes), path, expect);  // torch.save zip
-  return triattn::load_safetensors_stats(std::span<const std::uint8_t>(bytes), path, expect);
-}
-
-/// The model's RoPE, as the TriAttention scorers take it.
-triattn::RopeConfig rope_config(const ex::ModelConfig& mc) {
-  triattn::RopeConfig rope;
-  rope.style = mc.rope_style;
-  rope.theta = mc.rope_theta;
-  return rope;
-}
-
 /// The compression rounds' selection: --budget, --divide-length, --pruning.
 triattn::SelectionParams selection_params(const Options& o) {
   triattn::SelectionParams sel;
@@ -722,9 +703,9 @@ int run_gpu_with(const Options& o, ex::Model<ex::CudaBackend>& model, ex::CudaBa
     return rc;
   }
   check_gpu_head_dim(mc);
-  const triattn::QueryStats stats = load_stats(o.stats_path, mc);
+  const triattn::QueryStats stats = ex::load_stats(o.stats_path, mc);
   TriT cache(cfg, triattn::cuda::DeviceCompactor(backend.stream()),
-             triattn::cuda::TriAttentionDeviceScorer(stats, rope_config(mc), triattn::ScoringParams{}, mc.n_kv_heads,
+             triattn::cuda::TriAttentionDeviceScorer(stats, ex::rope_config(mc), triattn::ScoringParams{}, mc.n_kv_heads,
                                                      backend.stream()),
              triattn::TopKSelector(selection_params(o)));
   triattn::cuda::DeviceRounds<TriT> rounds(cache);  // score, select and compact on the device, one batch per step
@@ -780,7 +761,7 @@ int run_cpu_tp(const Options& o, const ex::ModelWeights& weights, const TextCode
   const ex::ModelConfig& mc = weights.config;
   ex::check_tp(mc, ex::TpRank{0, o.tp});  // before the threads start: a bad split fails here, once
   triattn::QueryStats stats;
-  if (compress) stats = load_stats(o.stats_path, mc);
+  if (compress) stats = ex::load_stats(o.stats_path, mc);
   triattn::tp::ThreadTeam team(o.tp);
   std::vector<triattn::MemoryStats> kv(static_cast<std::size_t>(o.tp));
   ex::run_ranks(o.tp, [&](int r) {
@@ -793,7 +774,7 @@ int run_cpu_tp(const Options& o, const ex::ModelWeights& weights, const TextCode
       (void)run(model, cache, codec, prompts, o, nullptr, {}, RankSlot{r, &kv});
       return;
     }
-    const triattn::RopeConfig rope = rope_config(mc);
+    const triattn::RopeConfig rope = ex::rope_config(mc);
     const triattn::SelectionParams sel = selection_params(o);
     TpTriCache cache(cfg, triattn::TriAttentionScorer(rank_stats(stats, mc, r, o.tp), rope, triattn::ScoringParams{},
                                                       local.n_kv_heads),
@@ -813,7 +794,7 @@ int run_gpu_tp(const Options& o, const ex::ModelWeights& weights, const TextCode
   ex::check_tp(mc, ex::TpRank{0, o.tp});  // before any thread or communicator exists
   if (compress) check_gpu_head_dim(mc);
   triattn::QueryStats stats;
-  if (compress) stats = load_stats(o.stats_path, mc);
+  if (compress) stats = ex::load_stats(o.stats_path, mc);
   std::vector<triattn::MemoryStats> kv(static_cast<std::size_t>(o.tp));
   ex::run_gpu_ranks(o.tp, [&](int r, triattn::cuda::NcclCommunicator& comm) {
     ex::CudaBackend backend(backend_options(o));
@@ -826,7 +807,7 @@ int run_gpu_tp(const Options& o, const ex::ModelWeights& weights, const TextCode
       (void)run(model, cache, codec, prompts, o, nullptr, {}, RankSlot{r, &kv});
       return;
     }
-    const triattn::RopeConfig rope = rope_config(mc);
+    const triattn::RopeConfig rope = ex::rope_config(mc);
     const triattn::SelectionParams sel = selection_params(o);
     ex::GpuTriCache cache(cfg, triattn::cuda::DeviceCompactor(backend.stream()),
                           triattn::cuda::TriAttentionDeviceScorer(rank_stats(stats, mc, r, o.tp), rope,
@@ -882,9 +863,9 @@ int run_serve_cpu(const Options& o, const ex::ServeArgs& sa, const ex::ModelWeig
     triattn::KvCache<Alloc, triattn::HostCompactor> cache(cfg);
     return serve(o, sa, model, cache, codec, prompts, ex::CompressFn{});
   }
-  const triattn::QueryStats stats = load_stats(o.stats_path, weights.config);
+  const triattn::QueryStats stats = ex::load_stats(o.stats_path, weights.config);
   triattn::KvCache<Alloc, triattn::HostCompactor, triattn::TriAttentionScorer, triattn::TopKSelector> cache(
-      cfg, triattn::TriAttentionScorer(stats, rope_config(weights.config), triattn::ScoringParams{}, weights.config.n_kv_heads),
+      cfg, triattn::TriAttentionScorer(stats, ex::rope_config(weights.config), triattn::ScoringParams{}, weights.config.n_kv_heads),
       triattn::TopKSelector(selection_params(o)));
   return serve(o, sa, model, cache, codec, prompts,
                ex::CompressFn([&](std::span<const triattn::SeqId> live) { return cache.compress_if_needed(live); }));
@@ -913,9 +894,9 @@ int run_serve_gpu(const Options& o, const ex::ServeArgs& sa, const ex::ModelWeig
     return rc;
   }
   check_gpu_head_dim(mc);
-  const triattn::QueryStats stats = load_stats(o.stats_path, mc);
+  const triattn::QueryStats stats = ex::load_stats(o.stats_path, mc);
   ex::GpuPrefixTriCache cache(cfg, triattn::cuda::DeviceCompactor(backend.stream()),
-                              triattn::cuda::TriAttentionDeviceScorer(stats, rope_config(mc), triattn::ScoringParams{},
+                              triattn::cuda::TriAttentionDeviceScorer(stats, ex::rope_config(mc), triattn::ScoringParams{},
                                                                       mc.n_kv_heads, backend.stream()),
                               triattn::TopKSelector(selection_params(o)));
   triattn::cuda::DeviceRounds<ex::GpuPrefixTriCache> rounds(cache);
@@ -1024,8 +1005,8 @@ int real_main(int argc, char** argv) {
     PlainCache cache(cfg);
     return run(model, cache, codec, prompts, o, calibrator.get());
   }
-  const triattn::QueryStats stats = load_stats(o.stats_path, mc);
-  const triattn::RopeConfig rope = rope_config(mc);
+  const triattn::QueryStats stats = ex::load_stats(o.stats_path, mc);
+  const triattn::RopeConfig rope = ex::rope_config(mc);
   const triattn::SelectionParams sel = selection_params(o);
   TriCache cache(cfg, triattn::TriAttentionScorer(stats, rope, triattn::ScoringParams{}, mc.n_kv_heads),
                  triattn::TopKSelector(sel));
