@@ -27,6 +27,7 @@
 #include <triattn/cuda/error.cuh>
 #include <triattn/cuda/kernels/positions_kernel.cuh>
 #include <triattn/cuda/policy/device_compactor.cuh>
+#include <triattn/cuda/tuning/select.cuh>
 
 namespace triattn::cuda {
 
@@ -111,7 +112,7 @@ class DeviceRounds {
   /// Tensor parallelism: union rounds agree through `agree` (see paged_round with an agreement).
   using AgreementFn = std::function<cudaError_t(std::uint8_t* flags, float* vmax, int batch, int max_len, cudaStream_t)>;
 
-  explicit DeviceRounds(Cache& cache) : cache_(&cache) {}
+  explicit DeviceRounds(Cache& cache) : cache_(&cache) { tuning::require_device_arch(); }
   DeviceRounds(const DeviceRounds&) = delete;
   DeviceRounds& operator=(const DeviceRounds&) = delete;
   ~DeviceRounds() {
