@@ -46,8 +46,7 @@ struct RequestFootprint {
 ///   keeps everything).
 /// @throws triattn::logic_error on invalid params or a negative length.
 [[nodiscard]] inline std::int64_t max_resident_tokens(int prompt_len, int max_new_tokens,
-                                                     const SelectionParams& params) {
-  params.validate();
+                                                     const ValidSelectionParams& params) {
   TRIATTN_EXPECTS(prompt_len >= 0 && max_new_tokens >= 0,
                   "max_resident_tokens: prompt_len = " + std::to_string(prompt_len) + " and max_new_tokens = " +
                       std::to_string(max_new_tokens) + " must be non-negative");

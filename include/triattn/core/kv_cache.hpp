@@ -868,7 +868,7 @@ class KvCache {
     check_batch_ids(seqs, op);
     check_host_positions(op);
     const ModelGeometry& g = config_.model;
-    const SelectionParams* params = nullptr;
+    const ValidSelectionParams* params = nullptr;
     // Report-not-throw needs a selector whose SelectionParams describe it and that decides alone
     // (a tensor-parallel selector meets the other ranks in select(): every rank must call it).
     if constexpr (requires { { selector_.params() } -> std::convertible_to<const SelectionParams&>; } &&

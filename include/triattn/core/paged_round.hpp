@@ -486,7 +486,7 @@ namespace detail {
 /// KvCache's selector policy) and must protect the same `protected_prefix`.
 template <class T, class Id, class Scorer, class Select>
 RoundStatus plan_round_one(const KvCacheView<T, Id>& view, Scorer& scorer, Select&& select,
-                           const SelectionParams* params, const ModelGeometry& g, int seq, int len, int prompt_len,
+                           const ValidSelectionParams* params, const ModelGeometry& g, int seq, int len, int prompt_len,
                            int protected_prefix, std::int64_t t0, std::span<float> scores, KeepPlan& plan) {
   const std::span<float> sc = scores.first(static_cast<std::size_t>(g.num_layers) * g.num_q_heads * len);
   scorer.score(view, seq, len, t0, sc);
@@ -547,11 +547,10 @@ inline void write_round_outputs(const RoundOutputs& out, int b, int block_size, 
 ///         params, a shared block after a private one, or outputs / workspace overlapping each
 ///         other or an input; a sequence with non-finite scores is reported, not thrown (kNonFinite).
 template <class T, class Id, class Scorer>
-int paged_round(const KvCacheView<T, Id>& view, Scorer& scorer, const SelectionParams& params,
+int paged_round(const KvCacheView<T, Id>& view, Scorer& scorer, const ValidSelectionParams& params,
                 const ModelGeometry& geometry, RoundTrigger trigger, const RoundBatch& batch, const RoundOutputs& out,
                 void* workspace, std::size_t workspace_bytes) {
   const ModelGeometry& g = geometry;
-  params.validate();
   g.validate();
   TRIATTN_EXPECTS(trigger == RoundTrigger::kIfDue || trigger == RoundTrigger::kAlways,
                   "paged_round: trigger has invalid value " + std::to_string(static_cast<int>(trigger)));

@@ -127,6 +127,16 @@ struct SelectionParams {
   }
 };
 
+/// SelectionParams validated once: every way of making one runs validate() (logic_error naming the
+/// field), so functions taking one do not check again. It converts implicitly from SelectionParams,
+/// so a call with plain params validates them once, at that conversion; objects holding selection
+/// parameters (TopKSelector, TensorParallelTopKSelector) hold one, validated at their construction.
+class ValidSelectionParams : public SelectionParams {
+ public:
+  ValidSelectionParams() : ValidSelectionParams(SelectionParams{}) {}
+  ValidSelectionParams(const SelectionParams& params) : SelectionParams(params) { validate(); }  // NOLINT: implicit
+};
+
 /// The future offsets D = {1, 2, 4, ..., 2^floor(log2 M)} as doubles (|D| = floor(log2 M) + 1).
 /// @throws triattn::logic_error when offset_max_length < 1.
 [[nodiscard]] inline std::vector<double> geometric_offsets(int offset_max_length) {

@@ -50,8 +50,7 @@ struct CompressionTrigger {
   /// True when a round should run now: counted_len >= budget + divide_length, and this is a
   /// decode step (or compress_during_prefill is set).
   /// @throws triattn::logic_error on invalid params or a negative length.
-  [[nodiscard]] static bool should_compress(int counted_len, bool is_decode_step, const SelectionParams& params) {
-    params.validate();
+  [[nodiscard]] static bool should_compress(int counted_len, bool is_decode_step, const ValidSelectionParams& params) {
     TRIATTN_EXPECTS(counted_len >= 0,
                     "CompressionTrigger::should_compress: counted_len must be >= 0, got " + std::to_string(counted_len));
     return fires(counted_len, is_decode_step, params);

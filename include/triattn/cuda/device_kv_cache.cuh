@@ -159,7 +159,7 @@ class DeviceRounds {
     TRIATTN_EXPECTS(!pending_, "DeviceRounds::launch: a round is still in flight (poll() or wait() first)");
     if (seqs.empty()) return;
     const CacheConfig& cfg = cache_->config();
-    const SelectionParams& sp = cache_->selector().params();
+    const ValidSelectionParams& sp = cache_->selector().params();
     const int batch = static_cast<int>(seqs.size());
     int max_len = 1, max_keep = 1;
     seen_.assign(static_cast<std::size_t>(cfg.max_seqs), 0);  // no allocation once sized
@@ -372,7 +372,7 @@ class DeviceRounds {
   // Grows the buffers (only when a round is larger than every earlier one).
   void ensure(int batch, int max_len, int max_keep) {
     const CacheConfig& cfg = cache_->config();
-    const SelectionParams& sp = cache_->selector().params();
+    const ValidSelectionParams& sp = cache_->selector().params();
     const int rows = kept_row_count();
     const std::size_t io = layout(batch, rows, max_keep).total;
     const std::size_t ws = paged_round_workspace_size(

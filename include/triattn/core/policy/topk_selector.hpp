@@ -21,9 +21,10 @@ class TopKSelector {
   using policy_role = selector_role;
 
   TopKSelector() = default;
-  explicit TopKSelector(const SelectionParams& params) : params_(params) { params_.validate(); }
+  /// @throws logic_error naming the first invalid field of `params`.
+  explicit TopKSelector(const SelectionParams& params) : params_(params) {}
 
-  [[nodiscard]] const SelectionParams& params() const noexcept { return params_; }
+  [[nodiscard]] const ValidSelectionParams& params() const noexcept { return params_; }
 
   /// Whether a sequence of physical length `length` (of which `prompt_len` prompt tokens)
   /// should be compressed now.
@@ -43,7 +44,7 @@ class TopKSelector {
   }
 
  private:
-  SelectionParams params_{};
+  ValidSelectionParams params_{};
 };
 
 }  // namespace triattn

@@ -61,10 +61,9 @@ void check_rank_inputs(const Collective& comm, std::span<const float> scores, co
 /// @throws logic_error on bad shapes/params or a non-finite score (on any rank, in union mode).
 template <HostCollective Collective>
 [[nodiscard]] KeepPlan select_keep(Collective& comm, std::span<const float> scores, const ModelGeometry& local, int T,
-                                   int prompt_len, const SelectionParams& params,
+                                   int prompt_len, const ValidSelectionParams& params,
                                    const TpGeometry* geometry = nullptr, int protected_prefix = 0) {
   const int L = local.num_layers, Hq = local.num_q_heads, Hkv = local.num_kv_heads;
-  params.validate();
   // Depends on (T, prompt_len, params) only, equal on every rank: all ranks agree on whether a
   // collective happens and on its length.
   const ref::KeepCounts kc = ref::keep_counts(T, prompt_len, params, protected_prefix);

@@ -154,7 +154,7 @@ inline void check_round_error(const RoundError& e) {
 /// @throws also logic_error when outputs or the workspace overlap each other or an input array
 ///         (tables, lengths, batch arrays, slot positions; the K/V too for a single-base view).
 template <class T, class Id>
-void paged_round(const KvCacheView<T, Id>& view, const ScoreModelView& model, const SelectionParams& params,
+void paged_round(const KvCacheView<T, Id>& view, const ScoreModelView& model, const ValidSelectionParams& params,
                  RoundTrigger trigger, const RoundBatch& batch, const RoundOutputs& out, void* workspace,
                  std::size_t workspace_bytes, cudaStream_t stream) {
   paged_round(view, model, params, trigger, batch, out, workspace, workspace_bytes, IdentityAgreement{}, stream);
@@ -166,11 +166,10 @@ void paged_round(const KvCacheView<T, Id>& view, const ScoreModelView& model, co
 /// the same batch. The non-finite check is rank-local (a rank whose own scores are finite
 /// completes the round).
 template <class T, class Id, UnionAgreement Agreement>
-void paged_round(const KvCacheView<T, Id>& view, const ScoreModelView& model, const SelectionParams& params,
+void paged_round(const KvCacheView<T, Id>& view, const ScoreModelView& model, const ValidSelectionParams& params,
                  RoundTrigger trigger, const RoundBatch& batch, const RoundOutputs& out, void* workspace,
                  std::size_t workspace_bytes, Agreement&& agreement, cudaStream_t stream) {
   using detail::paged_round_what;
-  params.validate();
   const RoundShape shape{model.num_layers, model.num_q_heads, model.num_kv_heads};
   TRIATTN_EXPECTS(shape.valid(), paged_round_what("model") + " has " + std::to_string(model.num_layers) +
                                      " layers, " + std::to_string(model.num_q_heads) + " query / " +

@@ -85,9 +85,8 @@ using triattn::KeepCounts;
 /// counted in the budget as any kept slot (on top of it only as part of the prompt under kPinnedOnTop).
 /// @throws triattn::logic_error on invalid params, prompt_len outside [0, length] or a negative
 /// protected_prefix.
-[[nodiscard]] inline KeepCounts keep_counts(int length, int prompt_len, const SelectionParams& p,
+[[nodiscard]] inline KeepCounts keep_counts(int length, int prompt_len, const ValidSelectionParams& p,
                                             int protected_prefix = 0) {
-  p.validate();
   TRIATTN_EXPECTS(length >= 0, "keep_counts: length must be >= 0, got " + std::to_string(length));
   TRIATTN_EXPECTS(prompt_len >= 0 && prompt_len <= length,
                   "keep_counts: prompt_len = " + std::to_string(prompt_len) + " must be in [0, length = " +
@@ -219,7 +218,7 @@ inline void write_all_rows(KeepPlan& plan, const KeepCounts& kc, const std::vect
 // select_keep's checks and bookkeeping before any score is combined: shapes, params, the
 // one-time prompt-over-budget warning, finite scores in the selectable range.
 inline KeepCounts prepare_selection(const float* scores, int L, int Hq, int Hkv, int T, int prompt_len,
-                                    const SelectionParams& params, int protected_prefix = 0) {
+                                    const ValidSelectionParams& params, int protected_prefix = 0) {
   TRIATTN_EXPECTS(L > 0 && Hq > 0 && Hkv > 0 && Hq % Hkv == 0,
                   "select_keep: need layers > 0 and num_q_heads (" + std::to_string(Hq) +
                       ") a positive multiple of num_kv_heads (" + std::to_string(Hkv) + "), layers = " +
@@ -250,7 +249,7 @@ inline KeepCounts prepare_selection(const float* scores, int L, int Hq, int Hkv,
 // takes no part in any row's mean and std and becomes the lowest float in every row, so it ranks
 // below every finite value in every mode (union included); rows of finite slots are unchanged.
 inline std::vector<float> selection_values(const float* scores, std::size_t rows, const KeepCounts& kc,
-                                           const SelectionParams& params) {
+                                           const ValidSelectionParams& params) {
   const std::size_t T = static_cast<std::size_t>(kc.length);
   std::vector<float> s(scores, scores + rows * T);  // [rows, T]
   const bool evict_first = params.nonfinite == NonFinitePolicy::kEvictFirst;
@@ -348,7 +347,7 @@ inline void union_candidates(const float* s_hat, std::size_t rows, const KeepCou
 /// @throws triattn::logic_error on bad shapes or params, or a non-finite score in the selectable
 ///         range under kRefuse.
 [[nodiscard]] inline KeepPlan select_keep(const float* scores, int L, int Hq, int Hkv, int T, int prompt_len,
-                                          const SelectionParams& params, int protected_prefix = 0) {
+                                          const ValidSelectionParams& params, int protected_prefix = 0) {
   const KeepCounts kc = detail::prepare_selection(scores, L, Hq, Hkv, T, prompt_len, params, protected_prefix);
   const std::size_t rows = static_cast<std::size_t>(L) * Hq;
   const int lo = kc.selectable_begin, n = kc.num_selectable();
