@@ -42,7 +42,7 @@ struct RequestFootprint {
 ///   N == 0: P; else max(P, min(P + N, max(P + 1, thr, K + 1))) where
 ///   thr = budget + divide_length (+ P with kPinnedOnTop) is the physical length that triggers
 ///   a round and K = max(budget (+ P with kPinnedOnTop), max(pinned P, n_sink) + window) is the
-///   length a round leaves (ref::keep_counts once the length exceeds K; a round at length <= K
+///   length a round leaves (selection::keep_counts once the length exceeds K; a round at length <= K
 ///   keeps everything).
 /// @throws triattn::logic_error on invalid params or a negative length.
 [[nodiscard]] inline std::int64_t max_resident_tokens(int prompt_len, int max_new_tokens,

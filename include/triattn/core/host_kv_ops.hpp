@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// CPU reference of in-place compaction: for every layer, K and V, and KV head, move the kept
-// slots of one sequence to slots 0..keep-1 in ascending order. The oracle of the CUDA compactor.
+// Host K/V operations on a paged cache view: in-place compaction (for every layer, K and V, and
+// KV head, move the kept slots of one sequence to slots 0..keep-1 in ascending order), block copy
+// and append. What host caches run, and the oracle of the CUDA compactor (tests name it ref::,
+// core/ref/compact.hpp).
 #pragma once
 
 #include <cstring>
@@ -8,7 +10,7 @@
 #include <triattn/core/keep_plan.hpp>
 #include <triattn/core/kv_view.hpp>
 
-namespace triattn::ref {
+namespace triattn::host {
 
 /// Compacts sequence `seq` of `view` in place following `plan` (already validated against the
 /// sequence's physical length). Moving forward is safe: row[i] >= i, and every source slot > i
@@ -55,4 +57,4 @@ void append(const KvCacheView<T, Id>& view, int seq, int layer, int first_slot, 
     }
 }
 
-}  // namespace triattn::ref
+}  // namespace triattn::host

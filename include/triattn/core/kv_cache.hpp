@@ -36,7 +36,7 @@
 #include <triattn/core/policy/host_compactor.hpp>
 #include <triattn/core/policy/no_scorer.hpp>
 #include <triattn/core/policy/static_allocator.hpp>
-#include <triattn/core/ref/compact.hpp>
+#include <triattn/core/host_kv_ops.hpp>
 
 namespace triattn {
 
@@ -350,7 +350,7 @@ class KvCache {
                           ") fall in block " + std::to_string(b) + " that sequence " + std::to_string(seq) +
                           " shares with another sequence; shared prefix blocks are never rewritten");
     }
-    ref::append(view<T>(), seq, layer, first_slot, k, v, n);
+    host::append(view<T>(), seq, layer, first_slot, k, v, n);
   }
 
   /// extend() + write() for every layer, CPU path. k, v: [num_layers, n, num_kv_heads, head_dim].

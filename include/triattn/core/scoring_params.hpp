@@ -27,7 +27,7 @@ enum class PruningMode : int {
 /// What a round does with a sequence whose scores in the selectable range are not all finite
 /// (NaN or ±Inf: a NaN key, or finite keys whose scores overflow).
 enum class NonFinitePolicy : int {
-  kRefuse = 0,      ///< leave the sequence unchanged and report it (RoundStatus::kNonFinite; ref::select_keep throws)
+  kRefuse = 0,      ///< leave the sequence unchanged and report it (RoundStatus::kNonFinite; selection::select_keep throws)
   kEvictFirst = 1,  ///< a token with a non-finite score in any row ranks below every finite one in every
                     ///< row (after normalising over the finite tokens): it goes first, the round proceeds
 };

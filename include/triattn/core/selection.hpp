@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// CPU reference of TriAttention selection (spec §4, §5): from per-(layer, query head) key scores
-// to a KeepPlan. The steps are separate functions (z-normalisation, GQA max, mean over layers,
-// top-k with ties) because GPU kernels are checked against each of them. Protected tokens
+// Host TriAttention selection (spec §4, §5): from per-(layer, query head) key scores to a
+// KeepPlan; what host rounds and selectors run, and the oracle the GPU selection kernels are
+// checked against (tests name it ref::, core/ref/select.hpp). The steps are separate functions
+// (z-normalisation, GQA max, mean over layers, top-k with ties) so that each can be checked. Protected tokens
 // (pinned prompt, attention sinks, recent window) are always kept and never compete; the
 // selectable tokens always form one contiguous slot range [begin, end).
 // Also holds the library's warning hook (set_warning_handler).
@@ -76,7 +77,7 @@ inline WarningHandler set_warning_handler(WarningHandler handler) {
   return previous;
 }
 
-namespace ref {
+namespace selection {
 
 using triattn::KeepCounts;
 
@@ -399,5 +400,5 @@ inline void union_candidates(const float* s_hat, std::size_t rows, const KeepCou
   return plan;
 }
 
-}  // namespace ref
+}  // namespace selection
 }  // namespace triattn

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Selector policy: the spec's trigger (slack at budget + divide_length on decode steps) and
 // selection (z-normalisation, GQA max, per_head / per_layer_per_head / union top-k with
-// protected prompt, sinks and window) through ref::select_keep.
+// protected prompt, sinks and window) through selection::select_keep.
 #pragma once
 
 #include <span>
@@ -10,7 +10,7 @@
 #include <triattn/core/cache_config.hpp>
 #include <triattn/core/concepts.hpp>
 #include <triattn/core/keep_plan.hpp>
-#include <triattn/core/ref/select.hpp>
+#include <triattn/core/selection.hpp>
 #include <triattn/core/scoring_params.hpp>
 #include <triattn/core/trigger.hpp>
 
@@ -39,7 +39,7 @@ class TopKSelector {
                                 int protected_prefix = 0) const {
     TRIATTN_EXPECTS(scores.size() == static_cast<std::size_t>(g.num_layers) * g.num_q_heads * length,
                     "TopKSelector: scores hold " + std::to_string(scores.size()) + " values, expected L*Hq*length");
-    return ref::select_keep(scores.data(), g.num_layers, g.num_q_heads, g.num_kv_heads, length, prompt_len, params_,
+    return selection::select_keep(scores.data(), g.num_layers, g.num_q_heads, g.num_kv_heads, length, prompt_len, params_,
                             protected_prefix);
   }
 

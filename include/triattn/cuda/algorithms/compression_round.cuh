@@ -9,7 +9,7 @@
 // After the round, sequence b holds plan.keep[b] slots per (layer, KV head). The device lengths
 // and block tables are the caller's (KvCache's host bookkeeping): the kept count is a pure
 // function of (length, prompt length, protected prefix, SelectionParams), so the host computes the
-// same number with ref::keep_counts without waiting for the device, shrinks its tables and
+// same number with selection::keep_counts without waiting for the device, shrinks its tables and
 // publishes them.
 #pragma once
 
