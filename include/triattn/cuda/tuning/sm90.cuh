@@ -46,6 +46,34 @@ struct Score {
   };
 };
 
+/// Normalisation. row_stats_kernel: one CTA of kRowStatsThreads per (b, l, h) row, kRowStatsCache
+/// values per thread kept in registers between the passes (2,560 per row, a Qwen3-8B round: the
+/// second pass re-reads nothing), the rest of a longer row re-read in batches of kRowStatsRestBatch;
+/// kRowStatsMinCtas: <= 56 registers, 9 CTAs per SM, 1,152 rows in one wave on 132 SMs.
+/// gqa_reduce_kernel: kReduceThreads threads, <= 80 registers (kReduceMinCtas per SM); per_head takes
+/// kReduceSlots slots per CTA (kReduceLayerLanes threads per slot split the layers).
+struct Normalize {
+  static constexpr int kRowStatsThreads = 128;      // measured by bench_compression_round (row stats)
+  static constexpr int kRowStatsCache = 20;         // measured by bench_compression_round (row stats)
+  static constexpr int kRowStatsRestBatch = 8;      // measured by bench_compression_round (long rows)
+  static constexpr int kRowStatsMinCtas = 9;        // measured by bench_compression_round (row stats)
+  static constexpr int kReduceThreads = 128;        // measured by bench_compression_round (gqa_reduce)
+  static constexpr int kReduceMinCtas = 6;          // measured by bench_compression_round (gqa_reduce)
+  static constexpr int kReduceBatch = 16;           // union: loads in flight per thread; bench_compression_round
+  static constexpr int kReduceSlots = 32;           // per_head: slots per CTA; bench_compression_round
+  static constexpr int kReduceLayerLanes = kReduceThreads / kReduceSlots;
+  static constexpr int kReduceLayersInFlight = 3;   // per_head: layers loaded at once; bench_compression_round
+  static constexpr int kReduceGenericHeads = 8;     // per_head, any group size: heads loaded at once; same
+};
+
+/// Selection (select_kernel): one CTA of kThreads ranks a row; rows of up to kCacheMax slots keep
+/// their keys in shared memory. union_layer_max_kernel: kUnionThreads threads, one per slot.
+struct Select {
+  static constexpr int kThreads = 512;         // measured by bench_select
+  static constexpr int kCacheMax = 11264;      // a bound: 44 KB of keys + 1.3 KB static under 48 KB
+  static constexpr int kUnionThreads = 256;    // measured by bench_select (union)
+};
+
 /// Paged decode attention (split-K / flash decoding).
 /// 16-bit caches use mma.sync m16n8k16: a warp takes 16-token tiles, 8 query heads per pass
 /// (the MMA's N); fp32 caches use CUDA cores, 4 query heads per pass. kWarps warps per CTA share
@@ -78,6 +106,8 @@ struct Policy {
   using Append = sm90::Append;
   using Compact = sm90::Compact;
   using Score = sm90::Score;
+  using Normalize = sm90::Normalize;
+  using Select = sm90::Select;
   using DecodeAttention = sm90::DecodeAttention;
 };
 
