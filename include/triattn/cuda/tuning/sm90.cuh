@@ -46,6 +46,21 @@ struct Score {
   };
 };
 
+/// Key-norm baseline scorer (key_norm_kernel): threads per block.
+struct KeyNorm {
+  static constexpr int kThreads = 256;  // not measured: no benchmark covers the baselines yet
+};
+
+/// SnapKV-style baseline scorer: kWarps warps per block of the partial and attention kernels,
+/// kChunk tokens per block, kStatWarps warps per block of the stats kernel, kPoolThreads threads
+/// per block of the pooling kernel.
+struct SnapKv {
+  static constexpr int kWarps = 4;           // not measured: no benchmark covers the baselines yet
+  static constexpr int kChunk = 256;         // not measured: no benchmark covers the baselines yet
+  static constexpr int kStatWarps = 4;       // not measured: no benchmark covers the baselines yet
+  static constexpr int kPoolThreads = 256;   // not measured: no benchmark covers the baselines yet
+};
+
 /// Normalisation. row_stats_kernel: one CTA of kRowStatsThreads per (b, l, h) row, kRowStatsCache
 /// values per thread kept in registers between the passes (2,560 per row, a Qwen3-8B round: the
 /// second pass re-reads nothing), the rest of a longer row re-read in batches of kRowStatsRestBatch;
@@ -106,8 +121,10 @@ struct Policy {
   using Append = sm90::Append;
   using Compact = sm90::Compact;
   using Score = sm90::Score;
+  using KeyNorm = sm90::KeyNorm;
   using Normalize = sm90::Normalize;
   using Select = sm90::Select;
+  using SnapKv = sm90::SnapKv;
   using DecodeAttention = sm90::DecodeAttention;
 };
 
