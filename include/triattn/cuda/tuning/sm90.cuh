@@ -81,6 +81,13 @@ struct Normalize {
   static constexpr int kReduceGenericHeads = 8;     // per_head, any group size: heads loaded at once; same
 };
 
+/// The engine-layout round's own kernels (cuda::paged_round): kCheckThreads threads per block of the
+/// input checks and shared-prefix pass, kThreads of the per-slot passes and outputs.
+struct PagedRound {
+  static constexpr int kCheckThreads = 128;  // not measured: latency-bound checks, a common size
+  static constexpr int kThreads = 256;       // not measured: a common size (bench_compression_round times the round)
+};
+
 /// Selection (select_kernel): one CTA of kThreads ranks a row; rows of up to kCacheMax slots keep
 /// their keys in shared memory. union_layer_max_kernel: kUnionThreads threads, one per slot.
 struct Select {
@@ -123,6 +130,7 @@ struct Policy {
   using Score = sm90::Score;
   using KeyNorm = sm90::KeyNorm;
   using Normalize = sm90::Normalize;
+  using PagedRound = sm90::PagedRound;
   using Select = sm90::Select;
   using SnapKv = sm90::SnapKv;
   using DecodeAttention = sm90::DecodeAttention;
