@@ -49,7 +49,8 @@ class RandomScorer {
     const std::size_t n_tok = static_cast<std::size_t>(length);
     for (int l = 0; l < view.num_layers; ++l)
       for (int h = 0; h < hq; ++h)
-        baseline::random_scores(seed_, t0, l, h / G, length, out.data() + (static_cast<std::size_t>(l) * hq + h) * n_tok);
+        baseline::random_scores(seed_, t0, l, h / G, length,
+                                out.data() + (static_cast<std::size_t>(l) * hq + h) * n_tok);
   }
 
  private:

@@ -40,7 +40,8 @@ class RecencyScorer {
                                               num_q_heads_, "RecencyScorer");
     if (length == 0) return;
     const std::size_t rows = static_cast<std::size_t>(view.num_layers) * static_cast<std::size_t>(hq);
-    for (std::size_t r = 0; r < rows; ++r) baseline::recency_scores(length, out.data() + r * static_cast<std::size_t>(length));
+    for (std::size_t r = 0; r < rows; ++r)
+      baseline::recency_scores(length, out.data() + r * static_cast<std::size_t>(length));
   }
 
  private:

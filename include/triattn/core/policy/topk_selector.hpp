@@ -39,8 +39,8 @@ class TopKSelector {
                                 int protected_prefix = 0) const {
     TRIATTN_EXPECTS(scores.size() == static_cast<std::size_t>(g.num_layers) * g.num_q_heads * length,
                     "TopKSelector: scores hold " + std::to_string(scores.size()) + " values, expected L*Hq*length");
-    return selection::select_keep(scores.data(), g.num_layers, g.num_q_heads, g.num_kv_heads, length, prompt_len, params_,
-                            protected_prefix);
+    return selection::select_keep(scores.data(), g.num_layers, g.num_q_heads, g.num_kv_heads, length, prompt_len,
+                                  params_, protected_prefix);
   }
 
  private:

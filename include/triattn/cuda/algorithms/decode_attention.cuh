@@ -53,7 +53,8 @@ struct basic_decode_attention {
     const int len = max_seq_len > 0 ? max_seq_len : 1;
     std::int64_t splits = resident_ctas > base ? resident_ctas / base : 1;
     const std::int64_t useful = (len + Tune::kMinTokensPerSplit - 1) / Tune::kMinTokensPerSplit;
-    splits = triattn::detail::max_<std::int64_t>(1, triattn::detail::min_<std::int64_t>(splits, triattn::detail::min_<std::int64_t>(useful, Tune::kMaxSplits)));
+    splits = triattn::detail::max_<std::int64_t>(
+        1, triattn::detail::min_<std::int64_t>(splits, triattn::detail::min_<std::int64_t>(useful, Tune::kMaxSplits)));
     std::int64_t tps = (len + splits - 1) / splits;
     tps = (tps + Tune::kSplitGranule - 1) / Tune::kSplitGranule * Tune::kSplitGranule;
     plan.tokens_per_split = static_cast<int>(tps);
@@ -71,8 +72,8 @@ struct basic_decode_attention {
     const cudaError_t e = dispatch_head_dim_status(head_dim, [&](auto hd) {
       constexpr int kD = decltype(hd)::value;
       if constexpr (std::is_same_v<T, float>) {
-        return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_attention_f32_kernel<kD, std::int32_t, T, Tune>,
-                                                             Tune::kThreads, 0);
+        return cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &per_sm, decode_attention_f32_kernel<kD, std::int32_t, T, Tune>, Tune::kThreads, 0);
       } else {
         // Same resources for every Id / OutT instantiation.
         auto kernel = decode_attention_mma_pipe_kernel<kD, T, std::int32_t, T, Tune>;
@@ -167,9 +168,9 @@ struct basic_decode_attention {
       const Id* lens = view.seq_lens;
       const float* po = p.partial_o;
       const float2* pml = p.partial_ml;
-      TRIATTN_CUDA_RETURN_IF_ERROR(launch_dependent(decode_attention_combine_kernel<kD, Id, OutT, Tune>, cgrid, dim3(kD), 0,
-                                                    stream, lens, seq_ids, po, pml, out, num_q_heads, plan.num_splits,
-                                                    plan.tokens_per_split));
+      TRIATTN_CUDA_RETURN_IF_ERROR(launch_dependent(decode_attention_combine_kernel<kD, Id, OutT, Tune>, cgrid,
+                                                    dim3(kD), 0, stream, lens, seq_ids, po, pml, out, num_q_heads,
+                                                    plan.num_splits, plan.tokens_per_split));
       return check_launch(stream);
     });
   }

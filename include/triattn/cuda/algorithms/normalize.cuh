@@ -76,13 +76,13 @@ template <class Id, class Policy = tuning::Selected::Normalize>
   const dim3 grid(static_cast<unsigned>((seqs.max_len + slots_per_cta - 1) / slots_per_cta),
                   static_cast<unsigned>(reduced_rows(shape, params.mode)), static_cast<unsigned>(seqs.batch));
   if (grid.y > 65535u) return cudaErrorInvalidValue;
-  const std::size_t smem =
-      gqa_reduce_smem_bytes<Policy>(params.mode, params.normalize, shape.num_layers, shape.num_q_heads, shape.num_kv_heads);
+  const std::size_t smem = gqa_reduce_smem_bytes<Policy>(params.mode, params.normalize, shape.num_layers,
+                                                         shape.num_q_heads, shape.num_kv_heads);
   // per_head is compiled for the common group sizes (no guards or divisions in its loads).
   const auto launch = [&](auto kernel, DynamicSmemGrant& granted) {
     TRIATTN_CUDA_RETURN_IF_ERROR(granted.ensure(kernel, smem));  // > 48 KiB only for very many layers or heads
-    return launch_dependent(kernel, grid, dim3(Policy::kReduceThreads), smem, stream, scores, stats, out, flags, seqs, params,
-                            shape.num_layers, shape.num_q_heads, shape.num_kv_heads);
+    return launch_dependent(kernel, grid, dim3(Policy::kReduceThreads), smem, stream, scores, stats, out, flags, seqs,
+                            params, shape.num_layers, shape.num_q_heads, shape.num_kv_heads);
   };
   static DynamicSmemGrant granted_any, granted_1, granted_2, granted_4, granted_8;
   const int G = shape.num_q_heads / shape.num_kv_heads;

@@ -43,13 +43,13 @@ template <class Id, class Policy>
   const int sp = static_cast<int>(splits);
   if (seqs.max_len <= Policy::kCacheMax) {
     const std::size_t smem = static_cast<std::size_t>(seqs.max_len) * sizeof(std::uint32_t);
-    TRIATTN_CUDA_RETURN_IF_ERROR(launch_dependent(select_kernel<Id, true, Policy>, grid, dim3(Policy::kThreads), smem, stream,
-                                                  in, plan, flags, seqs, params, shape.num_layers, shape.num_kv_heads,
-                                                  target, sp));
+    TRIATTN_CUDA_RETURN_IF_ERROR(launch_dependent(select_kernel<Id, true, Policy>, grid, dim3(Policy::kThreads), smem,
+                                                  stream, in, plan, flags, seqs, params, shape.num_layers,
+                                                  shape.num_kv_heads, target, sp));
   } else {
-    TRIATTN_CUDA_RETURN_IF_ERROR(launch_dependent(select_kernel<Id, false, Policy>, grid, dim3(Policy::kThreads), 0, stream,
-                                                  in, plan, flags, seqs, params, shape.num_layers, shape.num_kv_heads,
-                                                  target, sp));
+    TRIATTN_CUDA_RETURN_IF_ERROR(launch_dependent(select_kernel<Id, false, Policy>, grid, dim3(Policy::kThreads), 0,
+                                                  stream, in, plan, flags, seqs, params, shape.num_layers,
+                                                  shape.num_kv_heads, target, sp));
   }
   return check_launch(stream);
 }
@@ -76,18 +76,19 @@ template <class Id, class Policy = tuning::Selected::Select>
   if (seqs.batch == 0) return cudaSuccess;
   switch (params.mode) {
     case PruningMode::kPerHead:
-      return detail::launch_select<Id, Policy>(SelectInput{reduced, shape.num_kv_heads, 1, nullptr}, plan, nullptr, seqs, params,
-                                   shape, SelectTarget::kPerHead, stream);
+      return detail::launch_select<Id, Policy>(SelectInput{reduced, shape.num_kv_heads, 1, nullptr}, plan, nullptr,
+                                               seqs, params, shape, SelectTarget::kPerHead, stream);
     case PruningMode::kPerLayerPerHead:
-      return detail::launch_select<Id, Policy>(SelectInput{reduced, shape.num_layers * shape.num_kv_heads, 1, nullptr}, plan,
-                                   nullptr, seqs, params, shape, SelectTarget::kPerLayerPerHead, stream);
+      return detail::launch_select<Id, Policy>(SelectInput{reduced, shape.num_layers * shape.num_kv_heads, 1, nullptr},
+                                               plan, nullptr, seqs, params, shape, SelectTarget::kPerLayerPerHead,
+                                               stream);
     case PruningMode::kUnion: {
       if (flags == nullptr || scores == nullptr) return cudaErrorInvalidValue;
       TRIATTN_CUDA_RETURN_IF_ERROR((detail::launch_select<Id, Policy>(
           SelectInput{scores, shape.num_layers * shape.num_q_heads, 1, nullptr}, plan, flags, seqs, params, shape,
           SelectTarget::kFlags, stream)));
-      return detail::launch_select<Id, Policy>(SelectInput{reduced, 1, shape.num_layers, flags}, plan, nullptr, seqs, params,
-                                   shape, SelectTarget::kAll, stream);
+      return detail::launch_select<Id, Policy>(SelectInput{reduced, 1, shape.num_layers, flags}, plan, nullptr, seqs,
+                                               params, shape, SelectTarget::kAll, stream);
     }
   }
   return cudaErrorInvalidValue;

@@ -131,7 +131,8 @@ __global__ void __launch_bounds__(Tune::kRowStatsThreads, Tune::kRowStatsMinCtas
   }
   // The rest of a longer row, Tune::kRowStatsRestBatch loads in flight (f maps each value to its term).
   const auto add_rest = [&](double acc, auto f) {
-    for (int j0 = tid + Tune::kRowStatsCache * Tune::kRowStatsThreads; j0 < n; j0 += Tune::kRowStatsThreads * Tune::kRowStatsRestBatch) {
+    for (int j0 = tid + Tune::kRowStatsCache * Tune::kRowStatsThreads; j0 < n;
+         j0 += Tune::kRowStatsThreads * Tune::kRowStatsRestBatch) {
       float v[Tune::kRowStatsRestBatch];
 #pragma unroll
       for (int k = 0; k < Tune::kRowStatsRestBatch; ++k) {
@@ -258,7 +259,8 @@ __global__ void __launch_bounds__(Tune::kReduceThreads, Tune::kReduceMinCtas)
         for (; k + Tune::kReduceLayersInFlight <= nl; k += Tune::kReduceLayersInFlight) {
           float v[Tune::kReduceLayersInFlight][kG];
 #pragma unroll
-          for (int i = 0; i < Tune::kReduceLayersInFlight; ++i) load_heads(lg + (k + i) * Tune::kReduceLayerLanes, v[i]);
+          for (int i = 0; i < Tune::kReduceLayersInFlight; ++i)
+            load_heads(lg + (k + i) * Tune::kReduceLayerLanes, v[i]);
 #pragma unroll
           for (int i = 0; i < Tune::kReduceLayersInFlight; ++i) {
             const int l = lg + (k + i) * Tune::kReduceLayerLanes;

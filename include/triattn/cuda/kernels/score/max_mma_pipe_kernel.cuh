@@ -305,8 +305,8 @@ __global__ void __launch_bounds__(32 * kWarps, kMinCtas)
     std::uint32_t fr[MT][KS][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
-      detail::load_tile_fragments<KS, Shape::kCPR>(fr[mt], st_addr + static_cast<std::uint32_t>(16 * mt * Shape::kCPR * 16),
-                                                   lane);
+      detail::load_tile_fragments<KS, Shape::kCPR>(
+          fr[mt], st_addr + static_cast<std::uint32_t>(16 * mt * Shape::kCPR * 16), lane);
 
     // ---- norm term of heads 2(c4 & 1) + i, fp32 FMAs ----
     float nr[MT][4];  // [m-tile][2·(row g4 + 8q) + i]

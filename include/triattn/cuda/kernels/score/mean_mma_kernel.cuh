@@ -73,7 +73,9 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
   const int g4 = lane >> 2, c4 = lane & 3;
   const long long row0 = it0 / tiles_per_row;
   const int tile0 = static_cast<int>(it0 - row0 * tiles_per_row);
-  const auto ring_of = [&](int w) { return detail::smem_addr(ring) + static_cast<std::uint32_t>(w * kStages * kSliceBytes); };
+  const auto ring_of = [&](int w) {
+    return detail::smem_addr(ring) + static_cast<std::uint32_t>(w * kStages * kSliceBytes);
+  };
   const std::uint32_t ring_addr = ring_of(warp);
 
   {
