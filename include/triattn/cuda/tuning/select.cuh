@@ -32,17 +32,23 @@ struct ForArch<90> : sm90::Policy {};
 /// The policies of the architecture the build targets: each algorithm's default Policy argument.
 using Selected = ForArch<TRIATTN_TUNING_ARCH>;
 
-/// Throws unsupported naming `device` (-1: the current one) and its compute capability unless it
-/// is the architecture whose policies the build uses (Selected::kArch); cuda_error when a query fails.
+/// Throws unsupported naming `device` and its compute capability major.minor unless it is the
+/// architecture whose policies the build uses (Selected::kArch).
+inline void require_arch(int device, int major, int minor) {
+  if (major * 10 + minor != Selected::kArch)
+    throw unsupported("triattn: device " + std::to_string(device) + " has compute capability " +
+                      std::to_string(major) + "." + std::to_string(minor) + ", but this build's kernels are tuned " +
+                      "for sm_" + std::to_string(Selected::kArch) + " (cuda/tuning/select.cuh, TRIATTN_TUNING_ARCH)");
+}
+
+/// require_arch for `device` (-1: the current one), as the driver reports it; cuda_error when a
+/// query fails.
 inline void require_device_arch(int device = -1) {
   if (device < 0) TRIATTN_CUDA_TRY(cudaGetDevice(&device));
   int major = 0, minor = 0;
   TRIATTN_CUDA_TRY(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   TRIATTN_CUDA_TRY(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  if (major * 10 + minor != Selected::kArch)
-    throw unsupported("triattn: device " + std::to_string(device) + " has compute capability " +
-                      std::to_string(major) + "." + std::to_string(minor) + ", but this build's kernels are tuned " +
-                      "for sm_" + std::to_string(Selected::kArch) + " (cuda/tuning/select.cuh, TRIATTN_TUNING_ARCH)");
+  require_arch(device, major, minor);
 }
 
 }  // namespace triattn::cuda::tuning
