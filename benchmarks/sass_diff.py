@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 # Compares the SASS of two `cuobjdump -sass` listings kernel by kernel (addresses and encodings
 # stripped), mapping the production kernels' names at 69ce588 to today's (variant template
-# arguments dropped, the parallel combine renamed). Prints IDENTICAL / DIFFERENT per kernel.
-#   benchmarks/sass_diff.py BASE.sass HEAD.sass [NAME_SUBSTRING [LINES]]   (last two: show a diff)
+# arguments dropped, the parallel combine renamed; tuning-policy template arguments dropped on both
+# sides). Prints IDENTICAL / DIFFERENT per kernel.
+#   benchmarks/sass_diff.py [--same-names] BASE.sass HEAD.sass [NAME_SUBSTRING [LINES]]
+# (last two: show a diff; --same-names: BASE is a later commit than 69ce588, no renames to map)
 # benchmarks/build_cost.sh writes such listings when cuobjdump (and nvdisasm) are on PATH.
 import re, subprocess, sys
 def demangle(names):
@@ -25,7 +27,8 @@ def parse(path):
     names = list(funcs)
     return {d: funcs[n] for n, d in zip(names, demangle(names))}
 def canon(d, is_base=False):
-    if is_base:
+    d = re.sub(r', triattn::cuda::tuning::\w+::\w+(?=[,>])', '', d)  # the policy a kernel takes
+    if is_base and not same_names:
         d = d.replace('decode_attention_combine_kernel<', 'decode_attention_combine_serial_kernel<')
         d = d.replace('decode_attention_combine_fast_kernel', 'decode_attention_combine_kernel')
     d = re.sub(r'(decode_attention_mma_pipe_kernel<[^>]*?), false, false>', r'\1>', d)
@@ -33,6 +36,8 @@ def canon(d, is_base=False):
     d = re.sub(r'(score_max_mma_pipe_kernel<.*?, 8, 2, 1, (true|false)), 2, 32, true>', r'\1, 32>', d)
     d = d.split('>(')[0] + '>'  # parameter list
     return d
+same_names = len(sys.argv) > 1 and sys.argv[1] == '--same-names'
+if same_names: del sys.argv[1]
 base = parse(sys.argv[1]); head = parse(sys.argv[2])
 bmap = {}
 for d, t in base.items(): bmap.setdefault(canon(d, True), []).append((d, t))

@@ -37,5 +37,5 @@
 #include <triattn/cuda/policy/triattention_device_scorer.cuh>
 #include <triattn/cuda/tp/nccl_communicator.cuh>
 #include <triattn/cuda/tp/nccl_union_agreement.cuh>
-#include <triattn/cuda/tuning/sm90.cuh>
+#include <triattn/cuda/tuning/select.cuh>
 #include <triattn/cuda/types.cuh>

@@ -473,7 +473,11 @@ void bind_paged(nb::module_& m) {
       .def_ro("kv_bytes", &RequestFootprint::kv_bytes)
       .def_ro("round_workspace_bytes", &RequestFootprint::round_workspace_bytes)
       .def_ro("uncompressed_tokens", &RequestFootprint::uncompressed_tokens);
-  m.def("max_resident_tokens", &max_resident_tokens, nb::arg("prompt_len"), nb::arg("max_new_tokens"),
+  m.def("max_resident_tokens",
+        [](int prompt_len, int max_new_tokens, const SelectionParams& params) {
+          return max_resident_tokens(prompt_len, max_new_tokens, params);
+        },
+        nb::arg("prompt_len"), nb::arg("max_new_tokens"),
         nb::arg("params"), "Most tokens a request ever holds with rounds after every decode step.");
   m.def("request_footprint", &request_footprint, nb::arg("config"), nb::arg("request"), nb::arg("params"),
         "Exact worst-case blocks and bytes of one request.");

@@ -12,7 +12,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
-#include <triattn/core/ref/select.hpp>
+#include <triattn/core/selection.hpp>
 #include <triattn/core/rope_types.hpp>
 #include <triattn/core/scoring_params.hpp>
 #include <triattn/core/stats/pt_loader.hpp>
@@ -139,21 +139,30 @@ void bind_params(nb::module_& m) {
                ", nonfinite=" + to_string(p.nonfinite) + ")";
       });
 
-  nb::class_<ref::KeepCounts>(m, "KeepCounts", "How a round splits a sequence's slots (keep_counts()).")
-      .def_ro("length", &ref::KeepCounts::length)
-      .def_ro("num_protected", &ref::KeepCounts::num_protected)
-      .def_ro("selectable_begin", &ref::KeepCounts::selectable_begin)
-      .def_ro("selectable_end", &ref::KeepCounts::selectable_end)
-      .def_ro("quota", &ref::KeepCounts::quota)
-      .def_ro("keep", &ref::KeepCounts::keep)
-      .def_ro("identity", &ref::KeepCounts::identity);
-  m.def("keep_counts", &ref::keep_counts, nb::arg("length"), nb::arg("prompt_len"), nb::arg("params"),
+  nb::class_<KeepCounts>(m, "KeepCounts", "How a round splits a sequence's slots (keep_counts()).")
+      .def_ro("length", &KeepCounts::length)
+      .def_ro("num_protected", &KeepCounts::num_protected)
+      .def_ro("selectable_begin", &KeepCounts::selectable_begin)
+      .def_ro("selectable_end", &KeepCounts::selectable_end)
+      .def_ro("quota", &KeepCounts::quota)
+      .def_ro("keep", &KeepCounts::keep)
+      .def_ro("identity", &KeepCounts::identity);
+  // Plain SelectionParams in, validated once at the conversion the call makes (ValidSelectionParams).
+  m.def("keep_counts",
+        [](int length, int prompt_len, const SelectionParams& params, int protected_prefix) {
+          return selection::keep_counts(length, prompt_len, params, protected_prefix);
+        },
+        nb::arg("length"), nb::arg("prompt_len"), nb::arg("params"),
         nb::arg("protected_prefix") = 0,
         "Protected / selectable split and kept count of a round over `length` slots (the first "
         "`protected_prefix` of them, e.g. a shared prefix, kept in place).");
   m.def("counted_length", &CompressionTrigger::counted_length, nb::arg("phys_len"), nb::arg("prompt_len"),
         nb::arg("params"), "Length the trigger compares with budget + divide_length.");
-  m.def("should_compress", &CompressionTrigger::should_compress, nb::arg("counted_len"), nb::arg("is_decode_step"),
+  m.def("should_compress",
+        [](int counted_len, bool is_decode_step, const SelectionParams& params) {
+          return CompressionTrigger::should_compress(counted_len, is_decode_step, params);
+        },
+        nb::arg("counted_len"), nb::arg("is_decode_step"),
         nb::arg("params"), "Whether a round runs now.");
 
   nb::class_<RopeScaling>(m, "RopeScaling", "Frequency scaling as the model computes its inv_freq.")

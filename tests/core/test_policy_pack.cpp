@@ -14,6 +14,7 @@
 #include <vector>
 
 #include <triattn/core/kv_cache.hpp>
+#include <triattn/core/ref/compact.hpp>
 
 using namespace triattn;
 

@@ -16,6 +16,7 @@
 #include <triattn/core/policy/random_scorer.hpp>
 #include <triattn/core/policy/topk_selector.hpp>
 #include <triattn/core/prefix_cache.hpp>
+#include <triattn/core/ref/select.hpp>
 
 namespace {
 

@@ -7,6 +7,8 @@
 
 #include <string>
 
+#include <triattn/core/admission.hpp>
+#include <triattn/core/policy/topk_selector.hpp>
 #include <triattn/core/ref/select.hpp>
 #include <triattn/core/trigger.hpp>
 
@@ -164,4 +166,21 @@ TEST_CASE("pinned prompt over the budget: counted length settles at the prompt l
     CHECK(phys == 100);
   }
 }
+}
+
+TEST_CASE("ValidSelectionParams: every way of making one validates and names the field") {
+  // Functions taking ValidSelectionParams do not check again: plain params passed to them are
+  // validated at the conversion, a selector's at its construction.
+  SelectionParams bad = params(100, 10, PromptMode::kCompete);
+  bad.window = -1;
+  CHECK_THROWS_WITH_AS(ValidSelectionParams{bad}, doctest::Contains("SelectionParams::window"), logic_error);
+  CHECK_THROWS_WITH_AS(TopKSelector{bad}, doctest::Contains("SelectionParams::window"), logic_error);
+  CHECK_THROWS_WITH_AS((void)CompressionTrigger::should_compress(5, true, bad),
+                       doctest::Contains("SelectionParams::window"), logic_error);
+  CHECK_THROWS_WITH_AS((void)ref::keep_counts(10, 0, bad), doctest::Contains("SelectionParams::window"), logic_error);
+  CHECK_THROWS_WITH_AS((void)max_resident_tokens(10, 10, bad), doctest::Contains("SelectionParams::window"),
+                       logic_error);
+  const ValidSelectionParams ok{params(100, 10, PromptMode::kCompete)};
+  CHECK(ok.budget == 100);
+  CHECK(TopKSelector(ok).params().divide_length == 10);
 }

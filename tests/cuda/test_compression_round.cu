@@ -7,6 +7,10 @@
 //   * the compacted cache equals ref::compact applied with that plan to a host copy, bitwise.
 #include "round_fixture.cuh"
 
+#include <triattn/core/ref/compact.hpp>
+#include <triattn/core/ref/score.hpp>
+#include <triattn/core/ref/select.hpp>
+
 namespace {
 
 template <class T>

@@ -24,6 +24,7 @@
 #include <triattn/cuda/algorithms/decode_attention.cuh>
 #include <triattn/cuda/backend/device_backend.cuh>
 #include <triattn/cuda/device_kv_cache.cuh>
+#include <triattn/cuda/tuning/select.cuh>
 #include <triattn/cuda/device_tables.cuh>
 #include <triattn/cuda/policy/device_compactor.cuh>
 #include <triattn/cuda/policy/triattention_device_scorer.cuh>
@@ -143,7 +144,20 @@ TEST_CASE("device kv cache: policy types compose (no device needed)") {
   CHECK(cuda::DeviceKvCache<>::memory_space == MemorySpace::kDevice);
 }
 
+TEST_CASE("tuning: sm_90's policies are selected and another architecture is refused by name") {
+  static_assert(std::is_same_v<cuda::tuning::Selected::Score, cuda::tuning::sm90::Score>);
+  static_assert(std::is_same_v<cuda::tuning::Selected::DecodeAttention, cuda::tuning::sm90::DecodeAttention>);
+  CHECK_NOTHROW(cuda::tuning::require_arch(0, 9, 0));
+  CHECK_THROWS_WITH_AS(cuda::tuning::require_arch(1, 8, 0), doctest::Contains("device 1 has compute capability 8.0"),
+                       unsupported);
+  CHECK_THROWS_WITH_AS(cuda::tuning::require_arch(0, 10, 0), doctest::Contains("compute capability 10.0"), unsupported);
+}
+
 TEST_SUITE("gpu") {
+  TEST_CASE("tuning: the device's architecture has the build's policies (DeviceRounds' check passes)") {
+    CHECK_NOTHROW(cuda::tuning::require_device_arch());
+  }
+
   TEST_CASE("device backend: zeroed or poisoned allocation then move and free") {
     test::require_device();
     cuda::DeviceBackend a(4096);

@@ -287,7 +287,7 @@ TEST_SUITE("gpu") {
         c.Hkv = 1;
         c.sp = params(2048, mode, PromptMode::kPinnedInBudget, 0, 128, true);
         c.fill = fill;
-        c.lens = {cuda::kSelectCacheMax + 4000, 3000};
+        c.lens = {cuda::tuning::Selected::Select::kCacheMax + 4000, 3000};
         c.prompts = {100, 0};
         check_select(c, seed + static_cast<std::uint32_t>(combo++));
       }

@@ -13,6 +13,7 @@
 #include <barrier>
 #include <thread>
 
+#include <triattn/core/ref/select.hpp>
 #include <triattn/cuda/algorithms/select.cuh>
 
 using namespace triattn;

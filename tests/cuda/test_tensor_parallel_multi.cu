@@ -19,6 +19,7 @@
 #include <string>
 #include <thread>
 
+#include <triattn/core/ref/select.hpp>
 #include <triattn/cuda/tp/nccl_communicator.cuh>
 #include <triattn/cuda/tp/nccl_union_agreement.cuh>
 

@@ -42,12 +42,11 @@ struct RequestFootprint {
 ///   N == 0: P; else max(P, min(P + N, max(P + 1, thr, K + 1))) where
 ///   thr = budget + divide_length (+ P with kPinnedOnTop) is the physical length that triggers
 ///   a round and K = max(budget (+ P with kPinnedOnTop), max(pinned P, n_sink) + window) is the
-///   length a round leaves (ref::keep_counts once the length exceeds K; a round at length <= K
+///   length a round leaves (selection::keep_counts once the length exceeds K; a round at length <= K
 ///   keeps everything).
 /// @throws triattn::logic_error on invalid params or a negative length.
 [[nodiscard]] inline std::int64_t max_resident_tokens(int prompt_len, int max_new_tokens,
-                                                     const SelectionParams& params) {
-  params.validate();
+                                                     const ValidSelectionParams& params) {
   TRIATTN_EXPECTS(prompt_len >= 0 && max_new_tokens >= 0,
                   "max_resident_tokens: prompt_len = " + std::to_string(prompt_len) + " and max_new_tokens = " +
                       std::to_string(max_new_tokens) + " must be non-negative");

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // How a compression round splits a sequence into protected and selectable slots, and how many it
-// keeps: one host/device definition (ref::keep_counts validates, then calls it; the device round
+// keeps: one host/device definition (selection::keep_counts validates, then calls it; the device round
 // calls it per sequence).
 #pragma once
 

@@ -36,7 +36,7 @@
 #include <triattn/core/policy/host_compactor.hpp>
 #include <triattn/core/policy/no_scorer.hpp>
 #include <triattn/core/policy/static_allocator.hpp>
-#include <triattn/core/ref/compact.hpp>
+#include <triattn/core/host_kv_ops.hpp>
 
 namespace triattn {
 
@@ -352,7 +352,7 @@ class KvCache {
                           ") fall in block " + std::to_string(b) + " that sequence " + std::to_string(seq) +
                           " shares with another sequence; shared prefix blocks are never rewritten");
     }
-    ref::append(view<T>(), seq, layer, first_slot, k, v, n);
+    host::append(view<T>(), seq, layer, first_slot, k, v, n);
   }
 
   /// extend() + write() for every layer, CPU path. k, v: [num_layers, n, num_kv_heads, head_dim].
@@ -885,7 +885,7 @@ class KvCache {
     }
     check_host_positions(op);
     const ModelGeometry& g = config_.model;
-    const SelectionParams* params = nullptr;
+    const ValidSelectionParams* params = nullptr;
     // Report-not-throw needs a selector whose SelectionParams describe it and that decides alone
     // (a tensor-parallel selector meets the other ranks in select(): every rank must call it).
     if constexpr (requires { { selector_.params() } -> std::convertible_to<const SelectionParams&>; } &&

@@ -49,9 +49,9 @@
 #include <triattn/core/error.hpp>
 #include <triattn/core/keep_plan.hpp>
 #include <triattn/core/kv_view.hpp>
-#include <triattn/core/ref/compact.hpp>
-#include <triattn/core/ref/select.hpp>
+#include <triattn/core/host_kv_ops.hpp>
 #include <triattn/core/scoring_params.hpp>
+#include <triattn/core/selection.hpp>
 #include <triattn/core/trigger.hpp>
 
 namespace triattn {
@@ -60,7 +60,7 @@ namespace triattn {
 enum class RoundTrigger : int {
   kIfDue = 0,   ///< only those whose counted length reached budget + divide_length (CompressionTrigger);
                 ///< the others are reported kNotDue and left untouched. Call it between decode steps.
-  kAlways = 1,  ///< every sequence is brought to ref::keep_counts(...).keep (KvCache::compress)
+  kAlways = 1,  ///< every sequence is brought to selection::keep_counts(...).keep (KvCache::compress)
 };
 
 /// Outcome of one sequence of a round (RoundOutputs::status).
@@ -482,17 +482,17 @@ namespace detail {
 /// Plans the round of one sequence, writing nothing to the cache: scores its keys into `scores`
 /// ([L, Hq, len]) and selects. Returns kNonFinite (plan untouched) when `params` is given with
 /// NonFinitePolicy::kRefuse and a selectable score is not finite; else kCompressed with `plan`.
-/// `select(scores, geometry, len, prompt_len)` returns the KeepPlan (ref::select_keep, or a
+/// `select(scores, geometry, len, prompt_len)` returns the KeepPlan (selection::select_keep, or a
 /// KvCache's selector policy) and must protect the same `protected_prefix`.
 template <class T, class Id, class Scorer, class Select>
 RoundStatus plan_round_one(const KvCacheView<T, Id>& view, Scorer& scorer, Select&& select,
-                           const SelectionParams* params, const ModelGeometry& g, int seq, int len, int prompt_len,
+                           const ValidSelectionParams* params, const ModelGeometry& g, int seq, int len, int prompt_len,
                            int protected_prefix, std::int64_t t0, std::span<float> scores, KeepPlan& plan) {
   const std::span<float> sc = scores.first(static_cast<std::size_t>(g.num_layers) * g.num_q_heads * len);
   scorer.score(view, seq, len, t0, sc);
   if (params != nullptr && params->nonfinite == NonFinitePolicy::kRefuse) {
-    const ref::KeepCounts kc = ref::keep_counts(len, prompt_len, *params, protected_prefix);
-    if (!ref::selectable_scores_finite(sc.data(), static_cast<std::size_t>(g.num_layers) * g.num_q_heads, kc))
+    const KeepCounts kc = selection::keep_counts(len, prompt_len, *params, protected_prefix);
+    if (!selection::selectable_scores_finite(sc.data(), static_cast<std::size_t>(g.num_layers) * g.num_q_heads, kc))
       return RoundStatus::kNonFinite;
   }
   plan = select(std::span<const float>(sc.data(), sc.size()), g, len, prompt_len);
@@ -527,8 +527,8 @@ inline void write_round_outputs(const RoundOutputs& out, int b, int block_size, 
 }  // namespace detail
 
 /// The batched round over host memory (the CPU oracle of cuda::paged_round). Sequences are
-/// processed one after another: score (scorer), select (ref::select_keep with `params`),
-/// compact in place (ref::compact), outputs.
+/// processed one after another: score (scorer), select (selection::select_keep with `params`),
+/// compact in place (host::compact), outputs.
 ///
 /// @param view      paged cache in host memory; K/V of the batch's sequences are compacted in
 ///                  place, its tables and lengths are only read
@@ -547,11 +547,10 @@ inline void write_round_outputs(const RoundOutputs& out, int b, int block_size, 
 ///         params, a shared block after a private one, or outputs / workspace overlapping each
 ///         other or an input; a sequence with non-finite scores is reported, not thrown (kNonFinite).
 template <class T, class Id, class Scorer>
-int paged_round(const KvCacheView<T, Id>& view, Scorer& scorer, const SelectionParams& params,
+int paged_round(const KvCacheView<T, Id>& view, Scorer& scorer, const ValidSelectionParams& params,
                 const ModelGeometry& geometry, RoundTrigger trigger, const RoundBatch& batch, const RoundOutputs& out,
                 void* workspace, std::size_t workspace_bytes) {
   const ModelGeometry& g = geometry;
-  params.validate();
   g.validate();
   TRIATTN_EXPECTS(trigger == RoundTrigger::kIfDue || trigger == RoundTrigger::kAlways,
                   "paged_round: trigger has invalid value " + std::to_string(static_cast<int>(trigger)));
@@ -602,7 +601,7 @@ int paged_round(const KvCacheView<T, Id>& view, Scorer& scorer, const SelectionP
                       CompressionTrigger::should_compress(CompressionTrigger::counted_length(len, pl, params), true, params);
     due[static_cast<std::size_t>(b)] = fire;
     if (fire && out.kept != nullptr) {
-      const int keep = ref::keep_counts(len, pl, params, pp).keep;
+      const int keep = selection::keep_counts(len, pl, params, pp).keep;
       TRIATTN_EXPECTS(keep <= out.max_keep, who + ": keeps " + std::to_string(keep) + " slots, more than out.max_keep = " +
                                                 std::to_string(out.max_keep));
     }
@@ -626,12 +625,12 @@ int paged_round(const KvCacheView<T, Id>& view, Scorer& scorer, const SelectionP
     RoundStatus st = RoundStatus::kNotDue;
     if (due[static_cast<std::size_t>(b)]) {
       const auto select = [&params, pp](std::span<const float> sc, const ModelGeometry& gm, int n, int pl) {
-        return ref::select_keep(sc.data(), gm.num_layers, gm.num_q_heads, gm.num_kv_heads, n, pl, params, pp);
+        return selection::select_keep(sc.data(), gm.num_layers, gm.num_q_heads, gm.num_kv_heads, n, pl, params, pp);
       };
       st = detail::plan_round_one(view, scorer, select, &params, g, s, len, batch.prompt_lens[b], pp, batch.t0[b],
                                   scores, plan);
       if (st == RoundStatus::kCompressed) {
-        ref::compact(view, s, plan);
+        host::compact(view, s, plan);
         ++compressed;
       }
     }

@@ -27,7 +27,7 @@ enum class PruningMode : int {
 /// What a round does with a sequence whose scores in the selectable range are not all finite
 /// (NaN or ±Inf: a NaN key, or finite keys whose scores overflow).
 enum class NonFinitePolicy : int {
-  kRefuse = 0,      ///< leave the sequence unchanged and report it (RoundStatus::kNonFinite; ref::select_keep throws)
+  kRefuse = 0,      ///< leave the sequence unchanged and report it (RoundStatus::kNonFinite; selection::select_keep throws)
   kEvictFirst = 1,  ///< a token with a non-finite score in any row ranks below every finite one in every
                     ///< row (after normalising over the finite tokens): it goes first, the round proceeds
 };
@@ -125,6 +125,16 @@ struct SelectionParams {
                     "SelectionParams: budget + divide_length = " +
                         std::to_string(static_cast<long long>(budget) + divide_length) + " overflows int");
   }
+};
+
+/// SelectionParams validated once: every way of making one runs validate() (logic_error naming the
+/// field), so functions taking one do not check again. It converts implicitly from SelectionParams,
+/// so a call with plain params validates them once, at that conversion; objects holding selection
+/// parameters (TopKSelector, TensorParallelTopKSelector) hold one, validated at their construction.
+class ValidSelectionParams : public SelectionParams {
+ public:
+  ValidSelectionParams() : ValidSelectionParams(SelectionParams{}) {}
+  ValidSelectionParams(const SelectionParams& params) : SelectionParams(params) { validate(); }  // NOLINT: implicit
 };
 
 /// The future offsets D = {1, 2, 4, ..., 2^floor(log2 M)} as doubles (|D| = floor(log2 M) + 1).

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // When a compression round happens (spec §5, "slack"): a sequence is compressed when its counted
 // length reaches budget + divide_length, on decode steps only unless compress_during_prefill.
-// The round keeps ref::keep_counts(...).keep slots, which brings the counted length back to
+// The round keeps selection::keep_counts(...).keep slots, which brings the counted length back to
 // exactly budget (more only when protected tokens alone exceed it), so the cache saw-tooths in
 // [budget, budget + divide_length). Integer bookkeeping only: the rule itself (counted /
 // fires) is TRIATTN_HOST_DEVICE so the device round applies the same one; the host entry points
@@ -50,8 +50,7 @@ struct CompressionTrigger {
   /// True when a round should run now: counted_len >= budget + divide_length, and this is a
   /// decode step (or compress_during_prefill is set).
   /// @throws triattn::logic_error on invalid params or a negative length.
-  [[nodiscard]] static bool should_compress(int counted_len, bool is_decode_step, const SelectionParams& params) {
-    params.validate();
+  [[nodiscard]] static bool should_compress(int counted_len, bool is_decode_step, const ValidSelectionParams& params) {
     TRIATTN_EXPECTS(counted_len >= 0,
                     "CompressionTrigger::should_compress: counted_len must be >= 0, got " + std::to_string(counted_len));
     return fires(counted_len, is_decode_step, params);

@@ -27,6 +27,7 @@
 #include <triattn/cuda/error.cuh>
 #include <triattn/cuda/kernels/positions_kernel.cuh>
 #include <triattn/cuda/policy/device_compactor.cuh>
+#include <triattn/cuda/tuning/select.cuh>
 
 namespace triattn::cuda {
 
@@ -117,7 +118,7 @@ class DeviceRounds {
   /// Tensor parallelism: union rounds agree through `agree` (see paged_round with an agreement).
   using AgreementFn = std::function<cudaError_t(std::uint8_t* flags, float* vmax, int batch, int max_len, cudaStream_t)>;
 
-  explicit DeviceRounds(Cache& cache) : cache_(&cache) {}
+  explicit DeviceRounds(Cache& cache) : cache_(&cache) { tuning::require_device_arch(); }
   DeviceRounds(const DeviceRounds&) = delete;
   DeviceRounds& operator=(const DeviceRounds&) = delete;
   ~DeviceRounds() {
@@ -164,7 +165,7 @@ class DeviceRounds {
     TRIATTN_EXPECTS(!pending_, "DeviceRounds::launch: a round is still in flight (poll() or wait() first)");
     if (seqs.empty()) return;
     const CacheConfig& cfg = cache_->config();
-    const SelectionParams& sp = cache_->selector().params();
+    const ValidSelectionParams& sp = cache_->selector().params();
     const int batch = static_cast<int>(seqs.size());
     int max_len = 1, max_keep = 1;
     seen_.assign(static_cast<std::size_t>(cfg.max_seqs), 0);  // no allocation once sized
@@ -377,7 +378,7 @@ class DeviceRounds {
   // Grows the buffers (only when a round is larger than every earlier one).
   void ensure(int batch, int max_len, int max_keep) {
     const CacheConfig& cfg = cache_->config();
-    const SelectionParams& sp = cache_->selector().params();
+    const ValidSelectionParams& sp = cache_->selector().params();
     const int rows = kept_row_count();
     const std::size_t io = layout(batch, rows, max_keep).total;
     const std::size_t ws = paged_round_workspace_size(

@@ -1,11 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
-// Compactor policy of the CPU path: applies a KeepPlan to host memory through ref::compact.
+// Compactor policy of the CPU path: applies a KeepPlan to host memory through host::compact.
 #pragma once
 
 #include <triattn/core/concepts.hpp>
 #include <triattn/core/keep_plan.hpp>
 #include <triattn/core/kv_view.hpp>
-#include <triattn/core/ref/compact.hpp>
+#include <triattn/core/host_kv_ops.hpp>
 
 namespace triattn {
 
@@ -15,13 +15,13 @@ struct HostCompactor {
 
   template <class T, class Id>
   void apply(const KvCacheView<T, Id>& view, int seq, const KeepPlan& plan) const {
-    ref::compact(view, seq, plan);
+    host::compact(view, seq, plan);
   }
 
   /// Copies block `src` to `dst` in every range (KvCache's copy-on-write of a shared block).
   template <class T, class Id>
   void copy_block(const KvCacheView<T, Id>& view, Id src, Id dst) const {
-    ref::copy_block(view, src, dst);
+    host::copy_block(view, src, dst);
   }
 };
 

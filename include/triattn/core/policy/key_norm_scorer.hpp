@@ -14,11 +14,11 @@
 #include <triattn/core/concepts.hpp>
 #include <triattn/core/dtype.hpp>
 #include <triattn/core/kv_view.hpp>
-#include <triattn/core/ref/baseline_scores.hpp>
+#include <triattn/core/baseline_scores.hpp>
 
 namespace triattn {
 
-/// KnormPress as a scorer: score[l, h, j] = −‖K[l, h / G, j]‖₂ (ref::key_norm_scores, float
+/// KnormPress as a scorer: score[l, h, j] = −‖K[l, h / G, j]‖₂ (baseline::key_norm_scores, float
 /// accumulation), G = Hq / Hkv. The GQA max of the selector then sees the same value for every
 /// query head of a group.
 class KeyNormScorer {
@@ -48,7 +48,7 @@ class KeyNormScorer {
           const T* k = view.token(l, KvKind::kKey, seq, s, g);
           for (int e = 0; e < d; ++e) row_[static_cast<std::size_t>(s) * d + e] = to_float(k[e]);
         }
-        ref::key_norm_scores(row_.data(), length, d, norms_.data());
+        baseline::key_norm_scores(row_.data(), length, d, norms_.data());
         for (int h = g * G; h < (g + 1) * G; ++h) {
           float* o = out.data() + (static_cast<std::size_t>(l) * hq + h) * n_tok;
           for (std::size_t j = 0; j < n_tok; ++j) o[j] = norms_[j];

@@ -10,7 +10,7 @@
 #include <triattn/core/cache_config.hpp>
 #include <triattn/core/concepts.hpp>
 #include <triattn/core/kv_view.hpp>
-#include <triattn/core/ref/baseline_scores.hpp>
+#include <triattn/core/baseline_scores.hpp>
 
 namespace triattn {
 
@@ -49,7 +49,8 @@ class RandomScorer {
     const std::size_t n_tok = static_cast<std::size_t>(length);
     for (int l = 0; l < view.num_layers; ++l)
       for (int h = 0; h < hq; ++h)
-        ref::random_scores(seed_, t0, l, h / G, length, out.data() + (static_cast<std::size_t>(l) * hq + h) * n_tok);
+        baseline::random_scores(seed_, t0, l, h / G, length,
+                                out.data() + (static_cast<std::size_t>(l) * hq + h) * n_tok);
   }
 
  private:

@@ -11,11 +11,11 @@
 #include <triattn/core/cache_config.hpp>
 #include <triattn/core/concepts.hpp>
 #include <triattn/core/kv_view.hpp>
-#include <triattn/core/ref/baseline_scores.hpp>
+#include <triattn/core/baseline_scores.hpp>
 
 namespace triattn {
 
-/// StreamingLLM as a scorer: score[l, h, j] = j − (length − 1) (ref::recency_scores), the same
+/// StreamingLLM as a scorer: score[l, h, j] = j − (length − 1) (baseline::recency_scores), the same
 /// for every layer and head. Use it with TopKSelector and SelectionParams::n_sink > 0 (the
 /// sinks); the rest of the budget goes to the newest tokens. z-normalisation (on or off) is an
 /// increasing map, so the keep set is the same either way; every pruning mode gives the same
@@ -40,7 +40,8 @@ class RecencyScorer {
                                               num_q_heads_, "RecencyScorer");
     if (length == 0) return;
     const std::size_t rows = static_cast<std::size_t>(view.num_layers) * static_cast<std::size_t>(hq);
-    for (std::size_t r = 0; r < rows; ++r) ref::recency_scores(length, out.data() + r * static_cast<std::size_t>(length));
+    for (std::size_t r = 0; r < rows; ++r)
+      baseline::recency_scores(length, out.data() + r * static_cast<std::size_t>(length));
   }
 
  private:

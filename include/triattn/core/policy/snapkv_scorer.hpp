@@ -2,7 +2,7 @@
 // Scorer policy "SnapKV": keys are scored by the attention that an observation window of recent
 // queries paid them. The engine supplies the queries (observe()); score() computes, per layer and
 // query head, the causal softmax attention of each window query over the cached keys, averages
-// it over the window, and max-pools it along the tokens (ref::snapkv_scores). The GQA max and
+// it over the window, and max-pools it along the tokens (baseline::snapkv_scores). The GQA max and
 // the top-k are the selector's, as for every scorer. CPU path; the CUDA kernels are
 // cuda/algorithms/snapkv.cuh (pack_window() produces their input).
 #pragma once
@@ -22,7 +22,7 @@
 #include <triattn/core/dtype.hpp>
 #include <triattn/core/error.hpp>
 #include <triattn/core/kv_view.hpp>
-#include <triattn/core/ref/baseline_scores.hpp>
+#include <triattn/core/baseline_scores.hpp>
 
 namespace triattn {
 
@@ -46,7 +46,7 @@ struct SnapKvParams {
 /// layer) keeps a ring of the newest `window` queries; forget(seq) drops a sequence's rings (call
 /// it when the sequence is released). Queries are not slots, so compaction does not move them.
 ///
-/// Score of slot j for layer l and query head h (ref::snapkv_scores):
+/// Score of slot j for layer l and query head h (baseline::snapkv_scores):
 ///   a[j]     = mean over window queries i that see at least one key of
 ///              softmax_{j' <= lim_i}(q_i · k_{j'} / sqrt(d))[j]      (0 for j > lim_i)
 ///   score[j] = max of a over [j − pool_kernel/2, j + pool_kernel/2] ∩ [0, length)
@@ -169,7 +169,7 @@ class SnapKvScorer {
           for (int i = 0; i < n; ++i)
             std::memcpy(qbuf_.data() + static_cast<std::size_t>(i) * d,
                         win.q.data() + slot_of(win, l, i) * qsize() + static_cast<std::size_t>(h) * d, d * sizeof(float));
-          ref::snapkv_scores(qbuf_.data(), limits_.data(), n, keys_.data(), length, d, params_.pool_kernel,
+          baseline::snapkv_scores(qbuf_.data(), limits_.data(), n, keys_.data(), length, d, params_.pool_kernel,
                              out.data() + (static_cast<std::size_t>(l) * hq + h) * n_tok);
         }
       }

@@ -29,9 +29,7 @@ class TensorParallelTopKSelector {
 
   /// @param collective this rank's collective; not owned, must outlive the selector
   TensorParallelTopKSelector(const SelectionParams& params, Collective& collective)
-      : params_(params), comm_(&collective) {
-    params_.validate();
-  }
+      : params_(params), comm_(&collective) {}
   /// Also checks, on every select(), that the cache's geometry is `geometry`'s local share and
   /// that the collective's rank and size match it.
   /// @throws logic_error when the collective's rank/size differ from the geometry's.
@@ -44,7 +42,7 @@ class TensorParallelTopKSelector {
     geometry_ = geometry;
   }
 
-  [[nodiscard]] const SelectionParams& params() const noexcept { return params_; }
+  [[nodiscard]] const ValidSelectionParams& params() const noexcept { return params_; }
   [[nodiscard]] Collective& collective() const noexcept { return *comm_; }
 
   /// Same trigger as TopKSelector (a pure function of length, prompt and params: every rank
@@ -65,7 +63,7 @@ class TensorParallelTopKSelector {
   }
 
  private:
-  SelectionParams params_{};
+  ValidSelectionParams params_{};
   Collective* comm_ = nullptr;                // not owned
   std::optional<tp::TpGeometry> geometry_;    // set: select() checks the cache's geometry
 };

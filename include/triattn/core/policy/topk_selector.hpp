@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Selector policy: the spec's trigger (slack at budget + divide_length on decode steps) and
 // selection (z-normalisation, GQA max, per_head / per_layer_per_head / union top-k with
-// protected prompt, sinks and window) through ref::select_keep.
+// protected prompt, sinks and window) through selection::select_keep.
 #pragma once
 
 #include <span>
@@ -10,7 +10,7 @@
 #include <triattn/core/cache_config.hpp>
 #include <triattn/core/concepts.hpp>
 #include <triattn/core/keep_plan.hpp>
-#include <triattn/core/ref/select.hpp>
+#include <triattn/core/selection.hpp>
 #include <triattn/core/scoring_params.hpp>
 #include <triattn/core/trigger.hpp>
 
@@ -21,9 +21,10 @@ class TopKSelector {
   using policy_role = selector_role;
 
   TopKSelector() = default;
-  explicit TopKSelector(const SelectionParams& params) : params_(params) { params_.validate(); }
+  /// @throws logic_error naming the first invalid field of `params`.
+  explicit TopKSelector(const SelectionParams& params) : params_(params) {}
 
-  [[nodiscard]] const SelectionParams& params() const noexcept { return params_; }
+  [[nodiscard]] const ValidSelectionParams& params() const noexcept { return params_; }
 
   /// Whether a sequence of physical length `length` (of which `prompt_len` prompt tokens)
   /// should be compressed now.
@@ -38,12 +39,12 @@ class TopKSelector {
                                 int protected_prefix = 0) const {
     TRIATTN_EXPECTS(scores.size() == static_cast<std::size_t>(g.num_layers) * g.num_q_heads * length,
                     "TopKSelector: scores hold " + std::to_string(scores.size()) + " values, expected L*Hq*length");
-    return ref::select_keep(scores.data(), g.num_layers, g.num_q_heads, g.num_kv_heads, length, prompt_len, params_,
-                            protected_prefix);
+    return selection::select_keep(scores.data(), g.num_layers, g.num_q_heads, g.num_kv_heads, length, prompt_len,
+                                  params_, protected_prefix);
   }
 
  private:
-  SelectionParams params_{};
+  ValidSelectionParams params_{};
 };
 
 }  // namespace triattn

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // Scorer policy of the CPU path: TriAttention scores of every cached key of a sequence, from the
-// key alone plus calibrated query statistics (ref::score_sequence). Keys are read through the
+// key alone plus calibrated query statistics (score_sequence). Keys are read through the
 // view and widened to float one (layer, KV head) row at a time.
 #pragma once
 
@@ -13,7 +13,7 @@
 #include <triattn/core/concepts.hpp>
 #include <triattn/core/dtype.hpp>
 #include <triattn/core/kv_view.hpp>
-#include <triattn/core/ref/score.hpp>
+#include <triattn/core/math/score_model.hpp>
 
 namespace triattn {
 
@@ -52,7 +52,7 @@ class TriAttentionScorer {
       }
       return row_.data() + static_cast<std::size_t>(j) * d;
     };
-    ref::score_sequence(model_, static_cast<long long>(t0), keys, length, out.data());
+    score_sequence(model_, static_cast<long long>(t0), keys, length, out.data());
   }
 
  private:

@@ -3,7 +3,8 @@
 // into per-round weights) and the per-element math the CUDA kernels share (score_key_folded,
 // score_key_max, fold_weight*) live in core/math/; this header holds the oracle only.
 // score_key_per_offset evaluates the spec formula directly in float64 and is the oracle for the
-// folded (mean) and per-offset (max) paths; score_sequence scores a whole sequence on the host.
+// folded (mean) and per-offset (max) paths; ref::score_sequence names the host scorer's loop
+// (core/math/score_model.hpp), which tests compare the CUDA scorer against.
 #pragma once
 
 #include <cmath>
@@ -64,48 +65,6 @@ namespace triattn::ref {
   return m.params().aggregation == Aggregation::kMean ? acc / static_cast<double>(m.offsets().size()) : acc;
 }
 
-/// Scores every cached key of one sequence for every (layer, query head), as the KvCache scorer
-/// policy does on the host. keys(layer, kv_head, slot) returns a pointer to the slot's d key
-/// floats (already rotated); query head h reads KV head h / (Hq / Hkv). Mean aggregation (or
-/// disable_trig) uses the fold; max aggregation the per-offset weights.
-/// @param length number of cached slots T
-/// @param out    [L, Hq, T] scores
-/// @throws triattn::logic_error when t0 < 0, length < 0 or out is null with length > 0.
-template <class KeyAccessor>
-  requires std::invocable<KeyAccessor&, int, int, int> &&
-           std::convertible_to<std::invoke_result_t<KeyAccessor&, int, int, int>, const float*>
-void score_sequence(const TriAttentionModel& m, long long t0, KeyAccessor&& keys, int length, float* out) {
-  TRIATTN_EXPECTS(length >= 0, "score_sequence: length must be >= 0, got " + std::to_string(length));
-  TRIATTN_EXPECTS(t0 >= 0, "score_sequence: t0 must be >= 0, got " + std::to_string(t0));
-  if (length == 0) return;
-  TRIATTN_EXPECTS(out != nullptr, "score_sequence: out is null");
-  const int L = m.num_layers(), Hq = m.num_q_heads(), Hkv = m.num_kv_heads(), G = m.group_size();
-  const int d = m.head_dim();
-  const auto row = [&](int l, int h) { return out + (static_cast<std::size_t>(l) * Hq + h) * static_cast<std::size_t>(length); };
-  if (m.params().aggregation == Aggregation::kMean || m.params().disable_trig) {
-    const FoldedWeights w = m.fold(t0);
-    for (int l = 0; l < L; ++l)
-      for (int g = 0; g < Hkv; ++g)
-        for (int j = 0; j < length; ++j) {
-          const float* k = keys(l, g, j);  // each key is read once for its G query heads
-          for (int h = g * G; h < (g + 1) * G; ++h) {
-            const std::size_t o = w.offset(l, h);
-            row(l, h)[j] = score_key_folded(k, w.w_re.data() + o, w.w_im.data() + o, w.c.data() + o, d, m.style());
-          }
-        }
-    return;
-  }
-  const MaxWeights w = m.fold_per_offset(t0);
-  for (int l = 0; l < L; ++l)
-    for (int g = 0; g < Hkv; ++g)
-      for (int j = 0; j < length; ++j) {
-        const float* k = keys(l, g, j);
-        for (int h = g * G; h < (g + 1) * G; ++h) {
-          const std::size_t o = w.w_offset(l, h);
-          row(l, h)[j] = score_key_max(k, w.w_re.data() + o, w.w_im.data() + o, w.c.data() + w.c_offset(l, h),
-                                       w.num_offsets, d, m.style());
-        }
-      }
-}
+using triattn::score_sequence;
 
 }  // namespace triattn::ref

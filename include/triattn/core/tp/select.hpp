@@ -5,9 +5,9 @@
 //     group, which live on the same rank (TpGeometry), and z-normalisation is per (layer, query
 //     head) row: rank-local, no communication.
 //   union: one keep set for every head of every rank. Each rank computes its candidate flags and
-//     per-slot max Ŝ over its rows (ref::union_candidates); one all-reduce (max) of each makes
+//     per-slot max Ŝ over its rows (selection::union_candidates); one all-reduce (max) of each makes
 //     them the values over all rows, bit for bit, and every rank then finishes the same way
-//     (ref::union_finish), so all ranks write identical rows, equal to the tp = 1 plan.
+//     (selection::union_finish), so all ranks write identical rows, equal to the tp = 1 plan.
 #pragma once
 
 #include <cstddef>
@@ -19,7 +19,7 @@
 
 #include <triattn/core/error.hpp>
 #include <triattn/core/keep_plan.hpp>
-#include <triattn/core/ref/select.hpp>
+#include <triattn/core/selection.hpp>
 #include <triattn/core/scoring_params.hpp>
 #include <triattn/core/cache_config.hpp>
 #include <triattn/core/tp/collective.hpp>
@@ -46,7 +46,7 @@ void check_rank_inputs(const Collective& comm, std::span<const float> scores, co
 }
 }  // namespace detail
 
-/// ref::select_keep on one rank of a tensor-parallel group. Every rank calls it for the same
+/// selection::select_keep on one rank of a tensor-parallel group. Every rank calls it for the same
 /// round, with the same T, prompt_len and params (union mode reduces buffers sized from them).
 /// In union mode a rank whose own checks fail (a bad shape, a non-finite score) still takes part
 /// in the collective and flags its failure; then every rank throws, so no rank is left waiting.
@@ -61,16 +61,15 @@ void check_rank_inputs(const Collective& comm, std::span<const float> scores, co
 /// @throws logic_error on bad shapes/params or a non-finite score (on any rank, in union mode).
 template <HostCollective Collective>
 [[nodiscard]] KeepPlan select_keep(Collective& comm, std::span<const float> scores, const ModelGeometry& local, int T,
-                                   int prompt_len, const SelectionParams& params,
+                                   int prompt_len, const ValidSelectionParams& params,
                                    const TpGeometry* geometry = nullptr, int protected_prefix = 0) {
   const int L = local.num_layers, Hq = local.num_q_heads, Hkv = local.num_kv_heads;
-  params.validate();
   // Depends on (T, prompt_len, params) only, equal on every rank: all ranks agree on whether a
   // collective happens and on its length.
-  const ref::KeepCounts kc = ref::keep_counts(T, prompt_len, params, protected_prefix);
+  const KeepCounts kc = selection::keep_counts(T, prompt_len, params, protected_prefix);
   if (params.mode != PruningMode::kUnion || kc.identity) {
     detail::check_rank_inputs(comm, scores, local, T, geometry);
-    return ref::select_keep(scores.data(), L, Hq, Hkv, T, prompt_len, params, protected_prefix);
+    return selection::select_keep(scores.data(), L, Hq, Hkv, T, prompt_len, params, protected_prefix);
   }
 
   const std::size_t n = static_cast<std::size_t>(kc.num_selectable());
@@ -79,10 +78,10 @@ template <HostCollective Collective>
   std::exception_ptr failure;
   try {
     detail::check_rank_inputs(comm, scores, local, T, geometry);
-    (void)ref::detail::prepare_selection(scores.data(), L, Hq, Hkv, T, prompt_len, params, protected_prefix);
+    (void)selection::detail::prepare_selection(scores.data(), L, Hq, Hkv, T, prompt_len, params, protected_prefix);
     const std::size_t rows = static_cast<std::size_t>(L) * Hq;
-    const std::vector<float> s = ref::detail::selection_values(scores.data(), rows, kc, params);  // Ŝ [L, Hq, T]
-    ref::union_candidates(s.data(), rows, kc, flags.data(), vmax.data());
+    const std::vector<float> s = selection::detail::selection_values(scores.data(), rows, kc, params);  // Ŝ [L, Hq, T]
+    selection::union_candidates(s.data(), rows, kc, flags.data(), vmax.data());
   } catch (...) {  // rethrown below, after this rank has met the others
     failure = std::current_exception();
     flags[n] = 1;
@@ -95,7 +94,7 @@ template <HostCollective Collective>
                       std::to_string(comm.size()) + "): another rank's union selection failed; see its error");
 
   KeepPlan plan(L, Hkv, kc.keep);
-  ref::detail::write_all_rows(plan, kc, ref::union_finish(flags.data(), vmax.data(), kc));
+  selection::detail::write_all_rows(plan, kc, selection::union_finish(flags.data(), vmax.data(), kc));
   return plan;
 }
 

@@ -13,17 +13,18 @@
 #include <triattn/cuda/error.cuh>
 #include <triattn/cuda/kernels/append_kernel.cuh>
 #include <triattn/cuda/launch.cuh>
-#include <triattn/cuda/tuning/sm90.cuh>
+#include <triattn/cuda/tuning/select.cuh>
 
 namespace triattn::cuda {
 
+/// Policy of every entry point: the Append tuning (default: tuning::Selected::Append).
 struct append {
   /// General form. The view's data must be device memory; its block tables and lengths too for
   /// kContiguous / kLastSlot (kSlotMapping never reads them).
   /// @return cudaErrorInvalidValue on bad shapes, null or misaligned pointers (k, v and their
   /// strides must be 16-byte multiples), cudaErrorNotSupported for an uncompiled head_dim, else
   /// the launch status.
-  template <class T, class Id>
+  template <class T, class Id, class Policy = tuning::Selected::Append>
   [[nodiscard]] static cudaError_t run(const KvCacheView<T, Id>& view, const AppendParams<T>& p,
                                        cudaStream_t stream) noexcept {
     if (p.num_tokens < 0 || p.num_layers < 0 || p.first_layer < 0 || p.first_layer + p.num_layers > view.num_layers)
@@ -48,12 +49,12 @@ struct append {
       return cudaErrorInvalidValue;
 
     const std::int64_t vecs = static_cast<std::int64_t>(p.num_tokens) * view.block.num_kv_heads * (d / kVecElems);
-    constexpr int kThreads = tuning::sm90::Append::kThreads;
-    constexpr int kPerCta = kThreads * tuning::sm90::Append::kVecsPerThread;
+    constexpr int kThreads = Policy::kThreads;
+    constexpr int kPerCta = kThreads * Policy::kVecsPerThread;
     if (vecs > std::numeric_limits<int>::max() - kPerCta) return cudaErrorInvalidValue;  // int32 vector index
     const dim3 grid(static_cast<unsigned>((vecs + kPerCta - 1) / kPerCta), static_cast<unsigned>(p.num_layers));
     return dispatch_head_dim_status(d, [&](auto hd) {
-      append_kernel<decltype(hd)::value, T, Id><<<grid, kThreads, 0, stream>>>(view, p);
+      append_kernel<decltype(hd)::value, T, Id, Policy><<<grid, kThreads, 0, stream>>>(view, p);
       return check_launch(stream);
     });
   }
@@ -61,19 +62,19 @@ struct append {
   /// Tokens to explicit slots. k, v: [num_layers, num_tokens, num_kv_heads, head_dim] packed
   /// (num_layers = 1: [num_tokens, num_kv_heads, head_dim]); slot_mapping: [num_tokens] device
   /// int64, -1 skips the token.
-  template <class T, class Id>
+  template <class T, class Id, class Policy = tuning::Selected::Append>
   [[nodiscard]] static cudaError_t run_slots(const KvCacheView<T, Id>& view, int first_layer, int num_layers,
                                              const T* k, const T* v, const std::int64_t* slot_mapping,
                                              int num_tokens, cudaStream_t stream) noexcept {
     AppendParams<T> p = packed(view, k, v, num_tokens, first_layer, num_layers);
     p.source = SlotSource::kSlotMapping;
     p.slot_mapping = slot_mapping;
-    return run(view, p, stream);
+    return run<T, Id, Policy>(view, p, stream);
   }
 
   /// Prefill of one sequence: token i goes to slot first_slot + i of `seq` (device tables).
   /// k, v: [num_layers, num_tokens, num_kv_heads, head_dim] packed.
-  template <class T, class Id>
+  template <class T, class Id, class Policy = tuning::Selected::Append>
   [[nodiscard]] static cudaError_t run_contiguous(const KvCacheView<T, Id>& view, int seq, int first_slot,
                                                   int first_layer, int num_layers, const T* k, const T* v,
                                                   int num_tokens, cudaStream_t stream) noexcept {
@@ -81,20 +82,20 @@ struct append {
     p.source = SlotSource::kContiguous;
     p.seq = seq;
     p.first_slot = first_slot;
-    return run(view, p, stream);
+    return run<T, Id, Policy>(view, p, stream);
   }
 
   /// Decode: token i goes to the last slot (seq_lens[s] - 1, i.e. after extend + publish) of
   /// sequence s = seq_ids[i]; seq_ids: [batch] device, -1 skips. k, v: [num_layers, batch,
   /// num_kv_heads, head_dim] packed.
-  template <class T, class Id>
+  template <class T, class Id, class Policy = tuning::Selected::Append>
   [[nodiscard]] static cudaError_t run_decode(const KvCacheView<T, Id>& view, const std::int32_t* seq_ids,
                                               int first_layer, int num_layers, const T* k, const T* v, int batch,
                                               cudaStream_t stream) noexcept {
     AppendParams<T> p = packed(view, k, v, batch, first_layer, num_layers);
     p.source = SlotSource::kLastSlot;
     p.seq_ids = seq_ids;
-    return run(view, p, stream);
+    return run<T, Id, Policy>(view, p, stream);
   }
 
   /// Host helper: slots of `n` consecutive tokens starting at `first_slot` of a sequence whose

@@ -13,11 +13,11 @@
 #include <triattn/cuda/griddep.cuh>
 #include <triattn/cuda/kernels/compact_kernel.cuh>
 #include <triattn/cuda/launch.cuh>
-#include <triattn/cuda/tuning/sm90.cuh>
+#include <triattn/cuda/tuning/select.cuh>
 
 namespace triattn::cuda {
 
-/// How a compaction launch splits its work (tuning::sm90::Compact). Zeros choose automatically
+/// How a compaction launch splits its work (the Compact policy). Zeros choose automatically
 /// from the number of rows per SM; every choice moves the same bytes to the same places.
 struct CompactOptions {
   /// Column parts per row, each walked by its own CTA: 1 or 2 (capped by compact_parts()).
@@ -27,21 +27,21 @@ struct CompactOptions {
 };
 
 namespace detail {
-template <int HeadDim, class T, class Id, int kVecsPerThread>
+template <int HeadDim, class T, class Id, int kVecsPerThread, class Tune>
 [[nodiscard]] cudaError_t launch_compact(const KvCacheView<T, Id>& view, const CompactParams& plan, unsigned rows,
                                          int batch, int parts, cudaStream_t stream) noexcept {
-  constexpr int kThreads = tuning::sm90::Compact::kThreads;
+  constexpr int kThreads = Tune::kThreads;
   const dim3 grid(rows, static_cast<unsigned>(batch), static_cast<unsigned>(parts));
   switch (parts) {
     // Dependent launch: each CTA waits for the previous grid (griddep_wait) before it reads the
     // plan. A round's select does not trigger early (see select_kernel), so nothing overlaps it.
     case 1:
-      TRIATTN_CUDA_RETURN_IF_ERROR(launch_dependent(compact_kernel<HeadDim, T, Id, 1, kVecsPerThread>, grid,
+      TRIATTN_CUDA_RETURN_IF_ERROR(launch_dependent(compact_kernel<HeadDim, T, Id, 1, kVecsPerThread, Tune>, grid,
                                                     dim3(kThreads), 0, stream, view, plan));
       break;
     case 2:
       if constexpr (compact_parts<HeadDim, T>(2, kVecsPerThread) == 2)
-        TRIATTN_CUDA_RETURN_IF_ERROR(launch_dependent(compact_kernel<HeadDim, T, Id, 2, kVecsPerThread>, grid,
+        TRIATTN_CUDA_RETURN_IF_ERROR(launch_dependent(compact_kernel<HeadDim, T, Id, 2, kVecsPerThread, Tune>, grid,
                                                       dim3(kThreads), 0, stream, view, plan));
       break;
     default: return cudaErrorInvalidValue;
@@ -57,10 +57,11 @@ struct compact {
   /// two entries may name the same sequence.
   /// @return cudaErrorInvalidValue on bad arguments, cudaErrorNotSupported for an uncompiled
   /// head_dim, else the launch status.
-  template <class T, class Id>
+  /// Policy: the Compact tuning (default: tuning::Selected::Compact).
+  template <class T, class Id, class Policy = tuning::Selected::Compact>
   [[nodiscard]] static cudaError_t run(const KvCacheView<T, Id>& view, const CompactParams& plan, int batch,
                                        cudaStream_t stream, CompactOptions options = {}) noexcept {
-    using Tune = tuning::sm90::Compact;
+    using Tune = Policy;
     if (batch < 0 || batch > 65535 || plan.max_keep < 0) return cudaErrorInvalidValue;
     if (options.parts < 0 || options.parts > 2) return cudaErrorInvalidValue;
     if (options.vecs_per_thread != 0 && options.vecs_per_thread != 4 && options.vecs_per_thread != 8)
@@ -84,7 +85,7 @@ struct compact {
       constexpr int D = decltype(hd)::value;
       const auto go = [&](auto v) {
         constexpr int V = decltype(v)::value;
-        return detail::launch_compact<D, T, Id, V>(view, plan, static_cast<unsigned>(rows), batch,
+        return detail::launch_compact<D, T, Id, V, Tune>(view, plan, static_cast<unsigned>(rows), batch,
                                                    compact_parts<D, T>(parts, V), stream);
       };
       return vecs == 4 ? go(std::integral_constant<int, 4>{}) : go(std::integral_constant<int, 8>{});

@@ -9,7 +9,7 @@
 // After the round, sequence b holds plan.keep[b] slots per (layer, KV head). The device lengths
 // and block tables are the caller's (KvCache's host bookkeeping): the kept count is a pure
 // function of (length, prompt length, protected prefix, SelectionParams), so the host computes the
-// same number with ref::keep_counts without waiting for the device, shrinks its tables and
+// same number with selection::keep_counts without waiting for the device, shrinks its tables and
 // publishes them.
 #pragma once
 
@@ -26,6 +26,7 @@
 #include <triattn/cuda/algorithms/select.cuh>
 #include <triattn/cuda/config.cuh>
 #include <triattn/cuda/error.cuh>
+#include <triattn/cuda/tuning/select.cuh>
 
 namespace triattn::cuda {
 
@@ -71,7 +72,10 @@ inline std::size_t carve_round_workspace(void* base, const RoundShape& s, Prunin
 }
 }  // namespace detail
 
-struct compression_round {
+/// Policy: every stage's tuning (a tuning::ForArch bundle); compression_round (below) takes the
+/// selected one.
+template <class Policy>
+struct basic_compression_round {
   /// Bytes of workspace a round of `batch` sequences of up to `max_len` slots needs.
   [[nodiscard]] static std::size_t workspace_size(const RoundShape& shape, PruningMode mode, int batch,
                                                   int max_len) noexcept {
@@ -102,7 +106,8 @@ struct compression_round {
     Front<Id> f;
     TRIATTN_CUDA_RETURN_IF_ERROR(front(view, model, params, batch, workspace, workspace_bytes, stream, &f));
     if (f.empty) return cudaSuccess;
-    return select_keep(f.ws.scores, f.ws.reduced, f.ws.flags, plan, f.seqs, params, f.shape, stream);
+    return select_keep<Id, typename Policy::Select>(f.ws.scores, f.ws.reduced, f.ws.flags, plan, f.seqs, params,
+                                                    f.shape, stream);
   }
 
   /// plan(...) on one tensor-parallel rank: `view` holds this rank's KV heads and `model` the
@@ -122,12 +127,14 @@ struct compression_round {
     TRIATTN_CUDA_RETURN_IF_ERROR(front(view, model, params, batch, workspace, workspace_bytes, stream, &f));
     if (f.empty) return cudaSuccess;
     if (params.mode != PruningMode::kUnion)
-      return select_keep(f.ws.scores, f.ws.reduced, f.ws.flags, plan, f.seqs, params, f.shape, stream);
+      return select_keep<Id, typename Policy::Select>(f.ws.scores, f.ws.reduced, f.ws.flags, plan, f.seqs, params,
+                                                      f.shape, stream);
     if (plan.kept == nullptr || plan.keep == nullptr || plan.max_keep < 0) return cudaErrorInvalidValue;
-    TRIATTN_CUDA_RETURN_IF_ERROR(
-        select_union_candidates(f.ws.scores, f.ws.reduced, f.ws.flags, f.ws.vmax, f.seqs, params, f.shape, stream));
+    TRIATTN_CUDA_RETURN_IF_ERROR((select_union_candidates<Id, typename Policy::Select>(
+        f.ws.scores, f.ws.reduced, f.ws.flags, f.ws.vmax, f.seqs, params, f.shape, stream)));
     TRIATTN_CUDA_RETURN_IF_ERROR(agreement(f.ws.flags, f.ws.vmax, batch.batch, batch.max_len, stream));
-    return select_union_finish(f.ws.flags, f.ws.vmax, plan, f.seqs, params, f.shape, stream);
+    return select_union_finish<Id, typename Policy::Select>(f.ws.flags, f.ws.vmax, plan, f.seqs, params, f.shape,
+                                                            stream);
   }
 
   /// The whole round: plan(...) then cuda::compact::run on the same plan. Same contract as plan().
@@ -138,8 +145,8 @@ struct compression_round {
                                        std::size_t workspace_bytes, cudaStream_t stream = nullptr) noexcept {
     TRIATTN_CUDA_RETURN_IF_ERROR(plan(view, model, params, batch, plan_out, workspace, workspace_bytes, stream));
     if (batch.batch == 0) return cudaSuccess;
-    return compact::run(view, CompactParams{plan_out.kept, plan_out.keep, batch.seq_ids, plan_out.max_keep},
-                        batch.batch, stream);
+    return compact::run<T, Id, typename Policy::Compact>(
+        view, CompactParams{plan_out.kept, plan_out.keep, batch.seq_ids, plan_out.max_keep}, batch.batch, stream);
   }
 
   /// The whole round on one tensor-parallel rank: plan(..., agreement, stream) then compaction of
@@ -153,8 +160,8 @@ struct compression_round {
     TRIATTN_CUDA_RETURN_IF_ERROR(plan(view, model, params, batch, plan_out, workspace, workspace_bytes,
                                       std::forward<Agreement>(agreement), stream));
     if (batch.batch == 0) return cudaSuccess;
-    return compact::run(view, CompactParams{plan_out.kept, plan_out.keep, batch.seq_ids, plan_out.max_keep},
-                        batch.batch, stream);
+    return compact::run<T, Id, typename Policy::Compact>(
+        view, CompactParams{plan_out.kept, plan_out.keep, batch.seq_ids, plan_out.max_keep}, batch.batch, stream);
   }
 
  private:
@@ -185,12 +192,16 @@ struct compression_round {
       return cudaErrorInvalidValue;
     f->seqs = RoundSeqs<Id>{batch.seq_ids,   view.seq_lens,  batch.prompt_lens,
                             batch.batch,     batch.max_len,  batch.protected_prefix};
-    TRIATTN_CUDA_RETURN_IF_ERROR(
-        score(view, model, ScoreBatch{batch.seq_ids, batch.t0, batch.batch, batch.max_len}, f->ws.scores, stream));
+    TRIATTN_CUDA_RETURN_IF_ERROR((score<T, Id, typename Policy::Score>(
+        view, model, ScoreBatch{batch.seq_ids, batch.t0, batch.batch, batch.max_len}, f->ws.scores, stream)));
     if (params.normalize)
-      TRIATTN_CUDA_RETURN_IF_ERROR(row_stats(f->ws.scores, f->ws.stats, f->seqs, params, f->shape, stream));
-    return gqa_reduce(f->ws.scores, f->ws.stats, f->ws.reduced, f->ws.flags, f->seqs, params, f->shape, stream);
+      TRIATTN_CUDA_RETURN_IF_ERROR(
+          (row_stats<Id, typename Policy::Normalize>(f->ws.scores, f->ws.stats, f->seqs, params, f->shape, stream)));
+    return gqa_reduce<Id, typename Policy::Normalize>(f->ws.scores, f->ws.stats, f->ws.reduced, f->ws.flags, f->seqs,
+                                                      params, f->shape, stream);
   }
 };
+
+using compression_round = basic_compression_round<tuning::Selected>;
 
 }  // namespace triattn::cuda

@@ -18,7 +18,7 @@
 #include <triattn/cuda/error.cuh>
 #include <triattn/cuda/kernels/decode_attention_kernel.cuh>
 #include <triattn/cuda/launch.cuh>
-#include <triattn/cuda/tuning/sm90.cuh>
+#include <triattn/cuda/tuning/select.cuh>
 
 namespace triattn::cuda {
 
@@ -29,8 +29,10 @@ struct DecodeAttentionPlan {
   int heads_per_pass = 0;    ///< query heads per CTA: 8 (16-bit caches) or 4 (fp32)
 };
 
-struct decode_attention {
-  using Tune = tuning::sm90::DecodeAttention;
+/// The algorithm under a DecodeAttention tuning policy Tune; decode_attention (below) takes the
+/// selected one (tuning::Selected).
+template <class Tune>
+struct basic_decode_attention {
 
   /// Query heads one CTA handles for a cache of `dtype`.
   [[nodiscard]] static constexpr int heads_per_pass(DType dtype) noexcept {
@@ -51,7 +53,8 @@ struct decode_attention {
     const int len = max_seq_len > 0 ? max_seq_len : 1;
     std::int64_t splits = resident_ctas > base ? resident_ctas / base : 1;
     const std::int64_t useful = (len + Tune::kMinTokensPerSplit - 1) / Tune::kMinTokensPerSplit;
-    splits = triattn::detail::max_<std::int64_t>(1, triattn::detail::min_<std::int64_t>(splits, triattn::detail::min_<std::int64_t>(useful, Tune::kMaxSplits)));
+    splits = triattn::detail::max_<std::int64_t>(
+        1, triattn::detail::min_<std::int64_t>(splits, triattn::detail::min_<std::int64_t>(useful, Tune::kMaxSplits)));
     std::int64_t tps = (len + splits - 1) / splits;
     tps = (tps + Tune::kSplitGranule - 1) / Tune::kSplitGranule * Tune::kSplitGranule;
     plan.tokens_per_split = static_cast<int>(tps);
@@ -69,14 +72,14 @@ struct decode_attention {
     const cudaError_t e = dispatch_head_dim_status(head_dim, [&](auto hd) {
       constexpr int kD = decltype(hd)::value;
       if constexpr (std::is_same_v<T, float>) {
-        return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decode_attention_f32_kernel<kD, std::int32_t, T>,
-                                                             Tune::kThreads, 0);
+        return cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &per_sm, decode_attention_f32_kernel<kD, std::int32_t, T, Tune>, Tune::kThreads, 0);
       } else {
         // Same resources for every Id / OutT instantiation.
-        auto kernel = decode_attention_mma_pipe_kernel<kD, T, std::int32_t, T>;
+        auto kernel = decode_attention_mma_pipe_kernel<kD, T, std::int32_t, T, Tune>;
         TRIATTN_CUDA_RETURN_IF_ERROR(prepare_pipe_kernel<kD>(kernel));
         return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, Tune::kThreads,
-                                                             decode_attention_pipe_smem_bytes<kD>());
+                                                             decode_attention_pipe_smem_bytes<kD, Tune>());
       }
     });
     if (e != cudaSuccess) return e;
@@ -151,11 +154,11 @@ struct decode_attention {
     return dispatch_head_dim_status(d, [&](auto hd) -> cudaError_t {
       constexpr int kD = decltype(hd)::value;
       if constexpr (std::is_same_v<T, float>) {
-        decode_attention_f32_kernel<kD, Id, OutT><<<grid, Tune::kThreads, 0, stream>>>(view, p);
+        decode_attention_f32_kernel<kD, Id, OutT, Tune><<<grid, Tune::kThreads, 0, stream>>>(view, p);
       } else {
-        auto kernel = decode_attention_mma_pipe_kernel<kD, T, Id, OutT>;
+        auto kernel = decode_attention_mma_pipe_kernel<kD, T, Id, OutT, Tune>;
         TRIATTN_CUDA_RETURN_IF_ERROR(prepare_pipe_kernel<kD>(kernel));
-        kernel<<<grid, Tune::kThreads, decode_attention_pipe_smem_bytes<kD>(), stream>>>(view, p);
+        kernel<<<grid, Tune::kThreads, decode_attention_pipe_smem_bytes<kD, Tune>(), stream>>>(view, p);
       }
       TRIATTN_CUDA_RETURN_IF_ERROR(check_launch(stream));
       if (plan.num_splits == 1) return cudaSuccess;
@@ -165,9 +168,9 @@ struct decode_attention {
       const Id* lens = view.seq_lens;
       const float* po = p.partial_o;
       const float2* pml = p.partial_ml;
-      TRIATTN_CUDA_RETURN_IF_ERROR(launch_dependent(decode_attention_combine_kernel<kD, Id, OutT>, cgrid, dim3(kD), 0,
-                                                    stream, lens, seq_ids, po, pml, out, num_q_heads, plan.num_splits,
-                                                    plan.tokens_per_split));
+      TRIATTN_CUDA_RETURN_IF_ERROR(launch_dependent(decode_attention_combine_kernel<kD, Id, OutT, Tune>, cgrid,
+                                                    dim3(kD), 0, stream, lens, seq_ids, po, pml, out, num_q_heads,
+                                                    plan.num_splits, plan.tokens_per_split));
       return check_launch(stream);
     });
   }
@@ -187,9 +190,11 @@ struct decode_attention {
   template <int D, class K>
   static cudaError_t prepare_pipe_kernel(K* kernel) noexcept {
     TRIATTN_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                      decode_attention_pipe_smem_bytes<D>()));
+                                                      decode_attention_pipe_smem_bytes<D, Tune>()));
     return cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
   }
 };
+
+using decode_attention = basic_decode_attention<tuning::Selected::DecodeAttention>;
 
 }  // namespace triattn::cuda

@@ -14,6 +14,7 @@
 #include <triattn/cuda/kernels/key_norm_kernel.cuh>
 #include <triattn/cuda/score_model_view.cuh>
 #include <triattn/cuda/launch.cuh>
+#include <triattn/cuda/tuning/select.cuh>
 
 namespace triattn::cuda {
 
@@ -31,7 +32,8 @@ struct key_norm {
   ///         are not 16-byte aligned, cudaErrorNotSupported for an uncompiled head dim, else the
   ///         launch status
   /// @note asynchronous on `stream`; allocates nothing, never throws; capturable in a CUDA graph.
-  template <class T, class Id>
+  /// Policy: the KeyNorm tuning (default: tuning::Selected::KeyNorm).
+  template <class T, class Id, class Policy = tuning::Selected::KeyNorm>
   [[nodiscard]] static cudaError_t run(const KvCacheView<T, Id>& view, int num_q_heads, const ScoreBatch& batch,
                                        float* scores, cudaStream_t stream = nullptr) noexcept {
     const int hkv = view.block.num_kv_heads;
@@ -46,12 +48,12 @@ struct key_norm {
     if (!head_vectors_aligned(view, 16)) return cudaErrorMisalignedAddress;
     return dispatch_head_dim_status(view.block.head_dim, [&](auto hd) -> cudaError_t {
       constexpr int kHd = decltype(hd)::value;
-      using Shape = KeyNormShape<kHd, T>;
+      using Shape = KeyNormShape<kHd, T, Policy>;
       const std::int64_t tiles = triattn::detail::ceil_div<std::int64_t>(batch.max_len, Shape::kTokensPerBlock);
       const dim3 grid(static_cast<unsigned>(tiles < 65535 ? tiles : 65535), static_cast<unsigned>(rows),
                       static_cast<unsigned>(batch.batch));
       const KeyNormParams p{batch.seq_ids, batch.max_len, num_q_heads, scores};
-      key_norm_kernel<kHd, T, Id><<<grid, Shape::kBlockThreads, 0, stream>>>(view, p);
+      key_norm_kernel<kHd, T, Id, Policy><<<grid, Shape::kBlockThreads, 0, stream>>>(view, p);
       return check_launch(stream);
     });
   }

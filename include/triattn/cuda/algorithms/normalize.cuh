@@ -13,6 +13,7 @@
 #include <triattn/cuda/error.cuh>
 #include <triattn/cuda/griddep.cuh>
 #include <triattn/cuda/launch.cuh>
+#include <triattn/cuda/tuning/select.cuh>
 #include <triattn/cuda/kernels/normalize_kernel.cuh>
 
 namespace triattn::cuda {
@@ -42,7 +43,7 @@ struct RoundShape {
 /// @param scores [batch, L, Hq, max_len] raw scores (device)
 /// @param stats  [batch, L, Hq] output (device)
 /// @note asynchronous on `stream`; capturable.
-template <class Id>
+template <class Id, class Policy = tuning::Selected::Normalize>
 [[nodiscard]] cudaError_t row_stats(const float* scores, RowStats* stats, const RoundSeqs<Id>& seqs,
                                     const SelectionParams& params, const RoundShape& shape,
                                     cudaStream_t stream = nullptr) noexcept {
@@ -51,8 +52,8 @@ template <class Id>
   const int rows_per_seq = shape.num_layers * shape.num_q_heads;
   const long long rows = static_cast<long long>(seqs.batch) * rows_per_seq;
   if (rows > 0x7fffffffLL) return cudaErrorInvalidValue;
-  TRIATTN_CUDA_RETURN_IF_ERROR(launch_dependent(row_stats_kernel<Id>, dim3(static_cast<unsigned>(rows)),
-                                                dim3(kRowStatsThreads), 0, stream, scores, stats, seqs, params,
+  TRIATTN_CUDA_RETURN_IF_ERROR(launch_dependent(row_stats_kernel<Id, Policy>, dim3(static_cast<unsigned>(rows)),
+                                                dim3(Policy::kRowStatsThreads), 0, stream, scores, stats, seqs, params,
                                                 rows_per_seq));
   return check_launch(stream);
 }
@@ -63,7 +64,7 @@ template <class Id>
 /// @param out     [batch, reduced_rows(shape, mode), max_len]
 /// @param flags   union mode: [batch, max_len] candidate flags (cleared here); otherwise unused
 /// @note asynchronous on `stream`; capturable.
-template <class Id>
+template <class Id, class Policy = tuning::Selected::Normalize>
 [[nodiscard]] cudaError_t gqa_reduce(float* scores, const RowStats* stats, float* out, std::uint8_t* flags,
                                      const RoundSeqs<Id>& seqs, const SelectionParams& params,
                                      const RoundShape& shape, cudaStream_t stream = nullptr) noexcept {
@@ -71,26 +72,26 @@ template <class Id>
   if (params.normalize && stats == nullptr) return cudaErrorInvalidValue;
   if (params.mode == PruningMode::kUnion && flags == nullptr) return cudaErrorInvalidValue;
   if (seqs.batch == 0 || seqs.max_len == 0) return cudaSuccess;
-  const int slots_per_cta = params.mode == PruningMode::kPerHead ? kReduceSlots : kReduceThreads;
+  const int slots_per_cta = params.mode == PruningMode::kPerHead ? Policy::kReduceSlots : Policy::kReduceThreads;
   const dim3 grid(static_cast<unsigned>((seqs.max_len + slots_per_cta - 1) / slots_per_cta),
                   static_cast<unsigned>(reduced_rows(shape, params.mode)), static_cast<unsigned>(seqs.batch));
   if (grid.y > 65535u) return cudaErrorInvalidValue;
-  const std::size_t smem =
-      gqa_reduce_smem_bytes(params.mode, params.normalize, shape.num_layers, shape.num_q_heads, shape.num_kv_heads);
+  const std::size_t smem = gqa_reduce_smem_bytes<Policy>(params.mode, params.normalize, shape.num_layers,
+                                                         shape.num_q_heads, shape.num_kv_heads);
   // per_head is compiled for the common group sizes (no guards or divisions in its loads).
   const auto launch = [&](auto kernel, DynamicSmemGrant& granted) {
     TRIATTN_CUDA_RETURN_IF_ERROR(granted.ensure(kernel, smem));  // > 48 KiB only for very many layers or heads
-    return launch_dependent(kernel, grid, dim3(kReduceThreads), smem, stream, scores, stats, out, flags, seqs, params,
-                            shape.num_layers, shape.num_q_heads, shape.num_kv_heads);
+    return launch_dependent(kernel, grid, dim3(Policy::kReduceThreads), smem, stream, scores, stats, out, flags, seqs,
+                            params, shape.num_layers, shape.num_q_heads, shape.num_kv_heads);
   };
   static DynamicSmemGrant granted_any, granted_1, granted_2, granted_4, granted_8;
   const int G = shape.num_q_heads / shape.num_kv_heads;
   const bool per_head = params.mode == PruningMode::kPerHead;
-  if (per_head && G == 1) TRIATTN_CUDA_RETURN_IF_ERROR(launch(gqa_reduce_kernel<Id, 1>, granted_1));
-  else if (per_head && G == 2) TRIATTN_CUDA_RETURN_IF_ERROR(launch(gqa_reduce_kernel<Id, 2>, granted_2));
-  else if (per_head && G == 4) TRIATTN_CUDA_RETURN_IF_ERROR(launch(gqa_reduce_kernel<Id, 4>, granted_4));
-  else if (per_head && G == 8) TRIATTN_CUDA_RETURN_IF_ERROR(launch(gqa_reduce_kernel<Id, 8>, granted_8));
-  else TRIATTN_CUDA_RETURN_IF_ERROR(launch(gqa_reduce_kernel<Id, 0>, granted_any));
+  if (per_head && G == 1) TRIATTN_CUDA_RETURN_IF_ERROR(launch(gqa_reduce_kernel<Id, 1, Policy>, granted_1));
+  else if (per_head && G == 2) TRIATTN_CUDA_RETURN_IF_ERROR(launch(gqa_reduce_kernel<Id, 2, Policy>, granted_2));
+  else if (per_head && G == 4) TRIATTN_CUDA_RETURN_IF_ERROR(launch(gqa_reduce_kernel<Id, 4, Policy>, granted_4));
+  else if (per_head && G == 8) TRIATTN_CUDA_RETURN_IF_ERROR(launch(gqa_reduce_kernel<Id, 8, Policy>, granted_8));
+  else TRIATTN_CUDA_RETURN_IF_ERROR(launch(gqa_reduce_kernel<Id, 0, Policy>, granted_any));
   return check_launch(stream);
 }
 

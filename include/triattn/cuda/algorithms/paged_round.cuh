@@ -25,6 +25,7 @@
 #include <triattn/cuda/error.cuh>
 #include <triattn/cuda/kernels/paged_round_kernel.cuh>
 #include <triattn/cuda/launch.cuh>
+#include <triattn/cuda/tuning/select.cuh>
 
 namespace triattn::cuda {
 
@@ -153,11 +154,12 @@ inline void check_round_error(const RoundError& e) {
 ///       input; copy it after an event behind the round and call check_round_error.
 /// @throws also logic_error when outputs or the workspace overlap each other or an input array
 ///         (tables, lengths, batch arrays, slot positions; the K/V too for a single-base view).
-template <class T, class Id>
-void paged_round(const KvCacheView<T, Id>& view, const ScoreModelView& model, const SelectionParams& params,
+template <class T, class Id, class Policy = tuning::Selected>
+void paged_round(const KvCacheView<T, Id>& view, const ScoreModelView& model, const ValidSelectionParams& params,
                  RoundTrigger trigger, const RoundBatch& batch, const RoundOutputs& out, void* workspace,
                  std::size_t workspace_bytes, cudaStream_t stream) {
-  paged_round(view, model, params, trigger, batch, out, workspace, workspace_bytes, IdentityAgreement{}, stream);
+  paged_round<T, Id, IdentityAgreement, Policy>(view, model, params, trigger, batch, out, workspace, workspace_bytes,
+                                                IdentityAgreement{}, stream);
 }
 
 /// paged_round(...) on one tensor-parallel rank (see compression_round::plan with an agreement):
@@ -165,12 +167,11 @@ void paged_round(const KvCacheView<T, Id>& view, const ScoreModelView& model, co
 /// `agreement` between their two phases so every rank keeps the tp = 1 set. Every rank must run
 /// the same batch. The non-finite check is rank-local (a rank whose own scores are finite
 /// completes the round).
-template <class T, class Id, UnionAgreement Agreement>
-void paged_round(const KvCacheView<T, Id>& view, const ScoreModelView& model, const SelectionParams& params,
+template <class T, class Id, UnionAgreement Agreement, class Policy = tuning::Selected>
+void paged_round(const KvCacheView<T, Id>& view, const ScoreModelView& model, const ValidSelectionParams& params,
                  RoundTrigger trigger, const RoundBatch& batch, const RoundOutputs& out, void* workspace,
                  std::size_t workspace_bytes, Agreement&& agreement, cudaStream_t stream) {
   using detail::paged_round_what;
-  params.validate();
   const RoundShape shape{model.num_layers, model.num_q_heads, model.num_kv_heads};
   TRIATTN_EXPECTS(shape.valid(), paged_round_what("model") + " has " + std::to_string(model.num_layers) +
                                      " layers, " + std::to_string(model.num_q_heads) + " query / " +
@@ -234,7 +235,8 @@ void paged_round(const KvCacheView<T, Id>& view, const ScoreModelView& model, co
 
   // Device checks of everything the round reads, block reference counts over every table row,
   // then per sequence its shared leading blocks and whether it takes part (none on an error).
-  constexpr int kThreads = 128;
+  constexpr int kThreads = Policy::PagedRound::kCheckThreads;
+  constexpr int kSlotThreads = Policy::PagedRound::kThreads;
   TRIATTN_CUDA_TRY(cudaMemsetAsync(workspace, 0, clear, stream));
   paged_round_check_kernel<T, Id><<<static_cast<unsigned>(view.max_seqs), kThreads, 0, stream>>>(view, batch, scratch);
   TRIATTN_CUDA_TRY(check_launch(stream));
@@ -250,37 +252,44 @@ void paged_round(const KvCacheView<T, Id>& view, const ScoreModelView& model, co
   const RoundSeqs<Id> seqs{scratch.safe_ids, eff.seq_lens, batch.prompt_lens, batch.batch, batch.max_len,
                            scratch.prefix};
   TRIATTN_CUDA_TRY(
-      score(eff, model, ScoreBatch{scratch.safe_ids, batch.t0, batch.batch, batch.max_len}, ws.scores, stream));
+      (score<T, Id, typename Policy::Score>(eff, model, ScoreBatch{scratch.safe_ids, batch.t0, batch.batch,
+                                                                   batch.max_len},
+                                            ws.scores, stream)));
   const long long rows = static_cast<long long>(batch.batch) * shape.num_layers * shape.num_q_heads;
   if (params.nonfinite == NonFinitePolicy::kEvictFirst && batch.max_len > 0) {
-    mark_broken_slots_kernel<Id><<<dim3(static_cast<unsigned>((batch.max_len + 255) / 256),
+    mark_broken_slots_kernel<Id><<<dim3(static_cast<unsigned>((batch.max_len + kSlotThreads - 1) / kSlotThreads),
                                         static_cast<unsigned>(batch.batch)),
-                                   256, 0, stream>>>(ws.scores, seqs, p);
+                                   kSlotThreads, 0, stream>>>(ws.scores, seqs, p);
     TRIATTN_CUDA_TRY(check_launch(stream));
   }
   if (params.normalize) {
-    TRIATTN_CUDA_TRY(row_stats(ws.scores, ws.stats, seqs, p.select, shape, stream));
+    TRIATTN_CUDA_TRY((row_stats<Id, typename Policy::Normalize>(ws.scores, ws.stats, seqs, p.select, shape, stream)));
   } else {
-    nonfinite_scan_kernel<Id><<<static_cast<unsigned>(rows), 256, 0, stream>>>(ws.scores, seqs, scratch, p);
+    nonfinite_scan_kernel<Id><<<static_cast<unsigned>(rows), kSlotThreads, 0, stream>>>(ws.scores, seqs, scratch, p);
     TRIATTN_CUDA_TRY(check_launch(stream));
   }
-  TRIATTN_CUDA_TRY(gqa_reduce(ws.scores, ws.stats, ws.reduced, ws.flags, seqs, p.select, shape, stream));
+  TRIATTN_CUDA_TRY((gqa_reduce<Id, typename Policy::Normalize>(ws.scores, ws.stats, ws.reduced, ws.flags, seqs,
+                                                               p.select, shape, stream)));
   const DeviceKeepPlanView plan{scratch.plan_kept, scratch.plan_keep, batch.max_len};
   if (params.mode != PruningMode::kUnion || std::is_same_v<std::remove_cvref_t<Agreement>, IdentityAgreement>) {
-    TRIATTN_CUDA_TRY(select_keep(ws.scores, ws.reduced, ws.flags, plan, seqs, p.select, shape, stream));
+    TRIATTN_CUDA_TRY((select_keep<Id, typename Policy::Select>(ws.scores, ws.reduced, ws.flags, plan, seqs, p.select,
+                                                               shape, stream)));
   } else {
     TRIATTN_CUDA_TRY(
-        select_union_candidates(ws.scores, ws.reduced, ws.flags, ws.vmax, seqs, p.select, shape, stream));
+        (select_union_candidates<Id, typename Policy::Select>(ws.scores, ws.reduced, ws.flags, ws.vmax, seqs,
+                                                              p.select, shape, stream)));
     TRIATTN_CUDA_TRY(agreement(ws.flags, ws.vmax, batch.batch, batch.max_len, stream));
-    TRIATTN_CUDA_TRY(select_union_finish(ws.flags, ws.vmax, plan, seqs, p.select, shape, stream));
+    TRIATTN_CUDA_TRY((select_union_finish<Id, typename Policy::Select>(ws.flags, ws.vmax, plan, seqs, p.select, shape,
+                                                                       stream)));
   }
   const int chunks = out.kept != nullptr ? (out.kept_rows < 64 ? out.kept_rows : 64) : 1;
-  paged_round_outputs_kernel<Id><<<dim3(static_cast<unsigned>(batch.batch), static_cast<unsigned>(chunks)), 256, 0,
-                                   stream>>>(view.seq_lens, view.block.block_size, batch, out, scratch,
+  paged_round_outputs_kernel<Id><<<dim3(static_cast<unsigned>(batch.batch), static_cast<unsigned>(chunks)),
+                                   kSlotThreads, 0, stream>>>(view.seq_lens, view.block.block_size, batch, out, scratch,
                                              params.normalize ? ws.stats : nullptr, p);
   TRIATTN_CUDA_TRY(check_launch(stream));
-  TRIATTN_CUDA_TRY(compact::run(view, CompactParams{scratch.plan_kept, scratch.apply_keep, scratch.safe_ids, batch.max_len},
-                                batch.batch, stream));
+  TRIATTN_CUDA_TRY((compact::run<T, Id, typename Policy::Compact>(
+      view, CompactParams{scratch.plan_kept, scratch.apply_keep, scratch.safe_ids, batch.max_len}, batch.batch,
+      stream)));
 }
 
 }  // namespace triattn::cuda

@@ -18,7 +18,7 @@
 #include <triattn/cuda/error.cuh>
 #include <triattn/cuda/kernels/score_kernel.cuh>
 #include <triattn/cuda/launch.cuh>
-#include <triattn/cuda/tuning/sm90.cuh>
+#include <triattn/cuda/tuning/select.cuh>
 
 namespace triattn::cuda {
 
@@ -283,8 +283,9 @@ template <class T, class Id, int HD, RopeStyle S, int GMAX, bool kWithMax>
 /// Scores slots [0, length) of every sequence of the batch for every (layer, query head).
 /// Query head h reads KV head h / (Hq / Hkv). Mean aggregation (or disable_trig) uses the exact
 /// fold; max aggregation the |D| per-offset weight sets (on the tensor cores for 16-bit caches).
-/// Policy: tuning::sm90::Score or a type like it: which kernel families may run (kRingKernels,
-/// kTensorCoreMax; tests turn them off to reach the fallbacks) and the ring kernels' shapes.
+/// Policy: tuning::Selected::Score (the default) or a type like it: which kernel families may run
+/// (kRingKernels, kTensorCoreMax; tests turn them off to reach the fallbacks) and the ring kernels'
+/// shapes.
 ///
 /// @param view    paged cache (device memory); its seq_lens give each sequence's length
 /// @param model   per-model constants in device memory (TriAttentionDeviceScorer::device_model())
@@ -295,7 +296,7 @@ template <class T, class Id, int HD, RopeStyle S, int GMAX, bool kWithMax>
 ///         vectors are not 16-byte aligned, cudaErrorNotSupported for an uncompiled head dim
 ///         (the owning API calls dispatch_head_dim first for the message), else the launch status
 /// @note asynchronous on `stream`; allocates nothing, never throws; capturable in a CUDA graph.
-template <class T, class Id, class Policy = tuning::sm90::Score>
+template <class T, class Id, class Policy = tuning::Selected::Score>
 [[nodiscard]] cudaError_t score(const KvCacheView<T, Id>& view, const ScoreModelView& model, const ScoreBatch& batch,
                                 float* scores, cudaStream_t stream = nullptr,
                                 const ScoreOptions& options = {}) noexcept {

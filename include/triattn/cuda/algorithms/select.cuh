@@ -15,11 +15,12 @@
 #include <triattn/cuda/launch.cuh>
 #include <triattn/cuda/kernels/select_kernel.cuh>
 #include <triattn/cuda/kernels/union_agreement_kernel.cuh>
+#include <triattn/cuda/tuning/select.cuh>
 
 namespace triattn::cuda {
 
 namespace detail {
-template <class Id>
+template <class Id, class Policy>
 [[nodiscard]] inline cudaError_t launch_select(const SelectInput& in, const DeviceKeepPlanView& plan,
                                                std::uint8_t* flags, const RoundSeqs<Id>& seqs,
                                                const SelectionParams& params, const RoundShape& shape,
@@ -40,15 +41,15 @@ template <class Id>
   if (gx > 0x7fffffffLL) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(gx), static_cast<unsigned>(seqs.batch));
   const int sp = static_cast<int>(splits);
-  if (seqs.max_len <= kSelectCacheMax) {
+  if (seqs.max_len <= Policy::kCacheMax) {
     const std::size_t smem = static_cast<std::size_t>(seqs.max_len) * sizeof(std::uint32_t);
-    TRIATTN_CUDA_RETURN_IF_ERROR(launch_dependent(select_kernel<Id, true>, grid, dim3(kSelectThreads), smem, stream,
-                                                  in, plan, flags, seqs, params, shape.num_layers, shape.num_kv_heads,
-                                                  target, sp));
+    TRIATTN_CUDA_RETURN_IF_ERROR(launch_dependent(select_kernel<Id, true, Policy>, grid, dim3(Policy::kThreads), smem,
+                                                  stream, in, plan, flags, seqs, params, shape.num_layers,
+                                                  shape.num_kv_heads, target, sp));
   } else {
-    TRIATTN_CUDA_RETURN_IF_ERROR(launch_dependent(select_kernel<Id, false>, grid, dim3(kSelectThreads), 0, stream,
-                                                  in, plan, flags, seqs, params, shape.num_layers, shape.num_kv_heads,
-                                                  target, sp));
+    TRIATTN_CUDA_RETURN_IF_ERROR(launch_dependent(select_kernel<Id, false, Policy>, grid, dim3(Policy::kThreads), 0,
+                                                  stream, in, plan, flags, seqs, params, shape.num_layers,
+                                                  shape.num_kv_heads, target, sp));
   }
   return check_launch(stream);
 }
@@ -65,7 +66,7 @@ template <class Id>
 /// @param plan     kept [batch, L, Hkv, plan.max_keep], keep [batch] (device outputs); a sequence
 ///                 whose keep count exceeds max_keep gets keep = -1 and no rows
 /// @note asynchronous on `stream`; capturable.
-template <class Id>
+template <class Id, class Policy = tuning::Selected::Select>
 [[nodiscard]] cudaError_t select_keep(const float* scores, const float* reduced, std::uint8_t* flags,
                                       const DeviceKeepPlanView& plan, const RoundSeqs<Id>& seqs,
                                       const SelectionParams& params, const RoundShape& shape,
@@ -75,18 +76,19 @@ template <class Id>
   if (seqs.batch == 0) return cudaSuccess;
   switch (params.mode) {
     case PruningMode::kPerHead:
-      return detail::launch_select(SelectInput{reduced, shape.num_kv_heads, 1, nullptr}, plan, nullptr, seqs, params,
-                                   shape, SelectTarget::kPerHead, stream);
+      return detail::launch_select<Id, Policy>(SelectInput{reduced, shape.num_kv_heads, 1, nullptr}, plan, nullptr,
+                                               seqs, params, shape, SelectTarget::kPerHead, stream);
     case PruningMode::kPerLayerPerHead:
-      return detail::launch_select(SelectInput{reduced, shape.num_layers * shape.num_kv_heads, 1, nullptr}, plan,
-                                   nullptr, seqs, params, shape, SelectTarget::kPerLayerPerHead, stream);
+      return detail::launch_select<Id, Policy>(SelectInput{reduced, shape.num_layers * shape.num_kv_heads, 1, nullptr},
+                                               plan, nullptr, seqs, params, shape, SelectTarget::kPerLayerPerHead,
+                                               stream);
     case PruningMode::kUnion: {
       if (flags == nullptr || scores == nullptr) return cudaErrorInvalidValue;
-      TRIATTN_CUDA_RETURN_IF_ERROR(detail::launch_select(
+      TRIATTN_CUDA_RETURN_IF_ERROR((detail::launch_select<Id, Policy>(
           SelectInput{scores, shape.num_layers * shape.num_q_heads, 1, nullptr}, plan, flags, seqs, params, shape,
-          SelectTarget::kFlags, stream));
-      return detail::launch_select(SelectInput{reduced, 1, shape.num_layers, flags}, plan, nullptr, seqs, params,
-                                   shape, SelectTarget::kAll, stream);
+          SelectTarget::kFlags, stream)));
+      return detail::launch_select<Id, Policy>(SelectInput{reduced, 1, shape.num_layers, flags}, plan, nullptr, seqs,
+                                               params, shape, SelectTarget::kAll, stream);
     }
   }
   return cudaErrorInvalidValue;
@@ -128,7 +130,7 @@ static_assert(UnionAgreement<IdentityAgreement>);
 /// @param flags   [batch, max_len] as cleared by gqa_reduce(); output (0 off the selectable range)
 /// @param vmax    [batch, max_len] output (0 off the selectable range)
 /// @note asynchronous on `stream`; capturable.
-template <class Id>
+template <class Id, class Policy = tuning::Selected::Select>
 [[nodiscard]] cudaError_t select_union_candidates(const float* scores, const float* reduced, std::uint8_t* flags,
                                                   float* vmax, const RoundSeqs<Id>& seqs,
                                                   const SelectionParams& params, const RoundShape& shape,
@@ -139,12 +141,12 @@ template <class Id>
   if (seqs.batch == 0 || seqs.max_len == 0) return cudaSuccess;
   if (scores == nullptr || reduced == nullptr || flags == nullptr || vmax == nullptr) return cudaErrorInvalidValue;
   // kFlags writes no plan row: an empty plan view (max_keep 0) is never dereferenced.
-  TRIATTN_CUDA_RETURN_IF_ERROR(detail::launch_select(
+  TRIATTN_CUDA_RETURN_IF_ERROR((detail::launch_select<Id, Policy>(
       SelectInput{scores, shape.num_layers * shape.num_q_heads, 1, nullptr}, DeviceKeepPlanView{nullptr, nullptr, 0},
-      flags, seqs, params, shape, SelectTarget::kFlags, stream));
-  const dim3 grid(static_cast<unsigned>((seqs.max_len + kUnionLayerMaxThreads - 1) / kUnionLayerMaxThreads),
+      flags, seqs, params, shape, SelectTarget::kFlags, stream)));
+  const dim3 grid(static_cast<unsigned>((seqs.max_len + Policy::kUnionThreads - 1) / Policy::kUnionThreads),
                   static_cast<unsigned>(seqs.batch));
-  union_layer_max_kernel<Id><<<grid, kUnionLayerMaxThreads, 0, stream>>>(reduced, flags, vmax, seqs, params,
+  union_layer_max_kernel<Id, Policy><<<grid, Policy::kUnionThreads, 0, stream>>>(reduced, flags, vmax, seqs, params,
                                                                           shape.num_layers);
   return check_launch(stream);
 }
@@ -154,7 +156,7 @@ template <class Id>
 /// @param vmax  [batch, max_len] max over all ranks' rows of Ŝ
 /// @param plan  kept [batch, L, Hkv, plan.max_keep], keep [batch] (device outputs), as select_keep
 /// @note asynchronous on `stream`; capturable.
-template <class Id>
+template <class Id, class Policy = tuning::Selected::Select>
 [[nodiscard]] cudaError_t select_union_finish(const std::uint8_t* flags, const float* vmax,
                                               const DeviceKeepPlanView& plan, const RoundSeqs<Id>& seqs,
                                               const SelectionParams& params, const RoundShape& shape,
@@ -165,7 +167,7 @@ template <class Id>
   if (plan.kept == nullptr || plan.keep == nullptr) return cudaErrorInvalidValue;
   if (seqs.batch == 0) return cudaSuccess;
   if (flags == nullptr || vmax == nullptr) return cudaErrorInvalidValue;
-  return detail::launch_select(SelectInput{vmax, 1, 1, flags}, plan, nullptr, seqs, params, shape,
+  return detail::launch_select<Id, Policy>(SelectInput{vmax, 1, 1, flags}, plan, nullptr, seqs, params, shape,
                                SelectTarget::kAll, stream);
 }
 

@@ -19,6 +19,7 @@
 #include <triattn/cuda/score_model_view.cuh>
 #include <triattn/cuda/kernels/snapkv_kernel.cuh>
 #include <triattn/cuda/launch.cuh>
+#include <triattn/cuda/tuning/select.cuh>
 
 namespace triattn::cuda {
 
@@ -30,9 +31,11 @@ struct SnapKvWindow {
   int pool_kernel = 7;                    ///< odd >= 1 (1: no pooling)
 };
 
-struct snapkv {
+/// The algorithm under a SnapKv tuning policy; snapkv (below) takes the selected one.
+template <class Policy>
+struct basic_snapkv {
   /// Bytes of workspace run() needs (256-byte aligned parts): per-chunk softmax partials
-  /// [batch, L, Hq, n, ceil(max_len / kSnapKvChunk)], final stats [batch, L, Hq, n] and the
+  /// [batch, L, Hq, n, ceil(max_len / Policy::kChunk)], final stats [batch, L, Hq, n] and the
   /// pre-pool attention [batch, L, Hq, max_len]. 0 when there is nothing to score.
   [[nodiscard]] static std::size_t workspace_size(int batch, int num_layers, int num_q_heads, int num_queries,
                                                   int max_len) noexcept {
@@ -86,17 +89,17 @@ struct snapkv {
     return dispatch_head_dim_status(view.block.head_dim, [&](auto hd) -> cudaError_t {
       constexpr int kHd = decltype(hd)::value;
       const dim3 grid(static_cast<unsigned>(w.chunks), static_cast<unsigned>(rows), static_cast<unsigned>(batch.batch));
-      snapkv_partial_kernel<kHd, T, Id><<<grid, 32 * kSnapKvWarps, 0, stream>>>(view, p);
+      snapkv_partial_kernel<kHd, T, Id, Policy><<<grid, 32 * Policy::kWarps, 0, stream>>>(view, p);
       TRIATTN_CUDA_RETURN_IF_ERROR(check_launch(stream));
       const std::int64_t stat_rows = static_cast<std::int64_t>(batch.batch) * rows * window.num_queries;
-      constexpr int kStatWarps = 4;
+      constexpr int kStatWarps = Policy::kStatWarps;
       snapkv_stats_kernel<kStatWarps>
           <<<static_cast<unsigned>(triattn::detail::ceil_div<std::int64_t>(stat_rows, kStatWarps)), 32 * kStatWarps, 0,
              stream>>>(p, stat_rows);
       TRIATTN_CUDA_RETURN_IF_ERROR(check_launch(stream));
-      snapkv_attention_kernel<kHd, T, Id><<<grid, 32 * kSnapKvWarps, 0, stream>>>(view, p);
+      snapkv_attention_kernel<kHd, T, Id, Policy><<<grid, 32 * Policy::kWarps, 0, stream>>>(view, p);
       TRIATTN_CUDA_RETURN_IF_ERROR(check_launch(stream));
-      constexpr int kPoolThreads = 256;
+      constexpr int kPoolThreads = Policy::kPoolThreads;
       const std::int64_t total = static_cast<std::int64_t>(batch.batch) * rows * batch.max_len;
       const std::int64_t blocks = triattn::detail::ceil_div<std::int64_t>(total, kPoolThreads);
       snapkv_pool_kernel<kPoolThreads, Id>
@@ -114,7 +117,7 @@ struct snapkv {
   static constexpr std::size_t align256(std::size_t b) noexcept { return (b + 255) / 256 * 256; }
   static Layout layout(int batch, int L, int hq, int n, int max_len) noexcept {
     Layout w;
-    w.chunks = static_cast<int>(triattn::detail::ceil_div(max_len, kSnapKvChunk));
+    w.chunks = static_cast<int>(triattn::detail::ceil_div(max_len, Policy::kChunk));
     const std::size_t rows = static_cast<std::size_t>(batch) * static_cast<std::size_t>(L) * static_cast<std::size_t>(hq);
     w.partial = 0;
     w.stats = align256(rows * static_cast<std::size_t>(n) * static_cast<std::size_t>(w.chunks) * sizeof(float2));
@@ -123,5 +126,7 @@ struct snapkv {
     return w;
   }
 };
+
+using snapkv = basic_snapkv<tuning::Selected::SnapKv>;
 
 }  // namespace triattn::cuda

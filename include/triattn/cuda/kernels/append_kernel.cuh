@@ -8,7 +8,6 @@
 
 #include <triattn/core/kv_view.hpp>
 #include <triattn/cuda/config.cuh>
-#include <triattn/cuda/tuning/sm90.cuh>
 
 namespace triattn::cuda {
 
@@ -68,10 +67,10 @@ __device__ __forceinline__ void append_destination(const KvCacheView<T, Id>& vie
 
 }  // namespace detail
 
-template <int HeadDim, class T, class Id>
-__global__ void __launch_bounds__(tuning::sm90::Append::kThreads)
+/// Tune: the Append policy (tuning::Selected::Append or a type like it).
+template <int HeadDim, class T, class Id, class Tune>
+__global__ void __launch_bounds__(Tune::kThreads)
     append_kernel(KvCacheView<T, Id> view, AppendParams<T> p) {
-  using Tune = tuning::sm90::Append;
   constexpr int kVecElems = 16 / static_cast<int>(sizeof(T));
   constexpr int kVecs = HeadDim / kVecElems;  // 16-byte vectors per head vector
   static_assert(HeadDim % kVecElems == 0, "head vectors must be whole 16-byte vectors");

@@ -25,7 +25,6 @@
 #include <triattn/core/kv_view.hpp>
 #include <triattn/cuda/config.cuh>
 #include <triattn/cuda/griddep.cuh>
-#include <triattn/cuda/tuning/sm90.cuh>
 
 namespace triattn::cuda {
 
@@ -50,11 +49,11 @@ template <int HeadDim, class T>
 }
 
 /// Grid: (layer * num_kv_heads + head, batch entry, column part). Each thread moves
-/// kVecsPerThread 16-byte vectors of one column of K or V per chunk.
-template <int HeadDim, class T, class Id, int kParts, int kVecsPerThread>
-__global__ void __launch_bounds__(tuning::sm90::Compact::kThreads)
+/// kVecsPerThread 16-byte vectors of one column of K or V per chunk. Tune: the Compact policy.
+template <int HeadDim, class T, class Id, int kParts, int kVecsPerThread, class Tune>
+__global__ void __launch_bounds__(Tune::kThreads)
     compact_kernel(KvCacheView<T, Id> view, CompactParams p) {
-  constexpr int kThreads = tuning::sm90::Compact::kThreads;
+  constexpr int kThreads = Tune::kThreads;
   constexpr int kVecElems = 16 / static_cast<int>(sizeof(T));
   constexpr int kVecs = HeadDim / kVecElems;               // 16-byte vectors per head vector
   constexpr int kRowVecs = 2 * kVecs;                      // K and V of one token

@@ -29,7 +29,6 @@
 #include <triattn/cuda/config.cuh>
 #include <triattn/cuda/device/async_copy.cuh>
 #include <triattn/cuda/griddep.cuh>
-#include <triattn/cuda/tuning/sm90.cuh>
 #include <triattn/cuda/types.cuh>
 
 namespace triattn::cuda {
@@ -258,9 +257,8 @@ struct DecodeCtaHeads {
 }  // namespace detail
 
 /// Shared memory bytes of decode_attention_mma_pipe_kernel<HeadDim, ...> (dynamic).
-template <int HeadDim>
+template <int HeadDim, class Tune>
 [[nodiscard]] constexpr int decode_attention_pipe_smem_bytes() {
-  using Tune = tuning::sm90::DecodeAttention;
   constexpr int pipe = Tune::kWarps * Tune::kStages * 2 * Tune::kTileTokens * HeadDim * 2;
   constexpr int merge = static_cast<int>(sizeof(detail::MergeSmem<HeadDim, Tune::kHeadsPerPassMma, Tune::kWarps>));
   return pipe > merge ? pipe : merge;
@@ -268,10 +266,9 @@ template <int HeadDim>
 
 /// 16-bit caches, cp.async pipeline: each warp streams its tiles through Tune::kStages
 /// shared-memory buffers. Grid: [num_splits, num_kv_heads * passes, batch], Tune::kThreads.
-template <int HeadDim, class T, class Id, class OutT>
-__global__ void __launch_bounds__(tuning::sm90::DecodeAttention::kThreads, tuning::sm90::DecodeAttention::kMinCtasPerSmPipe)
+template <int HeadDim, class T, class Id, class OutT, class Tune>
+__global__ void __launch_bounds__(Tune::kThreads, Tune::kMinCtasPerSmPipe)
     decode_attention_mma_pipe_kernel(KvCacheView<T, Id> view, DecodeAttentionParams<T, OutT> p) {
-  using Tune = tuning::sm90::DecodeAttention;
   using DT = device_type_t<T>;
   static_assert(sizeof(DT) == 2, "the mma kernel takes 16-bit caches");
   static_assert(HeadDim == 64 || HeadDim == 128, "fragment mapping written for head_dim 64 and 128");
@@ -439,10 +436,9 @@ __global__ void __launch_bounds__(tuning::sm90::DecodeAttention::kThreads, tunin
 
 /// fp32 caches, CUDA cores: a half-warp per token (head_dim / 16 floats per lane), kHeadsPerPassF32
 /// query heads per pass. Grid as the mma kernel.
-template <int HeadDim, class Id, class OutT>
-__global__ void __launch_bounds__(tuning::sm90::DecodeAttention::kThreads)
+template <int HeadDim, class Id, class OutT, class Tune>
+__global__ void __launch_bounds__(Tune::kThreads)
     decode_attention_f32_kernel(KvCacheView<float, Id> view, DecodeAttentionParams<float, OutT> p) {
-  using Tune = tuning::sm90::DecodeAttention;
   constexpr int D = HeadDim;
   constexpr int kWarps = Tune::kWarps;
   constexpr int kTile = Tune::kTileTokens;
@@ -596,14 +592,13 @@ struct CombineRow {
 /// Launched with programmatic dependent launch: waits for the split kernel's results first. The
 /// split weights are computed once per CTA (threads over splits) into shared memory, then each
 /// thread sums its dimension over the splits in order with kMergeBatch loads in flight.
-template <int HeadDim, class Id, class OutT>
+template <int HeadDim, class Id, class OutT, class Tune>
 __global__ void __launch_bounds__(HeadDim) decode_attention_combine_kernel(const Id* seq_lens,
                                                                                const std::int32_t* seq_ids,
                                                                                const float* partial_o,
                                                                                const float2* partial_ml, OutT* out,
                                                                                int num_q_heads, int num_splits,
                                                                                int tokens_per_split) {
-  using Tune = tuning::sm90::DecodeAttention;
   constexpr int kWarpsC = HeadDim / 32;
   constexpr int kBatch = Tune::kMergeBatch;
   __shared__ float s_w[Tune::kMaxSplits];

@@ -24,12 +24,13 @@ struct KeyNormParams {
 
 /// Work split of key_norm_kernel: each thread loads 16 bytes of a head vector, so a token's
 /// vector is read by kThreadsPerToken adjacent lanes (4 to 32) with one 16-byte load each.
-template <int HeadDim, class T>
+/// Tune: the KeyNorm policy (kThreads per block).
+template <int HeadDim, class T, class Tune>
 struct KeyNormShape {
   using device_t = device_type_t<T>;
   static constexpr int kVec = 16 / static_cast<int>(sizeof(device_t));  ///< elements per thread
   static constexpr int kThreadsPerToken = HeadDim / kVec;
-  static constexpr int kBlockThreads = 256;
+  static constexpr int kBlockThreads = Tune::kThreads;
   static constexpr int kTokensPerBlock = kBlockThreads / kThreadsPerToken;  ///< per grid-stride step
   static_assert(HeadDim % kVec == 0 && kThreadsPerToken >= 1 && kThreadsPerToken <= 32 &&
                     (kThreadsPerToken & (kThreadsPerToken - 1)) == 0,
@@ -39,10 +40,10 @@ struct KeyNormShape {
 /// Grid: x = token tiles (grid-stride over slots), y = num_layers * num_kv_heads, z = batch.
 /// Block: KeyNormShape::kBlockThreads threads. Needs 16-byte aligned head vectors (the launcher
 /// checks). Slots at or past a sequence's length are not written.
-template <int HeadDim, class T, class Id>
-__global__ void __launch_bounds__(KeyNormShape<HeadDim, T>::kBlockThreads)
+template <int HeadDim, class T, class Id, class Tune>
+__global__ void __launch_bounds__(KeyNormShape<HeadDim, T, Tune>::kBlockThreads)
     key_norm_kernel(KvCacheView<T, Id> view, KeyNormParams p) {
-  using Shape = KeyNormShape<HeadDim, T>;
+  using Shape = KeyNormShape<HeadDim, T, Tune>;
   using D = typename Shape::device_t;
   using Word = uint4;  // 16 bytes: kVec elements
   constexpr int kTpt = Shape::kThreadsPerToken;

@@ -81,24 +81,15 @@ __device__ __forceinline__ double block_sum(double v, double* scratch) {
 
 }  // namespace detail
 
-inline constexpr int kRowStatsThreads = 128;
-// Values per thread kept in registers between the passes: 2,560 per row (a Qwen3-8B round), so
-// the second pass over such rows re-reads nothing; the rest of a longer row is re-read from L2
-// in independent batches of kRowStatsRestBatch.
-inline constexpr int kRowStatsCache = 20;
-inline constexpr int kRowStatsRestBatch = 8;
-// <= 56 registers: 9 CTAs per SM, so 1,152 rows run in one wave on 132 SMs (6 per SM take two).
-inline constexpr int kRowStatsMinCtas = 9;
-
-/// One CTA of kRowStatsThreads per (b, l, h) row: mean and population std of the row's selectable
+/// One CTA of Tune::kRowStatsThreads per (b, l, h) row: mean and population std of the row's selectable
 /// slots. Small CTAs keep a Qwen3-8B round's 1,152 rows (batch 1) in one wave.
 /// @param scores [batch, L, Hq, max_len] raw scores
 /// @param stats  [batch, L, Hq] output (rows of identity rounds or with no selectable slot get {0, 1, 1})
-template <class Id>
-__global__ void __launch_bounds__(kRowStatsThreads, kRowStatsMinCtas)
+template <class Id, class Tune>
+__global__ void __launch_bounds__(Tune::kRowStatsThreads, Tune::kRowStatsMinCtas)
     row_stats_kernel(const float* __restrict__ scores, RowStats* __restrict__ stats, RoundSeqs<Id> seqs,
                      SelectionParams p, int rows_per_seq) {
-  __shared__ double scratch[kRowStatsThreads / 32];
+  __shared__ double scratch[Tune::kRowStatsThreads / 32];
   detail::griddep_launch_dependents();
   const long long row = blockIdx.x;
   const int b = static_cast<int>(row / rows_per_seq);
@@ -113,18 +104,18 @@ __global__ void __launch_bounds__(kRowStatsThreads, kRowStatsMinCtas)
   const float* x = scores + row * seqs.max_len + kc.selectable_begin;
   if (p.nonfinite == NonFinitePolicy::kEvictFirst) {  // mean and std over the finite values only (evict-first rounds)
     double sum = 0.0, cnt = 0.0;
-    for (int j = tid; j < n; j += kRowStatsThreads)
+    for (int j = tid; j < n; j += Tune::kRowStatsThreads)
       if (isfinite(x[j])) {
         sum += static_cast<double>(x[j]);
         cnt += 1.0;
       }
-    sum = detail::block_sum<kRowStatsThreads>(sum, scratch);
-    cnt = detail::block_sum<kRowStatsThreads>(cnt, scratch);
+    sum = detail::block_sum<Tune::kRowStatsThreads>(sum, scratch);
+    cnt = detail::block_sum<Tune::kRowStatsThreads>(cnt, scratch);
     const double mean = cnt > 0.0 ? sum / cnt : 0.0;
     double ss = 0.0;
-    for (int j = tid; j < n; j += kRowStatsThreads)
+    for (int j = tid; j < n; j += Tune::kRowStatsThreads)
       if (isfinite(x[j])) ss += (static_cast<double>(x[j]) - mean) * (static_cast<double>(x[j]) - mean);
-    ss = detail::block_sum<kRowStatsThreads>(ss, scratch);
+    ss = detail::block_sum<Tune::kRowStatsThreads>(ss, scratch);
     if (tid == 0) {
       double sd = cnt > 0.0 ? sqrt(ss / cnt) : 1.0;
       sd = sd > 1e-6 ? sd : 1e-6;
@@ -132,59 +123,50 @@ __global__ void __launch_bounds__(kRowStatsThreads, kRowStatsMinCtas)
     }
     return;
   }
-  float cache[kRowStatsCache];
+  float cache[Tune::kRowStatsCache];
 #pragma unroll
-  for (int c = 0; c < kRowStatsCache; ++c) {
-    const int j = tid + c * kRowStatsThreads;
+  for (int c = 0; c < Tune::kRowStatsCache; ++c) {
+    const int j = tid + c * Tune::kRowStatsThreads;
     cache[c] = j < n ? x[j] : 0.0f;
   }
-  // The rest of a longer row, kRowStatsRestBatch loads in flight (f maps each value to its term).
+  // The rest of a longer row, Tune::kRowStatsRestBatch loads in flight (f maps each value to its term).
   const auto add_rest = [&](double acc, auto f) {
-    for (int j0 = tid + kRowStatsCache * kRowStatsThreads; j0 < n; j0 += kRowStatsThreads * kRowStatsRestBatch) {
-      float v[kRowStatsRestBatch];
+    for (int j0 = tid + Tune::kRowStatsCache * Tune::kRowStatsThreads; j0 < n;
+         j0 += Tune::kRowStatsThreads * Tune::kRowStatsRestBatch) {
+      float v[Tune::kRowStatsRestBatch];
 #pragma unroll
-      for (int k = 0; k < kRowStatsRestBatch; ++k) {
-        const int j = j0 + k * kRowStatsThreads;
+      for (int k = 0; k < Tune::kRowStatsRestBatch; ++k) {
+        const int j = j0 + k * Tune::kRowStatsThreads;
         v[k] = j < n ? x[j] : 0.0f;
       }
 #pragma unroll
-      for (int k = 0; k < kRowStatsRestBatch; ++k)
-        if (j0 + k * kRowStatsThreads < n) acc += f(v[k]);
+      for (int k = 0; k < Tune::kRowStatsRestBatch; ++k)
+        if (j0 + k * Tune::kRowStatsThreads < n) acc += f(v[k]);
     }
     return acc;
   };
   double sum = 0.0;
 #pragma unroll
-  for (int c = 0; c < kRowStatsCache; ++c) sum += static_cast<double>(cache[c]);
+  for (int c = 0; c < Tune::kRowStatsCache; ++c) sum += static_cast<double>(cache[c]);
   sum = add_rest(sum, [](float v) { return static_cast<double>(v); });
-  const double mean = detail::block_sum<kRowStatsThreads>(sum, scratch) / n;
+  const double mean = detail::block_sum<Tune::kRowStatsThreads>(sum, scratch) / n;
   double ss = 0.0;
 #pragma unroll
-  for (int c = 0; c < kRowStatsCache; ++c) {
+  for (int c = 0; c < Tune::kRowStatsCache; ++c) {
     const double d = static_cast<double>(cache[c]) - mean;
-    if (tid + c * kRowStatsThreads < n) ss += d * d;
+    if (tid + c * Tune::kRowStatsThreads < n) ss += d * d;
   }
   ss = add_rest(ss, [mean](float v) {
     const double d = static_cast<double>(v) - mean;
     return d * d;
   });
-  ss = detail::block_sum<kRowStatsThreads>(ss, scratch);
+  ss = detail::block_sum<Tune::kRowStatsThreads>(ss, scratch);
   if (tid == 0) {
     double sd = sqrt(ss / n);
     sd = sd > 1e-6 ? sd : 1e-6;
     stats[row] = RowStats{mean, sd, 1.0 / sd};
   }
 }
-
-// 128 threads, <= 80 registers (kReduceMinCtas per SM): per_head at batch 1 of Qwen3-8B is 80 slot
-// tiles x 8 KV heads = 640 CTAs, one wave on 132 SMs (256-thread CTAs at 3 per SM take two).
-inline constexpr int kReduceThreads = 128;
-inline constexpr int kReduceMinCtas = 6;
-inline constexpr int kReduceBatch = 16;  // union: loads in flight per thread
-inline constexpr int kReduceSlots = 32;  // per_head: slots per CTA (4 threads per slot split the layers)
-inline constexpr int kReduceLayerLanes = kReduceThreads / kReduceSlots;
-inline constexpr int kReduceLayersInFlight = 3;  // per_head: layers (x all heads of the group) loaded at once
-inline constexpr int kReduceGenericHeads = 8;     // per_head, any group size: head loads at once
 
 /// Rows of statistics a gqa_reduce CTA stages in shared memory: the (l, h) rows it normalises.
 [[nodiscard]] TRIATTN_HOST_DEVICE int gqa_reduce_stat_rows(PruningMode mode, bool normalize, int L, int Hq,
@@ -195,24 +177,25 @@ inline constexpr int kReduceGenericHeads = 8;     // per_head, any group size: h
 
 /// Dynamic shared memory of gqa_reduce_kernel: the statistics of the rows the CTA normalises
 /// (each read by every slot: from shared memory instead of one dependent L2 load per value), and
-/// for per_head max_h Ŝ of every layer of its kReduceSlots slots, so the mean over layers can be
+/// for per_head max_h Ŝ of every layer of its Tune::kReduceSlots slots, so the mean over layers can be
 /// summed in layer order.
-[[nodiscard]] inline std::size_t gqa_reduce_smem_bytes(PruningMode mode, bool normalize, int L, int Hq,
+template <class Tune>
+[[nodiscard]] std::size_t gqa_reduce_smem_bytes(PruningMode mode, bool normalize, int L, int Hq,
                                                        int Hkv) noexcept {
   return static_cast<std::size_t>(gqa_reduce_stat_rows(mode, normalize, L, Hq, Hkv)) * sizeof(RowStats) +
-         (mode == PruningMode::kPerHead ? static_cast<std::size_t>(L) * kReduceSlots * sizeof(float) : 0);
+         (mode == PruningMode::kPerHead ? static_cast<std::size_t>(L) * Tune::kReduceSlots * sizeof(float) : 0);
 }
 
 /// Normalise-and-reduce. Grid: (slot tiles, groups, batch) with groups = Hkv (per_head),
-/// L·Hkv (per_layer_per_head) or L (union); slot tiles of kReduceSlots (per_head) or
-/// kReduceThreads slots. Only selectable slots of non-identity rounds are touched.
+/// L·Hkv (per_layer_per_head) or L (union); slot tiles of Tune::kReduceSlots (per_head) or
+/// Tune::kReduceThreads slots. Only selectable slots of non-identity rounds are touched.
 /// @param scores  [batch, L, Hq, max_len] raw scores (union: overwritten with Ŝ on the selectable slots)
 /// @param stats   [batch, L, Hq] (unused when p.normalize is false)
 /// @param out     per_head [batch, Hkv, max_len]; per_layer_per_head [batch, L, Hkv, max_len];
 ///                union [batch, L, max_len]
 /// @param flags   union only: [batch, max_len] candidate flags, cleared on the selectable slots
-template <class Id, int kG>
-__global__ void __launch_bounds__(kReduceThreads, kReduceMinCtas)
+template <class Id, int kG, class Tune>
+__global__ void __launch_bounds__(Tune::kReduceThreads, Tune::kReduceMinCtas)
     gqa_reduce_kernel(float* __restrict__ scores, const RowStats* __restrict__ stats, float* __restrict__ out,
                       std::uint8_t* __restrict__ flags, RoundSeqs<Id> seqs, SelectionParams p, int L, int Hq,
                       int Hkv) {
@@ -242,21 +225,21 @@ __global__ void __launch_bounds__(kReduceThreads, kReduceMinCtas)
   const auto value = [&](int local, float x) { return p.normalize ? detail::normalized(x, s_stats[local]) : x; };
 
   if (p.mode == PruningMode::kPerHead) {
-    // Thread (slot ts, layer lane lg) takes layers lg, lg + kReduceLayerLanes, ...: max over the
+    // Thread (slot ts, layer lane lg) takes layers lg, lg + Tune::kReduceLayerLanes, ...: max over the
     // group's heads per layer into shared memory, then one thread per slot sums them in layer
     // order (float64, as ref::mean_over_layers), so the result does not depend on the split.
     // The kernel is latency- and instruction-bound: loads are issued in batches before any value
     // is normalised, from one base address per layer.
     const int g = grp;
-    const int ts = threadIdx.x % kReduceSlots, lg = threadIdx.x / kReduceSlots;
-    const int t = blockIdx.x * kReduceSlots + ts;
+    const int ts = threadIdx.x % Tune::kReduceSlots, lg = threadIdx.x / Tune::kReduceSlots;
+    const int t = blockIdx.x * Tune::kReduceSlots + ts;
     const bool valid = t >= kc.selectable_begin && t < kc.selectable_end;
     if (valid) {
       const float* col = scores + (seq_row0 + g * G) * T + t;  // row (l, g·G + h) at col[(l·Hq + h)·T]
       const long long layer_stride = static_cast<long long>(Hq) * T;
-      const int nl = (L - lg + kReduceLayerLanes - 1) / kReduceLayerLanes;  // layers lg + k·lanes, k < nl
+      const int nl = (L - lg + Tune::kReduceLayerLanes - 1) / Tune::kReduceLayerLanes;  // layers lg + k·lanes, k < nl
       if constexpr (kG > 0) {
-        // The group size is a compile-time constant: kReduceLayersInFlight layers x kG heads are
+        // The group size is a compile-time constant: Tune::kReduceLayersInFlight layers x kG heads are
         // loaded before any is normalised, without guards or divisions.
         const auto head_max = [&](int l, const float* v) {  // heads in order: std::max(m, x̂) of the reference
           float m = value(l * kG, v[0]);
@@ -273,54 +256,55 @@ __global__ void __launch_bounds__(kReduceThreads, kReduceMinCtas)
           for (int h = 0; h < kG; ++h) v[h] = pl[static_cast<long long>(h) * T];
         };
         int k = 0;
-        for (; k + kReduceLayersInFlight <= nl; k += kReduceLayersInFlight) {
-          float v[kReduceLayersInFlight][kG];
+        for (; k + Tune::kReduceLayersInFlight <= nl; k += Tune::kReduceLayersInFlight) {
+          float v[Tune::kReduceLayersInFlight][kG];
 #pragma unroll
-          for (int i = 0; i < kReduceLayersInFlight; ++i) load_heads(lg + (k + i) * kReduceLayerLanes, v[i]);
+          for (int i = 0; i < Tune::kReduceLayersInFlight; ++i)
+            load_heads(lg + (k + i) * Tune::kReduceLayerLanes, v[i]);
 #pragma unroll
-          for (int i = 0; i < kReduceLayersInFlight; ++i) {
-            const int l = lg + (k + i) * kReduceLayerLanes;
-            s_layer_max[l * kReduceSlots + ts] = head_max(l, v[i]);
+          for (int i = 0; i < Tune::kReduceLayersInFlight; ++i) {
+            const int l = lg + (k + i) * Tune::kReduceLayerLanes;
+            s_layer_max[l * Tune::kReduceSlots + ts] = head_max(l, v[i]);
           }
         }
         for (; k < nl; ++k) {
           float v[kG];
-          const int l = lg + k * kReduceLayerLanes;
+          const int l = lg + k * Tune::kReduceLayerLanes;
           load_heads(l, v);
-          s_layer_max[l * kReduceSlots + ts] = head_max(l, v);
+          s_layer_max[l * Tune::kReduceSlots + ts] = head_max(l, v);
         }
       } else {
-        // Any group size: one layer at a time, heads in chunks of kReduceGenericHeads loads.
+        // Any group size: one layer at a time, heads in chunks of Tune::kReduceGenericHeads loads.
         for (int k = 0; k < nl; ++k) {
-          const int l = lg + k * kReduceLayerLanes;
+          const int l = lg + k * Tune::kReduceLayerLanes;
           const float* pl = col + l * layer_stride;
           float m = 0.0f;
-          for (int h0 = 0; h0 < G; h0 += kReduceGenericHeads) {
-            float v[kReduceGenericHeads];
+          for (int h0 = 0; h0 < G; h0 += Tune::kReduceGenericHeads) {
+            float v[Tune::kReduceGenericHeads];
 #pragma unroll
-            for (int j = 0; j < kReduceGenericHeads; ++j)
+            for (int j = 0; j < Tune::kReduceGenericHeads; ++j)
               if (h0 + j < G) v[j] = pl[static_cast<long long>(h0 + j) * T];
 #pragma unroll
-            for (int j = 0; j < kReduceGenericHeads; ++j)
+            for (int j = 0; j < Tune::kReduceGenericHeads; ++j)
               if (h0 + j < G) {
                 const float xh = value(l * G + h0 + j, v[j]);
                 m = (h0 + j == 0 || m < xh) ? xh : m;
               }
           }
-          s_layer_max[l * kReduceSlots + ts] = m;
+          s_layer_max[l * Tune::kReduceSlots + ts] = m;
         }
       }
     }
     __syncthreads();
     if (valid && lg == 0) {
       double s = 0.0;
-      for (int l = 0; l < L; ++l) s += static_cast<double>(s_layer_max[l * kReduceSlots + ts]);
+      for (int l = 0; l < L; ++l) s += static_cast<double>(s_layer_max[l * Tune::kReduceSlots + ts]);
       out[(static_cast<long long>(b) * Hkv + g) * T + t] = static_cast<float>(s / L);
     }
     return;
   }
 
-  const int t = blockIdx.x * kReduceThreads + threadIdx.x;
+  const int t = blockIdx.x * Tune::kReduceThreads + threadIdx.x;
   if (t < kc.selectable_begin || t >= kc.selectable_end) return;
   if (p.mode == PruningMode::kPerLayerPerHead) {
     const int l = grp / Hkv, g = grp % Hkv;
@@ -335,13 +319,13 @@ __global__ void __launch_bounds__(kReduceThreads, kReduceMinCtas)
     const int l = grp;
     const long long row0 = seq_row0 + static_cast<long long>(l) * Hq;
     float m = 0.0f;
-    for (int base = 0; base < Hq; base += kReduceBatch) {
-      float v[kReduceBatch];
+    for (int base = 0; base < Hq; base += Tune::kReduceBatch) {
+      float v[Tune::kReduceBatch];
 #pragma unroll
-      for (int k = 0; k < kReduceBatch; ++k)
+      for (int k = 0; k < Tune::kReduceBatch; ++k)
         if (base + k < Hq) v[k] = scores[(row0 + base + k) * T + t];
 #pragma unroll
-      for (int k = 0; k < kReduceBatch; ++k) {
+      for (int k = 0; k < Tune::kReduceBatch; ++k) {
         const int h = base + k;
         if (h < Hq) {
           const float xh = value(h, v[k]);

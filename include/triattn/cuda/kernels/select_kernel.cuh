@@ -12,7 +12,7 @@
 // ones where a thread holds one slot per tile; bin search by one warp, two barriers per pass)
 // finds the threshold key and how many slots equal to it are taken;
 // one block scan of per-thread counts then ranks slots in index order, so ties go to the lower
-// slot and the output comes out sorted without a sort. Rows up to kSelectCacheMax values keep
+// slot and the output comes out sorted without a sort. Rows up to the Select policy's kCacheMax values keep
 // their keys in shared memory; longer rows re-read the values (L2) on each pass.
 #pragma once
 
@@ -53,9 +53,6 @@ struct SelectInput {
   const std::uint8_t* candidates = nullptr;  ///< [batch, max_len] or null
 };
 static_assert(std::is_trivially_copyable_v<SelectInput>);
-
-inline constexpr int kSelectThreads = 512;
-inline constexpr int kSelectCacheMax = 11264;  // 44 KB of keys + 1.3 KB static: under the 48 KB no-opt-in limit
 
 namespace detail {
 
@@ -112,8 +109,9 @@ __device__ __forceinline__ void block_exclusive_scan2(int a, int b, int& pre_a, 
 /// @param in     values to rank (see SelectInput)
 /// @param plan   device keep plan (targets kPerHead / kPerLayerPerHead / kAll)
 /// @param flags  [batch, max_len] (target kFlags)
-template <class Id, bool kCache>
-__global__ void __launch_bounds__(kSelectThreads)
+/// Tune: the Select policy (kThreads threads per CTA).
+template <class Id, bool kCache, class Tune>
+__global__ void __launch_bounds__(Tune::kThreads)
     select_kernel(SelectInput in, DeviceKeepPlanView plan, std::uint8_t* __restrict__ flags, RoundSeqs<Id> seqs,
                   SelectionParams p, int L, int Hkv, SelectTarget target, int splits) {
   extern __shared__ std::uint32_t s_keys[];

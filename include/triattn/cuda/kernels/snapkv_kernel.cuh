@@ -27,9 +27,7 @@
 namespace triattn::cuda {
 
 inline constexpr int kSnapKvMaxQueries = 64;  ///< window queries per layer (two per lane)
-inline constexpr int kSnapKvWarps = 4;        ///< warps per block of kernels 1 and 3
 inline constexpr int kSnapKvTokensPerStep = 4;  ///< tokens a warp stages and scores at once
-inline constexpr int kSnapKvChunk = 256;      ///< tokens per block of kernels 1 and 3
 
 /// POD parameters of the SnapKV kernels (workspace pointers set by the launcher).
 struct SnapKvKernelParams {
@@ -38,7 +36,7 @@ struct SnapKvKernelParams {
   int max_len;                    ///< score-row capacity (>= every length; longer rows are cut)
   int num_q_heads;                ///< Hq, a multiple of the view's KV heads
   int num_queries;                ///< n in [1, kSnapKvMaxQueries]
-  int num_chunks;                 ///< C = ceil(max_len / kSnapKvChunk)
+  int num_chunks;                 ///< C = ceil(max_len / the SnapKv policy's kChunk)
   float scale;                    ///< 1 / sqrt(head_dim)
   int pool_kernel;                ///< odd >= 1
   const float* queries;           ///< [batch, L, n, Hq, head_dim] post-RoPE window queries
@@ -72,17 +70,17 @@ __device__ __forceinline__ float2 snapkv_merge(float2 a, float2 b) {
 /// Shared memory of kernels 1 and 3: the window queries of one query head, transposed so lane i
 /// reads query i without bank conflicts (row padded by one against conflicts when filling), and
 /// a 4-token key stage per warp.
-template <int HeadDim>
+template <int HeadDim, class Tune>
 struct SnapKvSmem {
   float qt[HeadDim][kSnapKvMaxQueries + 1];           // [d, n] queries, zero past n
-  float4 keys[kSnapKvWarps][HeadDim];                  // [warp][d] 4 staged tokens, component = token
-  float2 warp_stats[kSnapKvWarps][kSnapKvMaxQueries];  // kernel 1 only
+  float4 keys[Tune::kWarps][HeadDim];                  // [warp][d] 4 staged tokens, component = token
+  float2 warp_stats[Tune::kWarps][kSnapKvMaxQueries];  // kernel 1 only
 };
 
 /// Loads the n window queries of query head h of (sequence b, layer) into sm.qt.
 /// @param bl b * num_layers + layer
-template <int HeadDim>
-__device__ __forceinline__ void snapkv_load_queries(SnapKvSmem<HeadDim>& sm, const SnapKvKernelParams& p,
+template <int HeadDim, class Tune>
+__device__ __forceinline__ void snapkv_load_queries(SnapKvSmem<HeadDim, Tune>& sm, const SnapKvKernelParams& p,
                                                     std::int64_t bl, int h) {
   for (int idx = static_cast<int>(threadIdx.x); idx < kSnapKvMaxQueries * HeadDim; idx += static_cast<int>(blockDim.x)) {
     const int i = idx / HeadDim, e = idx % HeadDim;
@@ -98,7 +96,7 @@ struct SnapKvBlock {
   std::int64_t row;  ///< (b * L + layer) * Hq + h: the (sequence, layer, q head) row
 };
 
-template <class T, class Id>
+template <class Tune, class T, class Id>
 __device__ __forceinline__ SnapKvBlock snapkv_block(const KvCacheView<T, Id>& view, const SnapKvKernelParams& p,
                                                     int lane) {
   SnapKvBlock k;
@@ -108,8 +106,8 @@ __device__ __forceinline__ SnapKvBlock snapkv_block(const KvCacheView<T, Id>& vi
   k.layer = static_cast<int>(blockIdx.y) / p.num_q_heads;
   k.h = static_cast<int>(blockIdx.y) % p.num_q_heads;
   k.g = k.h / (p.num_q_heads / view.block.num_kv_heads);
-  k.j0 = static_cast<int>(blockIdx.x) * kSnapKvChunk;
-  k.j1 = triattn::detail::min_(k.length, k.j0 + kSnapKvChunk);
+  k.j0 = static_cast<int>(blockIdx.x) * Tune::kChunk;
+  k.j1 = triattn::detail::min_(k.length, k.j0 + Tune::kChunk);
   k.bl = static_cast<std::int64_t>(b) * view.num_layers + k.layer;
   k.row = k.bl * p.num_q_heads + k.h;
   const std::int64_t t0 = p.t0[b];
@@ -146,8 +144,8 @@ __device__ __forceinline__ void snapkv_stage_keys(float4* stage, const KvCacheVi
 
 /// Logits (before scaling) of the 4 staged tokens for query `lane` (acc0) and, when `two`,
 /// query `lane + 32` (acc1).
-template <int HeadDim>
-__device__ __forceinline__ void snapkv_dots(const SnapKvSmem<HeadDim>& sm, const float4* stage, int lane, bool two,
+template <int HeadDim, class Tune>
+__device__ __forceinline__ void snapkv_dots(const SnapKvSmem<HeadDim, Tune>& sm, const float4* stage, int lane, bool two,
                                             float (&acc0)[4], float (&acc1)[4]) {
 #pragma unroll
   for (int t = 0; t < 4; ++t) acc0[t] = acc1[t] = 0.0f;
@@ -180,12 +178,12 @@ __device__ __forceinline__ void snapkv_dots(const SnapKvSmem<HeadDim>& sm, const
 
 }  // namespace detail
 
-/// Kernel 1. Grid: x = C token chunks, y = L * Hq, z = batch. Block: 32 * kSnapKvWarps threads.
-template <int HeadDim, class T, class Id>
-__global__ void __launch_bounds__(32 * kSnapKvWarps) snapkv_partial_kernel(KvCacheView<T, Id> view, SnapKvKernelParams p) {
-  __shared__ detail::SnapKvSmem<HeadDim> sm;
+/// Kernel 1. Grid: x = C token chunks, y = L * Hq, z = batch. Block: 32 * Tune::kWarps threads.
+template <int HeadDim, class T, class Id, class Tune>
+__global__ void __launch_bounds__(32 * Tune::kWarps) snapkv_partial_kernel(KvCacheView<T, Id> view, SnapKvKernelParams p) {
+  __shared__ detail::SnapKvSmem<HeadDim, Tune> sm;
   const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
-  const detail::SnapKvBlock k = detail::snapkv_block(view, p, lane);
+  const detail::SnapKvBlock k = detail::snapkv_block<Tune>(view, p, lane);
   const int j1 = k.j1, lim0 = k.lim0, lim1 = k.lim1;
   detail::snapkv_load_queries(sm, p, k.bl, k.h);
   __syncthreads();
@@ -195,7 +193,7 @@ __global__ void __launch_bounds__(32 * kSnapKvWarps) snapkv_partial_kernel(KvCac
   const bool two = n > 32;
   float m0 = -INFINITY, s0 = 0.0f, m1 = -INFINITY, s1 = 0.0f;
   float4* stage = sm.keys[warp];
-  for (int base = k.j0 + warp * kSnapKvTokensPerStep; base < j1; base += kSnapKvWarps * kSnapKvTokensPerStep) {
+  for (int base = k.j0 + warp * kSnapKvTokensPerStep; base < j1; base += Tune::kWarps * kSnapKvTokensPerStep) {
     detail::snapkv_stage_keys<HeadDim>(stage, view, k.layer, k.g, k.seq, base, j1, lane);
     __syncwarp();
     float acc0[4], acc1[4];
@@ -215,7 +213,7 @@ __global__ void __launch_bounds__(32 * kSnapKvWarps) snapkv_partial_kernel(KvCac
   for (int i = static_cast<int>(threadIdx.x); i < n; i += static_cast<int>(blockDim.x)) {
     float2 r = sm.warp_stats[0][i];
 #pragma unroll
-    for (int w = 1; w < kSnapKvWarps; ++w) r = detail::snapkv_merge(r, sm.warp_stats[w][i]);
+    for (int w = 1; w < Tune::kWarps; ++w) r = detail::snapkv_merge(r, sm.warp_stats[w][i]);
     p.partial[(k.row * n + i) * p.num_chunks + static_cast<int>(blockIdx.x)] = r;  // (-inf, 0) past the length
   }
 }
@@ -237,12 +235,12 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) snapkv_stats_kernel(SnapK
   if (lane == 0) p.stats[row] = make_float2(r.x, r.y > 0.0f ? 1.0f / r.y : 0.0f);
 }
 
-/// Kernel 3. Grid: x = C token chunks, y = L * Hq, z = batch. Block: 32 * kSnapKvWarps threads.
-template <int HeadDim, class T, class Id>
-__global__ void __launch_bounds__(32 * kSnapKvWarps) snapkv_attention_kernel(KvCacheView<T, Id> view, SnapKvKernelParams p) {
-  __shared__ detail::SnapKvSmem<HeadDim> sm;
+/// Kernel 3. Grid: x = C token chunks, y = L * Hq, z = batch. Block: 32 * Tune::kWarps threads.
+template <int HeadDim, class T, class Id, class Tune>
+__global__ void __launch_bounds__(32 * Tune::kWarps) snapkv_attention_kernel(KvCacheView<T, Id> view, SnapKvKernelParams p) {
+  __shared__ detail::SnapKvSmem<HeadDim, Tune> sm;
   const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
-  const detail::SnapKvBlock k = detail::snapkv_block(view, p, lane);
+  const detail::SnapKvBlock k = detail::snapkv_block<Tune>(view, p, lane);
   if (k.j0 >= k.length) return;  // whole block: nothing of this sequence in the chunk
   const int j1 = k.j1, lim0 = k.lim0, lim1 = k.lim1;
   detail::snapkv_load_queries(sm, p, k.bl, k.h);
@@ -257,7 +255,7 @@ __global__ void __launch_bounds__(32 * kSnapKvWarps) snapkv_attention_kernel(KvC
   const bool two = n > 32;
   float4* stage = sm.keys[warp];
   float* attn = p.attn + k.row * p.max_len;
-  for (int base = k.j0 + warp * kSnapKvTokensPerStep; base < j1; base += kSnapKvWarps * kSnapKvTokensPerStep) {
+  for (int base = k.j0 + warp * kSnapKvTokensPerStep; base < j1; base += Tune::kWarps * kSnapKvTokensPerStep) {
     detail::snapkv_stage_keys<HeadDim>(stage, view, k.layer, k.g, k.seq, base, j1, lane);
     __syncwarp();
     float acc0[4], acc1[4];

@@ -16,18 +16,16 @@
 
 namespace triattn::cuda {
 
-inline constexpr int kUnionLayerMaxThreads = 256;
-
-/// Grid (ceil(max_len / kUnionLayerMaxThreads), batch); one thread per slot.
+/// Grid (ceil(max_len / Tune::kUnionThreads), batch); one thread per slot (Tune: the Select policy).
 /// @param reduced [batch, L, max_len] union output of gqa_reduce (max over query heads of Ŝ)
 /// @param flags   [batch, max_len] candidate flags from the kFlags select; zeroed off the selectable range
 /// @param vmax    [batch, max_len] output: max over layers on the selectable range, 0 elsewhere
-template <class Id>
-__global__ void __launch_bounds__(kUnionLayerMaxThreads)
+template <class Id, class Tune>
+__global__ void __launch_bounds__(Tune::kUnionThreads)
     union_layer_max_kernel(const float* __restrict__ reduced, std::uint8_t* __restrict__ flags,
                            float* __restrict__ vmax, RoundSeqs<Id> seqs, SelectionParams p, int L) {
   const int b = blockIdx.y;
-  const int t = blockIdx.x * kUnionLayerMaxThreads + threadIdx.x;
+  const int t = blockIdx.x * Tune::kUnionThreads + threadIdx.x;
   const long long T = seqs.max_len;
   if (t >= T) return;
   const KeepCounts kc = seqs.counts(b, p);
