@@ -76,8 +76,8 @@ struct CacheConfig {
     TRIATTN_EXPECTS(max_blocks_per_seq >= 0 && max_blocks_per_seq <= num_blocks,
                     "max_blocks_per_seq = " + std::to_string(max_blocks_per_seq) +
                         " must be in [0, num_blocks = " + std::to_string(num_blocks) + "] (0 means num_blocks)");
-    TRIATTN_EXPECTS(dtype == DType::kF32 || dtype == DType::kF16 || dtype == DType::kBF16,
-                    "dtype = " + std::to_string(static_cast<int>(dtype)) + " is not one of float32, float16, bfloat16");
+    TRIATTN_EXPECTS(is_valid_dtype(dtype), "dtype = " + std::to_string(static_cast<int>(dtype)) +
+                                               " is not one of float32, float16, bfloat16, fp8_e4m3");
     TRIATTN_EXPECTS(layout == KvLayout::kNHD || layout == KvLayout::kHND,
                     "layout = " + std::to_string(static_cast<int>(layout)) + " is not NHD (0) or HND (1)");
     // Kernels index tokens of one sequence with int32 and elements of one range with int64.
