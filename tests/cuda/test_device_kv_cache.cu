@@ -143,6 +143,17 @@ TEST_CASE("device kv cache: policy types compose (no device needed)") {
   CHECK(cuda::DeviceKvCache<>::memory_space == MemorySpace::kDevice);
 }
 
+TEST_CASE("device kv cache: fp8 KV is refused by name until the kernels load it (no device needed)") {
+  // The configuration is checked before the pool is allocated: no CUDA call happens.
+  CacheConfig cfg = make_config(DType::kFP8E4M3, KvLayout::kNHD);
+  CHECK_THROWS_WITH_AS(DevCache{cfg}, "triattn: fp8_e4m3 KV is not supported by KvCache on the GPU yet", unsupported);
+  bool called = false;
+  CHECK_THROWS_WITH_AS(cuda::dispatch_dtype(DType::kFP8E4M3, "decode attention", [&](auto) { called = true; }),
+                       "triattn: fp8_e4m3 KV is not supported by decode attention on the GPU yet", unsupported);
+  CHECK_FALSE(called);
+  CHECK(cuda::dispatch_dtype(DType::kBF16, [](auto t) { return sizeof(cuda::device_type_t<typename decltype(t)::type>); }) == 2);
+}
+
 TEST_SUITE("gpu") {
   TEST_CASE("device backend: zeroed or poisoned allocation then move and free") {
     test::require_device();
