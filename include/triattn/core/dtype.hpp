@@ -136,7 +136,7 @@ TRIATTN_HOST_DEVICE constexpr std::uint64_t shift_round_even(std::uint64_t value
 /// +-448 (0x7e / 0xfe), NaN gives the canonical NaN 0x7f (whatever its sign). Same results as CUDA's
 /// __nv_cvt_float_to_fp8(f, __NV_SATFINITE, __NV_E4M3); callable from device code.
 [[nodiscard]] TRIATTN_HOST_DEVICE constexpr std::uint8_t f32_to_fp8_e4m3_bits(float f) noexcept {
-  const std::uint32_t x = std::bit_cast<std::uint32_t>(f);
+  const std::uint32_t x = detail::bit_cast_<std::uint32_t>(f);
   const std::uint8_t sign = static_cast<std::uint8_t>((x >> 24) & 0x80u);
   const std::uint32_t mag = x & 0x7fffffffu;
   if (mag > 0x7f800000u) return 0x7fu;  // NaN
@@ -160,12 +160,12 @@ TRIATTN_HOST_DEVICE constexpr std::uint64_t shift_round_even(std::uint64_t value
   const std::uint32_t sign = static_cast<std::uint32_t>(b & 0x80u) << 24;
   const std::uint32_t exp = (b >> 3) & 0xfu;
   const std::uint32_t mant = b & 0x7u;
-  if ((b & 0x7fu) == 0x7fu) return std::bit_cast<float>(sign | 0x7fc00000u);
+  if ((b & 0x7fu) == 0x7fu) return detail::bit_cast_<float>(sign | 0x7fc00000u);
   if (exp == 0) {  // subnormal: mant * 2^-9, exact in float
     const float v = static_cast<float>(mant) * 0.001953125f;
     return sign != 0 ? -v : v;
   }
-  return std::bit_cast<float>(sign | ((exp + 120) << 23) | (mant << 20));
+  return detail::bit_cast_<float>(sign | ((exp + 120) << 23) | (mant << 20));
 }
 
 [[nodiscard]] constexpr float to_float(float x) noexcept { return x; }
