@@ -18,6 +18,7 @@
 //   template <class T, class Cache> void attention(float* out, const float* q, std::span<const TokenInfo> rows,
 //                                                  const Cache&, int layer, const ModelConfig&,
 //                                                  const AttentionObserver* /*may be null*/);
+//   using kv_storage_types = triattn::storage_types<...>;  // cache dtypes it runs (others refused)
 //   void swiglu(float* gate, const float* up, int n);   // gate = silu(gate) * up
 //   void add(float* x, const float* y, int n);          // x += y
 //   const float* host_view(const float* p, std::size_t n); // host-readable copy (observers, logits)

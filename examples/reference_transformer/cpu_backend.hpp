@@ -28,6 +28,8 @@ namespace triattn_example {
 class CpuBackend {
  public:
   static constexpr const char* kName = "cpu";
+  /// Cache dtypes it runs: all of them (fp8 K/V dequantised with the cache's scales).
+  using kv_storage_types = triattn::all_storage_types;
   using Buffer = std::vector<float>;
 
   /// Weights stay where they are: a non-owning set of host pointers.
@@ -125,15 +127,16 @@ class CpuBackend {
 
   // Σ_i a[i]·b[i] in 8 lanes (lane u sums i ≡ u mod 8; lanes added pairwise, then the tail):
   // vectorisable without reassociation, like matmul's dot products.
+  // b is dequantised with `scale` (fp8 caches; unscaled dtypes ignore it).
   template <class T>
-  static float dot_lanes(const float* a, const T* b, int n) {
+  static float dot_lanes(const float* a, const T* b, int n, float scale = 1.0f) {
     constexpr int kLanes = 8;
     const int body = n / kLanes * kLanes;
     float acc[kLanes] = {};
     for (int i = 0; i < body; i += kLanes)
-      for (int u = 0; u < kLanes; ++u) acc[u] += a[i + u] * triattn::to_float(b[i + u]);
+      for (int u = 0; u < kLanes; ++u) acc[u] += a[i + u] * triattn::dequantize(b[i + u], scale);
     float val = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for (int i = body; i < n; ++i) val += a[i] * triattn::to_float(b[i]);
+    for (int i = body; i < n; ++i) val += a[i] * triattn::dequantize(b[i], scale);
     return val;
   }
 
@@ -157,26 +160,11 @@ class CpuBackend {
   }
 
   /// Writes n rows of K and V ([n, kv_dim] float) at slots [first_slot, first_slot + n),
-  /// converting to the cache's storage type T.
+  /// rounded to the cache's storage type T (fp8: divided by the cache's scales, saturating).
   template <class T, class Cache>
   void write_kv(Cache& cache, triattn::SeqId seq, int layer, int first_slot, const float* k, const float* v, int n,
-                int kv_dim) {
-    if constexpr (std::is_same_v<T, float>) {
-      cache.template write<float>(seq, layer, first_slot, k, v, n);
-    } else {
-      const std::size_t count = static_cast<std::size_t>(n) * kv_dim;
-      std::vector<T>& kbuf = scratch<T>(0);
-      std::vector<T>& vbuf = scratch<T>(1);
-      kbuf.resize(count);
-      vbuf.resize(count);
-      T* kt = kbuf.data();
-      T* vt = vbuf.data();
-      for (std::size_t i = 0; i < count; ++i) {
-        kt[i] = triattn::from_float<T>(k[i]);
-        vt[i] = triattn::from_float<T>(v[i]);
-      }
-      cache.template write<T>(seq, layer, first_slot, kt, vt, n);
-    }
+                int /*kv_dim*/) {
+    cache.write_values(seq, layer, first_slot, k, v, n);
   }
 
   /// Causal paged attention: row r attends to the physical slots [0, rows[r].slot] of its
@@ -199,9 +187,11 @@ class CpuBackend {
       for (int h = 0; h < c.n_heads; ++h) {
         const float* qh = q + (r * c.n_heads + static_cast<std::size_t>(h)) * d;
         const int kvh = h / group;
+        const float ks = view.scale(layer, triattn::KvKind::kKey, kvh);
+        const float vs = view.scale(layer, triattn::KvKind::kValue, kvh);
         for (int t = 0; t < len; ++t) {
           const T* k = view.token(layer, triattn::KvKind::kKey, info.seq, t, kvh);
-          att_[static_cast<std::size_t>(t)] = dot_lanes(qh, k, d) / sqrt_d;  // run.c divides
+          att_[static_cast<std::size_t>(t)] = dot_lanes(qh, k, d, ks) / sqrt_d;  // run.c divides
         }
         softmax(att_.data(), len);
         if (observer != nullptr && *observer)
@@ -211,7 +201,7 @@ class CpuBackend {
         for (int t = 0; t < len; ++t) {
           const T* v = view.token(layer, triattn::KvKind::kValue, info.seq, t, kvh);
           const float a = att_[static_cast<std::size_t>(t)];
-          for (int i = 0; i < d; ++i) oh[i] += a * triattn::to_float(v[i]);
+          for (int i = 0; i < d; ++i) oh[i] += a * triattn::dequantize(v[i], vs);
         }
       }
     }
@@ -263,13 +253,6 @@ class CpuBackend {
   int tp_size_ = 1;
   std::function<void(std::span<float>)> all_reduce_;  // empty: single rank
   std::vector<float> att_;
-  template <class T>
-  std::vector<T>& scratch(int which) {
-    if constexpr (std::is_same_v<T, triattn::bf16_storage>) return which == 0 ? bf16_k_ : bf16_v_;
-    else return which == 0 ? f16_k_ : f16_v_;
-  }
-  std::vector<triattn::bf16_storage> bf16_k_, bf16_v_;
-  std::vector<triattn::f16_storage> f16_k_, f16_v_;
 };
 
 }  // namespace triattn_example

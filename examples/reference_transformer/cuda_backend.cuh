@@ -93,6 +93,8 @@ using GpuPrefixTriCache = triattn::KvCache<GpuPrefixAllocator, triattn::cuda::De
 class CudaBackend {
  public:
   static constexpr const char* kName = "cuda";
+  /// Cache dtypes its kernels load (fp8 is refused until they take it).
+  using kv_storage_types = triattn::device_storage_types;
   using Options = CudaBackendOptions;
 
   /// Device activation buffer of n floats (shared ownership: Model keeps copies in members).

@@ -306,14 +306,10 @@ triattn::KvCacheView<T, std::int32_t> typed_view(const triattn::KvCacheView<floa
 /// Calls f(type_identity<storage T>, type_identity<device T>) for a cache dtype.
 template <class F>
 void dispatch_cache_type(triattn::DType dt, F&& f) {
-  switch (dt) {
-    case triattn::DType::kF32: f(std::type_identity<float>{}, std::type_identity<float>{}); return;
-    case triattn::DType::kF16: f(std::type_identity<triattn::f16_storage>{}, std::type_identity<__half>{}); return;
-    case triattn::DType::kBF16:
-      f(std::type_identity<triattn::bf16_storage>{}, std::type_identity<__nv_bfloat16>{});
-      return;
-  }
-  TRIATTN_FAIL("CudaBackend: invalid cache dtype");
+  triattn::cuda::dispatch_dtype(dt, "the reference transformer's CudaBackend", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    f(tag, std::type_identity<triattn::cuda::device_type_t<T>>{});
+  });
 }
 
 inline bool aligned16(const void* p) noexcept { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }

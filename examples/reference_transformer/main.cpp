@@ -160,7 +160,7 @@ void usage() {
       "  --pruning MODE        per_head (default) | per_layer_per_head | union\n"
       "  --calibrate OUT       record pre-RoPE query statistics over the run, save to OUT\n"
       "                        (.safetensors: triattn's native format; .pt: TriAttention's layout)\n"
-      "  --kv-dtype T          f32 (default) | bf16 | f16\n"
+      "  --kv-dtype T          f32 (default) | bf16 | f16 | fp8 (e4m3, scales 1; CPU only for now)\n"
       "  --block-size N        tokens per KV block (default 16)\n"
       "  --report-every N      status line every N decode steps (default 64; 0 = off)\n"
       "  --prefill-chunk N     prefill at most N prompt tokens per step (e.g. 512-2048; default 0:\n"
@@ -268,7 +268,8 @@ Options parse_args(int argc, char** argv) {
       if (v == "f32") o.kv_dtype = triattn::DType::kF32;
       else if (v == "bf16") o.kv_dtype = triattn::DType::kBF16;
       else if (v == "f16") o.kv_dtype = triattn::DType::kF16;
-      else throw std::runtime_error("--kv-dtype: '" + v + "' is not f32, bf16 or f16");
+      else if (v == "fp8") o.kv_dtype = triattn::DType::kFP8E4M3;
+      else throw std::runtime_error("--kv-dtype: '" + v + "' is not f32, bf16, f16 or fp8");
     } else if (a == "--block-size") o.block_size = to_int(a, need(i), 1, 1 << 16);
     else if (a == "--report-every") o.report_every = to_int(a, need(i), 0, kIntMax);
     else if (a == "--prefill-chunk") o.prefill_chunk = to_int(a, need(i), 0, kIntMax);

@@ -197,7 +197,9 @@ class Model {
         tokens_.push_back(ch.tokens[t]);
       }
     }
-    triattn::dispatch_dtype(cache.config().dtype, [&](auto tag) { layers<typename decltype(tag)::type>(cache, chunks); });
+    triattn::dispatch_dtype_in(typename Backend::kv_storage_types{}, cache.config().dtype,
+                               std::string("the reference transformer's ") + Backend::kName + " backend",
+                               [&](auto tag) { layers<typename decltype(tag)::type>(cache, chunks); });
     return which == LogitsFor::kNone ? 0 : classify(chunks, which);
   }
 

@@ -114,7 +114,7 @@ void run_round(DType dtype, const ViewParts& parts, const DeviceModel* model, co
     cuda::paged_round(view, model->scorer.device_model(), params, trigger, batch, out, workspace, workspace_bytes,
                       reinterpret_cast<cudaStream_t>(stream));
   };
-  triattn::dispatch_dtype(dtype, go);
+  triattn::cuda::dispatch_dtype(dtype, "paged_round", go);
 }
 
 }  // namespace triattn::python::cuda_glue

@@ -9,6 +9,7 @@
 #include <span>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <nanobind/stl/string.h>
@@ -25,7 +26,8 @@ using HostCache = KvCache<TriAttentionScorer, TopKSelector>;
 
 using NumpyArray = nb::ndarray<nb::numpy>;
 
-/// numpy dtype of the cache's storage type; bfloat16 (which numpy lacks) as its uint16 bits.
+/// numpy dtype of the cache's storage type; bfloat16 and fp8 e4m3 (which numpy lacks) as their
+/// uint16 / uint8 bits.
 nb::dlpack::dtype numpy_dtype(DType t) {
   return triattn::dispatch_dtype(t, [](auto tag) -> nb::dlpack::dtype {
     using T = typename decltype(tag)::type;
@@ -33,6 +35,8 @@ nb::dlpack::dtype numpy_dtype(DType t) {
       return {static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float), 16, 1};
     else if constexpr (std::is_same_v<T, bf16_storage>)
       return nb::dtype<std::uint16_t>();
+    else if constexpr (std::is_same_v<T, fp8_e4m3_storage>)
+      return nb::dtype<std::uint8_t>();
     else
       return nb::dtype<T>();
   });
@@ -48,7 +52,9 @@ NumpyArray owned_array(std::size_t bytes, std::initializer_list<std::size_t> sha
 void check_tokens(const HostCache& c, const ConstArray& a, const char* what, std::size_t n) {
   const ModelGeometry& g = c.config().model;
   expect_host(a, what);
-  const DType t = cache_dtype(a, what);
+  // fp8 e4m3 codes come as a uint8 view (numpy has no fp8 type): the cache's dtype says what they are
+  const bool fp8_codes = c.config().dtype == DType::kFP8E4M3 && a.dtype() == nb::dtype<std::uint8_t>();
+  const DType t = fp8_codes ? DType::kFP8E4M3 : cache_dtype(a, what);
   if (t != c.config().dtype)
     throw logic_error(std::string("triattn: ") + what + " has dtype " + dtype_name(t) + " but the cache stores " +
                       dtype_name(c.config().dtype));
@@ -71,7 +77,8 @@ void bind_round(nb::module_& m) {
   nb::enum_<DType>(m, "DType", "Storage type of cached keys and values.")
       .value("FLOAT32", DType::kF32)
       .value("FLOAT16", DType::kF16)
-      .value("BFLOAT16", DType::kBF16);
+      .value("BFLOAT16", DType::kBF16)
+      .value("FP8_E4M3", DType::kFP8E4M3);
   nb::enum_<KvLayout>(m, "KvLayout", "Token/head order inside one block: NHD [block_size, heads, dim] or HND.")
       .value("NHD", KvLayout::kNHD)
       .value("HND", KvLayout::kHND);
@@ -97,13 +104,14 @@ void bind_round(nb::module_& m) {
   nb::class_<CacheConfig>(m, "CacheConfig", "Layout of a paged cache: geometry, block size, pool size, dtype.")
       .def("__init__",
            [](CacheConfig* self, const ModelGeometry& model, int block_size, int num_blocks, int max_seqs,
-              int max_blocks_per_seq, KvLayout layout, DType dtype, bool track_positions) {
-             new (self)
-                 CacheConfig{model, block_size, num_blocks, max_seqs, max_blocks_per_seq, layout, dtype, track_positions};
+              int max_blocks_per_seq, KvLayout layout, DType dtype, bool track_positions, std::vector<float> kv_scales) {
+             new (self) CacheConfig{model,  block_size, num_blocks,      max_seqs,
+                                    max_blocks_per_seq, layout, dtype, track_positions, std::move(kv_scales)};
            },
            nb::arg("model"), nb::kw_only(), nb::arg("block_size") = dc.block_size, nb::arg("num_blocks"),
            nb::arg("max_seqs") = dc.max_seqs, nb::arg("max_blocks_per_seq") = 0, nb::arg("layout") = dc.layout,
-           nb::arg("dtype") = dc.dtype, nb::arg("track_positions") = dc.track_positions)
+           nb::arg("dtype") = dc.dtype, nb::arg("track_positions") = dc.track_positions,
+           nb::arg("kv_scales") = std::vector<float>{})
       .def_rw("model", &CacheConfig::model)
       .def_rw("block_size", &CacheConfig::block_size)
       .def_rw("num_blocks", &CacheConfig::num_blocks)
@@ -113,6 +121,9 @@ void bind_round(nb::module_& m) {
       .def_rw("dtype", &CacheConfig::dtype)
       .def_rw("track_positions", &CacheConfig::track_positions,
               "Keep every slot's original position so reports carry kept_positions (off: lengths and status only).")
+      .def_rw("kv_scales", &CacheConfig::kv_scales,
+              "FP8_E4M3 only: dequantisation scales [num_layers * 2 * n], n = 1 (per layer K, V: vLLM's k_scale, "
+              "v_scale) or num_kv_heads; a code c means value(c) * scale. Empty: all 1.")
       .def("block_bytes", &CacheConfig::block_bytes, "Bytes of one block in one (layer, K|V) range.")
       .def("block_bytes_all_ranges", &CacheConfig::block_bytes_all_ranges, "Bytes one block id owns (all layers, K, V).")
       .def("validate", &CacheConfig::validate);
@@ -168,8 +179,29 @@ void bind_round(nb::module_& m) {
              return ok;
            },
            nb::arg("seq"), nb::arg("k"), nb::arg("v"), nb::arg("phase") = Phase::kDecode,
-           "Appends n tokens; k, v: [num_layers, n, num_kv_heads, head_dim] of the cache's dtype. False (nothing "
-           "changed) when the pool is out of blocks.")
+           "Appends n tokens; k, v: [num_layers, n, num_kv_heads, head_dim] of the cache's dtype (FP8_E4M3: the "
+           "codes as uint8). False (nothing changed) when the pool is out of blocks.")
+      .def("append_values",
+           [](HostCache& c, SeqId seq, const ConstArray& k, const ConstArray& v, Phase phase) {
+             const ModelGeometry& g = c.config().model;
+             const std::size_t n = k.ndim() == 4 ? k.shape(1) : 0;
+             for (const auto& [a, what] : {std::pair<const ConstArray&, const char*>{k, "k"}, {v, "v"}}) {
+               expect_host(a, what);
+               expect_contiguous<float>(a, 4, what);
+               if (a.shape(0) != static_cast<std::size_t>(g.num_layers) || a.shape(1) != n ||
+                   a.shape(2) != static_cast<std::size_t>(g.num_kv_heads) || a.shape(3) != static_cast<std::size_t>(g.head_dim))
+                 throw logic_error(std::string("triattn: ") + what +
+                                   " must have shape [num_layers, n, num_kv_heads, head_dim]");
+             }
+             const std::size_t count = k.size();
+             return c.append_values(seq, std::span<const float>(static_cast<const float*>(k.data()), count),
+                                    std::span<const float>(static_cast<const float*>(v.data()), count),
+                                    static_cast<int>(n), phase)
+                 .ok();
+           },
+           nb::arg("seq"), nb::arg("k"), nb::arg("v"), nb::arg("phase") = Phase::kDecode,
+           "Appends n tokens from float32 k, v [num_layers, n, num_kv_heads, head_dim], rounded to the cache's "
+           "dtype (FP8_E4M3: divided by the scale, nearest even, saturating at +-448). False when out of blocks.")
       .def("needs_compression", &HostCache::needs_compression, nb::arg("seq"))
       .def("compress", &HostCache::compress, nb::arg("seq"), "One round: score, select, compact, free tail blocks.")
       .def("compress_if_needed",

@@ -15,6 +15,10 @@
 
 #include <triattn/core/dtype.hpp>
 
+#if defined(TRIATTN_TEST_HAVE_CUDA_FP8)
+#include <cuda_fp8.h>  // host-callable __nv_cvt_float_to_fp8: the GPU's rounding
+#endif
+
 using namespace triattn;
 
 namespace {
@@ -117,6 +121,9 @@ TEST_CASE("dtype: enum helpers") {
   CHECK(std::string(dtype_name(DType::kF32)) == "float32");
   CHECK(std::string(dtype_name(DType::kF16)) == "float16");
   CHECK(std::string(dtype_name(DType::kBF16)) == "bfloat16");
+  CHECK(dtype_size(DType::kFP8E4M3) == 1);
+  CHECK(std::string(dtype_name(DType::kFP8E4M3)) == "fp8_e4m3");
+  CHECK(dtype_of<fp8_e4m3_storage> == DType::kFP8E4M3);
   CHECK(std::string(dtype_name(static_cast<DType>(7))) == "unknown");
   CHECK(dtype_of<float> == DType::kF32);
   CHECK(dtype_of<f16_storage> == DType::kF16);
@@ -335,5 +342,138 @@ TEST_CASE("dtype: bf16 special values") {
   CHECK(std::isinf(bf16_bits_to_f32(0x7f80)));
   CHECK(std::isnan(bf16_bits_to_f32(0x7f81)));
 }
+
+}  // TEST_SUITE
+
+// ---- fp8 e4m3fn ------------------------------------------------------------------------------
+// Independent description: 1 sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 15 with
+// mantissa 7 is NaN, everything else is finite (largest 448); no Inf.
+namespace {
+double e4m3_decode(std::uint8_t b) {
+  const bool neg = (b & 0x80u) != 0;
+  const int e = (b >> 3) & 0xf, m = b & 0x7;
+  if (e == 15 && m == 7) return std::numeric_limits<double>::quiet_NaN();
+  const double mag = e == 0 ? std::ldexp(static_cast<double>(m), -9) : std::ldexp(static_cast<double>(8 + m), e - 10);
+  return neg ? -mag : mag;
+}
+/// Round to nearest even over the sorted table of the 127 non-negative finite codes; beyond 448
+/// saturates, NaN gives the canonical NaN 0x7f (as the GPU's cvt does).
+std::uint8_t e4m3_ref_round(float x) {
+  const std::uint8_t sign = std::signbit(x) ? 0x80u : 0u;
+  if (std::isnan(x)) return 0x7fu;
+  const double a = std::fabs(static_cast<double>(x));
+  if (a >= 448.0) return static_cast<std::uint8_t>(sign | 0x7eu);
+  std::size_t i = 0;  // codes ascend with their value: values of i and i + 1 bracket a
+  while (e4m3_decode(static_cast<std::uint8_t>(i + 1)) <= a) ++i;
+  const double lo = a - e4m3_decode(static_cast<std::uint8_t>(i));
+  const double hi = e4m3_decode(static_cast<std::uint8_t>(i + 1)) - a;
+  const std::size_t pick = lo < hi ? i : (hi < lo ? i + 1 : ((i % 2 == 0) ? i : i + 1));
+  return static_cast<std::uint8_t>(sign | pick);
+}
+}  // namespace
+
+TEST_SUITE("core") {
+
+TEST_CASE("dtype: fp8 e4m3 decodes all 256 codes exactly and round-trips every finite one") {
+  static_assert(fp8_e4m3_bits_to_f32(0x38) == 1.0f && f32_to_fp8_e4m3_bits(1.0f) == 0x38);  // constexpr
+  Failures f;
+  for (std::uint32_t c = 0; c < 256; ++c) {
+    const auto b = static_cast<std::uint8_t>(c);
+    const float v = fp8_e4m3_bits_to_f32(b);
+    const double want = e4m3_decode(b);
+    if (std::isnan(want)) {
+      if (!std::isnan(v) || std::signbit(v) != ((b & 0x80u) != 0)) f.add("code " + hex(c) + " must decode to NaN");
+      if (f32_to_fp8_e4m3_bits(v) != 0x7f) f.add("NaN code " + hex(c) + " -> " + hex(f32_to_fp8_e4m3_bits(v)));
+      continue;
+    }
+    if (static_cast<double>(v) != want || std::signbit(v) != ((b & 0x80u) != 0))
+      f.add("code " + hex(c) + " decodes to " + std::to_string(v) + ", want " + std::to_string(want));
+    if (f32_to_fp8_e4m3_bits(v) != b) f.add("code " + hex(c) + " round-trips to " + hex(f32_to_fp8_e4m3_bits(v)));
+    if (to_float(from_float<fp8_e4m3_storage>(v)) != v) f.add("storage round trip of " + hex(c));
+  }
+  f.check("e4m3 decode / round trip");
+  CHECK(fp8_e4m3_bits_to_f32(0x7e) == 448.0f);
+  CHECK(fp8_e4m3_bits_to_f32(0x01) == std::ldexp(1.0f, -9));  // smallest subnormal
+  CHECK(fp8_e4m3_bits_to_f32(0x08) == std::ldexp(1.0f, -6));  // smallest normal
+}
+
+TEST_CASE("dtype: fp8 e4m3 rounds every midpoint to even and its neighbours to the nearer code") {
+  Failures f;
+  for (std::uint32_t c = 0; c < 0x7e; ++c) {  // adjacent finite codes c, c + 1 (both signs)
+    for (const float s : {1.0f, -1.0f}) {
+      const float lo = fp8_e4m3_bits_to_f32(static_cast<std::uint8_t>(c));
+      const float hi = fp8_e4m3_bits_to_f32(static_cast<std::uint8_t>(c + 1));
+      const float mid = (lo + hi) / 2;  // exact in float (3 mantissa bits)
+      const std::uint8_t sb = s < 0 ? 0x80u : 0u;
+      const std::uint8_t even = static_cast<std::uint8_t>(sb | (c % 2 == 0 ? c : c + 1));
+      const auto at = [&](float x) { return f32_to_fp8_e4m3_bits(s * x); };
+      if (at(mid) != even) f.add("midpoint of " + hex(c) + "/" + hex(c + 1) + " -> " + hex(at(mid)));
+      if (at(std::nextafter(mid, 0.0f)) != (sb | c)) f.add("just below midpoint of " + hex(c));
+      if (at(std::nextafter(mid, 1000.0f)) != (sb | (c + 1))) f.add("just above midpoint of " + hex(c));
+    }
+  }
+  f.check("e4m3 midpoints");
+}
+
+TEST_CASE("dtype: fp8 e4m3 saturates to 448 and keeps NaN and flushes tiny values to signed zero") {
+  for (const float x : {448.0f, 449.0f, 464.0f, 480.0f, 1e6f, std::numeric_limits<float>::max(),
+                        std::numeric_limits<float>::infinity()}) {
+    CHECK(f32_to_fp8_e4m3_bits(x) == 0x7e);
+    CHECK(f32_to_fp8_e4m3_bits(-x) == 0xfe);
+  }
+  CHECK(f32_to_fp8_e4m3_bits(std::nextafter(448.0f, 0.0f)) == 0x7e);  // rounds up to 448, never to NaN
+  CHECK(f32_to_fp8_e4m3_bits(std::numeric_limits<float>::quiet_NaN()) == 0x7f);
+  CHECK(f32_to_fp8_e4m3_bits(-std::numeric_limits<float>::quiet_NaN()) == 0x7f);
+  CHECK(f32_to_fp8_e4m3_bits(from_fbits(0x7f800001u)) == 0x7f);  // signalling NaN
+  CHECK(f32_to_fp8_e4m3_bits(std::ldexp(1.0f, -10)) == 0x00);    // half the smallest subnormal: tie to 0
+  CHECK(f32_to_fp8_e4m3_bits(std::nextafter(std::ldexp(1.0f, -10), 1.0f)) == 0x01);
+  CHECK(f32_to_fp8_e4m3_bits(-std::ldexp(1.0f, -12)) == 0x80);
+  CHECK(f32_to_fp8_e4m3_bits(from_fbits(0x00000001u)) == 0x00);  // float subnormal
+  CHECK(f32_to_fp8_e4m3_bits(std::ldexp(15.0f, -10)) == 0x08);   // 7.5 * 2^-9 ties to the even normal
+  // scales: value = dequantize(quantize(x / s)) * s
+  CHECK(dequantize(quantize<fp8_e4m3_storage>(3.0f, 0.5f), 0.5f) == 3.0f);
+  CHECK(quantize<fp8_e4m3_storage>(300.0f, 0.5f).bits == 0x7e);  // 600 saturates
+  CHECK(dequantize(quantize<bf16_storage>(3.0f, 0.5f), 0.5f) == 3.0f);  // unscaled dtypes ignore the scale
+}
+
+TEST_CASE("dtype: fp8 e4m3 rounding equals an independent rounding over a sweep of floats") {
+  Failures f;
+  // Every float whose magnitude is in [2^-12, 2^10), with a stride that hits each e4m3 interval
+  // thousands of times, plus the stride's neighbours.
+  for (std::uint32_t u = 0x39800000u; u < 0x44800000u; u += 997u)
+    for (const std::uint32_t w : {u, u | 0x80000000u}) {
+      const float x = from_fbits(w);
+      if (f32_to_fp8_e4m3_bits(x) != e4m3_ref_round(x))
+        f.add(hex(w) + " -> " + hex(f32_to_fp8_e4m3_bits(x)) + ", want " + hex(e4m3_ref_round(x)));
+    }
+  f.check("e4m3 sweep");
+}
+
+#if defined(TRIATTN_TEST_HAVE_CUDA_FP8)
+TEST_CASE("dtype: fp8 e4m3 conversions equal CUDA's __nv_cvt_float_to_fp8 (SATFINITE) bit for bit") {
+  Failures f;
+  const auto cuda_bits = [](float x) { return static_cast<std::uint8_t>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)); };
+  const auto check = [&](std::uint32_t w) {
+    const float x = from_fbits(w);
+    if (f32_to_fp8_e4m3_bits(x) != cuda_bits(x))
+      f.add(hex(w) + " -> " + hex(f32_to_fp8_e4m3_bits(x)) + ", CUDA " + hex(cuda_bits(x)));
+  };
+  for (std::uint64_t u = 0; u <= 0xffffffffu; u += 4099u) check(static_cast<std::uint32_t>(u));  // all exponents
+  for (std::uint32_t c = 0; c < 256; ++c) {  // every code's value and the midpoints' neighbourhoods
+    const float v = fp8_e4m3_bits_to_f32(static_cast<std::uint8_t>(c));
+    const float n = fp8_e4m3_bits_to_f32(static_cast<std::uint8_t>(c + 1));
+    for (const float x : {v, (v + n) / 2})
+      for (int k = -2; k <= 2; ++k) check(fbits(x) + static_cast<std::uint32_t>(k));
+  }
+  for (const float x : {std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()}) check(fbits(x));
+  f.check("e4m3 vs CUDA");
+  for (std::uint32_t c = 0; c < 256; ++c) {  // decoding: CUDA widens to half, exact for e4m3
+    const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(c), __NV_E4M3);
+    const float want = f16_bits_to_f32(h.x);
+    const float got = fp8_e4m3_bits_to_f32(static_cast<std::uint8_t>(c));
+    CHECK_MESSAGE((std::isnan(want) ? std::isnan(got) : fbits(got) == fbits(want)), "code " << hex(c));
+  }
+}
+#endif
 
 }  // TEST_SUITE

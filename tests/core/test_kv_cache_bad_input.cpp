@@ -537,7 +537,7 @@ TEST_CASE("bad input: every invalid CacheConfig field is named with its value") 
       {[](CacheConfig& c) { c.max_blocks_per_seq = kBlocks + 1; }, {"max_blocks_per_seq = 13", "num_blocks = 12"}},
       {[](CacheConfig& c) { c.layout = static_cast<KvLayout>(2); }, {"layout = 2"}},
       {[](CacheConfig& c) { c.layout = static_cast<KvLayout>(-1); }, {"layout = -1"}},
-      {[](CacheConfig& c) { c.dtype = static_cast<DType>(3); }, {"dtype = 3"}},
+      {[](CacheConfig& c) { c.dtype = static_cast<DType>(4); }, {"dtype = 4"}},
       {[](CacheConfig& c) { c.dtype = static_cast<DType>(-1); }, {"dtype = -1"}},
       // 65536 blocks of 65536 tokens: a sequence could exceed int32 token indices.
       {[](CacheConfig& c) { c.block_size = 65536; c.num_blocks = 65536; c.max_blocks_per_seq = 0; }, {"4294967296", "int32"}},

@@ -61,10 +61,11 @@ const char* engine_name(Engine e) {
   return "?";
 }
 
-/// An engine's paged memory, allocated as that engine does, with its own block ids (a permutation
-/// of the cache's) and a view over it. SGLang gets one slot per token (view block_size 1) over the
-/// same pages.
-struct Standin {
+/// An engine's paged memory of element type T, allocated as that engine does, with its own block
+/// ids (a permutation of the cache's) and a view over it. SGLang gets one slot per token (view
+/// block_size 1) over the same pages.
+template <class T>
+struct EngineMem {
   Engine kind;
   int bs = 0, nb = 0, max_seqs = 0;
   std::vector<std::vector<T>> bufs;
@@ -74,13 +75,13 @@ struct Standin {
   KvCacheView<T> view{};
   std::int64_t pad = 8;  // triattn layouts: padded range stride
 
-  Standin(Engine e, int block_size, int num_blocks, int seqs, std::mt19937& rng)
+  EngineMem(Engine e, int block_size, int num_blocks, int seqs, std::mt19937& rng)
       : kind(e), bs(block_size), nb(num_blocks), max_seqs(seqs) {
     const std::int64_t blk = static_cast<std::int64_t>(bs) * kHkv * kD;
     std::uniform_int_distribution<int> poison(0, 0xffff);
     const auto alloc = [&](std::int64_t n) {
       std::vector<T> b(static_cast<std::size_t>(n));
-      for (T& x : b) x.bits = static_cast<std::uint16_t>(poison(rng));
+      for (T& x : b) x.bits = static_cast<decltype(x.bits)>(poison(rng));
       bufs.push_back(std::move(b));
     };
     perm.resize(static_cast<std::size_t>(nb));
@@ -158,9 +159,10 @@ struct Standin {
     return nullptr;
   }
 
-  /// Copies the cache's table row, lengths and K/V of `seq` into the engine's memory.
+  /// Copies the cache's table row, lengths, K/V of `seq` and K/V scales into the engine's memory.
   void load(const Cache& c, SeqId seq) {
-    const auto cv = c.view<T>();
+    const auto cv = c.template view<T>();
+    view = view.with_scales(cv.scales, cv.scale_heads);
     const int len = c.physical_length(seq);
     lens[static_cast<std::size_t>(seq)] = len;
     const auto row = c.block_table(seq);
@@ -179,9 +181,16 @@ struct Standin {
                         sizeof(T) * kD);
   }
 };
+using Standin = EngineMem<T>;
 
+/// Per (layer, K|V, KV head) scales of the fp8 configurations: distinct, far from 1.
+std::vector<float> fp8_scales() {
+  std::vector<float> s(static_cast<std::size_t>(2 * kL * kHkv));
+  for (std::size_t i = 0; i < s.size(); ++i) s[i] = 0.0125f * static_cast<float>(i + 1);
+  return s;
+}
 
-CacheConfig make_config(int bs, KvLayout layout, int max_seqs) {
+CacheConfig make_config(int bs, KvLayout layout, int max_seqs, DType dtype = DType::kBF16) {
   CacheConfig c;
   c.model = ModelGeometry{kL, kHq, kHkv, kD};
   c.block_size = bs;
@@ -189,7 +198,8 @@ CacheConfig make_config(int bs, KvLayout layout, int max_seqs) {
   c.num_blocks = max_seqs * c.max_blocks_per_seq + 3;
   c.max_seqs = max_seqs;
   c.layout = layout;
-  c.dtype = DType::kBF16;
+  c.dtype = dtype;
+  if (dtype == DType::kFP8E4M3) c.kv_scales = fp8_scales();
   c.track_positions = true;  // the KvCache twins report kept positions to compare with
   return c;
 }
@@ -203,17 +213,18 @@ const QueryStats& stats() {
 }
 TriAttentionScorer make_scorer() { return TriAttentionScorer(stats(), RopeConfig{}, ScoringParams{}, kHkv); }
 
-/// Appends `n` random tokens (K and V [L, n, Hkv, D]) to `seq`.
+/// Appends `n` random tokens (K and V [L, n, Hkv, D]) to `seq`, rounded to the cache's dtype.
 void append_random(Cache& c, SeqId seq, int n, Phase phase, std::mt19937& rng, float scale = 1.0f) {
   std::normal_distribution<float> nd(0.0f, scale);
-  std::vector<T> k(static_cast<std::size_t>(kL) * n * kHkv * kD), v(k.size());
-  for (T& x : k) x = from_float<T>(nd(rng));
-  for (T& x : v) x = from_float<T>(nd(rng));
-  REQUIRE(c.append(seq, std::span<const T>(k), std::span<const T>(v), n, phase).ok());
+  std::vector<float> k(static_cast<std::size_t>(kL) * n * kHkv * kD), v(k.size());
+  for (float& x : k) x = nd(rng);
+  for (float& x : v) x = nd(rng);
+  REQUIRE(c.append_values(seq, std::span<const float>(k), std::span<const float>(v), n, phase).ok());
 }
 
 /// Element masks of the engine's buffers covering slots [0, len) of `seq`.
-void mark(const Standin& e, std::vector<std::vector<std::uint8_t>>& masks, int seq, int len) {
+template <class T>
+void mark(const EngineMem<T>& e, std::vector<std::vector<std::uint8_t>>& masks, int seq, int len) {
   for (int l = 0; l < kL; ++l)
     for (int kv = 0; kv < 2; ++kv)
       for (int i = 0; i < len; ++i)
@@ -245,6 +256,7 @@ struct Outputs {
   }
 };
 
+template <class T>
 bool same_bufs(const std::vector<std::vector<T>>& a, const std::vector<std::vector<T>>& b) {
   if (a.size() != b.size()) return false;
   for (std::size_t k = 0; k < a.size(); ++k)
@@ -253,8 +265,9 @@ bool same_bufs(const std::vector<std::vector<T>>& a, const std::vector<std::vect
 }
 
 /// Compares slots [0, len) of `seq` in the engine and in the cache, bit for bit.
-bool same_kv(const Standin& e, const Cache& c, SeqId seq, int len) {
-  const auto cv = c.view<T>();
+template <class T>
+bool same_kv(const EngineMem<T>& e, const Cache& c, SeqId seq, int len) {
+  const auto cv = c.template view<T>();
   for (int l = 0; l < kL; ++l)
     for (int kv = 0; kv < 2; ++kv)
       for (int i = 0; i < len; ++i)
@@ -269,15 +282,17 @@ bool same_kv(const Standin& e, const Cache& c, SeqId seq, int len) {
 
 TEST_SUITE("core") {
 
-TEST_CASE("paged round: engine views address the engine's own tensor elements") {
+// The engine tests run for each element size: 2-byte bf16 and 1-byte fp8 e4m3 with scales.
+TEST_CASE_TEMPLATE("paged round: engine views address the engine's own tensor elements", T, bf16_storage,
+                   fp8_e4m3_storage) {
   std::mt19937 rng(5);
   for (int bs : {1, 16, 64})
     for (Engine e : kEngines) {
       CAPTURE(engine_name(e));
       CAPTURE(bs);
-      const CacheConfig cfg = make_config(bs, KvLayout::kNHD, 3);
+      const CacheConfig cfg = make_config(bs, KvLayout::kNHD, 3, dtype_of<T>);
       Cache c(cfg, make_scorer(), TopKSelector(SelectionParams{}));
-      Standin s(e, bs, cfg.num_blocks, cfg.max_seqs, rng);
+      EngineMem<T> s(e, bs, cfg.num_blocks, cfg.max_seqs, rng);
       const SeqId q0 = c.add_sequence(), q1 = c.add_sequence();
       append_random(c, q0, 70, Phase::kPrefill, rng);
       append_random(c, q1, 33, Phase::kPrefill, rng);
@@ -299,7 +314,8 @@ TEST_CASE("paged round: engine views address the engine's own tensor elements") 
     }
 }
 
-TEST_CASE("paged round: every engine layout gives the KvCache round bitwise over a ragged batch") {
+TEST_CASE_TEMPLATE("paged round: every engine layout gives the KvCache round bitwise over a ragged batch", T,
+                   bf16_storage, fp8_e4m3_storage) {
   int cases = 0, compressed_total = 0, not_due_total = 0;
   for (int bs : {1, 16, 64})
     for (PruningMode mode : {PruningMode::kPerHead, PruningMode::kPerLayerPerHead, PruningMode::kUnion})
@@ -310,7 +326,7 @@ TEST_CASE("paged round: every engine layout gives the KvCache round bitwise over
         const int nseq = 5;
         std::mt19937 rng(1000u + static_cast<unsigned>(bs) * 13u + static_cast<unsigned>(mode) * 7u +
                          static_cast<unsigned>(prot.prompt));
-        const CacheConfig cfg = make_config(bs, bs == 16 ? KvLayout::kHND : KvLayout::kNHD, nseq + 1);
+        const CacheConfig cfg = make_config(bs, bs == 16 ? KvLayout::kHND : KvLayout::kNHD, nseq + 1, dtype_of<T>);
         // Build the cache once per combination, then a fresh copy of its contents per engine.
         Cache ref_cache(cfg, make_scorer(), TopKSelector(sp));
         std::vector<SeqId> ids;
@@ -325,7 +341,7 @@ TEST_CASE("paged round: every engine layout gives the KvCache round bitwise over
           CAPTURE(bs);
           CAPTURE(to_string(mode));
           CAPTURE(to_string(prot.prompt));
-          Standin st(e, bs, cfg.num_blocks, cfg.max_seqs, rng);
+          EngineMem<T> st(e, bs, cfg.num_blocks, cfg.max_seqs, rng);
           for (SeqId q : ids) st.load(ref_cache, q);
           const std::vector<std::vector<T>> before = st.bufs;
           // Inputs of the engine's round, from the cache's bookkeeping before its round.
@@ -1088,6 +1104,32 @@ TEST_CASE("admission: footprint and admissible_prefix") {
   CHECK(admissible_prefix(cfg, reqs, sp, 100) == 0);
   CHECK_THROWS_AS((void)request_footprint(cfg, AdmissionRequest{20000, 1}, sp), logic_error);
   CHECK_THROWS_AS((void)max_resident_tokens(-1, 1, sp), logic_error);
+}
+
+TEST_CASE("admission: at the same KV bytes an fp8 cache holds and admits twice the tokens of bf16") {
+  CacheConfig bf16;
+  bf16.model = ModelGeometry{36, 32, 8, 128};  // Qwen3-8B-like
+  bf16.block_size = 16;
+  bf16.num_blocks = 8192;
+  bf16.max_blocks_per_seq = 1024;
+  CacheConfig fp8 = bf16;
+  fp8.dtype = DType::kFP8E4M3;
+  CHECK(fp8.token_bytes() * 2 == bf16.token_bytes());
+  CHECK(fp8.token_bytes() == 2LL * 36 * 8 * 128);  // one byte an element
+  const std::int64_t bytes = 4LL << 30;            // 4 GiB of KV
+  const std::int64_t b16 = blocks_for_kv_bytes(bf16, bytes), b8 = blocks_for_kv_bytes(fp8, bytes);
+  CHECK(b16 == bytes / (2LL * 36 * 16 * 8 * 128 * 2));
+  CHECK(b8 == 2 * b16);
+  SelectionParams sp;
+  sp.budget = 2048;
+  sp.divide_length = 128;
+  const std::vector<AdmissionRequest> reqs(400, AdmissionRequest{1000, 16000});  // 136 blocks each
+  const std::size_t n16 = admissible_prefix(bf16, reqs, sp, b16), n8 = admissible_prefix(fp8, reqs, sp, b8);
+  CHECK(n16 == static_cast<std::size_t>(b16 / 136));
+  CHECK(n8 == static_cast<std::size_t>(b8 / 136));
+  CHECK(n8 >= 2 * n16);
+  CHECK(request_footprint(fp8, reqs[0], sp).kv_bytes * 2 == request_footprint(bf16, reqs[0], sp).kv_bytes);
+  CHECK_THROWS_AS((void)blocks_for_kv_bytes(fp8, -1), logic_error);
 }
 
 }  // TEST_SUITE

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <numeric>
 #include <span>
 #include <vector>
@@ -32,13 +33,14 @@ using Cache = triattn::KvCache<Alloc>;
 
 constexpr int kBs = 4;
 
-CacheConfig config(int num_blocks, int max_seqs = 8) {
+CacheConfig config(int num_blocks, int max_seqs = 8, DType dtype = DType::kF32) {
   CacheConfig c;
   c.model = {2, 4, 2, 8};
   c.block_size = kBs;
   c.num_blocks = num_blocks;
   c.max_seqs = max_seqs;
-  c.dtype = DType::kF32;
+  c.dtype = dtype;
+  if (dtype == DType::kFP8E4M3) c.kv_scales = {0.01f, 0.02f, 0.03f, 0.04f};  // [layer, K|V]
   return c;
 }
 
@@ -68,7 +70,7 @@ void write_tokens(C& cache, SeqId s, std::span<const std::int32_t> toks, int fir
           k[i] = kv_value(toks, first_pos + t, l, 0, h, d);
           v[i] = kv_value(toks, first_pos + t, l, 1, h, d);
         }
-    cache.template write<float>(s, l, first_slot, k.data(), v.data(), n);
+    cache.write_values(s, l, first_slot, k.data(), v.data(), n);  // rounded to the cache's dtype
   }
 }
 
@@ -87,23 +89,32 @@ triattn::PrefixAdmission serve(Cache& c, std::span<const std::int32_t> prompt, s
   return a;
 }
 
+// Whether slots [0, n) of `s` hold the K/V of `toks` as the cache's dtype stores them.
 template <class C>
 bool holds(const C& c, SeqId s, std::span<const std::int32_t> toks, int n) {
-  const auto v = c.template view<float>();
-  const auto& g = c.config().model;
-  for (int p = 0; p < n; ++p)
-    for (int l = 0; l < g.num_layers; ++l)
-      for (int kind = 0; kind < 2; ++kind)
-        for (int h = 0; h < g.num_kv_heads; ++h)
-          for (int d = 0; d < g.head_dim; ++d)
-            if (v.token(l, static_cast<KvKind>(kind), s, p, h)[d] != kv_value(toks, p, l, kind, h, d)) return false;
-  return true;
+  return triattn::dispatch_dtype(c.config().dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const auto v = c.template view<T>();
+    const auto& g = c.config().model;
+    for (int p = 0; p < n; ++p)
+      for (int l = 0; l < g.num_layers; ++l)
+        for (int kind = 0; kind < 2; ++kind)
+          for (int h = 0; h < g.num_kv_heads; ++h) {
+            const float sc = v.scale(l, static_cast<KvKind>(kind), h);
+            for (int d = 0; d < g.head_dim; ++d) {
+              const T want = triattn::quantize<T>(kv_value(toks, p, l, kind, h, d), sc);
+              if (std::memcmp(v.token(l, static_cast<KvKind>(kind), s, p, h) + d, &want, sizeof(T)) != 0) return false;
+            }
+          }
+    return true;
+  });
 }
 
 }  // namespace
 
-TEST_CASE("prefix cache: a hit shares the cached blocks and computes only the rest") {
-  Cache c(config(32));
+TEST_CASE_TEMPLATE("prefix cache: a hit shares the cached blocks and computes only the rest", T, float,
+                   triattn::fp8_e4m3_storage) {
+  Cache c(config(32, 8, triattn::dtype_of<T>));
   const auto sys = iota_tokens(10, 100);  // 2 full blocks + 2 tokens
   std::vector<std::int32_t> p1 = sys, p2 = sys;
   for (int i = 0; i < 5; ++i) p1.push_back(7 + i), p2.push_back(50 + i);

@@ -199,16 +199,23 @@ TEST_CASE("stories260K: one prefill step over the whole sequence equals token-by
   CHECK(cache.prompt_length(id) == 256);
 }
 
-TEST_CASE("stories260K: a bf16 cache stores the rounded K/V and still runs") {
+TEST_CASE_TEMPLATE("stories260K: a bf16 or fp8 cache stores the rounded K/V and still runs", T, triattn::bf16_storage,
+                   triattn::fp8_e4m3_storage) {
   const Stories& s = Stories::get();
   ex::Model<> model(s.weights);
-  triattn::KvCache<> cache(cache_config(s.weights.config, 64, 1, 16, DType::kBF16));
+  triattn::CacheConfig cfg = cache_config(s.weights.config, 64, 1, 16, triattn::dtype_of<T>);
+  constexpr bool fp8 = triattn::is_scaled_dtype<T>;
+  if constexpr (fp8) cfg.kv_scales.assign(2 * static_cast<std::size_t>(s.weights.config.n_layers), 0.5f);
+  triattn::KvCache<> cache(cfg);
   const triattn::SeqId id = cache.add_sequence();
   const std::vector<int> toks = {1, s.greedy[0], s.greedy[1], s.greedy[2]};
   const ex::Chunk chunk{id, toks, triattn::Phase::kPrefill};
   const ex::StepOutput out = model.step(cache, std::span<const ex::Chunk>(&chunk, 1), ex::LogitsFor::kAllRows);
-  const auto view = cache.view<triattn::bf16_storage>();
+  const auto view = cache.view<T>();
   const ex::ModelConfig& mc = s.weights.config;
+  // layer 0 sees exact float inputs (bf16 keeps 8 bits, e4m3 4: half an ulp relative plus the
+  // subnormal step); deeper layers see rounded attention, so allow more
+  const float tol0 = fp8 ? 0.0625f + 1e-3f : 4e-3f, tol = fp8 ? 0.25f : 5e-2f;
   for (int l = 0; l < mc.n_layers; ++l)
     for (int p = 0; p < 4; ++p) {
       const auto kref =
@@ -216,9 +223,8 @@ TEST_CASE("stories260K: a bf16 cache stores the rounded K/V and still runs") {
       for (int h = 0; h < mc.n_kv_heads; ++h)
         for (int i = 0; i < mc.head_dim; ++i) {
           const float want = kref[static_cast<std::size_t>(h * mc.head_dim + i)];
-          const float got = triattn::to_float(view.token(l, KvKind::kKey, id, p, h)[i]);
-          // layer 0 sees exact float inputs; deeper layers see bf16-rounded attention, so allow more
-          CHECK(std::fabs(got - want) <= (l == 0 ? 4e-3f : 5e-2f) * std::max(1.0f, std::fabs(want)));
+          const float got = triattn::dequantize(view.token(l, KvKind::kKey, id, p, h)[i], view.scale(l, KvKind::kKey, h));
+          CHECK(std::fabs(got - want) <= (l == 0 ? tol0 : tol) * std::max(1.0f, std::fabs(want)));
         }
     }
   for (int p = 0; p < 3; ++p) CHECK(ex::Sampler::argmax(out.row(p)) == s.greedy[static_cast<std::size_t>(p)]);

@@ -153,6 +153,17 @@ TEST_CASE("tuning: sm_90's policies are selected and another architecture is ref
   CHECK_THROWS_WITH_AS(cuda::tuning::require_arch(0, 10, 0), doctest::Contains("compute capability 10.0"), unsupported);
 }
 
+TEST_CASE("device kv cache: fp8 KV is refused by name until the kernels load it (no device needed)") {
+  // The configuration is checked before the pool is allocated: no CUDA call happens.
+  CacheConfig cfg = make_config(DType::kFP8E4M3, KvLayout::kNHD);
+  CHECK_THROWS_WITH_AS(DevCache{cfg}, "triattn: fp8_e4m3 KV is not supported by KvCache on the GPU yet", unsupported);
+  bool called = false;
+  CHECK_THROWS_WITH_AS(cuda::dispatch_dtype(DType::kFP8E4M3, "decode attention", [&](auto) { called = true; }),
+                       "triattn: fp8_e4m3 KV is not supported by decode attention on the GPU yet", unsupported);
+  CHECK_FALSE(called);
+  CHECK(cuda::dispatch_dtype(DType::kBF16, [](auto t) { return sizeof(cuda::device_type_t<typename decltype(t)::type>); }) == 2);
+}
+
 TEST_SUITE("gpu") {
   TEST_CASE("tuning: the device's architecture has the build's policies (DeviceRounds' check passes)") {
     CHECK_NOTHROW(cuda::tuning::require_device_arch());

@@ -82,6 +82,15 @@ struct RequestFootprint {
   return f;
 }
 
+/// Block ids (all layers, K and V) a KV memory budget of `kv_bytes` holds in a cache configured
+/// as `cfg`: bytes over the dtype's block bytes, so an fp8 cache holds twice the tokens of bf16.
+/// @throws triattn::logic_error on an invalid cfg or negative kv_bytes.
+[[nodiscard]] inline std::int64_t blocks_for_kv_bytes(const CacheConfig& cfg, std::int64_t kv_bytes) {
+  cfg.validate();
+  TRIATTN_EXPECTS(kv_bytes >= 0, "blocks_for_kv_bytes: kv_bytes = " + std::to_string(kv_bytes) + " must be non-negative");
+  return kv_bytes / cfg.block_bytes_all_ranges();
+}
+
 /// Whether every request of `requests` can be admitted now next to the sequences already
 /// running: the sum of their max_blocks, plus `reserved_blocks` (what running sequences may still
 /// grow to: the sum of their max_blocks minus what they hold), is at most `free_blocks`.

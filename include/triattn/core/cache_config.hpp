@@ -3,9 +3,12 @@
 // value and why it is bad.
 #pragma once
 
+#include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include <triattn/core/dtype.hpp>
 #include <triattn/core/error.hpp>
@@ -49,6 +52,16 @@ struct CacheConfig {
   /// the cache's host state stays O(blocks) per sequence and rounds commit in O(batch + blocks
   /// freed); reports then carry lengths and status only.
   bool track_positions = false;
+  /// fp8 caches only: dequantisation scales [num_layers, 2 (K, V), n] with n = 1 (per layer, like
+  /// vLLM's k_scale / v_scale) or num_kv_heads (per (layer, KV head)); a stored code c means
+  /// to_float(c) * scale and appending x stores quantize(x / scale). Empty: every scale is 1.
+  std::vector<float> kv_scales;
+
+  /// Scales per (layer, K|V) in kv_scales: 0 (none), 1 or num_kv_heads.
+  [[nodiscard]] int kv_scale_heads() const noexcept {
+    return kv_scales.empty() || model.num_layers <= 0 ? 0
+                                                      : static_cast<int>(kv_scales.size() / (2 * static_cast<std::size_t>(model.num_layers)));
+  }
 
   [[nodiscard]] int blocks_per_seq() const noexcept { return max_blocks_per_seq > 0 ? max_blocks_per_seq : num_blocks; }
   [[nodiscard]] BlockLayout block_layout() const noexcept {
@@ -76,8 +89,22 @@ struct CacheConfig {
     TRIATTN_EXPECTS(max_blocks_per_seq >= 0 && max_blocks_per_seq <= num_blocks,
                     "max_blocks_per_seq = " + std::to_string(max_blocks_per_seq) +
                         " must be in [0, num_blocks = " + std::to_string(num_blocks) + "] (0 means num_blocks)");
-    TRIATTN_EXPECTS(dtype == DType::kF32 || dtype == DType::kF16 || dtype == DType::kBF16,
-                    "dtype = " + std::to_string(static_cast<int>(dtype)) + " is not one of float32, float16, bfloat16");
+    TRIATTN_EXPECTS(is_valid_dtype(dtype), "dtype = " + std::to_string(static_cast<int>(dtype)) +
+                                               " is not one of float32, float16, bfloat16, fp8_e4m3");
+    if (!kv_scales.empty()) {
+      const std::size_t per_layer = kv_scales.size() / (2 * static_cast<std::size_t>(model.num_layers));
+      TRIATTN_EXPECTS(dtype == DType::kFP8E4M3, std::string("kv_scales: dtype ") + dtype_name(dtype) +
+                                                    " stores values unscaled (scales are for fp8_e4m3 only)");
+      TRIATTN_EXPECTS(kv_scales.size() % (2 * static_cast<std::size_t>(model.num_layers)) == 0 &&
+                          (per_layer == 1 || per_layer == static_cast<std::size_t>(model.num_kv_heads)),
+                      "kv_scales holds " + std::to_string(kv_scales.size()) + " values; expected num_layers * 2 (" +
+                          std::to_string(2 * model.num_layers) + ") or num_layers * 2 * num_kv_heads (" +
+                          std::to_string(2 * model.num_layers * model.num_kv_heads) + ")");
+      for (std::size_t i = 0; i < kv_scales.size(); ++i)
+        TRIATTN_EXPECTS(std::isfinite(kv_scales[i]) && kv_scales[i] > 0.0f,
+                        "kv_scales[" + std::to_string(i) + "] = " + std::to_string(kv_scales[i]) +
+                            " must be finite and positive");
+    }
     TRIATTN_EXPECTS(layout == KvLayout::kNHD || layout == KvLayout::kHND,
                     "layout = " + std::to_string(static_cast<int>(layout)) + " is not NHD (0) or HND (1)");
     // Kernels index tokens of one sequence with int32 and elements of one range with int64.

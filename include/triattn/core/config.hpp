@@ -22,4 +22,7 @@ template <class T>
 TRIATTN_HOST_DEVICE constexpr T max_(T a, T b) { return a < b ? b : a; }
 template <class T>
 TRIATTN_HOST_DEVICE constexpr T ceil_div(T a, T b) { return (a + b - 1) / b; }
+// std::bit_cast is __host__ only under nvcc; the builtin it wraps works on both sides.
+template <class To, class From>
+TRIATTN_HOST_DEVICE constexpr To bit_cast_(const From& from) noexcept { return __builtin_bit_cast(To, from); }
 }  // namespace triattn::detail

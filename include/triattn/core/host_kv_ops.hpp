@@ -7,6 +7,7 @@
 
 #include <cstring>
 
+#include <triattn/core/dtype.hpp>
 #include <triattn/core/keep_plan.hpp>
 #include <triattn/core/kv_view.hpp>
 
@@ -54,6 +55,26 @@ void append(const KvCacheView<T, Id>& view, int seq, int layer, int first_slot, 
       const std::size_t src = (static_cast<std::size_t>(t) * hkv + h) * d;
       std::memcpy(view.token(layer, KvKind::kKey, seq, first_slot + t, h), k + src, sizeof(T) * d);
       std::memcpy(view.token(layer, KvKind::kValue, seq, first_slot + t, h), v + src, sizeof(T) * d);
+    }
+}
+
+/// The quantising append: like append, from float K and V; element x of (layer,
+/// K|V, head h) is stored as quantize<T>(x, view.scale(layer, K|V, h)) (fp8: x / scale rounded to
+/// nearest even, saturating at +-448; f16/bf16: rounded to nearest even; float: copied).
+template <class T, class Id>
+void append_values(const KvCacheView<T, Id>& view, int seq, int layer, int first_slot, const float* k, const float* v,
+                   int n) {
+  const int hkv = view.block.num_kv_heads;
+  const int d = view.block.head_dim;
+  for (int t = 0; t < n; ++t)
+    for (int h = 0; h < hkv; ++h) {
+      const std::size_t src = (static_cast<std::size_t>(t) * hkv + h) * d;
+      for (const KvKind kind : {KvKind::kKey, KvKind::kValue}) {
+        const float* x = (kind == KvKind::kKey ? k : v) + src;
+        const float s = view.scale(layer, kind, h);
+        T* dst = view.token(layer, kind, seq, first_slot + t, h);
+        for (int e = 0; e < d; ++e) dst[e] = quantize<T>(x[e], s);
+      }
     }
 }
 

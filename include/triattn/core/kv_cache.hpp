@@ -338,21 +338,17 @@ class KvCache {
     requires(memory_space == MemorySpace::kHost)
   {
     check_dtype<T>("write");
-    (void)state(seq, "write");
-    TRIATTN_EXPECTS(layer >= 0 && layer < config_.model.num_layers,
-                    "write: layer " + std::to_string(layer) + " out of [0, " + std::to_string(config_.model.num_layers) + ")");
-    TRIATTN_EXPECTS(n >= 0 && first_slot >= 0 && static_cast<std::int64_t>(first_slot) + n <= lens_[idx(seq)],
-                    "write: slots [" + std::to_string(first_slot) + ", " + std::to_string(static_cast<std::int64_t>(first_slot) + n) +
-                        ") are outside the sequence's length " + std::to_string(lens_[idx(seq)]) + " (call extend first)");
-    TRIATTN_EXPECTS(n == 0 || (k != nullptr && v != nullptr), "write: k and v must not be null");
-    for (int j = first_slot / config_.block_size; n > 0 && j <= (first_slot + n - 1) / config_.block_size; ++j) {
-      const index_type b = tables_[row(seq) + static_cast<std::size_t>(j)];
-      TRIATTN_EXPECTS(allocator_.ref_count(b) == 1,
-                      "write: slots [" + std::to_string(first_slot) + ", " + std::to_string(first_slot + n) +
-                          ") fall in block " + std::to_string(b) + " that sequence " + std::to_string(seq) +
-                          " shares with another sequence; shared prefix blocks are never rewritten");
-    }
+    check_write("write", seq, layer, first_slot, k != nullptr && v != nullptr, n);
     host::append(view<T>(), seq, layer, first_slot, k, v, n);
+  }
+
+  /// write() from float K and V of any cache dtype, each element rounded to the cache's dtype
+  /// (fp8: x / scale of its layer and head, nearest even, saturating at +-448), CPU path.
+  void write_values(SeqId seq, int layer, int first_slot, const float* k, const float* v, int n)
+    requires(memory_space == MemorySpace::kHost)
+  {
+    check_write("write_values", seq, layer, first_slot, k != nullptr && v != nullptr, n);
+    dispatch_dtype([&](auto tag) { host::append_values(view<typename decltype(tag)::type>(), seq, layer, first_slot, k, v, n); });
   }
 
   /// extend() + write() for every layer, CPU path. k, v: [num_layers, n, num_kv_heads, head_dim].
@@ -363,19 +359,19 @@ class KvCache {
     requires(memory_space == MemorySpace::kHost)
   {
     check_dtype<T>("append");
-    (void)state(seq, "append");
-    TRIATTN_EXPECTS(n >= 0, "append: n = " + std::to_string(n) + " must be non-negative");
-    const std::size_t per_layer = static_cast<std::size_t>(n) * config_.model.num_kv_heads * config_.model.head_dim;
-    const std::size_t expect = per_layer * static_cast<std::size_t>(config_.model.num_layers);
-    TRIATTN_EXPECTS(k.size() == expect && v.size() == expect,
-                    "append: k has " + std::to_string(k.size()) + " and v " + std::to_string(v.size()) +
-                        " elements; for n = " + std::to_string(n) +
-                        " tokens [num_layers, n, num_kv_heads, head_dim] = " + std::to_string(expect));
-    const AppendResult r = extend(seq, n, phase);
-    if (!r.ok()) return r;
-    for (int l = 0; l < config_.model.num_layers; ++l)
-      write(seq, l, r.first_slot, k.data() + l * per_layer, v.data() + l * per_layer, n);
-    return r;
+    return append_layers("append", seq, k, v, n, phase,
+                         [&](int l, const T* kl, const T* vl, int first) { write(seq, l, first, kl, vl, n); });
+  }
+
+  /// append() from float K and V of any cache dtype, rounded as write_values() does (the
+  /// quantising append of fp8 caches). k, v: [num_layers, n, num_kv_heads, head_dim] floats.
+  [[nodiscard]] AppendResult append_values(SeqId seq, std::span<const float> k, std::span<const float> v, int n,
+                                           Phase phase = Phase::kDecode)
+    requires(memory_space == MemorySpace::kHost)
+  {
+    return append_layers("append_values", seq, k, v, n, phase, [&](int l, const float* kl, const float* vl, int first) {
+      write_values(seq, l, first, kl, vl, n);
+    });
   }
 
   // ---- compaction -----------------------------------------------------------------------------
@@ -603,9 +599,10 @@ class KvCache {
       lens = allocator_.published_lengths();
     }
     return KvCacheView<T, index_type>::contiguous(
-        static_cast<T*>(allocator_.data()), allocator_.range_stride_bytes() / static_cast<std::int64_t>(sizeof(T)),
-        config_.block_layout(), config_.model.num_layers, config_.num_blocks, config_.max_seqs,
-        config_.blocks_per_seq(), tables, lens);
+               static_cast<T*>(allocator_.data()),
+               allocator_.range_stride_bytes() / static_cast<std::int64_t>(sizeof(T)), config_.block_layout(),
+               config_.model.num_layers, config_.num_blocks, config_.max_seqs, config_.blocks_per_seq(), tables, lens)
+        .with_scales(config_.kv_scales.empty() ? nullptr : config_.kv_scales.data(), config_.kv_scale_heads());
   }
   /// Host copies of the block tables ([max_seqs, max_blocks_per_seq], -1 padded) and physical
   /// lengths ([max_seqs]): what an engine's own page table is built from.
@@ -638,8 +635,14 @@ class KvCache {
     int positions_len = 0;
   };
 
+  // Storage types this cache's policies take: every dtype on the host, the kernels' on a device.
+  using kv_storage_types =
+      std::conditional_t<memory_space == MemorySpace::kHost, all_storage_types, device_storage_types>;
+  static constexpr const char* kDtypeUser = memory_space == MemorySpace::kHost ? "KvCache" : "KvCache on the GPU";
+
   static const CacheConfig& validated(const CacheConfig& c) {
     c.validate();
+    triattn::dispatch_dtype_in(kv_storage_types{}, c.dtype, kDtypeUser, [](auto) {});  // refuses fp8 on a device
     return c;
   }
 
@@ -659,7 +662,46 @@ class KvCache {
 
   template <class F>
   void dispatch_dtype(F&& f) const {
-    triattn::dispatch_dtype(config_.dtype, std::forward<F>(f));
+    triattn::dispatch_dtype_in(kv_storage_types{}, config_.dtype, kDtypeUser, std::forward<F>(f));
+  }
+
+  // write()'s checks: a live sequence, a layer in range, slots inside its length, no shared block.
+  void check_write(const char* op, SeqId seq, int layer, int first_slot, bool have_data, int n) const {
+    (void)state(seq, op);
+    TRIATTN_EXPECTS(layer >= 0 && layer < config_.model.num_layers, std::string(op) + ": layer " + std::to_string(layer) +
+                                                                        " out of [0, " +
+                                                                        std::to_string(config_.model.num_layers) + ")");
+    TRIATTN_EXPECTS(n >= 0 && first_slot >= 0 && static_cast<std::int64_t>(first_slot) + n <= lens_[idx(seq)],
+                    std::string(op) + ": slots [" + std::to_string(first_slot) + ", " +
+                        std::to_string(static_cast<std::int64_t>(first_slot) + n) + ") are outside the sequence's length " +
+                        std::to_string(lens_[idx(seq)]) + " (call extend first)");
+    TRIATTN_EXPECTS(n == 0 || have_data, std::string(op) + ": k and v must not be null");
+    for (int j = first_slot / config_.block_size; n > 0 && j <= (first_slot + n - 1) / config_.block_size; ++j) {
+      const index_type b = tables_[row(seq) + static_cast<std::size_t>(j)];
+      TRIATTN_EXPECTS(allocator_.ref_count(b) == 1,
+                      std::string(op) + ": slots [" + std::to_string(first_slot) + ", " + std::to_string(first_slot + n) +
+                          ") fall in block " + std::to_string(b) + " that sequence " + std::to_string(seq) +
+                          " shares with another sequence; shared prefix blocks are never rewritten");
+    }
+  }
+
+  // append()'s body: checks the sizes, extends, then write_layer(l, k_l, v_l, first_slot) per layer.
+  template <class E, class W>
+  AppendResult append_layers(const char* op, SeqId seq, std::span<const E> k, std::span<const E> v, int n, Phase phase,
+                             W&& write_layer) {
+    (void)state(seq, op);
+    TRIATTN_EXPECTS(n >= 0, std::string(op) + ": n = " + std::to_string(n) + " must be non-negative");
+    const std::size_t per_layer = static_cast<std::size_t>(n) * config_.model.num_kv_heads * config_.model.head_dim;
+    const std::size_t expect = per_layer * static_cast<std::size_t>(config_.model.num_layers);
+    TRIATTN_EXPECTS(k.size() == expect && v.size() == expect,
+                    std::string(op) + ": k has " + std::to_string(k.size()) + " and v " + std::to_string(v.size()) +
+                        " elements; for n = " + std::to_string(n) +
+                        " tokens [num_layers, n, num_kv_heads, head_dim] = " + std::to_string(expect));
+    const AppendResult r = extend(seq, n, phase);
+    if (!r.ok()) return r;
+    for (int l = 0; l < config_.model.num_layers; ++l)
+      write_layer(l, k.data() + l * per_layer, v.data() + l * per_layer, r.first_slot);
+    return r;
   }
 
   template <class T>

@@ -21,6 +21,7 @@
 #include <type_traits>
 
 #include <triattn/core/config.hpp>
+#include <triattn/core/dtype.hpp>
 #include <triattn/core/layout.hpp>
 
 namespace triattn {
@@ -40,6 +41,10 @@ struct KvCacheView {
   int max_blocks_per_seq = 0;      ///< columns of block_tables (row stride, in entries)
   const Id* block_tables = nullptr;  ///< [max_seqs, max_blocks_per_seq]
   const Id* seq_lens = nullptr;      ///< [max_seqs] physical lengths (cached tokens)
+  /// Scaled dtypes (fp8): [num_layers, 2 (K, V), scale_heads] dequantisation scales, value =
+  /// to_float(code) * scale; null means 1. Unscaled dtypes never read it.
+  const float* scales = nullptr;
+  int scale_heads = 0;  ///< 1 (per layer, vLLM's k_scale / v_scale) or num_kv_heads (per head)
 
   [[nodiscard]] TRIATTN_HOST_DEVICE T* range(int layer, KvKind kind) const {
     if (ranges != nullptr) return ranges[2 * layer + static_cast<int>(kind)];
@@ -55,6 +60,12 @@ struct KvCacheView {
   /// Head vector [head_dim] of (layer, kind, seq, slot, head).
   [[nodiscard]] TRIATTN_HOST_DEVICE T* token(int layer, KvKind kind, int seq, int slot, int head) const {
     return range(layer, kind) + block.offset(block_of(seq, slot), slot % block.block_size, head);
+  }
+  /// Dequantisation scale of (layer, kind, head): 1 without scales.
+  [[nodiscard]] TRIATTN_HOST_DEVICE float scale(int layer, KvKind kind, int head) const {
+    if (scales == nullptr) return 1.0f;
+    const int r = 2 * layer + static_cast<int>(kind);
+    return scales[static_cast<std::int64_t>(r) * scale_heads + (scale_heads > 1 ? head : 0)];
   }
   /// Slots a sequence can hold: max_blocks_per_seq * block_size.
   [[nodiscard]] TRIATTN_HOST_DEVICE std::int64_t capacity_tokens() const {
@@ -81,6 +92,14 @@ struct KvCacheView {
     return v;
   }
 
+  /// Same view with dequantisation scales ([num_layers, 2, heads], heads 1 or num_kv_heads).
+  [[nodiscard]] constexpr KvCacheView with_scales(const float* s, int heads) const noexcept {
+    KvCacheView v = *this;
+    v.scales = s;
+    v.scale_heads = s != nullptr ? heads : 0;
+    return v;
+  }
+
   /// Same memory and geometry with other block tables and lengths (e.g. published device copies).
   [[nodiscard]] constexpr KvCacheView with_tables(const Id* tables, const Id* lens) const noexcept {
     KvCacheView v = *this;
@@ -91,6 +110,20 @@ struct KvCacheView {
 };
 
 static_assert(std::is_trivially_copyable_v<KvCacheView<float>>, "KvCacheView must be trivially copyable");
+
+/// Float values of slots [0, length) of (layer, kind, seq, head) into out[length * head_dim]:
+/// dequantize(code, the view's scale) per element, what every CPU scorer reads. Host code.
+template <class T, class Id>
+void dequantize_rows(const KvCacheView<T, Id>& view, int layer, KvKind kind, int seq, int head, int length,
+                     float* out) {
+  const int d = view.block.head_dim;
+  const float s = view.scale(layer, kind, head);
+  for (int j = 0; j < length; ++j) {
+    const T* x = view.token(layer, kind, seq, j, head);
+    float* o = out + static_cast<std::int64_t>(j) * d;
+    for (int e = 0; e < d; ++e) o[e] = dequantize(x[e], s);
+  }
+}
 static_assert(std::is_trivially_copyable_v<BlockLayout>, "BlockLayout must be trivially copyable");
 
 /// Geometry of an engine's per-layer tensors, for building a KvCacheView over them without

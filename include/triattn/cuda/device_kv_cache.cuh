@@ -235,7 +235,7 @@ class DeviceRounds {
                     ws_, ws_bytes, stream);
       }
     };
-    triattn::dispatch_dtype(cfg.dtype, run);
+    cuda::dispatch_dtype(cfg.dtype, "the device compression round", run);
     if (cfg.track_positions) map_positions(d, lay, rb, out, stream);
     TRIATTN_CUDA_TRY(cudaMemcpyAsync(h + lay.outputs, d + lay.outputs, lay.err - lay.outputs, cudaMemcpyDeviceToHost,
                                      stream));

@@ -7,6 +7,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <string>
+#include <utility>
+
 #include <triattn/core/dtype.hpp>
 #include <triattn/core/error.hpp>
 #include <triattn/cuda/config.cuh>
@@ -28,6 +31,16 @@ template <> __device__ __forceinline__ float from_f32<float>(float x) { return x
 template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
-using triattn::dispatch_dtype;  // core/dtype.hpp
+/// The run-time dtype switch of code that reaches the CUDA kernels: f is instantiated for
+/// device_storage_types only, and another dtype throws triattn::unsupported "fp8_e4m3 KV is not
+/// supported by <op> on the GPU yet". Call it qualified (triattn::dispatch_dtype is found by ADL).
+template <class F>
+decltype(auto) dispatch_dtype(DType dtype, const std::string& op, F&& f) {
+  return dispatch_dtype_in(device_storage_types{}, dtype, op + " on the GPU", std::forward<F>(f));
+}
+template <class F>
+decltype(auto) dispatch_dtype(DType dtype, F&& f) {
+  return cuda::dispatch_dtype(dtype, std::string("the CUDA kernels"), std::forward<F>(f));
+}
 
 }  // namespace triattn::cuda

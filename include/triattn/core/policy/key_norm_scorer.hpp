@@ -44,10 +44,7 @@ class KeyNormScorer {
     norms_.resize(n_tok);
     for (int l = 0; l < view.num_layers; ++l)
       for (int g = 0; g < hkv; ++g) {
-        for (int s = 0; s < length; ++s) {  // widen one (layer, KV head) row of keys to float
-          const T* k = view.token(l, KvKind::kKey, seq, s, g);
-          for (int e = 0; e < d; ++e) row_[static_cast<std::size_t>(s) * d + e] = to_float(k[e]);
-        }
+        dequantize_rows(view, l, KvKind::kKey, seq, g, length, row_.data());  // one (layer, KV head) row
         baseline::key_norm_scores(row_.data(), length, d, norms_.data());
         for (int h = g * G; h < (g + 1) * G; ++h) {
           float* o = out.data() + (static_cast<std::size_t>(l) * hq + h) * n_tok;

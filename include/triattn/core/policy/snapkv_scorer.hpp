@@ -161,10 +161,7 @@ class SnapKvScorer {
         limits_[i] = snapkv_visible_limit(length, t0, checked_position(win.pos[slot_of(win, l, i)], seq, t0));
       qbuf_.resize(static_cast<std::size_t>(n) * d);
       for (int g = 0; g < g_.num_kv_heads; ++g) {
-        for (int s = 0; s < length; ++s) {  // widen one (layer, KV head) row of keys to float
-          const T* k = view.token(l, KvKind::kKey, seq, s, g);
-          for (int e = 0; e < d; ++e) keys_[static_cast<std::size_t>(s) * d + e] = to_float(k[e]);
-        }
+        dequantize_rows(view, l, KvKind::kKey, seq, g, length, keys_.data());  // one (layer, KV head) row
         for (int h = g * G; h < (g + 1) * G; ++h) {
           for (int i = 0; i < n; ++i)
             std::memcpy(qbuf_.data() + static_cast<std::size_t>(i) * d,

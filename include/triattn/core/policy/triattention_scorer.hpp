@@ -42,11 +42,8 @@ class TriAttentionScorer {
     row_.resize(static_cast<std::size_t>(length) * d);
     int cur_l = -1, cur_g = -1;
     auto keys = [&](int l, int g, int j) -> const float* {
-      if (l != cur_l || g != cur_g) {  // widen one (layer, KV head) row of keys to float
-        for (int s = 0; s < length; ++s) {
-          const T* k = view.token(l, KvKind::kKey, seq, s, g);
-          for (int e = 0; e < d; ++e) row_[static_cast<std::size_t>(s) * d + e] = to_float(k[e]);
-        }
+      if (l != cur_l || g != cur_g) {  // dequantise one (layer, KV head) row of keys to float
+        dequantize_rows(view, l, KvKind::kKey, seq, g, length, row_.data());
         cur_l = l;
         cur_g = g;
       }

@@ -23,10 +23,11 @@ namespace triattn::ref {
 /// Decode attention of sequence `seq` at `layer`: out[h] = sum_j softmax_j(sm_scale * q[h] .
 /// K[j]) V[j] over slots j in [0, seq_lens[seq]) of KV head h / (num_q_heads / num_kv_heads).
 /// An empty sequence gives zeros. The view's tables and lengths must be host memory.
-/// q: [num_q_heads, head_dim]; out: [num_q_heads, head_dim].
+/// q: [num_q_heads, head_dim] of the cache's type or float (fp8 caches); out: [num_q_heads, head_dim].
+/// K and V are read as dequantize(code, the view's scale) (fp8: code * k_scale / v_scale).
 /// @throws logic_error on a bad layer, sequence or head count.
-template <class T, class Id>
-void attention(const KvCacheView<T, Id>& view, int layer, int seq, const T* q, int num_q_heads, float* out,
+template <class T, class Id, class Q>
+void attention(const KvCacheView<T, Id>& view, int layer, int seq, const Q* q, int num_q_heads, float* out,
                float sm_scale) {
   const int hkv = view.block.num_kv_heads;
   const int d = view.block.head_dim;
@@ -46,12 +47,13 @@ void attention(const KvCacheView<T, Id>& view, int layer, int seq, const T* q, i
     for (int e = 0; e < d; ++e) o[e] = 0.0f;
     if (len <= 0) continue;
     const int kvh = h / group;
+    const float ks = view.scale(layer, KvKind::kKey, kvh), vs = view.scale(layer, KvKind::kValue, kvh);
     for (int e = 0; e < d; ++e) qf[static_cast<std::size_t>(e)] = to_float(q[static_cast<std::size_t>(h) * d + e]);
     float m = -std::numeric_limits<float>::infinity();
     for (int j = 0; j < len; ++j) {
       const T* k = view.token(layer, KvKind::kKey, seq, j, kvh);
       float s = 0.0f;
-      for (int e = 0; e < d; ++e) s += qf[static_cast<std::size_t>(e)] * to_float(k[e]);
+      for (int e = 0; e < d; ++e) s += qf[static_cast<std::size_t>(e)] * dequantize(k[e], ks);
       s *= sm_scale;
       scores[static_cast<std::size_t>(j)] = s;
       m = s > m ? s : m;
@@ -61,7 +63,7 @@ void attention(const KvCacheView<T, Id>& view, int layer, int seq, const T* q, i
       const float p = std::exp(scores[static_cast<std::size_t>(j)] - m);
       l += p;
       const T* v = view.token(layer, KvKind::kValue, seq, j, kvh);
-      for (int e = 0; e < d; ++e) o[e] += p * to_float(v[e]);
+      for (int e = 0; e < d; ++e) o[e] += p * dequantize(v[e], vs);
     }
     for (int e = 0; e < d; ++e) o[e] /= l;
   }
@@ -69,8 +71,8 @@ void attention(const KvCacheView<T, Id>& view, int layer, int seq, const T* q, i
 
 /// Batched form: entry b attends sequence seqs[b] with q[b] and writes out[b].
 /// q: [batch, num_q_heads, head_dim]; out: [batch, num_q_heads, head_dim].
-template <class T, class Id>
-void attention(const KvCacheView<T, Id>& view, int layer, std::span<const int> seqs, const T* q, int num_q_heads,
+template <class T, class Id, class Q>
+void attention(const KvCacheView<T, Id>& view, int layer, std::span<const int> seqs, const Q* q, int num_q_heads,
                float* out, float sm_scale) {
   const std::size_t per = static_cast<std::size_t>(num_q_heads) * view.block.head_dim;
   for (std::size_t b = 0; b < seqs.size(); ++b)

@@ -10,5 +10,6 @@ namespace triattn::ref {
 using host::append;
 using host::compact;
 using host::copy_block;
+using host::append_values;
 
 }  // namespace triattn::ref
