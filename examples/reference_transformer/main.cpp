@@ -65,6 +65,7 @@
 #include "gguf_llama.hpp"
 #include "llama2c.hpp"
 #include "model.hpp"
+#include "model_files.hpp"
 #include "sampler.hpp"
 #include "serve_shared.hpp"
 #include "stats_io.hpp"
@@ -185,9 +186,6 @@ void usage() {
       TRIATTN_SHARED_DATA_DIR);
 }
 
-/// Whether `path` names a GGUF model (weights and BPE tokenizer in one file).
-bool is_gguf_path(const std::string& path) { return path.size() > 5 && path.substr(path.size() - 5) == ".gguf"; }
-
 /// Largest --prompt-file: 64 MiB of text is millions of tokens, past any model's context.
 constexpr std::uint64_t kMaxPromptFileBytes = std::uint64_t{64} << 20;
 
@@ -294,7 +292,7 @@ Options parse_args(int argc, char** argv) {
     else if (a == "--tp") o.tp = to_int(a, need(i), 1, 1024);
     else throw std::runtime_error("unknown option '" + a + "' (--help lists them)");
   }
-  if (!o.tokenizer_path.empty() && is_gguf_path(o.model_path))
+  if (!o.tokenizer_path.empty() && ex::is_gguf_path(o.model_path))
     throw std::runtime_error("--tokenizer " + o.tokenizer_path + " with --model " + o.model_path +
                              ": a .gguf model uses the tokenizer in its file; drop --tokenizer");
   if (o.steps < 0) throw std::runtime_error("--steps must be >= 0");
@@ -925,7 +923,7 @@ int real_main(int argc, char** argv) {
     if (o.model_path.empty() && !std::filesystem::exists(path)) {
       std::fprintf(stderr, "note: %s not found; using the synthetic 'tiny' model\n", path.c_str());
       shape = "tiny";
-    } else if (is_gguf_path(path)) {
+    } else if (ex::is_gguf_path(path)) {
       const ex::gguf::File file = ex::gguf::File::load(path);
       weights = ex::gguf_llama_weights(file);
       codec.bpe = ex::BpeTokenizer::from_gguf(file);
@@ -939,9 +937,7 @@ int real_main(int argc, char** argv) {
     }
   }
   if (!shape.empty()) {
-    ex::ModelConfig c = ex::synthetic_config(shape);
-    if (o.synthetic_layers > 0) c.n_layers = o.synthetic_layers;
-    if (o.synthetic_vocab > 0) c.vocab_size = o.synthetic_vocab;
+    const ex::ModelConfig c = ex::synthetic_config(shape, o.synthetic_layers, o.synthetic_vocab);
     constexpr std::size_t kCpuLimit = std::size_t{8} << 30;
     constexpr std::size_t kGpuLimit = std::size_t{64} << 30;  // host float32 copy made before the upload
     if (o.device == "cpu" && ex::weight_bytes(c) > kCpuLimit)

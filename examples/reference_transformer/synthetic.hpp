@@ -46,8 +46,10 @@ inline float synthetic_value(std::uint64_t seed, SynthTensor tensor, std::uint64
 
 /// Shapes by name: "tiny" (CPU tests), "small", "qwen3-8b-like" (36 layers, hidden 4096, 32 q / 8
 /// KV heads, d = 128, intermediate 12288, vocab 151936, half pairing, θ = 1e6; ~30 GB of float32
-/// weights, meant for the GPU path). @throws triattn::logic_error for an unknown name.
-inline ModelConfig synthetic_config(std::string_view shape) {
+/// weights, meant for the GPU path). layers / vocab > 0 override the shape's layer count and
+/// vocabulary (--synthetic-layers / --synthetic-vocab). @throws triattn::logic_error for an
+/// unknown name.
+inline ModelConfig synthetic_config(std::string_view shape, int layers = 0, int vocab = 0) {
   ModelConfig c;
   c.name = "synthetic-" + std::string(shape);
   c.rope_style = triattn::RopeStyle::kHalf;
@@ -69,6 +71,8 @@ inline ModelConfig synthetic_config(std::string_view shape) {
   } else {
     TRIATTN_FAIL("synthetic_config: unknown shape '" + std::string(shape) + "' (tiny, small, qwen3-8b-like)");
   }
+  if (layers > 0) c.n_layers = layers;
+  if (vocab > 0) c.vocab_size = vocab;
   return c;
 }
 

@@ -39,9 +39,8 @@
 #include "device_rounds.cuh"
 #endif
 #include <reference_transformer/cli_numbers.hpp>
-#include <reference_transformer/gguf_llama.hpp>
-#include <reference_transformer/llama2c.hpp>
 #include <reference_transformer/model.hpp>
+#include <reference_transformer/model_files.hpp>
 #include <reference_transformer/stats_io.hpp>
 #include <reference_transformer/synthetic.hpp>
 
@@ -440,13 +439,9 @@ int real_main(int argc, char** argv) {
   ex::ModelConfig shape;
   ex::ModelWeights weights;
   if (!o.synthetic.empty()) {
-    shape = ex::synthetic_config(o.synthetic);
-    if (o.synthetic_layers > 0) shape.n_layers = o.synthetic_layers;
-    if (o.synthetic_vocab > 0) shape.vocab_size = o.synthetic_vocab;
+    shape = ex::synthetic_config(o.synthetic, o.synthetic_layers, o.synthetic_vocab);
   } else {
-    const std::string path = o.model_path.empty() ? data_dir + "/models/stories260K.bin" : o.model_path;
-    if (path.size() > 5 && path.substr(path.size() - 5) == ".gguf") weights = ex::gguf_llama_weights(ex::gguf::File::load(path));
-    else weights = ex::load_llama2c_checkpoint(path);
+    weights = ex::load_model_weights(o.model_path.empty() ? data_dir + "/models/stories260K.bin" : o.model_path);
   }
 #if defined(TRIATTN_EXAMPLE_CUDA)
   if (o.device == "gpu") {
