@@ -18,7 +18,6 @@
 #include <triattn/core/kv_cache.hpp>
 #include <triattn/core/kv_view.hpp>
 #include <triattn/core/layout.hpp>
-#include <triattn/core/paged_round.hpp>
 #include <triattn/core/policy/host_backend.hpp>
 #include <triattn/core/policy/host_compactor.hpp>
 #include <triattn/core/policy/key_norm_scorer.hpp>
@@ -36,5 +35,10 @@
 #include <triattn/core/ref/select.hpp>
 #include <triattn/core/rope.hpp>
 #include <triattn/core/rope_types.hpp>
+#include <triattn/core/round_types.hpp>
 #include <triattn/core/scoring_params.hpp>
 #include <triattn/core/trigger.hpp>
+#include <triattn/engine/layouts.hpp>
+#include <triattn/engine/paged_round.hpp>
+#include <triattn/engine/prefix_protection.hpp>
+#include <triattn/engine/view_checks.hpp>

@@ -22,13 +22,14 @@
 
 #include <triattn/core/admission.hpp>
 #include <triattn/core/kv_cache.hpp>
-#include <triattn/core/paged_round.hpp>
 #include <triattn/core/policy/host_compactor.hpp>
 #include <triattn/core/policy/recency_scorer.hpp>
 #include <triattn/core/policy/static_allocator.hpp>
 #include <triattn/core/policy/topk_selector.hpp>
 #include <triattn/core/policy/triattention_scorer.hpp>
 #include <triattn/core/stats/random.hpp>
+#include <triattn/engine/layouts.hpp>
+#include <triattn/engine/paged_round.hpp>
 
 #include "common/round_settings.hpp"
 

@@ -29,14 +29,14 @@
 #include <triattn/core/concepts.hpp>
 #include <triattn/core/dtype.hpp>
 #include <triattn/core/error.hpp>
+#include <triattn/core/host_kv_ops.hpp>
 #include <triattn/core/keep_plan.hpp>
 #include <triattn/core/kv_view.hpp>
-#include <triattn/core/paged_round.hpp>
 #include <triattn/core/policy/host_backend.hpp>
 #include <triattn/core/policy/host_compactor.hpp>
 #include <triattn/core/policy/no_scorer.hpp>
 #include <triattn/core/policy/static_allocator.hpp>
-#include <triattn/core/host_kv_ops.hpp>
+#include <triattn/core/round_types.hpp>
 
 namespace triattn {
 
