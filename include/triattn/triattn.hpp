@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Umbrella header of the host-only core (g++ alone compiles it; never includes a CUDA header):
-// KvCache, its configuration and policies, the scorers and the CPU reference (triattn::ref).
+// KvCache, its configuration and policies, the scorers, the CPU reference (triattn::ref) and the
+// host side of engine integration (engine/: view builders, checks, the engine-layout round).
 // Include on demand, they cost compile time most programs need not pay:
 //   <triattn/core/stats.hpp>                          statistics files (load, write, calibrate)
 //   <triattn/core/policy/tensor_parallel_selector.hpp> tensor parallelism (with core/tp/*.hpp)

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// The batched round over engine-owned paged memory (core/paged_round.hpp): for each engine layout
+// The batched round over engine-owned paged memory (engine/paged_round.hpp): for each engine layout
 // (triattn's own NHD/HND, vLLM FlashAttention, vLLM FlashInfer NHD/HND, SGLang per-token slots,
 // a TensorRT-LLM-style multi-layer pool), cache contents built in that layout from the same
 // random K/V as a KvCache; one round over the view must give bitwise the KvCache path's kept K/V,

@@ -402,7 +402,7 @@ class KvCache {
   }
 
   /// One compression round for `seq`: score every cached key, select the keep set, compact, free
-  /// tail blocks (the batched round's host pieces, core/paged_round.hpp). On a device cache whose
+  /// tail blocks (the batched round's host pieces, core/round_types.hpp). On a device cache whose
   /// scorer provides compress_round(cache, seqs, reports) (cuda::TriAttentionDeviceScorer with
   /// device tables and a selector with SelectionParams) the whole round runs on the device, as
   /// cuda::DeviceRounds runs it, and returns once it is done: scores and keep sets never come to

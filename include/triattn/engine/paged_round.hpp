@@ -1,9 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
-// The engine-layout round, host entry point: the batched compression round over any paged cache a KvCacheView describes (triattn's own
-// KvCache or an engine's tensors): for every sequence of the batch, score every cached key,
-// normalise, select the keep set (SelectionParams, PruningMode), compact the kept K/V in place
-// into slots [0, new_len), and report per sequence the new length, the kept tokens' original
-// logical positions, which block-table columns are now free, and a status.
+// The engine-layout round, host entry point: the batched compression round over any paged cache
+// a KvCacheView describes (triattn's own KvCache or an engine's tensors): for every sequence of
+// the batch, score every cached key, normalise, select the keep set (SelectionParams,
+// PruningMode), compact the kept K/V in place into slots [0, new_len), and report per sequence
+// the new length, the kept tokens' original logical positions, which block-table columns are now
+// free, and a status. The device entry point is cuda/engine/paged_round.cuh.
 //
 // One function shape, two memory spaces:
 //   triattn::paged_round(view, scorer, params, trigger, batch, out, workspace, bytes)   host memory, the oracle

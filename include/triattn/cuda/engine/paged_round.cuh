@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// cuda::paged_round: the batched compression round (core/paged_round.hpp) over any paged cache a
+// cuda::paged_round: the batched compression round (engine/paged_round.hpp) over any paged cache a
 // KvCacheView describes, in device memory, on one stream:
 //   device checks and block reference counts → shared leading blocks, which sequences take part →
 //   score → row statistics (or a non-finite scan) →
