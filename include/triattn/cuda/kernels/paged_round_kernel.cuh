@@ -20,6 +20,7 @@
 #include <triattn/core/keep_plan.hpp>
 #include <triattn/core/kv_view.hpp>
 #include <triattn/core/round_types.hpp>
+#include <triattn/core/trigger.hpp>
 #include <triattn/cuda/config.cuh>
 #include <triattn/cuda/kernels/normalize_kernel.cuh>
 #include <triattn/engine/prefix_protection.hpp>
