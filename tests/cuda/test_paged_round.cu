@@ -31,11 +31,11 @@
 #include <vector>
 
 #include <triattn/core/ref/score.hpp>
-#include <triattn/core/round_types.hpp>
 #include <triattn/core/stats/random.hpp>
 #include <triattn/cuda/engine/paged_round.cuh>
 #include <triattn/cuda/policy/triattention_device_scorer.cuh>
 #include <triattn/engine/layouts.hpp>
+#include <triattn/engine/paged_round.hpp>
 
 using namespace triattn;
 

@@ -156,7 +156,6 @@ struct RoundResult {
   }
 };
 
-
 /// Bytes of host workspace triattn::paged_round needs for a batch whose sequences are at most
 /// max_len slots long: the raw scores of one sequence ([L, Hq, max_len] float), reused sequence
 /// after sequence. (The host selection itself allocates its temporaries; the device round does not.)
@@ -166,7 +165,6 @@ struct RoundResult {
   const std::size_t Hq = static_cast<std::size_t>(g.num_q_heads > 0 ? g.num_q_heads : 0);
   return L * Hq * T * sizeof(float);
 }
-
 
 namespace detail {
 

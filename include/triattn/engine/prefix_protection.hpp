@@ -29,7 +29,6 @@ namespace triattn {
   return protected_prefix > covered ? protected_prefix : covered;
 }
 
-
 namespace detail {
 
 /// Block reference counts of a round, host side: refs[id] = entries naming block id over EVERY
@@ -72,7 +71,6 @@ int leading_shared_blocks(const KvCacheView<T, Id>& view, std::span<const std::i
   }
   return static_cast<int>(lead);
 }
-
 
 }  // namespace detail
 

@@ -56,10 +56,6 @@ std::vector<StrideDim> block_dims(const KvCacheView<T, Id>& v) {
           {v.block.stride_block, v.num_blocks, "block"}};
 }
 
-}  // namespace detail
-
-namespace detail {
-
 /// Calls f(column, block id) for the first ceil(seq_lens[s] / block_size) entries of row s of a
 /// host-readable view, after checking the row's length (in [0, capacity]) and each id (in
 /// [0, num_blocks)). @throws triattn::logic_error naming `what` and the bad entry.
