@@ -32,8 +32,9 @@
 
 #include <triattn/core/dtype.hpp>
 #include <triattn/core/stats/random.hpp>
+#include <triattn/engine/layouts.hpp>
 #include <triattn/cuda/algorithms/compression_round.cuh>
-#include <triattn/cuda/algorithms/paged_round.cuh>
+#include <triattn/cuda/engine/paged_round.cuh>
 #include <triattn/cuda/policy/triattention_device_scorer.cuh>
 
 namespace {

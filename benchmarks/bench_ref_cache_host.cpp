@@ -23,7 +23,7 @@
 
 #include <triattn/core/keep_plan.hpp>
 #include <triattn/core/kv_cache.hpp>
-#include <triattn/core/paged_round.hpp>
+#include <triattn/engine/paged_round.hpp>
 #include <triattn/core/vmm/vmm_allocator_core.hpp>
 #include "common/vmm/fake_driver.hpp"
 

@@ -171,14 +171,6 @@ template <class Cache>
   }
 }
 
-/// Blocks of a `matched`-block prefix hit that admit_prompt shares for a prompt of `prompt_len`
-/// tokens (at least one token is computed; without copy-on-write only whole blocks are shared).
-[[nodiscard]] inline int prefix_hit_blocks(int matched, int prompt_len, int block_size, bool copies_blocks) {
-  int tokens = std::min(matched * block_size, prompt_len - 1);
-  if (!copies_blocks) tokens -= tokens % block_size;
-  return (tokens + block_size - 1) / block_size;
-}
-
 /// Runs `requests` to completion through `model` and `cache` (empty at the start; every request's
 /// sequence is released at the end). `rounds` runs the compression rounds (HostRounds, or the GPU
 /// loop's DeviceRounds adapter); ignored by a cache without a scorer.
@@ -311,11 +303,10 @@ LoopResult serve(ModelT& model, Cache& cache, Rounds& rounds, std::span<const Re
         std::int64_t hit = 0, idle_hit = 0;
         if constexpr (kCachesPrefixes<Cache>)
           if (prefix) {
-            const triattn::PrefixMatch m = cache.allocator().match(std::span<const int>(r.prompt), 0);
-            hit = prefix_hit_blocks(m.num_blocks(), static_cast<int>(r.prompt.size()), cfg.block_size,
-                                    Cache::copies_blocks);
+            const triattn::PrefixHit h = triattn::prefix_hit(cache, std::span<const int>(r.prompt));
+            hit = h.blocks;
             for (std::int64_t j = 0; j < hit; ++j)
-              idle_hit += cache.allocator().ref_count(m.blocks[static_cast<std::size_t>(j)]) == 1 ? 1 : 0;
+              idle_hit += cache.allocator().ref_count(h.match.blocks[static_cast<std::size_t>(j)]) == 1 ? 1 : 0;
           }
         if (st[i].worst_blocks + (prefix ? 1 : 0) - hit > free_blocks - idle_hit - reserved_blocks()) break;
       } else {

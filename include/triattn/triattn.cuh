@@ -9,7 +9,6 @@
 #include <triattn/cuda/algorithms/decode_attention.cuh>
 #include <triattn/cuda/algorithms/key_norm.cuh>
 #include <triattn/cuda/algorithms/normalize.cuh>
-#include <triattn/cuda/algorithms/paged_round.cuh>
 #include <triattn/cuda/algorithms/score.cuh>
 #include <triattn/cuda/algorithms/select.cuh>
 #include <triattn/cuda/algorithms/snapkv.cuh>
@@ -20,6 +19,7 @@
 #include <triattn/cuda/device_tables.cuh>
 #include <triattn/cuda/dispatch.cuh>
 #include <triattn/cuda/driver.cuh>
+#include <triattn/cuda/engine/paged_round.cuh>
 #include <triattn/cuda/error.cuh>
 #include <triattn/cuda/griddep.cuh>
 #include <triattn/cuda/kernels/append_kernel.cuh>

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Umbrella header of the host-only core (g++ alone compiles it; never includes a CUDA header):
-// KvCache, its configuration and policies, the scorers and the CPU reference (triattn::ref).
+// KvCache, its configuration and policies, the scorers, the CPU reference (triattn::ref) and the
+// host side of engine integration (engine/: view builders, checks, the engine-layout round).
 // Include on demand, they cost compile time most programs need not pay:
 //   <triattn/core/stats.hpp>                          statistics files (load, write, calibrate)
 //   <triattn/core/policy/tensor_parallel_selector.hpp> tensor parallelism (with core/tp/*.hpp)
@@ -18,7 +19,6 @@
 #include <triattn/core/kv_cache.hpp>
 #include <triattn/core/kv_view.hpp>
 #include <triattn/core/layout.hpp>
-#include <triattn/core/paged_round.hpp>
 #include <triattn/core/policy/host_backend.hpp>
 #include <triattn/core/policy/host_compactor.hpp>
 #include <triattn/core/policy/key_norm_scorer.hpp>
@@ -36,5 +36,10 @@
 #include <triattn/core/ref/select.hpp>
 #include <triattn/core/rope.hpp>
 #include <triattn/core/rope_types.hpp>
+#include <triattn/core/round_types.hpp>
 #include <triattn/core/scoring_params.hpp>
 #include <triattn/core/trigger.hpp>
+#include <triattn/engine/layouts.hpp>
+#include <triattn/engine/paged_round.hpp>
+#include <triattn/engine/prefix_protection.hpp>
+#include <triattn/engine/view_checks.hpp>

@@ -11,7 +11,7 @@
 #include <triattn/core/cache_config.hpp>
 #include <triattn/core/dtype.hpp>
 #include <triattn/core/kv_view.hpp>
-#include <triattn/core/paged_round.hpp>
+#include <triattn/core/round_types.hpp>
 #include <triattn/core/rope_types.hpp>
 #include <triattn/core/scoring_params.hpp>
 #include <triattn/core/stats/query_stats.hpp>

@@ -9,7 +9,7 @@
 
 #include <cuda_runtime.h>
 
-#include <triattn/cuda/algorithms/paged_round.cuh>
+#include <triattn/cuda/engine/paged_round.cuh>
 #include <triattn/cuda/error.cuh>
 #include <triattn/cuda/policy/triattention_device_scorer.cuh>
 

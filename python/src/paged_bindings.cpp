@@ -20,7 +20,7 @@
 
 #include <triattn/core/admission.hpp>
 #include <triattn/core/cache_geometry.hpp>
-#include <triattn/core/paged_round.hpp>
+#include <triattn/engine/paged_round.hpp>
 #include <triattn/core/policy/triattention_scorer.hpp>
 
 #ifdef TRIATTN_PYTHON_WITH_CUDA

@@ -22,7 +22,7 @@
 #include <vector>
 
 #include <triattn/core/kv_cache.hpp>
-#include <triattn/core/paged_round.hpp>
+#include <triattn/engine/paged_round.hpp>
 #include <triattn/core/policy/host_compactor.hpp>
 #include <triattn/core/policy/static_allocator.hpp>
 #include <triattn/core/policy/topk_selector.hpp>

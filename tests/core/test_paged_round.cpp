@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// The batched round over engine-owned paged memory (core/paged_round.hpp): for each engine layout
+// The batched round over engine-owned paged memory (engine/paged_round.hpp): for each engine layout
 // (triattn's own NHD/HND, vLLM FlashAttention, vLLM FlashInfer NHD/HND, SGLang per-token slots,
 // a TensorRT-LLM-style multi-layer pool), cache contents built in that layout from the same
 // random K/V as a KvCache; one round over the view must give bitwise the KvCache path's kept K/V,
@@ -22,13 +22,14 @@
 
 #include <triattn/core/admission.hpp>
 #include <triattn/core/kv_cache.hpp>
-#include <triattn/core/paged_round.hpp>
 #include <triattn/core/policy/host_compactor.hpp>
 #include <triattn/core/policy/recency_scorer.hpp>
 #include <triattn/core/policy/static_allocator.hpp>
 #include <triattn/core/policy/topk_selector.hpp>
 #include <triattn/core/policy/triattention_scorer.hpp>
 #include <triattn/core/stats/random.hpp>
+#include <triattn/engine/layouts.hpp>
+#include <triattn/engine/paged_round.hpp>
 
 #include "common/round_settings.hpp"
 

@@ -110,6 +110,13 @@ bool holds(const C& c, SeqId s, std::span<const std::int32_t> toks, int n) {
   });
 }
 
+// What prefix_hit reads of a cache, for one whose compactor cannot copy blocks.
+struct NoCopyCache {
+  const Alloc& alloc;
+  static constexpr bool copies_blocks = false;
+  [[nodiscard]] const Alloc& allocator() const { return alloc; }
+};
+
 }  // namespace
 
 TEST_CASE_TEMPLATE("prefix cache: a hit shares the cached blocks and computes only the rest", T, float,
@@ -164,6 +171,47 @@ TEST_CASE_TEMPLATE("prefix cache: a hit shares the cached blocks and computes on
   CHECK(pc.idle_blocks_in_eviction_order().size() == 2);  // leaves: p1's and p2's third blocks
   CHECK(c.memory().blocks_free == 32);       // idle blocks count as free (allocate() evicts them)
   CHECK(c.allocator().inner_type::num_free() == 28);
+}
+
+TEST_CASE("prefix cache: prefix_hit reports what admit_prompt shares and changes nothing") {
+  Cache c(config(32));
+  const auto sys = iota_tokens(10, 100);  // 2 full blocks + 2 tokens
+  std::vector<std::int32_t> p1 = sys, p2 = sys;
+  for (int i = 0; i < 5; ++i) p1.push_back(7 + i), p2.push_back(50 + i);
+  const auto a = serve(c, p1);  // publishes p1's 3 full blocks
+  const auto& pc = c.allocator();
+  const auto before = pc.prefix_stats();
+  const auto order = pc.idle_blocks_in_eviction_order();
+
+  const triattn::PrefixHit h = triattn::prefix_hit(c, p2);
+  CHECK(h.match.num_blocks() == 2);
+  CHECK(h.cached_tokens == 8);
+  CHECK(h.blocks == 2);
+  CHECK(h.match.blocks[0] == c.block_table(a.seq)[0]);
+  CHECK(h.match.blocks[1] == c.block_table(a.seq)[1]);
+  // Read-only: no lookup counted, no sequence opened, recency unchanged.
+  CHECK(pc.prefix_stats().lookups == before.lookups);
+  CHECK(pc.prefix_stats().hit_tokens == before.hit_tokens);
+  CHECK(c.memory().blocks_free == 32 - 4);
+  CHECK(pc.idle_blocks_in_eviction_order() == order);
+
+  const auto b = serve(c, p2, 0, false);
+  CHECK(b.cached_tokens == h.cached_tokens);
+  CHECK(b.hit_blocks == h.blocks);
+  // Three full cached blocks: the last prompt token is computed, the third block is shared partly.
+  const std::vector<std::int32_t> p3(p1.begin(), p1.begin() + 12);
+  const triattn::PrefixHit h3 = triattn::prefix_hit(c, p3);
+  CHECK(h3.match.num_blocks() == 3);
+  CHECK(h3.cached_tokens == 11);
+  CHECK(h3.blocks == 3);
+  // A cache that cannot copy blocks shares whole blocks only.
+  const triattn::PrefixHit whole = triattn::prefix_hit(NoCopyCache{pc}, p3);
+  CHECK(whole.cached_tokens == 8);
+  CHECK(whole.blocks == 2);
+  CHECK(triattn::prefix_hit(c, p2, /*key=*/7).blocks == 0);
+  CHECK_THROWS_AS((void)triattn::prefix_hit(c, std::span<const std::int32_t>{}), triattn::logic_error);
+  c.release(a.seq);
+  c.release(b.seq);
 }
 
 TEST_CASE("prefix cache: idle blocks are evicted least recently used and leaves first only when needed") {

@@ -30,11 +30,12 @@
 #include <string>
 #include <vector>
 
-#include <triattn/core/paged_round.hpp>
 #include <triattn/core/ref/score.hpp>
 #include <triattn/core/stats/random.hpp>
-#include <triattn/cuda/algorithms/paged_round.cuh>
+#include <triattn/cuda/engine/paged_round.cuh>
 #include <triattn/cuda/policy/triattention_device_scorer.cuh>
+#include <triattn/engine/layouts.hpp>
+#include <triattn/engine/paged_round.hpp>
 
 using namespace triattn;
 

@@ -18,7 +18,7 @@
 
 #include <triattn/core/cache_config.hpp>
 #include <triattn/core/error.hpp>
-#include <triattn/core/paged_round.hpp>
+#include <triattn/core/round_types.hpp>
 #include <triattn/core/scoring_params.hpp>
 
 namespace triattn {

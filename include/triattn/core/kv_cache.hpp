@@ -29,14 +29,14 @@
 #include <triattn/core/concepts.hpp>
 #include <triattn/core/dtype.hpp>
 #include <triattn/core/error.hpp>
+#include <triattn/core/host_kv_ops.hpp>
 #include <triattn/core/keep_plan.hpp>
 #include <triattn/core/kv_view.hpp>
-#include <triattn/core/paged_round.hpp>
 #include <triattn/core/policy/host_backend.hpp>
 #include <triattn/core/policy/host_compactor.hpp>
 #include <triattn/core/policy/no_scorer.hpp>
 #include <triattn/core/policy/static_allocator.hpp>
-#include <triattn/core/host_kv_ops.hpp>
+#include <triattn/core/round_types.hpp>
 
 namespace triattn {
 
@@ -398,7 +398,7 @@ class KvCache {
   }
 
   /// One compression round for `seq`: score every cached key, select the keep set, compact, free
-  /// tail blocks (the batched round's host pieces, core/paged_round.hpp). On a device cache whose
+  /// tail blocks (the batched round's host pieces, core/round_types.hpp). On a device cache whose
   /// scorer provides compress_round(cache, seqs, reports) (cuda::TriAttentionDeviceScorer with
   /// device tables and a selector with SelectionParams) the whole round runs on the device, as
   /// cuda::DeviceRounds runs it, and returns once it is done: scores and keep sets never come to

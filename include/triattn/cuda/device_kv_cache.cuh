@@ -18,12 +18,12 @@
 #include <utility>
 #include <vector>
 
-#include <triattn/core/kv_cache.hpp>
-#include <triattn/core/paged_round.hpp>
 #include <triattn/core/keep_counts.hpp>
+#include <triattn/core/kv_cache.hpp>
+#include <triattn/core/round_types.hpp>
 #include <triattn/cuda/algorithms/append.cuh>
-#include <triattn/cuda/algorithms/paged_round.cuh>
 #include <triattn/cuda/device_tables.cuh>
+#include <triattn/cuda/engine/paged_round.cuh>
 #include <triattn/cuda/error.cuh>
 #include <triattn/cuda/kernels/positions_kernel.cuh>
 #include <triattn/cuda/policy/device_compactor.cuh>

@@ -18,7 +18,7 @@
 #include <utility>
 
 #include <triattn/core/kv_view.hpp>
-#include <triattn/core/paged_round.hpp>
+#include <triattn/core/round_types.hpp>
 #include <triattn/core/scoring_params.hpp>
 #include <triattn/cuda/algorithms/compact.cuh>
 #include <triattn/cuda/algorithms/normalize.cuh>

@@ -19,9 +19,11 @@
 
 #include <triattn/core/keep_plan.hpp>
 #include <triattn/core/kv_view.hpp>
-#include <triattn/core/paged_round.hpp>
+#include <triattn/core/round_types.hpp>
+#include <triattn/core/trigger.hpp>
 #include <triattn/cuda/config.cuh>
 #include <triattn/cuda/kernels/normalize_kernel.cuh>
+#include <triattn/engine/prefix_protection.hpp>
 
 namespace triattn::cuda {
 

@@ -13,7 +13,7 @@
 #include <type_traits>
 
 #include <triattn/core/kv_cache.hpp>
-#include <triattn/core/paged_round.hpp>
+#include <triattn/core/round_types.hpp>
 #include <triattn/cuda/config.cuh>
 
 namespace triattn::cuda {

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// cuda::paged_round: the batched compression round (core/paged_round.hpp) over any paged cache a
+// cuda::paged_round: the batched compression round (engine/paged_round.hpp) over any paged cache a
 // KvCacheView describes, in device memory, on one stream:
 //   device checks and block reference counts → shared leading blocks, which sequences take part →
 //   score → row statistics (or a non-finite scan) →
@@ -18,7 +18,7 @@
 #include <triattn/core/cache_geometry.hpp>
 #include <triattn/core/error.hpp>
 #include <triattn/core/kv_view.hpp>
-#include <triattn/core/paged_round.hpp>
+#include <triattn/core/round_types.hpp>
 #include <triattn/core/scoring_params.hpp>
 #include <triattn/cuda/algorithms/compression_round.cuh>
 #include <triattn/cuda/dispatch.cuh>
@@ -26,6 +26,7 @@
 #include <triattn/cuda/kernels/paged_round_kernel.cuh>
 #include <triattn/cuda/launch.cuh>
 #include <triattn/cuda/tuning/select.cuh>
+#include <triattn/engine/view_checks.hpp>
 
 namespace triattn::cuda {
 
