@@ -344,8 +344,10 @@ void run_all(const Options& o, ModelT& model, const RunPlain& run_plain, const R
     for (const std::string& c : o.configs) {
       const bool tri = c.rfind("tri", 0) == 0;
       const bool prefix = c.find("+prefix") != std::string::npos;
-      std::fprintf(stderr, "run: %s, %s, %zu requests, KV pool %d blocks (%.2f GiB)\n", c.c_str(),
-                   rate > 0 ? ("Poisson " + std::to_string(rate) + " req/s").c_str() : rate == 0 ? "offline" : "trace arrivals",
+      char arrivals[64] = "offline";
+      if (rate > 0) std::snprintf(arrivals, sizeof arrivals, "Poisson %g req/s", rate);
+      else if (rate < 0) std::snprintf(arrivals, sizeof arrivals, "trace arrivals");
+      std::fprintf(stderr, "run: %s, %s, %zu requests, KV pool %d blocks (%.2f GiB)\n", c.c_str(), arrivals,
                    reqs.size(), cfg.num_blocks,
                    static_cast<double>(cfg.num_blocks) * static_cast<double>(cfg.block_bytes_all_ranges()) / (1u << 30));
       const sv::LoopOptions lo = loop_options(o, mc, prefix);
