@@ -29,9 +29,10 @@ struct ScoreShape {
   static constexpr int kQ = GMAX / 4;                // float4 per (pair, weight kind)
 };
 
-/// Re and Im of the lane's pair j, read from its raw words (see load order in load_key).
+/// Re and Im of the lane's pair j, read from its raw words (see load order in load_key) and
+/// dequantised by the K scale (scaled dtypes only; `scale` is unused otherwise).
 template <class T, RopeStyle S, int P>
-__device__ __forceinline__ void pair_of(const std::uint32_t* words, int j, float& re, float& im) {
+__device__ __forceinline__ void pair_of(const std::uint32_t* words, int j, float scale, float& re, float& im) {
   if constexpr (S == RopeStyle::kHalf) {
     re = element<T>(words, j);      // first run: Re of pairs [iP, iP+P)
     im = element<T>(words, P + j);  // second run: Im of the same pairs
@@ -39,6 +40,8 @@ __device__ __forceinline__ void pair_of(const std::uint32_t* words, int j, float
     re = element<T>(words, 2 * j);
     im = element<T>(words, 2 * j + 1);
   }
+  re = dequant_scale<T>(re, scale);
+  im = dequant_scale<T>(im, scale);
 }
 
 /// Loads the lane's share of one key: half pairing, elements [iP, iP+P) and [F+iP, F+iP+P);
@@ -153,7 +156,7 @@ template <class T, RopeStyle S, class Shape, int GMAX>
 __device__ __forceinline__ void mean_tile_scores(const float4* w_s,
                                                  const std::uint32_t (&raw)[Shape::kUnroll][Shape::kWords], int lane,
                                                  int key0, int len, const ScoreRow& row, int L, int Hq, int G,
-                                                 const ScoreBatch& a, float* __restrict__ scores) {
+                                                 const ScoreBatch& a, float k_scale, float* __restrict__ scores) {
   constexpr int P = Shape::kP, LPK = Shape::kLPK, KPW = Shape::kKPW, U = Shape::kUnroll, Q = Shape::kQ;
   const int li = lane % LPK;                                   // lane within the key
   const int my_head = reduce_scatter_head<LPK, GMAX>(lane);    // whose sum reduce_scatter leaves here
@@ -178,7 +181,7 @@ __device__ __forceinline__ void mean_tile_scores(const float4* w_s,
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       float re, im;
-      pair_of<T, S, P>(raw[u], j, re, im);
+      pair_of<T, S, P>(raw[u], j, k_scale, re, im);
       const float sq = fmaf(re, re, fmaf(im, im, 1e-8f));
       const float nrm = pair_norm(sq);
 #pragma unroll
@@ -242,7 +245,8 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 8>::kThreads, 
       cur_row = walk.rid;
     }
 
-    detail::mean_tile_scores<T, S, Shape, GMAX>(w_s, raw, lane, key0, walk.kr.len, walk.row, L, Hq, G, a, scores);
+    detail::mean_tile_scores<T, S, Shape, GMAX>(w_s, raw, lane, key0, walk.kr.len, walk.row, L, Hq, G, a,
+                                                kv_scale(view, walk.row.l, KvKind::kKey, walk.row.g), scores);
   }
 }
 
@@ -321,10 +325,11 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 4>::kThreads, 
     }
 
     float kf[U][2 * P];  // the lane's pairs of U keys, widened once: (re, im) per pair
+    const float ks = kv_scale(view, row.l, KvKind::kKey, row.g);
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
-      for (int j = 0; j < P; ++j) detail::pair_of<T, S, P>(raw[u], j, kf[u][2 * j], kf[u][2 * j + 1]);
+      for (int j = 0; j < P; ++j) detail::pair_of<T, S, P>(raw[u], j, ks, kf[u][2 * j], kf[u][2 * j + 1]);
     // Norm term Σ_f c_f·|K_f|, reduced like the dot products.
     float mlr[U][GMAX];
 #pragma unroll
