@@ -60,7 +60,7 @@ template <class T, class Cache>
   requires has_device_tables_v<Cache>
 [[nodiscard]] AppendResult append_tokens(Cache& cache, SeqId seq, const T* k, const T* v, int n, cudaStream_t stream,
                                   Phase phase = Phase::kDecode) {
-  TRIATTN_EXPECTS(dtype_of<T> == cache.config().dtype || std::is_same_v<T, float>,
+  TRIATTN_EXPECTS((dtype_of<T> == cache.config().dtype || std::is_same_v<T, float>),
                   std::string("cuda::append_tokens: element type is ") + dtype_name(dtype_of<T>) +
                       " but the cache stores " + dtype_name(cache.config().dtype) + " (pass that or float32)");
   dispatch_head_dim(cache.config().model.head_dim, [](auto) {});  // throws unsupported naming the list

@@ -73,12 +73,18 @@ __device__ __forceinline__ device_type_t<T> quant(float x, float scale) {
   else return from_f32<device_type_t<T>>(x);
 }
 
-/// The run-time dtype switch of code that reaches the CUDA kernels: f is instantiated for
-/// device_storage_types only, and another dtype throws triattn::unsupported "fp8_e4m3 KV is not
-/// supported by <op> on the GPU yet". Call it qualified (triattn::dispatch_dtype is found by ADL).
+/// The run-time dtype switch of code that reaches the CUDA kernels: f is instantiated for the
+/// storage types of `types` only (device_storage_types: every dtype the kernels load), and
+/// another dtype throws triattn::unsupported "<dtype> KV is not supported by <op> on the GPU yet".
+/// A path that does not take fp8 yet passes unscaled_storage_types. Call it qualified
+/// (triattn::dispatch_dtype is found by ADL).
+template <class... Ts, class F>
+decltype(auto) dispatch_dtype(storage_types<Ts...> types, DType dtype, const std::string& op, F&& f) {
+  return dispatch_dtype_in(types, dtype, op + " on the GPU", std::forward<F>(f));
+}
 template <class F>
 decltype(auto) dispatch_dtype(DType dtype, const std::string& op, F&& f) {
-  return dispatch_dtype_in(device_storage_types{}, dtype, op + " on the GPU", std::forward<F>(f));
+  return cuda::dispatch_dtype(device_storage_types{}, dtype, op, std::forward<F>(f));
 }
 template <class F>
 decltype(auto) dispatch_dtype(DType dtype, F&& f) {
