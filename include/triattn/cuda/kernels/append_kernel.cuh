@@ -68,28 +68,29 @@ __device__ __forceinline__ void append_destination(const KvCacheView<T, Id>& vie
   offset = pos % bs;
 }
 
-/// Source (element of p.k / p.v) and destination (element in the layer's range) of 16-byte cache
-/// vector `idx` = (token, head, vector) of a launch; dst < 0 when the vector is out of range or its
-/// token is skipped.
+/// Where 16-byte cache vector idx (< total) = (token, head, vector) of a launch goes: block < 0
+/// when its token is skipped. heads: the view's KV heads.
+struct AppendVector {
+  std::int64_t block;       ///< destination block
+  int offset, token, head, vec;  ///< slot in the block, input token, KV head, vector in the head vector
+};
 template <int HeadDim, class T, class Id, class In>
-__device__ __forceinline__ void append_vector(const KvCacheView<T, Id>& view, const AppendParams<In>& p, int layer_in,
-                                              int idx, int total, std::int64_t& src, std::int64_t& dst, int& head) {
-  constexpr int kVecElems = 16 / static_cast<int>(sizeof(T));
-  constexpr int kVecs = HeadDim / kVecElems;  // 16-byte vectors per head vector
-  dst = -1;
-  if (idx >= total) return;
-  const int heads = view.block.num_kv_heads;
+__device__ __forceinline__ AppendVector append_vector(const KvCacheView<T, Id>& view, const AppendParams<In>& p,
+                                                      int heads, int idx) {
+  constexpr int kVecs = HeadDim / (16 / static_cast<int>(sizeof(T)));  // 16-byte vectors per head vector
+  AppendVector a;
   const int row = idx / kVecs;  // (token, head)
-  const int vec = idx % kVecs;
-  const int token = row / heads;
-  head = row - token * heads;
-  std::int64_t block;
-  int offset;
-  detail::append_destination(view, p, token, block, offset);
-  if (block < 0) return;
-  src = static_cast<std::int64_t>(layer_in) * p.layer_stride + static_cast<std::int64_t>(token) * p.token_stride +
-        static_cast<std::int64_t>(head) * HeadDim + vec * kVecElems;
-  dst = view.block.offset(block, offset, head) + vec * kVecElems;
+  a.vec = idx % kVecs;
+  a.token = row / heads;
+  a.head = row - a.token * heads;
+  detail::append_destination(view, p, a.token, a.block, a.offset);
+  return a;
+}
+/// Element of p.k / p.v where vector `a` starts.
+template <int HeadDim, class T, class In>
+__device__ __forceinline__ std::int64_t append_source(const AppendParams<In>& p, int layer_in, const AppendVector& a) {
+  return static_cast<std::int64_t>(layer_in) * p.layer_stride + static_cast<std::int64_t>(a.token) * p.token_stride +
+         static_cast<std::int64_t>(a.head) * HeadDim + a.vec * (16 / static_cast<int>(sizeof(T)));
 }
 
 }  // namespace detail
@@ -101,9 +102,10 @@ __global__ void __launch_bounds__(Tune::kThreads)
   constexpr int kVecElems = 16 / static_cast<int>(sizeof(T));
   constexpr int kVecs = HeadDim / kVecElems;  // 16-byte vectors per head vector
   static_assert(HeadDim % kVecElems == 0, "head vectors must be whole 16-byte vectors");
+  const int heads = view.block.num_kv_heads;
   const int layer_in = static_cast<int>(blockIdx.y);
   const int layer = p.first_layer + layer_in;
-  const int total = p.num_tokens * view.block.num_kv_heads * kVecs;
+  const int total = p.num_tokens * heads * kVecs;
 
   // All loads first (kVecsPerThread of K and of V in flight), then all stores. Vector r of a
   // thread is idx0 + r * kThreads, so each load and store instruction stays coalesced.
@@ -112,13 +114,16 @@ __global__ void __launch_bounds__(Tune::kThreads)
   std::int64_t dst[Tune::kVecsPerThread];
 #pragma unroll
   for (int r = 0; r < Tune::kVecsPerThread; ++r) {
-    std::int64_t src;
-    int head;
-    detail::append_vector<HeadDim>(view, p, layer_in, idx0 + r * Tune::kThreads, total, src, dst[r], head);
-    if (dst[r] < 0) continue;
+    const int idx = idx0 + r * Tune::kThreads;
+    dst[r] = -1;
+    if (idx >= total) continue;
+    const detail::AppendVector a = detail::append_vector<HeadDim>(view, p, heads, idx);
+    if (a.block < 0) continue;
+    const std::int64_t src = detail::append_source<HeadDim, T>(p, layer_in, a);
     // Inputs are read once: streaming loads keep them from evicting the lines just written.
     kx[r] = __ldcs(reinterpret_cast<const uint4*>(p.k + src));
     vx[r] = __ldcs(reinterpret_cast<const uint4*>(p.v + src));
+    dst[r] = view.block.offset(a.block, a.offset, a.head) + a.vec * kVecElems;
   }
   T* const k_out = view.range(layer, KvKind::kKey);
   T* const v_out = view.range(layer, KvKind::kValue);
@@ -140,19 +145,22 @@ __global__ void __launch_bounds__(Tune::kThreads)
   constexpr int kVecElems = 16 / static_cast<int>(sizeof(T));
   constexpr int kVecs = HeadDim / kVecElems;
   static_assert(HeadDim % kVecElems == 0 && kVecElems % 4 == 0, "head vectors must be whole 16-byte vectors");
+  const int heads = view.block.num_kv_heads;
   const int layer_in = static_cast<int>(blockIdx.y);
   const int layer = p.first_layer + layer_in;
-  const int total = p.num_tokens * view.block.num_kv_heads * kVecs;
+  const int total = p.num_tokens * heads * kVecs;
   T* const k_out = view.range(layer, KvKind::kKey);
   T* const v_out = view.range(layer, KvKind::kValue);
   const int idx0 = static_cast<int>(blockIdx.x) * Tune::kThreads * Tune::kVecsPerThread + static_cast<int>(threadIdx.x);
 #pragma unroll
   for (int r = 0; r < Tune::kVecsPerThread; ++r) {
-    std::int64_t src, dst;
-    int head;
-    detail::append_vector<HeadDim>(view, p, layer_in, idx0 + r * Tune::kThreads, total, src, dst, head);
-    if (dst < 0) continue;
-    const float ks = kv_scale(view, layer, KvKind::kKey, head), vs = kv_scale(view, layer, KvKind::kValue, head);
+    const int idx = idx0 + r * Tune::kThreads;
+    if (idx >= total) continue;
+    const detail::AppendVector a = detail::append_vector<HeadDim>(view, p, heads, idx);
+    if (a.block < 0) continue;
+    const std::int64_t src = detail::append_source<HeadDim, T>(p, layer_in, a);
+    const std::int64_t dst = view.block.offset(a.block, a.offset, a.head) + a.vec * kVecElems;
+    const float ks = kv_scale(view, layer, KvKind::kKey, a.head), vs = kv_scale(view, layer, KvKind::kValue, a.head);
     uint4 ko, vo;
     D* const ke = reinterpret_cast<D*>(&ko);
     D* const ve = reinterpret_cast<D*>(&vo);

@@ -437,35 +437,26 @@ __global__ void __launch_bounds__(Tune::kThreads, Tune::kMinCtasPerSmPipe)
 }
 
 namespace detail {
-/// Elements [0, kE) of a head vector of a cache of T (float or fp8) as float values: float4 loads
-/// for float, kE bytes widened and multiplied by `scale` for fp8.
+/// Elements [0, kE) of a head vector of an fp8 cache as values: kE bytes (whole 32-bit words),
+/// widened and multiplied by `scale`.
 template <int kE, class T>
-__device__ __forceinline__ void load_row_f32(const T* p, float scale, float (&x)[kE]) {
-  if constexpr (std::is_same_v<T, float>) {
-    static_assert(kE % 4 == 0, "lanes load whole float4s");
+__device__ __forceinline__ void load_fp8_row(const T* p, float scale, float (&x)[kE]) {
+  static_assert(sizeof(T) == 1 && kE % 4 == 0, "byte-wide codes, whole 32-bit words per lane");
+  using D = device_type_t<T>;
+  std::uint32_t w[kE / 4];
+  if constexpr (kE % 8 == 0) {
 #pragma unroll
-    for (int e = 0; e < kE; e += 4) {
-      const float4 v = *reinterpret_cast<const float4*>(p + e);
-      x[e] = v.x, x[e + 1] = v.y, x[e + 2] = v.z, x[e + 3] = v.w;
+    for (int i = 0; i < kE / 8; ++i) {
+      const uint2 v = *reinterpret_cast<const uint2*>(p + 8 * i);
+      w[2 * i] = v.x, w[2 * i + 1] = v.y;
     }
   } else {
-    static_assert(sizeof(T) == 1 && kE % 4 == 0, "byte-wide codes, whole 32-bit words per lane");
-    using D = device_type_t<T>;
-    std::uint32_t w[kE / 4];
-    if constexpr (kE % 8 == 0) {
 #pragma unroll
-      for (int i = 0; i < kE / 8; ++i) {
-        const uint2 v = *reinterpret_cast<const uint2*>(p + 8 * i);
-        w[2 * i] = v.x, w[2 * i + 1] = v.y;
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < kE / 4; ++i) w[i] = *reinterpret_cast<const std::uint32_t*>(p + 4 * i);
-    }
-    const D* c = reinterpret_cast<const D*>(w);
-#pragma unroll
-    for (int e = 0; e < kE; ++e) x[e] = dequant<T>(c[e], scale);
+    for (int i = 0; i < kE / 4; ++i) w[i] = *reinterpret_cast<const std::uint32_t*>(p + 4 * i);
   }
+  const D* c = reinterpret_cast<const D*>(w);
+#pragma unroll
+  for (int e = 0; e < kE; ++e) x[e] = dequant<T>(c[e], scale);
 }
 }  // namespace detail
 
@@ -480,6 +471,7 @@ __global__ void __launch_bounds__(Tune::kThreads)
   constexpr int kTile = Tune::kTileTokens;
   constexpr int kHP = Tune::kHeadsPerPassF32;
   constexpr int kE = D / 16;  // elements per lane
+  static_assert(kE % 4 == 0, "lanes load whole float4s (fp8: whole 32-bit words)");
 
   __shared__ float s_o[kWarps][kHP][D + 1];
   __shared__ float s_m[kWarps][kHP];
@@ -536,8 +528,18 @@ __global__ void __launch_bounds__(Tune::kThreads)
       const int tt = 2 * j + half;  // half-warp `half` takes token t0 + tt
       const std::int64_t off = __shfl_sync(0xffffffffu, my_off, tt) + hl * kE;
       float kx[kE], vx[kE];
-      detail::load_row_f32<kE>(kbase + off, ks, kx);
-      detail::load_row_f32<kE>(vbase + off, vs, vx);
+      if constexpr (std::is_same_v<T, float>) {
+#pragma unroll
+        for (int e = 0; e < kE; e += 4) {
+          const float4 k4 = *reinterpret_cast<const float4*>(kbase + off + e);
+          const float4 v4 = *reinterpret_cast<const float4*>(vbase + off + e);
+          kx[e] = k4.x, kx[e + 1] = k4.y, kx[e + 2] = k4.z, kx[e + 3] = k4.w;
+          vx[e] = v4.x, vx[e + 1] = v4.y, vx[e + 2] = v4.z, vx[e + 3] = v4.w;
+        }
+      } else {
+        detail::load_fp8_row<kE>(kbase + off, ks, kx);
+        detail::load_fp8_row<kE>(vbase + off, vs, vx);
+      }
       float s[kHP];
 #pragma unroll
       for (int h = 0; h < kHP; ++h) {

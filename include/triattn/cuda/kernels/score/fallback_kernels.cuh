@@ -325,7 +325,8 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 4>::kThreads, 
     }
 
     float kf[U][2 * P];  // the lane's pairs of U keys, widened once: (re, im) per pair
-    const float ks = kv_scale(view, row.l, KvKind::kKey, row.g);
+    float ks = 1.0f;  // fp8: the K scale of the row's layer and head (nothing read for the others)
+    if constexpr (is_scaled_dtype<T>) ks = kv_scale(view, row.l, KvKind::kKey, row.g);
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
