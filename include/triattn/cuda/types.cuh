@@ -53,17 +53,12 @@ __device__ __forceinline__ float kv_scale(const KvCacheView<T, Id>& view, int la
   if constexpr (is_scaled_dtype<T>) return view.scale(layer, kind, head);
   else return 1.0f;
 }
-/// dequant() of an element already widened to float (code value `x`).
-template <class T>
-__device__ __forceinline__ float dequant_scale(float x, float scale) {
-  if constexpr (is_scaled_dtype<T>) return x * scale;
-  else return x;
-}
 /// Value of element x of a cache of T under `scale` (core's dequantize): to_f32(x) * scale for
 /// scaled dtypes, to_f32(x) otherwise.
 template <class T, class D>
 __device__ __forceinline__ float dequant(D x, float scale) {
-  return dequant_scale<T>(to_f32(x), scale);
+  if constexpr (is_scaled_dtype<T>) return to_f32(x) * scale;
+  else return to_f32(x);
 }
 /// Stored element of value x under `scale` (core's quantize): from_f32(x / scale) for scaled
 /// dtypes (saturating), from_f32(x) otherwise.

@@ -29,10 +29,10 @@ struct ScoreShape {
   static constexpr int kQ = GMAX / 4;                // float4 per (pair, weight kind)
 };
 
-/// Re and Im of the lane's pair j, read from its raw words (see load order in load_key) and
-/// dequantised by the K scale (scaled dtypes only; `scale` is unused otherwise).
+/// Re and Im of the lane's pair j, read from its raw words (see load order in load_key); fp8:
+/// the codes' values, before the K scale (the callers multiply).
 template <class T, RopeStyle S, int P>
-__device__ __forceinline__ void pair_of(const std::uint32_t* words, int j, float scale, float& re, float& im) {
+__device__ __forceinline__ void pair_of(const std::uint32_t* words, int j, float& re, float& im) {
   if constexpr (S == RopeStyle::kHalf) {
     re = element<T>(words, j);      // first run: Re of pairs [iP, iP+P)
     im = element<T>(words, P + j);  // second run: Im of the same pairs
@@ -40,8 +40,6 @@ __device__ __forceinline__ void pair_of(const std::uint32_t* words, int j, float
     re = element<T>(words, 2 * j);
     im = element<T>(words, 2 * j + 1);
   }
-  re = dequant_scale<T>(re, scale);
-  im = dequant_scale<T>(im, scale);
 }
 
 /// Loads the lane's share of one key: half pairing, elements [iP, iP+P) and [F+iP, F+iP+P);
@@ -150,7 +148,8 @@ __device__ __forceinline__ void fold_mean_weights(float4* w_s, const ScoreModelV
 /// W_im·k_im + c·|k_j| over the lane's pairs, reduce-scattered over the key's lanes; one lane per
 /// (key, head) stores the score of keys below `len`. Both scorers share it, so their scores are
 /// bitwise the same.
-/// w_s: fold_mean_weights' layout. raw: [U][kWords] (load_tile_keys).
+/// w_s: fold_mean_weights' layout. raw: [U][kWords] (load_tile_keys). k_scale: the row's K scale
+/// (fp8; unused for the other dtypes).
 /// scores: [batch, L, Hq, max_len].
 template <class T, RopeStyle S, class Shape, int GMAX>
 __device__ __forceinline__ void mean_tile_scores(const float4* w_s,
@@ -181,7 +180,8 @@ __device__ __forceinline__ void mean_tile_scores(const float4* w_s,
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       float re, im;
-      pair_of<T, S, P>(raw[u], j, k_scale, re, im);
+      pair_of<T, S, P>(raw[u], j, re, im);
+      if constexpr (is_scaled_dtype<T>) re *= k_scale, im *= k_scale;
       const float sq = fmaf(re, re, fmaf(im, im, 1e-8f));
       const float nrm = pair_norm(sq);
 #pragma unroll
@@ -325,12 +325,17 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 4>::kThreads, 
     }
 
     float kf[U][2 * P];  // the lane's pairs of U keys, widened once: (re, im) per pair
-    float ks = 1.0f;  // fp8: the K scale of the row's layer and head (nothing read for the others)
-    if constexpr (is_scaled_dtype<T>) ks = kv_scale(view, row.l, KvKind::kKey, row.g);
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
-      for (int j = 0; j < P; ++j) detail::pair_of<T, S, P>(raw[u], j, ks, kf[u][2 * j], kf[u][2 * j + 1]);
+      for (int j = 0; j < P; ++j) detail::pair_of<T, S, P>(raw[u], j, kf[u][2 * j], kf[u][2 * j + 1]);
+    if constexpr (is_scaled_dtype<T>) {  // fp8: the values, code times the K scale of the row's layer and head
+      const float ks = kv_scale(view, row.l, KvKind::kKey, row.g);
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int e = 0; e < 2 * P; ++e) kf[u][e] *= ks;
+    }
     // Norm term Σ_f c_f·|K_f|, reduced like the dot products.
     float mlr[U][GMAX];
 #pragma unroll
