@@ -2,7 +2,8 @@
 # Compares the SASS of two `cuobjdump -sass` listings kernel by kernel (addresses and encodings
 # stripped), mapping the production kernels' names at 69ce588 to today's (variant template
 # arguments dropped, the parallel combine renamed; tuning-policy template arguments dropped on both
-# sides). Prints IDENTICAL / DIFFERENT per kernel.
+# sides; decode_attention_f32_kernel's trailing cache type float, which fp8 added, dropped).
+# Prints IDENTICAL / DIFFERENT per kernel.
 #   benchmarks/sass_diff.py [--same-names] BASE.sass HEAD.sass [NAME_SUBSTRING [LINES]]
 # (last two: show a diff; --same-names: BASE is a later commit than 69ce588, no renames to map)
 # benchmarks/build_cost.sh writes such listings when cuobjdump (and nvdisasm) are on PATH.
@@ -32,6 +33,7 @@ def canon(d, is_base=False):
         d = d.replace('decode_attention_combine_kernel<', 'decode_attention_combine_serial_kernel<')
         d = d.replace('decode_attention_combine_fast_kernel', 'decode_attention_combine_kernel')
     d = re.sub(r'(decode_attention_mma_pipe_kernel<[^>]*?), false, false>', r'\1>', d)
+    d = re.sub(r'(decode_attention_f32_kernel<\d+, \w+, float), float>', r'\1>', d)  # cache type T = float
     d = re.sub(r'(score_mean_mma_kernel<.*?, true, 2), 8, 0>', r'\1>', d)
     d = re.sub(r'(score_max_mma_pipe_kernel<.*?, 8, 2, 1, (true|false)), 2, 32, true>', r'\1, 32>', d)
     d = d.split('>(')[0] + '>'  # parameter list

@@ -93,8 +93,8 @@ using GpuPrefixTriCache = triattn::KvCache<GpuPrefixAllocator, triattn::cuda::De
 class CudaBackend {
  public:
   static constexpr const char* kName = "cuda";
-  /// Cache dtypes its kernels load (fp8 is refused until they take it).
-  using kv_storage_types = triattn::device_storage_types;
+  /// Cache dtypes it runs on (fp8 is refused by name, see cuda_detail::kv_storage_types).
+  using kv_storage_types = cuda_detail::kv_storage_types;
   using Options = CudaBackendOptions;
 
   /// Device activation buffer of n floats (shared ownership: Model keeps copies in members).

@@ -303,10 +303,14 @@ triattn::KvCacheView<T, std::int32_t> typed_view(const triattn::KvCacheView<floa
   return std::bit_cast<triattn::KvCacheView<T, std::int32_t>>(v);
 }
 
+/// Cache dtypes the CUDA backend runs on (CudaBackend::kv_storage_types): fp8 is refused by name
+/// until its attention takes float queries and its appends quantise (the kernels load fp8).
+using kv_storage_types = triattn::unscaled_storage_types;
+
 /// Calls f(type_identity<storage T>, type_identity<device T>) for a cache dtype.
 template <class F>
 void dispatch_cache_type(triattn::DType dt, F&& f) {
-  triattn::cuda::dispatch_dtype(dt, "the reference transformer's CudaBackend", [&](auto tag) {
+  triattn::cuda::dispatch_dtype(kv_storage_types{}, dt, "the reference transformer's CudaBackend", [&](auto tag) {
     using T = typename decltype(tag)::type;
     f(tag, std::type_identity<triattn::cuda::device_type_t<T>>{});
   });

@@ -114,7 +114,8 @@ void run_round(DType dtype, const ViewParts& parts, const DeviceModel* model, co
     cuda::paged_round(view, model->scorer.device_model(), params, trigger, batch, out, workspace, workspace_bytes,
                       reinterpret_cast<cudaStream_t>(stream));
   };
-  triattn::cuda::dispatch_dtype(dtype, "paged_round", go);
+  // The engine-layout views built here carry no fp8 scales yet: fp8 is refused by name.
+  triattn::cuda::dispatch_dtype(unscaled_storage_types{}, dtype, "the Python CUDA round", go);
 }
 
 }  // namespace triattn::python::cuda_glue

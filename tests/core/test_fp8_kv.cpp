@@ -300,15 +300,17 @@ TEST_CASE("fp8 KV: scales are checked and only fp8 takes them") {
   CHECK(KvCacheView<F8>{}.scale(3, KvKind::kKey, 9) == 1.0f);
 }
 
-TEST_CASE("fp8 KV: paths the GPU kernels cannot take yet refuse fp8 naming the dtype and the operation") {
+TEST_CASE("fp8 KV: paths that take no scales yet refuse fp8 naming the dtype and the operation") {
   bool called = false;
   CHECK_THROWS_WITH_AS(
-      dispatch_dtype_in(device_storage_types{}, DType::kFP8E4M3, "decode attention on the GPU", [&](auto) { called = true; }),
-      "triattn: fp8_e4m3 KV is not supported by decode attention on the GPU yet", unsupported);
+      dispatch_dtype_in(unscaled_storage_types{}, DType::kFP8E4M3, "the Python CUDA round on the GPU", [&](auto) { called = true; }),
+      "triattn: fp8_e4m3 KV is not supported by the Python CUDA round on the GPU yet", unsupported);
   CHECK_FALSE(called);
   // the host dispatch reaches every dtype, fp8 included
   CHECK(dispatch_dtype(DType::kFP8E4M3, [](auto t) { return sizeof(typename decltype(t)::type); }) == 1);
-  CHECK(dispatch_dtype_in(device_storage_types{}, DType::kBF16, "x", [](auto t) { return dtype_of<typename decltype(t)::type>; }) ==
+  CHECK(dispatch_dtype_in(device_storage_types{}, DType::kFP8E4M3, "x", [](auto t) { return dtype_of<typename decltype(t)::type>; }) ==
+        DType::kFP8E4M3);
+  CHECK(dispatch_dtype_in(unscaled_storage_types{}, DType::kBF16, "x", [](auto t) { return dtype_of<typename decltype(t)::type>; }) ==
         DType::kBF16);
   CHECK_THROWS_WITH_AS(dispatch_dtype(static_cast<DType>(9), [](auto) {}), doctest::Contains("dtype 9 not supported"),
                        unsupported);

@@ -135,7 +135,7 @@ void require_bitwise_equal(const std::vector<T>& got, const std::vector<T>& want
 }
 
 /// A paged cache with random contents and shuffled block tables, on the host (the reference's
-/// copy) and on the device.
+/// copy) and on the device; fp8 caches get random per-head K and V scales in both views.
 template <class T>
 struct PagedFixture {
   BlockLayout block{};
@@ -146,8 +146,10 @@ struct PagedFixture {
   std::vector<T> pool;                 // [2 * num_layers, num_blocks * block_elems]
   std::vector<std::int32_t> tables;    // [max_seqs, max_blocks_per_seq], -1 padded
   std::vector<std::int32_t> lens;      // [max_seqs]
+  std::vector<float> scales;           // fp8: [num_layers, 2 (K, V), kv_heads] in [0.25, 4]; else empty
   DeviceBuffer<T> d_pool;
   DeviceBuffer<std::int32_t> d_tables, d_lens;
+  DeviceBuffer<float> d_scales;
 
   /// capacity[s] tokens of room for sequence s (its blocks), current length lens0[s] <= capacity[s].
   PagedFixture(std::mt19937_64& rng, KvLayout layout, int block_size, int kv_heads, int head_dim, int layers,
@@ -177,18 +179,24 @@ struct PagedFixture {
     d_pool = DeviceBuffer<T>(pool);
     d_tables = DeviceBuffer<std::int32_t>(tables);
     d_lens = DeviceBuffer<std::int32_t>(lens);
+    if constexpr (is_scaled_dtype<T>) {  // per (layer, kind, head), so a kernel reading another's fails
+      std::uniform_real_distribution<float> sd(0.25f, 4.0f);
+      scales.resize(static_cast<std::size_t>(2 * num_layers * kv_heads));
+      for (float& x : scales) x = sd(rng);
+      d_scales = DeviceBuffer<float>(scales);
+    }
   }
 
   [[nodiscard]] std::int64_t range_stride() const noexcept { return static_cast<std::int64_t>(num_blocks) * block.block_elems(); }
   /// View of the host copy (host tables).
   [[nodiscard]] KvCacheView<T, std::int32_t> host_view() {
     return KvCacheView<T, std::int32_t>::contiguous(pool.data(), range_stride(), block, num_layers, num_blocks, max_seqs, max_blocks_per_seq, tables.data(),
-            lens.data());
+            lens.data()).with_scales(scales.empty() ? nullptr : scales.data(), block.num_kv_heads);
   }
   /// View of the device copy (device tables and lengths).
   [[nodiscard]] KvCacheView<T, std::int32_t> device_view() const {
     return KvCacheView<T, std::int32_t>::contiguous(d_pool.get(), range_stride(), block, num_layers, num_blocks, max_seqs, max_blocks_per_seq, d_tables.get(),
-            d_lens.get());
+            d_lens.get()).with_scales(scales.empty() ? nullptr : d_scales.get(), block.num_kv_heads);
   }
   void sync_lens_to_device() { d_lens.upload(lens); }
   /// Sets the head vectors of slots [first, first + n) of `seq` (all layers, kinds, heads) to

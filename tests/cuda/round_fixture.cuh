@@ -62,7 +62,9 @@ struct RoundFixture {
   std::vector<int> seq_ids, tables, seq_lens;
   std::vector<std::int64_t> t0;
   std::vector<T> data;  // [2L, num_blocks, block elems] original contents
+  std::vector<float> scales;  // fp8: [L, 2 (K, V), Hkv] per-head scales; else empty
   test::DeviceBuffer<T> d_data;
+  test::DeviceBuffer<float> d_scales;
   test::DeviceBuffer<int> d_tables, d_lens, d_seq_ids, d_prompts;
   test::DeviceBuffer<std::int64_t> d_t0;
   test::DeviceBuffer<std::int32_t> d_kept, d_keep;
@@ -129,16 +131,24 @@ struct RoundFixture {
     d_keep.reset(batch);
     ws_bytes = cuda::compression_round::workspace_size(shape(), c.sp.mode, batch, max_len);
     d_ws.reset(ws_bytes);
+    if constexpr (is_scaled_dtype<T>) {  // distinct per (layer, kind, head): reading another head's fails
+      std::uniform_real_distribution<float> u(0.25f, 4.0f);
+      scales.resize(static_cast<std::size_t>(2 * c.L * c.Hkv));
+      for (float& x : scales) x = u(rng);
+      d_scales = test::DeviceBuffer<float>(scales);
+    }
   }
 
   BlockLayout block() const { return BlockLayout{c.layout, c.bs, c.Hkv, c.d}; }
   std::int64_t range_stride() const { return static_cast<std::int64_t>(num_blocks) * block().block_elems(); }
   cuda::RoundShape shape() const { return {c.L, c.Hq, c.Hkv}; }
   KvCacheView<T, int> host_view(T* d) {
-    return KvCacheView<T, int>::contiguous(d, range_stride(), block(), c.L, num_blocks, max_seqs, max_blocks, tables.data(), seq_lens.data());
+    return KvCacheView<T, int>::contiguous(d, range_stride(), block(), c.L, num_blocks, max_seqs, max_blocks, tables.data(), seq_lens.data())
+        .with_scales(scales.empty() ? nullptr : scales.data(), c.Hkv);
   }
   KvCacheView<T, int> device_view() const {
-    return KvCacheView<T, int>::contiguous(d_data.get(), range_stride(), block(), c.L, num_blocks, max_seqs, max_blocks, d_tables.get(), d_lens.get());
+    return KvCacheView<T, int>::contiguous(d_data.get(), range_stride(), block(), c.L, num_blocks, max_seqs, max_blocks, d_tables.get(), d_lens.get())
+        .with_scales(scales.empty() ? nullptr : d_scales.get(), c.Hkv);
   }
   cuda::RoundBatch round_batch() const { return {d_seq_ids.get(), d_t0.get(), d_prompts.get(), batch, max_len}; }
   cuda::DeviceKeepPlanView plan() const { return {d_kept.get(), d_keep.get(), max_keep}; }

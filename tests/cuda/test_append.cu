@@ -1,10 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // cuda::append vs ref::append, bitwise: every page size in {1, 7, 16, 64}, both layouts, head_dim
-// 64 and 128, fp32/fp16/bf16, shuffled block tables, several sequences of different lengths,
-// -1 padding slots, one layer and all layers per launch. The whole pool is compared, so stray
-// writes fail too; target slots are poisoned (NaN) before the launch, so missed writes fail.
+// 64 and 128, fp32/fp16/bf16/fp8, shuffled block tables, several sequences of different lengths,
+// -1 padding slots, one layer and all layers per launch; and the quantising append (float in,
+// fp8 with per-head scales and saturation) vs host::append_values. The whole pool is compared, so
+// stray writes fail too; target slots are poisoned (NaN) before the launch, so missed writes fail.
 #include "cuda_test_utils.cuh"
 
+#include <triattn/core/host_kv_ops.hpp>
 #include <triattn/core/ref/compact.hpp>
 #include <triattn/cuda/algorithms/append.cuh>
 
@@ -43,7 +45,7 @@ TEST_CASE("append: argument checks (no device needed)") {
 
 TEST_SUITE("gpu") {
   TEST_CASE_TEMPLATE("append: prefill of several sequences through a slot mapping - all layers in one launch", T, float,
-                     f16_storage, bf16_storage) {
+                     f16_storage, bf16_storage, fp8_e4m3_storage) {
     test::require_device();
     const std::uint64_t seed = test::test_seed();
     MESSAGE("seed = ", seed, " (set TRIATTN_TEST_SEED to replay)");
@@ -108,7 +110,7 @@ TEST_SUITE("gpu") {
   }
 
   TEST_CASE_TEMPLATE("append: decode - one token per sequence at its last slot (device tables)", T, float, f16_storage,
-                     bf16_storage) {
+                     bf16_storage, fp8_e4m3_storage) {
     test::require_device();
     const std::uint64_t seed = test::test_seed();
     MESSAGE("seed = ", seed);
@@ -155,7 +157,7 @@ TEST_SUITE("gpu") {
   }
 
   TEST_CASE_TEMPLATE("append: one sequence and one layer from strided input (contiguous slots via device tables)", T, float,
-                     f16_storage, bf16_storage) {
+                     f16_storage, bf16_storage, fp8_e4m3_storage) {
     test::require_device();
     const std::uint64_t seed = test::test_seed();
     MESSAGE("seed = ", seed);
@@ -195,6 +197,45 @@ TEST_SUITE("gpu") {
           TRIATTN_TEST_CUDA(cuda::append::run(f.device_view(), p, nullptr));
           TRIATTN_TEST_CUDA(cudaDeviceSynchronize());
           test::require_bitwise_equal(f.d_pool.download(), f.pool, "cache pool after contiguous append");
+        }
+  }
+  TEST_CASE_TEMPLATE("append: float K and V quantised to the cache's dtype (fp8 - x over its head's scale - saturating)", T,
+                     f16_storage, bf16_storage, fp8_e4m3_storage) {
+    test::require_device();
+    const std::uint64_t seed = test::test_seed();
+    MESSAGE("seed = ", seed);
+    std::mt19937_64 rng(seed ^ test::dtype_salt<T>() ^ 3);
+    for (int bs : test::kPageSizes)
+      for (KvLayout layout : test::kLayouts)
+        for (int d : test::kHeadDims) {
+          CAPTURE(seed);
+          CAPTURE(bs);
+          CAPTURE(layout_name(layout));
+          CAPTURE(d);
+          const int layers = 2, heads = 3;
+          const int len0 = std::uniform_int_distribution<int>(0, 40)(rng);
+          const int n = std::uniform_int_distribution<int>(1, 90)(rng);
+          PagedFixture<T> f(rng, layout, bs, heads, d, layers, {20, len0 + n}, {20, len0});
+          const std::size_t per_tok = static_cast<std::size_t>(heads) * d;
+          auto k = test::random_values<float>(rng, layers * n * per_tok, 4.0f);
+          auto v = test::random_values<float>(rng, layers * n * per_tok, 4.0f);
+          for (std::size_t i = 0; i < k.size(); i += 7) k[i] *= 300.0f, v[i] *= 300.0f;  // past fp8's 448 * scale
+          const int seq = 1;
+          std::vector<std::int64_t> slots(static_cast<std::size_t>(n));
+          const std::span<const std::int32_t> row(f.tables.data() + static_cast<std::size_t>(seq) * f.max_blocks_per_seq,
+                                                  static_cast<std::size_t>(f.max_blocks_per_seq));
+          REQUIRE(cuda::append::host_slot_mapping(row, bs, len0, n, slots.data()));
+          f.poison_slots(seq, len0, n);
+          f.upload_pool();
+          auto hv = f.host_view();
+          for (int l = 0; l < layers; ++l)
+            host::append_values(hv, seq, l, len0, k.data() + l * n * per_tok, v.data() + l * n * per_tok, n);
+          DeviceBuffer<float> dk(k), dv(v);
+          DeviceBuffer<std::int64_t> dslots(slots);
+          TRIATTN_TEST_CUDA(
+              cuda::append::run_slots(f.device_view(), 0, layers, dk.get(), dv.get(), dslots.get(), n, nullptr));
+          TRIATTN_TEST_CUDA(cudaDeviceSynchronize());
+          test::require_bitwise_equal(f.d_pool.download(), f.pool, "cache pool after the quantising append");
         }
   }
 }

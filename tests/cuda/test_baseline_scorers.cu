@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // GPU tests of the baseline scorer kernels (key norm, SnapKV) against their CPU references
 // (core/ref/baseline_scores.hpp) on fresh random inputs: a batch of three sequences in a shuffled
-// page table, page sizes {1, 7, 16}, both layouts, head_dim {64, 128}, fp32/fp16/bf16. Outputs
+// page table, page sizes {1, 7, 16}, both layouts, head_dim {64, 128}, fp32/fp16/bf16/fp8 (per-head
+// K scales; the reference scores the dequantised keys). Outputs
 // are poisoned with NaN first: an unwritten score fails the normalised-error check, and the slots
 // past each length must still hold the poison. Launcher argument checks (no GPU needed) are in
 // the "scorers" suite.
@@ -88,6 +89,8 @@ struct PagedStore {
   std::vector<int> tables;   // [kSeqs, max_blocks], -1 padded
   DeviceBuffer<T> d_data;
   DeviceBuffer<int> d_tables, d_lens;
+  std::vector<float> scales;  // fp8: [L, 2 (K, V), hkv] per-head scales; else empty
+  DeviceBuffer<float> d_scales;
 
   PagedStore(int layers, int kv_heads, int head_dim, int block_size, KvLayout layout, std::vector<int> lens,
              std::mt19937& rng)
@@ -96,23 +99,24 @@ struct PagedStore {
         range_stride(block.block_elems() * num_blocks + 64),
         data(static_cast<std::size_t>(2 * L) * static_cast<std::size_t>(range_stride)),
         tables(static_cast<std::size_t>(kSeqs) * max_blocks, -1), d_data(fill(data, rng)), d_tables(make_tables(rng)),
-        d_lens(lengths) {}
+        d_lens(lengths), scales(make_scales(rng)), d_scales(scales) {}
 
   [[nodiscard]] KvCacheView<T, int> host_view() const {
     return KvCacheView<T, int>::contiguous(const_cast<T*>(data.data()), range_stride, block, L, num_blocks, kSeqs, max_blocks, tables.data(),
-            lengths.data());
+            lengths.data()).with_scales(scales.empty() ? nullptr : scales.data(), hkv);
   }
   [[nodiscard]] KvCacheView<T, int> device_view() const {
-    return KvCacheView<T, int>::contiguous(d_data.get(), range_stride, block, L, num_blocks, kSeqs, max_blocks, d_tables.get(), d_lens.get());
+    return KvCacheView<T, int>::contiguous(d_data.get(), range_stride, block, L, num_blocks, kSeqs, max_blocks, d_tables.get(), d_lens.get())
+        .with_scales(scales.empty() ? nullptr : d_scales.get(), hkv);
   }
-  /// Keys of (seq, layer, KV head) widened to float: [length, d].
+  /// Keys of (seq, layer, KV head) as values (fp8: code times its head's scale): [length, d].
   [[nodiscard]] std::vector<float> keys(int seq, int l, int g) const {
     const auto v = host_view();
     const int n = lengths[static_cast<std::size_t>(seq)];
     std::vector<float> k(static_cast<std::size_t>(n) * d);
     for (int j = 0; j < n; ++j) {
       const T* src = v.token(l, KvKind::kKey, seq, j, g);
-      for (int e = 0; e < d; ++e) k[static_cast<std::size_t>(j) * d + e] = to_float(src[e]);
+      for (int e = 0; e < d; ++e) k[static_cast<std::size_t>(j) * d + e] = dequantize(src[e], v.scale(l, KvKind::kKey, g));
     }
     return k;
   }
@@ -127,6 +131,18 @@ struct PagedStore {
     std::normal_distribution<float> nd(0.0f, 1.0f);
     for (T& x : v) x = from_float<T>(nd(rng));
     return v;
+  }
+  // Distinct per (layer, kind, head), so a kernel reading another head's scale fails.
+  std::vector<float> make_scales(std::mt19937& rng) const {
+    std::vector<float> sc;
+    if constexpr (is_scaled_dtype<T>) {
+      std::uniform_real_distribution<float> u(0.25f, 4.0f);
+      sc.resize(static_cast<std::size_t>(2 * L * hkv));
+      for (float& x : sc) x = u(rng);
+    } else {
+      (void)rng;
+    }
+    return sc;
   }
   const std::vector<int>& make_tables(std::mt19937& rng) {
     std::vector<int> ids(static_cast<std::size_t>(num_blocks));
@@ -187,12 +203,14 @@ void check_rows(const std::vector<float>& got, const std::vector<float>& want, c
 const char* type_name(float) { return "float32"; }
 const char* type_name(f16_storage) { return "float16"; }
 const char* type_name(bf16_storage) { return "bfloat16"; }
+const char* type_name(fp8_e4m3_storage) { return "fp8_e4m3"; }
 
 }  // namespace
 
 TEST_SUITE("gpu") {
 
-TEST_CASE_TEMPLATE("key-norm kernel matches ref::key_norm_scores", T, float, f16_storage, bf16_storage) {
+TEST_CASE_TEMPLATE("key-norm kernel matches ref::key_norm_scores", T, float, f16_storage, bf16_storage,
+                   fp8_e4m3_storage) {
   const int L = 3, hkv = 2, hq = 6;
   const std::vector<std::vector<int>> length_sets = {{37, 700, 1}, {0, 16, 129}};
   std::uint32_t seed = 1000;
@@ -233,7 +251,7 @@ TEST_CASE_TEMPLATE("key-norm kernel matches ref::key_norm_scores", T, float, f16
         }
 }
 
-TEST_CASE_TEMPLATE("SnapKV kernels match ref::snapkv_scores", T, float, f16_storage, bf16_storage) {
+TEST_CASE_TEMPLATE("SnapKV kernels match ref::snapkv_scores", T, float, f16_storage, bf16_storage, fp8_e4m3_storage) {
   struct Config {
     int n, pool;
     std::vector<int> lengths;

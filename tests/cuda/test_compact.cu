@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // cuda::compact vs ref::compact, bitwise, over a batch of sequences in one launch: page sizes
-// {1, 7, 16, 64}, both layouts, head_dim 64 and 128, fp32/fp16/bf16, shuffled block tables.
+// {1, 7, 16, 64}, both layouts, head_dim 64 and 128, fp32/fp16/bf16/fp8, shuffled block tables.
 // Plans include the adversarial in-place patterns (keep every other, keep the last half, keep
 // all but the first, random subsets, identity) on rows long enough for many chunks; the whole
 // pool is compared, so a read-after-write race or a stray write fails. The same binary under
@@ -121,7 +121,7 @@ TEST_CASE("compact: argument checks (no device needed)") {
 
 TEST_SUITE("gpu") {
   TEST_CASE_TEMPLATE("compact: batch of sequences with adversarial and random plans in one launch", T, float, f16_storage,
-                     bf16_storage) {
+                     bf16_storage, fp8_e4m3_storage) {
     test::require_device();
     const std::uint64_t seed = test::test_seed();
     MESSAGE("seed = ", seed, " (set TRIATTN_TEST_SEED to replay)");

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // A whole device compression round (cuda::compression_round::run: score → normalise → reduce →
-// select → compact) on a batch of sequences in a randomised paged cache, against the CPU:
+// select → compact) on a batch of sequences in a randomised paged cache (fp8: per-head K scales,
+// the reference scores the dequantised keys), against the CPU:
 //   * the GPU's raw scores match ref::score_sequence (normalised error <= 1e-5) and the round's
 //     own copy is bitwise the same (the scorer is deterministic),
 //   * its keep plan equals ref::select_keep run on the same (GPU-produced) scores, row by row,
@@ -50,7 +51,7 @@ void check_round(const RoundCase& rc, std::uint32_t seed) {
         f.scorer->model(), f.t0[b],
         [&](int l, int g, int j) -> const float* {
           const T* k = orig_view.token(l, KvKind::kKey, seq, j, g);
-          for (int e = 0; e < c.d; ++e) key[e] = to_float(k[e]);
+          for (int e = 0; e < c.d; ++e) key[e] = dequantize(k[e], orig_view.scale(l, KvKind::kKey, g));
           return key.data();
         },
         T_, want.data());
@@ -107,7 +108,7 @@ SelectionParams sel(int budget, PruningMode mode, PromptMode prompt, int sink, i
 
 TEST_SUITE("gpu") {
   TEST_CASE_TEMPLATE("compression round: plan and compacted cache match the CPU in every mode", T, float, f16_storage,
-                     bf16_storage) {
+                     bf16_storage, fp8_e4m3_storage) {
     triattn::test::require_device();
     const std::uint32_t seed = test::fresh_seed32();
     int combo = 0;

@@ -1,10 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // cuda::decode_attention vs ref::attention: page sizes {1, 7, 16, 64}, both layouts, head_dim 64
-// and 128, fp32/fp16/bf16, GQA groups 1, 4 and 12 (12 needs two passes of 8 heads), lengths
+// and 128, fp32/fp16/bf16/fp8 (per-head K and V scales, float queries), GQA groups 1, 4 and 12 (12 needs two passes of 8 heads), lengths
 // 0, 1, 15, 16, 17 and random, sequences picked through seq_ids, and plans with one split, the
 // device's own choice, many splits and an odd split length. Outputs and the workspace are
 // poisoned (NaN) before each launch.
-// Bound: ||out - ref|| / ||ref|| <= 1e-5 (fp32), 1e-3 (16-bit caches, float out), plus the
+// Bound: ||out - ref|| / ||ref|| <= 1e-5 (fp32, fp8), 1e-3 (16-bit caches, float out), plus the
 // output's own rounding for 16-bit outputs.
 #include "cuda_test_utils.cuh"
 
@@ -35,9 +35,10 @@ double rel_error(const std::vector<O>& got, const std::vector<float>& want) {
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
+/// fp8 caches run the fp32 kernel on the same dequantised values as the reference: fp32's bound.
 template <class T>
 double tolerance(bool out_is_t) {
-  const double kernel = std::is_same_v<T, float> ? 1e-5 : 1e-3;
+  const double kernel = std::is_same_v<T, float> || is_scaled_dtype<T> ? 1e-5 : 1e-3;
   if (!out_is_t || std::is_same_v<T, float>) return kernel;
   return kernel + (std::is_same_v<T, bf16_storage> ? 0x1p-8 : 0x1p-11);  // the output's own rounding
 }
@@ -45,7 +46,7 @@ double tolerance(bool out_is_t) {
 /// Runs `plan` and checks the output.
 template <class T, class O>
 void run_and_check(const PagedFixture<T>& f, const cuda::DecodeAttentionPlan& plan, int layer,
-                   const DeviceBuffer<T>& dq, const DeviceBuffer<std::int32_t>* dids, int batch, int hq, float scale,
+                   const DeviceBuffer<cuda::query_type_t<T>>& dq, const DeviceBuffer<std::int32_t>* dids, int batch, int hq, float scale,
                    const std::vector<float>& want) {
   const int d = f.block.head_dim;
   DeviceBuffer<O> out(static_cast<std::size_t>(batch) * hq * d);
@@ -95,7 +96,8 @@ TEST_CASE("decode_attention: plan and workspace arithmetic (no device needed)") 
 }
 
 TEST_SUITE("gpu") {
-  TEST_CASE_TEMPLATE("decode_attention: paged GQA decode vs ref::attention", T, float, f16_storage, bf16_storage) {
+  TEST_CASE_TEMPLATE("decode_attention: paged GQA decode vs ref::attention", T, float, f16_storage, bf16_storage,
+                     fp8_e4m3_storage) {
     test::require_device();
     const std::uint64_t seed = test::test_seed();
     MESSAGE("seed = ", seed, " (set TRIATTN_TEST_SEED to replay)");
@@ -118,13 +120,13 @@ TEST_SUITE("gpu") {
             std::iota(ids.begin(), ids.end(), 0);
             std::shuffle(ids.begin(), ids.end(), rng);
             const int batch = static_cast<int>(ids.size());
-            const auto q = test::random_values<T>(rng, static_cast<std::size_t>(batch) * hq * d, 2.0f);
+            const auto q = test::random_values<cuda::query_type_t<T>>(rng, static_cast<std::size_t>(batch) * hq * d, 2.0f);
             const float scale = ref::default_sm_scale(d);
             std::vector<float> want(q.size());
             const std::vector<int> seqs(ids.begin(), ids.end());
             ref::attention(f.host_view(), layer, std::span<const int>(seqs), q.data(), hq, want.data(), scale);
 
-            DeviceBuffer<T> dq(q);
+            DeviceBuffer<cuda::query_type_t<T>> dq(q);
             DeviceBuffer<std::int32_t> dids(ids);
             const int max_len = *std::max_element(lens.begin(), lens.end());
             int resident = 0;
@@ -146,12 +148,13 @@ TEST_SUITE("gpu") {
             plans.push_back(forced);
             for (const auto& plan : plans) {
               run_and_check<T, float>(f, plan, layer, dq, &dids, batch, hq, scale, want);
-              run_and_check<T, T>(f, plan, layer, dq, &dids, batch, hq, scale, want);
+              if constexpr (!is_scaled_dtype<T>) run_and_check<T, T>(f, plan, layer, dq, &dids, batch, hq, scale, want);
             }
           }
   }
 
-  TEST_CASE_TEMPLATE("decode_attention: null seq_ids with peaked softmax and a long sequence", T, float, bf16_storage) {
+  TEST_CASE_TEMPLATE("decode_attention: null seq_ids with peaked softmax and a long sequence", T, float, bf16_storage,
+                     fp8_e4m3_storage) {
     test::require_device();
     const std::uint64_t seed = test::test_seed();
     MESSAGE("seed = ", seed);
@@ -160,12 +163,12 @@ TEST_SUITE("gpu") {
     const std::vector<int> lens{5000, 3, 1200};
     PagedFixture<T> f(rng, KvLayout::kNHD, 16, hkv, d, 1, lens, lens);
     const int batch = 3;
-    const auto q = test::random_values<T>(rng, static_cast<std::size_t>(batch) * hq * d, 8.0f);  // large logits
+    const auto q = test::random_values<cuda::query_type_t<T>>(rng, static_cast<std::size_t>(batch) * hq * d, 8.0f);  // large logits
     const float scale = ref::default_sm_scale(d);
     std::vector<float> want(q.size());
     const std::vector<int> seqs{0, 1, 2};
     ref::attention(f.host_view(), 0, std::span<const int>(seqs), q.data(), hq, want.data(), scale);
-    DeviceBuffer<T> dq(q);
+    DeviceBuffer<cuda::query_type_t<T>> dq(q);
     int resident = 0;
     TRIATTN_TEST_CUDA(cuda::decode_attention::resident_ctas<T>(d, &resident));
     auto plan = cuda::decode_attention::make_plan(dtype_of<T>, batch, hkv, group, 5000, resident);
@@ -191,7 +194,7 @@ TEST_SUITE("gpu") {
     std::vector<float> want(q.size());
     const std::vector<int> seqs{0, 1};
     ref::attention(f.host_view(), 0, std::span<const int>(seqs), q.data(), hq, want.data(), scale);
-    DeviceBuffer<T> dq(q);
+    DeviceBuffer<cuda::query_type_t<T>> dq(q);
     cudaStream_t stream;
     TRIATTN_TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     {

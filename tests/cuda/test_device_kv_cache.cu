@@ -50,6 +50,14 @@ static_assert(!cuda::DeviceRoundCache<KvCache<StaticAllocator<cuda::DeviceBacken
 using HostCache = KvCache<>;
 using DevCache = KvCache<StaticAllocator<cuda::DeviceBackend>, cuda::DeviceCompactor>;
 
+/// fp8 configs: per-head K and V scales, distinct per (layer, kind, head); other dtypes: none.
+void set_test_scales(CacheConfig& cfg) {
+  cfg.kv_scales.clear();
+  if (cfg.dtype != DType::kFP8E4M3) return;
+  cfg.kv_scales.resize(static_cast<std::size_t>(cfg.model.num_layers) * 2 * cfg.model.num_kv_heads);
+  for (std::size_t i = 0; i < cfg.kv_scales.size(); ++i) cfg.kv_scales[i] = 0.5f + 0.125f * static_cast<float>(i * 5 % 13);
+}
+
 CacheConfig make_config(DType dtype, KvLayout layout) {
   CacheConfig cfg;
   cfg.model = ModelGeometry{3, 8, 2, 128};
@@ -59,6 +67,7 @@ CacheConfig make_config(DType dtype, KvLayout layout) {
   cfg.max_blocks_per_seq = 30;
   cfg.layout = layout;
   cfg.dtype = dtype;
+  set_test_scales(cfg);
   return cfg;
 }
 
@@ -153,15 +162,14 @@ TEST_CASE("tuning: sm_90's policies are selected and another architecture is ref
   CHECK_THROWS_WITH_AS(cuda::tuning::require_arch(0, 10, 0), doctest::Contains("compute capability 10.0"), unsupported);
 }
 
-TEST_CASE("device kv cache: fp8 KV is refused by name until the kernels load it (no device needed)") {
-  // The configuration is checked before the pool is allocated: no CUDA call happens.
-  CacheConfig cfg = make_config(DType::kFP8E4M3, KvLayout::kNHD);
-  CHECK_THROWS_WITH_AS(DevCache{cfg}, "triattn: fp8_e4m3 KV is not supported by KvCache on the GPU yet", unsupported);
-  bool called = false;
-  CHECK_THROWS_WITH_AS(cuda::dispatch_dtype(DType::kFP8E4M3, "decode attention", [&](auto) { called = true; }),
-                       "triattn: fp8_e4m3 KV is not supported by decode attention on the GPU yet", unsupported);
-  CHECK_FALSE(called);
+TEST_CASE("device dtype dispatch: fp8 reaches the kernels and paths without scales refuse it by name (no device needed)") {
+  CHECK(cuda::dispatch_dtype(DType::kFP8E4M3, [](auto t) { return sizeof(cuda::device_type_t<typename decltype(t)::type>); }) == 1);
   CHECK(cuda::dispatch_dtype(DType::kBF16, [](auto t) { return sizeof(cuda::device_type_t<typename decltype(t)::type>); }) == 2);
+  bool called = false;
+  CHECK_THROWS_WITH_AS(
+      cuda::dispatch_dtype(unscaled_storage_types{}, DType::kFP8E4M3, "the Python CUDA round", [&](auto) { called = true; }),
+      "triattn: fp8_e4m3 KV is not supported by the Python CUDA round on the GPU yet", unsupported);
+  CHECK_FALSE(called);
 }
 
 TEST_SUITE("gpu") {
@@ -215,7 +223,7 @@ TEST_SUITE("gpu") {
   }
 
   TEST_CASE_TEMPLATE("device kv cache: StaticAllocator<DeviceBackend> with DeviceCompactor matches the host cache",
-                     T, float, bf16_storage) {
+                     T, float, bf16_storage, fp8_e4m3_storage) {
     test::require_device();
     const std::uint64_t seed = test::test_seed();
     MESSAGE("seed = ", seed, " (set TRIATTN_TEST_SEED to replay)");
@@ -272,7 +280,7 @@ TEST_SUITE("gpu") {
   }
 
   TEST_CASE_TEMPLATE("device kv cache: DeviceKvCache with published tables - append_tokens then compaction then attention", T,
-                     float, bf16_storage) {
+                     float, bf16_storage, fp8_e4m3_storage) {
     test::require_device();
     const std::uint64_t seed = test::test_seed();
     MESSAGE("seed = ", seed);
@@ -281,11 +289,19 @@ TEST_SUITE("gpu") {
     HostCache host(cfg);
     cuda::DeviceKvCache<> dev(cfg);
     const cudaStream_t stream = dev.compactor().stream();
+    // fp8: float K and V, quantised by the device append with the device copy of the scales and
+    // by the host's append_values; the pools must agree bitwise.
+    using In = std::conditional_t<is_scaled_dtype<T>, float, T>;
     auto add = [&](SeqId s, int n, Phase phase) {
-      const auto k = tokens<T>(rng, cfg, n);
-      const auto v = tokens<T>(rng, cfg, n);
-      REQUIRE(host.append<T>(s, k, v, n, phase).ok());
-      DeviceBuffer<T> dk(k), dv(v);
+      auto k = tokens<In>(rng, cfg, n);
+      auto v = tokens<In>(rng, cfg, n);
+      if constexpr (is_scaled_dtype<T>) {
+        for (std::size_t i = 0; i < k.size(); i += 5) k[i] *= 600.0f, v[i] *= 600.0f;  // saturates some
+        REQUIRE(host.append_values(s, k, v, n, phase).ok());
+      } else {
+        REQUIRE(host.append<T>(s, k, v, n, phase).ok());
+      }
+      DeviceBuffer<In> dk(k), dv(v);
       REQUIRE(cuda::append_tokens(dev, s, dk.get(), dv.get(), n, stream, phase).ok());
       TRIATTN_TEST_CUDA(cudaStreamSynchronize(stream));
     };
@@ -314,7 +330,7 @@ TEST_SUITE("gpu") {
     // Decode attention over the device view vs the reference over the host cache.
     const int hq = cfg.model.num_q_heads, d = cfg.model.head_dim;
     const std::vector<int> seqs{c, a, b};
-    const auto q = test::random_values<T>(rng, seqs.size() * hq * d, 2.0f);
+    const auto q = test::random_values<cuda::query_type_t<T>>(rng, seqs.size() * hq * d, 2.0f);
     for (int layer = 0; layer < cfg.model.num_layers; ++layer) {
       CAPTURE(layer);
       std::vector<float> want(q.size());
@@ -324,7 +340,7 @@ TEST_SUITE("gpu") {
       TRIATTN_TEST_CUDA(cuda::decode_attention::resident_ctas<T>(d, &resident));
       const auto plan = cuda::decode_attention::make_plan(dtype_of<T>, 3, cfg.model.num_kv_heads,
                                                           cfg.model.group_size(), 200, resident);
-      DeviceBuffer<T> dq(q);
+      DeviceBuffer<cuda::query_type_t<T>> dq(q);
       DeviceBuffer<std::int32_t> dids(std::vector<std::int32_t>(seqs.begin(), seqs.end()));
       DeviceBuffer<float> out(q.size());
       out.poison();
@@ -340,7 +356,9 @@ TEST_SUITE("gpu") {
         num += (got[i] - want[i]) * (got[i] - want[i]);
         den += static_cast<double>(want[i]) * want[i];
       }
-      CHECK(std::sqrt(num / den) <= (std::is_same_v<T, float> ? 1e-5 : 1e-3));
+      // fp8 runs the fp32 kernel, which applies the K/V scales in another order than the reference's
+      // dequantised cache: measured 1.003e-5 on one H100 (2026-12-07), hence a 5e-5 bound.
+      CHECK(std::sqrt(num / den) <= (std::is_same_v<T, float> ? 1e-5 : is_scaled_dtype<T> ? 5e-5 : 1e-3));
     }
   }
 
@@ -544,7 +562,7 @@ TEST_SUITE("gpu") {
   }
 
   TEST_CASE_TEMPLATE("device kv cache: compress and compress_if_needed run the device round and equal the host rounds",
-                     T, float, bf16_storage) {
+                     T, float, bf16_storage, fp8_e4m3_storage) {
     test::require_device();
     const std::uint64_t seed = test::test_seed();
     MESSAGE("seed = ", seed, " (set TRIATTN_TEST_SEED to replay)");
@@ -555,6 +573,7 @@ TEST_SUITE("gpu") {
     cfg.max_seqs = 4;
     cfg.max_blocks_per_seq = 12;
     cfg.dtype = dtype_of<T>;
+    set_test_scales(cfg);
     for (const bool tracked : {false, true})
       for (PruningMode mode : {PruningMode::kPerHead, PruningMode::kPerLayerPerHead, PruningMode::kUnion}) {
         CAPTURE(tracked);

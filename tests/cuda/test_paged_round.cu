@@ -13,6 +13,7 @@
 // workspace are poisoned before each launch. Ragged batches with sequences below the trigger,
 // a non-finite key (its sequence is left untouched, the others complete), slot positions from
 // earlier rounds, and one round captured in a CUDA graph and replayed (equal to the eager one).
+// fp8 caches carry per-head K and V scales (the reference scores the dequantised keys).
 #include <doctest/doctest.h>
 
 #include "cuda_test_utils.cuh"
@@ -259,9 +260,17 @@ void check_case(const Case& c, std::uint32_t seed, bool graph = false) {
   std::normal_distribution<float> nd(0.0f, 1.0f);
   for (T& x : arena.host) x = from_float<T>(nd(rng));
   for (int r = 0; r < 2 * c.L; ++r) arena.host_ranges.push_back(arena.host.data() + arena.base[r]);
+  std::vector<float> scales;  // fp8: per-head K and V scales, distinct per (layer, kind, head)
+  if constexpr (is_scaled_dtype<T>) {
+    std::uniform_real_distribution<float> u(0.25f, 4.0f);
+    scales.resize(static_cast<std::size_t>(2 * c.L * c.Hkv));
+    for (float& x : scales) x = u(rng);
+  }
+  const test::DeviceBuffer<float> d_scales(scales.empty() ? std::vector<float>{1.0f} : scales);
   const KvCacheView<T, int> hview0 =
       arena.view(arena.host.data(), arena.host_ranges.data(), c.L, num_blocks, max_seqs, max_blocks, tables.data(),
-                 lens.data());
+                 lens.data())
+          .with_scales(scales.empty() ? nullptr : scales.data(), c.Hkv);
   if (c.nan_seq >= 0) {  // one key in the selectable middle of the sequence, layer 1 (or 0), head 0
     const int b = c.nan_seq, slot = c.prompts[b] + (c.lens[b] - c.prompts[b]) / 2;
     T* k = hview0.token(c.L > 1 ? 1 : 0, KvKind::kKey, seq_ids[b], slot, 0);
@@ -280,7 +289,8 @@ void check_case(const Case& c, std::uint32_t seed, bool graph = false) {
   const std::int32_t* h_shared = c.shared.empty() ? nullptr : c.shared.data();
   test::DeviceBuffer<std::int64_t> d_t0(t0);
   const KvCacheView<T, int> dview = arena.view(arena.dev.get(), arena.dev_ranges.get(), c.L, num_blocks, max_seqs,
-                                               max_blocks, d_tables.get(), d_lens.get());
+                                               max_blocks, d_tables.get(), d_lens.get())
+                                        .with_scales(scales.empty() ? nullptr : d_scales.get(), c.Hkv);
 
   RopeConfig rope;
   rope.theta = 1e6;
@@ -306,7 +316,7 @@ void check_case(const Case& c, std::uint32_t seed, bool graph = false) {
         scorer.model(), t0[b],
         [&](int l, int g, int j) -> const float* {
           const T* k = hview0.token(l, KvKind::kKey, seq_ids[b], j, g);
-          for (int e = 0; e < c.d; ++e) key[e] = to_float(k[e]);
+          for (int e = 0; e < c.d; ++e) key[e] = dequantize(k[e], hview0.scale(l, KvKind::kKey, g));
           return key.data();
         },
         n, want.data());
@@ -579,7 +589,7 @@ constexpr Engine kEngines[] = {Engine::kVllmFlashAttn, Engine::kVllmFlashInfer, 
 
 TEST_SUITE("gpu") {
   TEST_CASE_TEMPLATE("paged_round: every engine layout and selection mode equals the CPU oracle", T, float,
-                     f16_storage, bf16_storage) {
+                     f16_storage, bf16_storage, fp8_e4m3_storage) {
     test::require_device();
     const std::uint32_t seed = test::fresh_seed32();
     int combo = 0;

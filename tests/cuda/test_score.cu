@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // GPU scorer (cuda::score) against the CPU reference (ref::score_sequence): fresh seeded random
-// caches with randomised page tables, every dtype, both layouts, page sizes {1, 7, 16, 64}, head
+// caches with randomised page tables, every dtype (fp8 with per-head K scales, scored against the
+// dequantised keys), both layouts, page sizes {1, 7, 16, 64}, head
 // dims {64, 128}, both RoPE pairings, mean and max aggregation, disable_mlr / disable_trig, GQA
 // group sizes 1..16, the production kernels and every fallback (scoring policies with the ring
 // kernels or the tensor-core max turned off; each also with a 3-CTA grid). Scores must match within
@@ -41,14 +42,18 @@ struct Paged {
   std::vector<int> tables, seq_lens;       // [max_seqs, max_blocks], [max_seqs]
   test::DeviceBuffer<T> d_data;
   test::DeviceBuffer<int> d_tables, d_lens, d_seq_ids;
+  std::vector<float> scales;               // fp8: [L, 2 (K, V), Hkv] per-head scales; else empty
+  test::DeviceBuffer<float> d_scales;
 
   BlockLayout block() const { return BlockLayout{layout, bs, Hkv, d}; }
   std::int64_t range_stride() const { return static_cast<std::int64_t>(num_blocks) * block().block_elems(); }
   KvCacheView<T, int> host_view() {
-    return KvCacheView<T, int>::contiguous(data.data(), range_stride(), block(), L, num_blocks, max_seqs, max_blocks, tables.data(), seq_lens.data());
+    return KvCacheView<T, int>::contiguous(data.data(), range_stride(), block(), L, num_blocks, max_seqs, max_blocks, tables.data(), seq_lens.data())
+        .with_scales(scales.empty() ? nullptr : scales.data(), Hkv);
   }
   KvCacheView<T, int> device_view() const {
-    return KvCacheView<T, int>::contiguous(d_data.get(), range_stride(), block(), L, num_blocks, max_seqs, max_blocks, d_tables.get(), d_lens.get());
+    return KvCacheView<T, int>::contiguous(d_data.get(), range_stride(), block(), L, num_blocks, max_seqs, max_blocks, d_tables.get(), d_lens.get())
+        .with_scales(scales.empty() ? nullptr : d_scales.get(), Hkv);
   }
 };
 
@@ -99,6 +104,12 @@ void make_paged(Paged<T>& p, std::mt19937& rng, int L, int Hkv, int d, int bs, K
   p.d_lens.upload(p.seq_lens);
   p.d_seq_ids.reset(p.seq_ids.size());
   p.d_seq_ids.upload(p.seq_ids);
+  if constexpr (is_scaled_dtype<T>) {  // distinct per (layer, kind, head): reading another head's fails
+    std::uniform_real_distribution<float> u(0.25f, 4.0f);
+    p.scales.resize(static_cast<std::size_t>(2 * L * Hkv));
+    for (float& x : p.scales) x = u(rng);
+    p.d_scales = test::DeviceBuffer<float>(p.scales);
+  }
 }
 
 QueryStats random_stats(std::mt19937& rng, int L, int Hq, int d, RopeStyle style) {
@@ -116,7 +127,7 @@ std::vector<float> ref_scores(Paged<T>& p, const TriAttentionModel& m, int b, lo
       m, t0,
       [&](int l, int g, int j) -> const float* {
         const T* k = v.token(l, KvKind::kKey, seq, j, g);
-        for (int e = 0; e < p.d; ++e) key[e] = to_float(k[e]);
+        for (int e = 0; e < p.d; ++e) key[e] = dequantize(k[e], v.scale(l, KvKind::kKey, g));
         return key.data();
       },
       len, out.data());
@@ -319,7 +330,7 @@ TEST_CASE("ring scorers take K ranges below 64 GiB only (32-bit chunk offsets - 
 
 TEST_SUITE("gpu") {
   TEST_CASE_TEMPLATE("score matches the CPU reference over page sizes x layouts x head dims x pairings x aggregations",
-                     T, float, f16_storage, bf16_storage) {
+                     T, float, f16_storage, bf16_storage, fp8_e4m3_storage) {
     triattn::test::require_device();
     const std::uint32_t seed = test::fresh_seed32();
     int combo = 0;
@@ -359,6 +370,10 @@ TEST_SUITE("gpu") {
         c.bs = 16;
         c.lens = {90, 211};
         check_case<bf16_storage>(c, seed + static_cast<std::uint32_t>(combo++));
+        for (RopeStyle style : {RopeStyle::kHalf, RopeStyle::kInterleaved}) {  // fp8: 4-byte runs for chunks of 8
+          c.style = style;
+          check_case<fp8_e4m3_storage>(c, seed + static_cast<std::uint32_t>(combo++));
+        }
       }
     for (int v = 0; v < kPolicies; ++v) {  // the max kernels on bf16 at |D| = 17
       MESSAGE(kPolicyNames[v], ": ", g_max_runs[v], " runs, largest normalised error ", g_max_nerr[v]);

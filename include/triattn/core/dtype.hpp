@@ -201,9 +201,11 @@ template <class T>
 template <class... Ts> struct storage_types {};
 /// Every storage type of DType, in enumerator order.
 using all_storage_types = storage_types<float, f16_storage, bf16_storage, fp8_e4m3_storage>;
-/// Storage types the CUDA kernels load so far; fp8_e4m3_storage joins once its load path exists
-/// (until then every dispatch that reaches a kernel refuses it, see cuda::dispatch_dtype).
-using device_storage_types = storage_types<float, f16_storage, bf16_storage>;
+/// Storage types the CUDA kernels load (fp8 dequantised by the view's scales): cuda::dispatch_dtype's list.
+using device_storage_types = storage_types<float, f16_storage, bf16_storage, fp8_e4m3_storage>;
+/// Storage types without a scale: what a path that does not carry fp8 scales yet dispatches over
+/// (dispatch_dtype_in), so that it refuses fp8 by name.
+using unscaled_storage_types = storage_types<float, f16_storage, bf16_storage>;
 
 /// Calls f(std::type_identity<T>{}) with the storage type of `dtype` when it is one of Ts...;
 /// f is instantiated for those types only, so a path not written for a dtype still compiles.

@@ -586,23 +586,25 @@ class KvCache {
   }
 
   /// View for kernels and the CPU reference. T must be the configured dtype's storage type.
-  /// Block tables and lengths are the allocator's published copy (device memory for device
-  /// allocators, after their publish step; the host arrays otherwise).
+  /// Block tables, lengths and fp8 scales are the allocator's published copy (device memory for
+  /// device allocators, after their publish step; the host arrays otherwise).
   template <class T>
   [[nodiscard]] KvCacheView<T, index_type> view() const {
     check_live("view");
     check_dtype<T>("view");
     const index_type* tables = tables_.data();
     const index_type* lens = lens_.data();
+    const float* scales = config_.kv_scales.empty() ? nullptr : config_.kv_scales.data();
     if constexpr (requires { allocator_.published_tables(); }) {
       tables = allocator_.published_tables();
       lens = allocator_.published_lengths();
     }
+    if constexpr (requires { allocator_.published_scales(); }) scales = allocator_.published_scales();
     return KvCacheView<T, index_type>::contiguous(
                static_cast<T*>(allocator_.data()),
                allocator_.range_stride_bytes() / static_cast<std::int64_t>(sizeof(T)), config_.block_layout(),
                config_.model.num_layers, config_.num_blocks, config_.max_seqs, config_.blocks_per_seq(), tables, lens)
-        .with_scales(config_.kv_scales.empty() ? nullptr : config_.kv_scales.data(), config_.kv_scale_heads());
+        .with_scales(scales, config_.kv_scale_heads());
   }
   /// Host copies of the block tables ([max_seqs, max_blocks_per_seq], -1 padded) and physical
   /// lengths ([max_seqs]): what an engine's own page table is built from.

@@ -52,22 +52,27 @@ void publish(Cache& cache, cudaStream_t stream) {
 }
 
 /// extend(seq, n) + publish + append kernel for all layers: k, v are [num_layers, n,
-/// num_kv_heads, head_dim] device arrays of the cache's dtype. On kOutOfBlocks nothing was
-/// written and nothing changed. Asynchronous on `stream`.
+/// num_kv_heads, head_dim] device arrays of the cache's dtype (copied), or float for any cache
+/// dtype (rounded as KvCache::append_values does; fp8: x / scale, saturating). On kOutOfBlocks
+/// nothing was written and nothing changed. Asynchronous on `stream`.
 /// @throws logic_error on bad arguments, cuda_error when publishing or the launch fails.
 template <class T, class Cache>
   requires has_device_tables_v<Cache>
 [[nodiscard]] AppendResult append_tokens(Cache& cache, SeqId seq, const T* k, const T* v, int n, cudaStream_t stream,
                                   Phase phase = Phase::kDecode) {
-  TRIATTN_EXPECTS(dtype_of<T> == cache.config().dtype, std::string("cuda::append_tokens: element type is ") +
-                                                           dtype_name(dtype_of<T>) + " but the cache stores " +
-                                                           dtype_name(cache.config().dtype));
+  TRIATTN_EXPECTS((dtype_of<T> == cache.config().dtype || std::is_same_v<T, float>),
+                  std::string("cuda::append_tokens: element type is ") + dtype_name(dtype_of<T>) +
+                      " but the cache stores " + dtype_name(cache.config().dtype) + " (pass that or float32)");
   dispatch_head_dim(cache.config().model.head_dim, [](auto) {});  // throws unsupported naming the list
   const AppendResult r = cache.extend(seq, n, phase);
   if (!r.ok() || n == 0) return r;
   publish(cache, stream);
-  TRIATTN_CUDA_TRY(append::run_contiguous(cache.template view<T>(), seq, r.first_slot, 0,
-                                          cache.config().model.num_layers, k, v, n, stream));
+  cuda::dispatch_dtype(cache.config().dtype, "cuda::append_tokens", [&](auto tag) {
+    using C = typename decltype(tag)::type;
+    if constexpr (std::is_same_v<T, C> || std::is_same_v<T, float>)
+      TRIATTN_CUDA_TRY(append::run_contiguous(cache.template view<C>(), seq, r.first_slot, 0,
+                                              cache.config().model.num_layers, k, v, n, stream));
+  });
   return r;
 }
 

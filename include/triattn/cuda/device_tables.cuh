@@ -5,7 +5,8 @@
 // KvCache keeps the tables on the host and, when its allocator has published_tables() /
 // published_lengths(), puts those pointers into the view. WithDeviceTables<Base> adds exactly
 // that to any device allocator (a mixin: the bookkeeping stays Base's), and the caller publishes
-// after changing the bookkeeping and before launching kernels that read the view:
+// after changing the bookkeeping and before launching kernels that read the view (the fp8 scales,
+// fixed by the config, are uploaded once at construction: published_scales()):
 //
 //   KvCache<cuda::DeviceAllocator, cuda::DeviceCompactor> cache(cfg);
 //   cache.extend(seq, n);                       // host bookkeeping only
@@ -159,12 +160,24 @@ class WithDeviceTables : public Base {
   static_assert(Base::memory_space == MemorySpace::kDevice, "WithDeviceTables: the base allocator must own device memory");
 
   explicit WithDeviceTables(const CacheConfig& cfg)
-      : Base(cfg), block_size_(cfg.block_size), num_blocks_(cfg.num_blocks), tables_(cfg.max_seqs, cfg.blocks_per_seq()) {}
+      : Base(cfg), block_size_(cfg.block_size), num_blocks_(cfg.num_blocks), tables_(cfg.max_seqs, cfg.blocks_per_seq()) {
+    // The fp8 scales are fixed by the config: one upload, before any kernel reads the view.
+    if (!cfg.kv_scales.empty()) {
+      void* p = nullptr;
+      const std::size_t bytes = cfg.kv_scales.size() * sizeof(float);
+      TRIATTN_CUDA_TRY(cudaMalloc(&p, bytes));
+      scales_.reset(static_cast<float*>(p));
+      TRIATTN_CUDA_TRY(cudaMemcpy(p, cfg.kv_scales.data(), bytes, cudaMemcpyHostToDevice));
+    }
+  }
 
   /// Device block tables [max_seqs, max_blocks_per_seq] as of the last publish().
   [[nodiscard]] const std::int32_t* published_tables() const noexcept { return tables_.tables(); }
   /// Device physical lengths [max_seqs] as of the last publish().
   [[nodiscard]] const std::int32_t* published_lengths() const noexcept { return tables_.lengths(); }
+
+  /// Device copy of CacheConfig::kv_scales ([num_layers, 2, scale heads]); null without scales.
+  [[nodiscard]] const float* published_scales() const noexcept { return scales_.get(); }
 
   /// Uploads the cache's host tables ([max_seqs, max_blocks_per_seq]) and lengths ([max_seqs]).
   void publish(std::span<const std::int32_t> host_tables, std::span<const std::int32_t> host_lens, cudaStream_t stream) {
@@ -196,12 +209,13 @@ class WithDeviceTables : public Base {
 
  private:
   struct DeviceFree {
-    void operator()(std::int32_t* p) const noexcept { report_error(cudaFree(p), "WithDeviceTables: cudaFree"); }
+    void operator()(void* p) const noexcept { report_error(cudaFree(p), "WithDeviceTables: cudaFree"); }
   };
   int block_size_;
   int num_blocks_;
   DeviceTables tables_;
   std::unique_ptr<std::int32_t, DeviceFree> store_;
+  std::unique_ptr<float, DeviceFree> scales_;
   int store_rows_ = 0;
 };
 

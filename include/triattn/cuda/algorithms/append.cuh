@@ -1,12 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
 // Launcher of the append kernel: writes K and V of new tokens into the paged cache (decode: one
 // token per sequence; prefill: many tokens of one or more sequences), one layer or all layers in
-// one launch. No throw, no allocation, no synchronisation; returns the launch status.
+// one launch; float K and V are quantised to the cache's dtype (the fp8 append). No throw, no
+// allocation, no synchronisation; returns the launch status.
 #pragma once
 
 #include <cstdint>
 #include <limits>
 #include <span>
+#include <type_traits>
 
 #include <triattn/core/kv_view.hpp>
 #include <triattn/cuda/config.cuh>
@@ -20,13 +22,16 @@ namespace triattn::cuda {
 /// Policy of every entry point: the Append tuning (default: tuning::Selected::Append).
 struct append {
   /// General form. The view's data must be device memory; its block tables and lengths too for
-  /// kContiguous / kLastSlot (kSlotMapping never reads them).
+  /// kContiguous / kLastSlot (kSlotMapping never reads them). In = T copies the values; In =
+  /// float quantises them to T (fp8: x / scale of the layer and head, saturating; the scales are
+  /// the view's, device memory), as KvCache::append_values does on the host.
   /// @return cudaErrorInvalidValue on bad shapes, null or misaligned pointers (k, v and their
-  /// strides must be 16-byte multiples), cudaErrorNotSupported for an uncompiled head_dim, else
-  /// the launch status.
-  template <class T, class Id, class Policy = tuning::Selected::Append>
-  [[nodiscard]] static cudaError_t run(const KvCacheView<T, Id>& view, const AppendParams<T>& p,
+  /// strides must be 16-byte multiples and multiples of a 16-byte cache vector's elements),
+  /// cudaErrorNotSupported for an uncompiled head_dim, else the launch status.
+  template <class T, class Id, class Policy = tuning::Selected::Append, class In>
+  [[nodiscard]] static cudaError_t run(const KvCacheView<T, Id>& view, const AppendParams<In>& p,
                                        cudaStream_t stream) noexcept {
+    static_assert(std::is_same_v<In, T> || std::is_same_v<In, float>, "append: k and v are T or float");
     if (p.num_tokens < 0 || p.num_layers < 0 || p.first_layer < 0 || p.first_layer + p.num_layers > view.num_layers)
       return cudaErrorInvalidValue;
     if (p.num_tokens == 0 || p.num_layers == 0) return cudaSuccess;
@@ -54,7 +59,10 @@ struct append {
     if (vecs > std::numeric_limits<int>::max() - kPerCta) return cudaErrorInvalidValue;  // int32 vector index
     const dim3 grid(static_cast<unsigned>((vecs + kPerCta - 1) / kPerCta), static_cast<unsigned>(p.num_layers));
     return dispatch_head_dim_status(d, [&](auto hd) {
-      append_kernel<decltype(hd)::value, T, Id, Policy><<<grid, kThreads, 0, stream>>>(view, p);
+      if constexpr (std::is_same_v<In, T>)
+        append_kernel<decltype(hd)::value, T, Id, Policy><<<grid, kThreads, 0, stream>>>(view, p);
+      else
+        append_values_kernel<decltype(hd)::value, T, Id, Policy><<<grid, kThreads, 0, stream>>>(view, p);
       return check_launch(stream);
     });
   }
@@ -62,40 +70,40 @@ struct append {
   /// Tokens to explicit slots. k, v: [num_layers, num_tokens, num_kv_heads, head_dim] packed
   /// (num_layers = 1: [num_tokens, num_kv_heads, head_dim]); slot_mapping: [num_tokens] device
   /// int64, -1 skips the token.
-  template <class T, class Id, class Policy = tuning::Selected::Append>
+  template <class T, class Id, class Policy = tuning::Selected::Append, class In>
   [[nodiscard]] static cudaError_t run_slots(const KvCacheView<T, Id>& view, int first_layer, int num_layers,
-                                             const T* k, const T* v, const std::int64_t* slot_mapping,
+                                             const In* k, const In* v, const std::int64_t* slot_mapping,
                                              int num_tokens, cudaStream_t stream) noexcept {
-    AppendParams<T> p = packed(view, k, v, num_tokens, first_layer, num_layers);
+    AppendParams<In> p = packed(view, k, v, num_tokens, first_layer, num_layers);
     p.source = SlotSource::kSlotMapping;
     p.slot_mapping = slot_mapping;
-    return run<T, Id, Policy>(view, p, stream);
+    return run<T, Id, Policy, In>(view, p, stream);
   }
 
   /// Prefill of one sequence: token i goes to slot first_slot + i of `seq` (device tables).
   /// k, v: [num_layers, num_tokens, num_kv_heads, head_dim] packed.
-  template <class T, class Id, class Policy = tuning::Selected::Append>
+  template <class T, class Id, class Policy = tuning::Selected::Append, class In>
   [[nodiscard]] static cudaError_t run_contiguous(const KvCacheView<T, Id>& view, int seq, int first_slot,
-                                                  int first_layer, int num_layers, const T* k, const T* v,
+                                                  int first_layer, int num_layers, const In* k, const In* v,
                                                   int num_tokens, cudaStream_t stream) noexcept {
-    AppendParams<T> p = packed(view, k, v, num_tokens, first_layer, num_layers);
+    AppendParams<In> p = packed(view, k, v, num_tokens, first_layer, num_layers);
     p.source = SlotSource::kContiguous;
     p.seq = seq;
     p.first_slot = first_slot;
-    return run<T, Id, Policy>(view, p, stream);
+    return run<T, Id, Policy, In>(view, p, stream);
   }
 
   /// Decode: token i goes to the last slot (seq_lens[s] - 1, i.e. after extend + publish) of
   /// sequence s = seq_ids[i]; seq_ids: [batch] device, -1 skips. k, v: [num_layers, batch,
   /// num_kv_heads, head_dim] packed.
-  template <class T, class Id, class Policy = tuning::Selected::Append>
+  template <class T, class Id, class Policy = tuning::Selected::Append, class In>
   [[nodiscard]] static cudaError_t run_decode(const KvCacheView<T, Id>& view, const std::int32_t* seq_ids,
-                                              int first_layer, int num_layers, const T* k, const T* v, int batch,
+                                              int first_layer, int num_layers, const In* k, const In* v, int batch,
                                               cudaStream_t stream) noexcept {
-    AppendParams<T> p = packed(view, k, v, batch, first_layer, num_layers);
+    AppendParams<In> p = packed(view, k, v, batch, first_layer, num_layers);
     p.source = SlotSource::kLastSlot;
     p.seq_ids = seq_ids;
-    return run<T, Id, Policy>(view, p, stream);
+    return run<T, Id, Policy, In>(view, p, stream);
   }
 
   /// Host helper: slots of `n` consecutive tokens starting at `first_slot` of a sequence whose
@@ -113,10 +121,10 @@ struct append {
   }
 
  private:
-  template <class T, class Id>
-  static AppendParams<T> packed(const KvCacheView<T, Id>& view, const T* k, const T* v, int num_tokens,
-                                int first_layer, int num_layers) noexcept {
-    AppendParams<T> p{};
+  template <class T, class Id, class In>
+  static AppendParams<In> packed(const KvCacheView<T, Id>& view, const In* k, const In* v, int num_tokens,
+                                 int first_layer, int num_layers) noexcept {
+    AppendParams<In> p{};
     p.k = k;
     p.v = v;
     p.token_stride = static_cast<std::int64_t>(view.block.num_kv_heads) * view.block.head_dim;

@@ -26,7 +26,7 @@ namespace triattn::cuda {
 struct DecodeAttentionPlan {
   int num_splits = 1;        ///< token splits per (entry, KV head); 1 = no combine kernel
   int tokens_per_split = 0;  ///< > 0
-  int heads_per_pass = 0;    ///< query heads per CTA: 8 (16-bit caches) or 4 (fp32)
+  int heads_per_pass = 0;    ///< query heads per CTA: 8 (16-bit caches) or 4 (fp32, fp8)
 };
 
 /// The algorithm under a DecodeAttention tuning policy Tune; decode_attention (below) takes the
@@ -34,9 +34,14 @@ struct DecodeAttentionPlan {
 template <class Tune>
 struct basic_decode_attention {
 
+  /// True when caches of `dtype` take the CUDA-core kernel (fp32, fp8), false for the 16-bit
+  /// tensor-core kernel.
+  [[nodiscard]] static constexpr bool cuda_core_kernel(DType dtype) noexcept {
+    return dtype == DType::kF32 || dtype == DType::kFP8E4M3;
+  }
   /// Query heads one CTA handles for a cache of `dtype`.
   [[nodiscard]] static constexpr int heads_per_pass(DType dtype) noexcept {
-    return dtype == DType::kF32 ? Tune::kHeadsPerPassF32 : Tune::kHeadsPerPassMma;
+    return cuda_core_kernel(dtype) ? Tune::kHeadsPerPassF32 : Tune::kHeadsPerPassMma;
   }
 
   /// Picks the split so that batch * num_kv_heads * passes * splits CTAs fill one wave of
@@ -71,9 +76,9 @@ struct basic_decode_attention {
     int per_sm = 0;
     const cudaError_t e = dispatch_head_dim_status(head_dim, [&](auto hd) {
       constexpr int kD = decltype(hd)::value;
-      if constexpr (std::is_same_v<T, float>) {
+      if constexpr (cuda_core_kernel(dtype_of<T>)) {
         return cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-            &per_sm, decode_attention_f32_kernel<kD, std::int32_t, T, Tune>, Tune::kThreads, 0);
+            &per_sm, decode_attention_f32_kernel<kD, std::int32_t, float, Tune, T>, Tune::kThreads, 0);
       } else {
         // Same resources for every Id / OutT instantiation.
         auto kernel = decode_attention_mma_pipe_kernel<kD, T, std::int32_t, T, Tune>;
@@ -100,17 +105,19 @@ struct basic_decode_attention {
   /// h / (num_q_heads / num_kv_heads). An empty sequence gives zeros.
   /// The view's data, block tables and lengths must be device memory.
   /// q: [batch, num_q_heads, head_dim] (device, 16-byte aligned); out: [batch, num_q_heads,
-  /// head_dim] (device), OutT = float or T; seq_ids: [batch] device or nullptr.
+  /// head_dim] (device), OutT = float or T; seq_ids: [batch] device or nullptr. fp8 caches: q is
+  /// float and OutT float; K and V are dequantised by the view's scales (device memory).
   /// Every length must be <= plan.num_splits * plan.tokens_per_split (tokens past it are
   /// ignored), i.e. plan from an upper bound of the lengths.
   /// @return cudaErrorInvalidValue on bad arguments or a too small workspace,
   /// cudaErrorNotSupported for an uncompiled head_dim, else the launch status.
   template <class T, class Id, class OutT>
   [[nodiscard]] static cudaError_t run(const DecodeAttentionPlan& plan, const KvCacheView<T, Id>& view, int layer,
-                                       const T* q, OutT* out, int batch, int num_q_heads,
+                                       const query_type_t<T>* q, OutT* out, int batch, int num_q_heads,
                                        const std::int32_t* seq_ids, float sm_scale, void* workspace,
                                        std::size_t workspace_bytes, cudaStream_t stream) noexcept {
-    static_assert(std::is_same_v<OutT, float> || std::is_same_v<OutT, T>, "decode_attention: out is float or T");
+    static_assert(std::is_same_v<OutT, float> || (std::is_same_v<OutT, T> && !is_scaled_dtype<T>),
+                  "decode_attention: out is float or T (float for fp8 caches)");
     if (batch < 0 || batch > 65535) return cudaErrorInvalidValue;
     if (batch == 0) return cudaSuccess;
     const int hkv = view.block.num_kv_heads;
@@ -153,8 +160,8 @@ struct basic_decode_attention {
                     static_cast<unsigned>(batch));
     return dispatch_head_dim_status(d, [&](auto hd) -> cudaError_t {
       constexpr int kD = decltype(hd)::value;
-      if constexpr (std::is_same_v<T, float>) {
-        decode_attention_f32_kernel<kD, Id, OutT, Tune><<<grid, Tune::kThreads, 0, stream>>>(view, p);
+      if constexpr (cuda_core_kernel(dtype_of<T>)) {
+        decode_attention_f32_kernel<kD, Id, OutT, Tune, T><<<grid, Tune::kThreads, 0, stream>>>(view, p);
       } else {
         auto kernel = decode_attention_mma_pipe_kernel<kD, T, Id, OutT, Tune>;
         TRIATTN_CUDA_RETURN_IF_ERROR(prepare_pipe_kernel<kD>(kernel));

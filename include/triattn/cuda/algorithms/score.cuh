@@ -312,7 +312,9 @@ template <class T, class Id, class Policy = tuning::Selected::Score>
     constexpr int HD = decltype(hd)::value;
     const auto by_group = [&](auto style) -> cudaError_t {
       constexpr RopeStyle S = decltype(style)::value;
-      if constexpr (Policy::kRingKernels) {
+      // fp8 keys take the CUDA-core kernels (use_mma_* are false): the MMA kernels are not
+      // instantiated for them.
+      if constexpr (Policy::kRingKernels && !is_scaled_dtype<T>) {
         if (mma && ring_ok)
           return detail::launch_score_max_mma_pipe<T, Id, HD, S, true, typename Policy::Max>(view, model, batch, scores,
                                                                                             stream, options);
@@ -320,7 +322,8 @@ template <class T, class Id, class Policy = tuning::Selected::Score>
           return detail::launch_score_mean_mma<T, Id, HD, S, typename Policy::Mean>(view, model, batch, scores,
                                                                                    stream, options);
       }
-      if (mma) return detail::launch_score_max_mma<T, Id, HD, S>(view, model, batch, scores, stream, options);
+      if constexpr (!is_scaled_dtype<T>)
+        if (mma) return detail::launch_score_max_mma<T, Id, HD, S>(view, model, batch, scores, stream, options);
       if (G <= 4)
         return detail::launch_score_kernel<T, Id, HD, S, 4, kCudaCoreMax>(view, model, batch, scores, stream, options);
       // G > 4: chunks of 8

@@ -14,7 +14,8 @@
 // P leaves the QK accumulator as S^T and becomes P^T's B fragment through movmatrix.trans.
 // P is split into hi + lo 16-bit parts, so PV keeps ~16 bits of P (a single bf16 P would give
 // ~1e-3 relative error by itself).
-// fp32 caches (f32 kernel): CUDA cores, a half-warp per token, 4 query heads per pass.
+// fp32 and fp8 caches (f32 kernel): CUDA cores, a half-warp per token, 4 query heads per pass;
+// fp8 elements are widened and multiplied by their layer's (and head's) K / V scale on load.
 //
 // Each warp streams its tiles through kStages shared-memory buffers (cp.async, 16 bytes, coalesced
 // per 128-byte line; chunks XOR-swizzled per token so the fragment reads are free of bank
@@ -33,10 +34,11 @@
 
 namespace triattn::cuda {
 
-/// POD parameters of the decode attention kernels. T: the cache's storage type; OutT: float or T.
+/// POD parameters of the decode attention kernels. T: the cache's storage type; OutT: float or T
+/// (float for fp8 caches).
 template <class T, class OutT>
 struct DecodeAttentionParams {
-  const T* q;                   ///< [batch, num_q_heads, head_dim]
+  const query_type_t<T>* q;     ///< [batch, num_q_heads, head_dim] (float for fp8 caches)
   OutT* out;                    ///< [batch, num_q_heads, head_dim]
   float* partial_o;             ///< [batch, num_q_heads, num_splits, head_dim] unnormalised (workspace)
   float2* partial_ml;           ///< [batch, num_q_heads, num_splits] (max in log2 units, sum of exp2)
@@ -434,17 +436,42 @@ __global__ void __launch_bounds__(Tune::kThreads, Tune::kMinCtasPerSmPipe)
   detail::cta_merge_store<D, kHP, kWarps>(ms.o, ms.m, ms.l, nh, b, first_q_head, p);
 }
 
-/// fp32 caches, CUDA cores: a half-warp per token (head_dim / 16 floats per lane), kHeadsPerPassF32
-/// query heads per pass. Grid as the mma kernel.
-template <int HeadDim, class Id, class OutT, class Tune>
+namespace detail {
+/// Elements [0, kE) of a head vector of an fp8 cache as values: kE bytes (whole 32-bit words),
+/// widened and multiplied by `scale`.
+template <int kE, class T>
+__device__ __forceinline__ void load_fp8_row(const T* p, float scale, float (&x)[kE]) {
+  static_assert(sizeof(T) == 1 && kE % 4 == 0, "byte-wide codes, whole 32-bit words per lane");
+  using D = device_type_t<T>;
+  std::uint32_t w[kE / 4];
+  if constexpr (kE % 8 == 0) {
+#pragma unroll
+    for (int i = 0; i < kE / 8; ++i) {
+      const uint2 v = *reinterpret_cast<const uint2*>(p + 8 * i);
+      w[2 * i] = v.x, w[2 * i + 1] = v.y;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kE / 4; ++i) w[i] = *reinterpret_cast<const std::uint32_t*>(p + 4 * i);
+  }
+  const D* c = reinterpret_cast<const D*>(w);
+#pragma unroll
+  for (int e = 0; e < kE; ++e) x[e] = dequant<T>(c[e], scale);
+}
+}  // namespace detail
+
+/// fp32 and fp8 caches, CUDA cores: a half-warp per token (head_dim / 16 elements per lane),
+/// kHeadsPerPassF32 query heads per pass, fp32 arithmetic. Grid as the mma kernel.
+template <int HeadDim, class Id, class OutT, class Tune, class T = float>
 __global__ void __launch_bounds__(Tune::kThreads)
-    decode_attention_f32_kernel(KvCacheView<float, Id> view, DecodeAttentionParams<float, OutT> p) {
+    decode_attention_f32_kernel(KvCacheView<T, Id> view, DecodeAttentionParams<T, OutT> p) {
+  static_assert(std::is_same_v<T, float> || is_scaled_dtype<T>, "the CUDA-core kernel takes fp32 and fp8 caches");
   constexpr int D = HeadDim;
   constexpr int kWarps = Tune::kWarps;
   constexpr int kTile = Tune::kTileTokens;
   constexpr int kHP = Tune::kHeadsPerPassF32;
-  constexpr int kE = D / 16;  // floats per lane
-  static_assert(kE % 4 == 0, "lanes load whole float4s");
+  constexpr int kE = D / 16;  // elements per lane
+  static_assert(kE % 4 == 0, "lanes load whole float4s (fp8: whole 32-bit words)");
 
   __shared__ float s_o[kWarps][kHP][D + 1];
   __shared__ float s_m[kWarps][kHP];
@@ -490,8 +517,9 @@ __global__ void __launch_bounds__(Tune::kThreads)
   }
 
   const Id* table = view.block_tables + static_cast<std::int64_t>(seq) * view.max_blocks_per_seq;
-  const float* kbase = view.range(p.layer, KvKind::kKey);
-  const float* vbase = view.range(p.layer, KvKind::kValue);
+  const T* kbase = view.range(p.layer, KvKind::kKey);
+  const T* vbase = view.range(p.layer, KvKind::kValue);
+  const float ks = kv_scale(view, p.layer, KvKind::kKey, kvh), vs = kv_scale(view, p.layer, KvKind::kValue, kvh);
 
   for (int t0 = start + warp * kTile; t0 < end; t0 += kTile * kWarps) {
     const std::int64_t my_off = detail::slot_offset(view, table, min(t0 + hl, end - 1), kvh);
@@ -500,12 +528,17 @@ __global__ void __launch_bounds__(Tune::kThreads)
       const int tt = 2 * j + half;  // half-warp `half` takes token t0 + tt
       const std::int64_t off = __shfl_sync(0xffffffffu, my_off, tt) + hl * kE;
       float kx[kE], vx[kE];
+      if constexpr (std::is_same_v<T, float>) {
 #pragma unroll
-      for (int e = 0; e < kE; e += 4) {
-        const float4 k4 = *reinterpret_cast<const float4*>(kbase + off + e);
-        const float4 v4 = *reinterpret_cast<const float4*>(vbase + off + e);
-        kx[e] = k4.x, kx[e + 1] = k4.y, kx[e + 2] = k4.z, kx[e + 3] = k4.w;
-        vx[e] = v4.x, vx[e + 1] = v4.y, vx[e + 2] = v4.z, vx[e + 3] = v4.w;
+        for (int e = 0; e < kE; e += 4) {
+          const float4 k4 = *reinterpret_cast<const float4*>(kbase + off + e);
+          const float4 v4 = *reinterpret_cast<const float4*>(vbase + off + e);
+          kx[e] = k4.x, kx[e + 1] = k4.y, kx[e + 2] = k4.z, kx[e + 3] = k4.w;
+          vx[e] = v4.x, vx[e + 1] = v4.y, vx[e + 2] = v4.z, vx[e + 3] = v4.w;
+        }
+      } else {
+        detail::load_fp8_row<kE>(kbase + off, ks, kx);
+        detail::load_fp8_row<kE>(vbase + off, vs, vx);
       }
       float s[kHP];
 #pragma unroll

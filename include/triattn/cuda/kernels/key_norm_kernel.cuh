@@ -54,6 +54,7 @@ __global__ void __launch_bounds__(KeyNormShape<HeadDim, T, Tune>::kBlockThreads)
   const int layer = static_cast<int>(blockIdx.y) / hkv;
   const int g = static_cast<int>(blockIdx.y) % hkv;
   const int group = p.num_q_heads / hkv;
+  const float ks = kv_scale(view, layer, KvKind::kKey, g);  // fp8: dequantised per element, as the CPU
   const int sub = static_cast<int>(threadIdx.x) % kTpt;  // part of the head vector this thread reads
   const int lane = static_cast<int>(threadIdx.x) % 32;
   // The lanes of one token: shuffles stay inside this aligned group, which iterates in lockstep.
@@ -69,7 +70,7 @@ __global__ void __launch_bounds__(KeyNormShape<HeadDim, T, Tune>::kBlockThreads)
     float ss = 0.0f;
 #pragma unroll
     for (int v = 0; v < Shape::kVec; ++v) {
-      const float x = to_f32(e[v]);
+      const float x = dequant<T>(e[v], ks);
       ss += x * x;
     }
 #pragma unroll

@@ -13,6 +13,8 @@
 //   16-bit caches, ring kernels:         score_mean_mma_kernel (mean dot products on the tensor
 //                                        cores) and score_max_mma_pipe_kernel; keys stream
 //                                        through per-warp cp.async rings (KeySliceFeed)
+//   fp8 caches:                          the CUDA-core kernels, keys widened and multiplied by
+//                                        their K scale in registers (pair_of)
 //
 // All kernels accumulate in fp32 in a fixed order: the same inputs give bitwise the same scores
 // (what CUDA-graph replays and the round's determinism rely on).
@@ -27,7 +29,7 @@
 // recomputes the weights only when its row changes (usually once or twice per CTA).
 // Lane mapping (CUDA-core kernels): a group of LPK lanes owns one key; lane i of the group owns
 // the P consecutive frequency pairs [i·P, (i+1)·P), i.e. whole complex pairs in both RoPE pairings, loaded with
-// 16-byte (8-byte for GMAX = 8, 16-bit types, half pairing) loads. Partial sums of the GMAX heads
+// 16-byte (8-byte for GMAX = 8, 16-bit types, half pairing; 4 or 8 bytes for fp8) loads. Partial sums of the GMAX heads
 // are combined across the group with a reduce-scatter (log2(LPK) shuffle steps, GMAX−1 shuffles
 // for HD 64, GMAX for HD 128), after which each lane holds the score of one head.
 //

@@ -124,6 +124,7 @@ __device__ __forceinline__ void snapkv_stage_keys(float4* stage, const KvCacheVi
                                                   int seq, int base, int end, int lane) {
   using D = device_type_t<T>;
   constexpr int kE = HeadDim / 32;
+  const float ks = kv_scale(view, layer, KvKind::kKey, g);  // fp8: dequantised per element, as the CPU
   float* f = reinterpret_cast<float*>(stage);
 #pragma unroll
   for (int t = 0; t < kSnapKvTokensPerStep; ++t) {
@@ -132,7 +133,7 @@ __device__ __forceinline__ void snapkv_stage_keys(float4* stage, const KvCacheVi
     if (j < end) {
       const D* k = reinterpret_cast<const D*>(view.token(layer, KvKind::kKey, seq, j, g)) + lane * kE;
 #pragma unroll
-      for (int v = 0; v < kE; ++v) x[v] = to_f32(k[v]);
+      for (int v = 0; v < kE; ++v) x[v] = dequant<T>(k[v], ks);
     } else {
 #pragma unroll
       for (int v = 0; v < kE; ++v) x[v] = 0.0f;

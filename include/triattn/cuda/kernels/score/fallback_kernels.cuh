@@ -29,7 +29,8 @@ struct ScoreShape {
   static constexpr int kQ = GMAX / 4;                // float4 per (pair, weight kind)
 };
 
-/// Re and Im of the lane's pair j, read from its raw words (see load order in load_key).
+/// Re and Im of the lane's pair j, read from its raw words (see load order in load_key); fp8:
+/// the codes' values, before the K scale (the callers multiply).
 template <class T, RopeStyle S, int P>
 __device__ __forceinline__ void pair_of(const std::uint32_t* words, int j, float& re, float& im) {
   if constexpr (S == RopeStyle::kHalf) {
@@ -147,13 +148,14 @@ __device__ __forceinline__ void fold_mean_weights(float4* w_s, const ScoreModelV
 /// W_im·k_im + c·|k_j| over the lane's pairs, reduce-scattered over the key's lanes; one lane per
 /// (key, head) stores the score of keys below `len`. Both scorers share it, so their scores are
 /// bitwise the same.
-/// w_s: fold_mean_weights' layout. raw: [U][kWords] (load_tile_keys).
+/// w_s: fold_mean_weights' layout. raw: [U][kWords] (load_tile_keys). k_scale: the row's K scale
+/// (fp8; unused for the other dtypes).
 /// scores: [batch, L, Hq, max_len].
 template <class T, RopeStyle S, class Shape, int GMAX>
 __device__ __forceinline__ void mean_tile_scores(const float4* w_s,
                                                  const std::uint32_t (&raw)[Shape::kUnroll][Shape::kWords], int lane,
                                                  int key0, int len, const ScoreRow& row, int L, int Hq, int G,
-                                                 const ScoreBatch& a, float* __restrict__ scores) {
+                                                 const ScoreBatch& a, float k_scale, float* __restrict__ scores) {
   constexpr int P = Shape::kP, LPK = Shape::kLPK, KPW = Shape::kKPW, U = Shape::kUnroll, Q = Shape::kQ;
   const int li = lane % LPK;                                   // lane within the key
   const int my_head = reduce_scatter_head<LPK, GMAX>(lane);    // whose sum reduce_scatter leaves here
@@ -179,6 +181,7 @@ __device__ __forceinline__ void mean_tile_scores(const float4* w_s,
     for (int u = 0; u < U; ++u) {
       float re, im;
       pair_of<T, S, P>(raw[u], j, re, im);
+      if constexpr (is_scaled_dtype<T>) re *= k_scale, im *= k_scale;
       const float sq = fmaf(re, re, fmaf(im, im, 1e-8f));
       const float nrm = pair_norm(sq);
 #pragma unroll
@@ -242,7 +245,8 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 8>::kThreads, 
       cur_row = walk.rid;
     }
 
-    detail::mean_tile_scores<T, S, Shape, GMAX>(w_s, raw, lane, key0, walk.kr.len, walk.row, L, Hq, G, a, scores);
+    detail::mean_tile_scores<T, S, Shape, GMAX>(w_s, raw, lane, key0, walk.kr.len, walk.row, L, Hq, G, a,
+                                                kv_scale(view, walk.row.l, KvKind::kKey, walk.row.g), scores);
   }
 }
 
@@ -325,6 +329,13 @@ __global__ void __launch_bounds__(detail::ScoreShape<T, HD, GMAX, 4>::kThreads, 
     for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int j = 0; j < P; ++j) detail::pair_of<T, S, P>(raw[u], j, kf[u][2 * j], kf[u][2 * j + 1]);
+    if constexpr (is_scaled_dtype<T>) {  // fp8: the values, code times the K scale of the row's layer and head
+      const float ks = kv_scale(view, row.l, KvKind::kKey, row.g);
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int e = 0; e < 2 * P; ++e) kf[u][e] *= ks;
+    }
     // Norm term Σ_f c_f·|K_f|, reduced like the dot products.
     float mlr[U][GMAX];
 #pragma unroll
