@@ -3,7 +3,9 @@
 // normalise → reduce → select → compact) for Qwen3-8B-shaped sequences: 36 layers, 32 query /
 // 8 KV heads, head_dim 128, bf16, page size 16, 2,560 → 2,048 tokens (budget 2,048, per_head),
 // batch 1 / 8 / 32, end to end including compaction (target <= 250 µs at batch 1). Also the
-// round without compaction (plan only) and the same round replayed from a CUDA graph.
+// round without compaction (plan only) and the same round replayed from a CUDA graph. Argument
+// `fp8`: 1 runs the same round on an fp8 (e4m3) cache with per-(layer, K/V, head) scales
+// (issue #46's target: at most 0.6x the bf16 round's time; the floor counts 1-byte elements).
 // L2 is flushed before every iteration. floor_us = K read at 4.49 TB/s + the moved K/V head
 // vectors copied at 4.25 TB/s (read + write), counted from the first round's plan (moved_frac).
 // Argument `restore`: 0 runs every round on the cache the previous round compacted (its first
@@ -25,6 +27,7 @@
 #include <cstdint>
 #include <memory>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include "common/cuda_event_timer.hpp"
@@ -40,7 +43,6 @@
 namespace {
 
 using namespace triattn;
-using T = bf16_storage;
 using triattn::bench::CudaEventTimer;
 using triattn::bench::L2Flusher;
 using triattn::bench::device_alloc;
@@ -65,9 +67,21 @@ double moved_slots(const std::int32_t* d_kept, std::size_t n, int max_keep) {
   return moved;
 }
 
+/// The cache's data, key-like: bf16 N(0, 1.5), or fp8 of the same values at dequantisation scale
+/// kFp8Scale.
+constexpr float kFp8Scale = 1.0f / 64.0f;
+template <class T>
+void fill_cache(T* data, std::size_t elems) {
+  if constexpr (std::is_same_v<T, fp8_e4m3_storage>)
+    bench::fill_gaussian_fp8<<<2048, 256>>>(reinterpret_cast<std::uint8_t*>(data), elems, 13, kFp8Scale);
+  else
+    bench::fill_gaussian_bf16<<<2048, 256>>>(reinterpret_cast<std::uint16_t*>(data), elems, 13);
+}
+
 /// args: batch, variant (0 full round, 1 plan only, 2 full round replayed from a CUDA graph),
 /// restore (1: every timed round starts from the original cache)
-void BM_compression_round(benchmark::State& state) {
+template <class T>
+void compression_round_bench(benchmark::State& state) {
   const int batch = static_cast<int>(state.range(0));
   const int variant = static_cast<int>(state.range(1));
   const bool restore = state.range(2) != 0;
@@ -75,7 +89,7 @@ void BM_compression_round(benchmark::State& state) {
   const int per_seq = kLen / kPage, blocks = batch * per_seq;
   const std::size_t elems = 2ull * kL * static_cast<std::size_t>(blocks) * static_cast<std::size_t>(bl.block_elems());
   T* data = device_alloc<T>(elems);
-  bench::fill_gaussian_bf16<<<2048, 256>>>(reinterpret_cast<std::uint16_t*>(data), elems, 13);
+  fill_cache(data, elems);
   T* pristine = restore ? device_alloc<T>(elems) : nullptr;  // the original cache, copied back before each round
   if (restore) TRIATTN_BENCH_CUDA(cudaMemcpy(pristine, data, elems * sizeof(T), cudaMemcpyDeviceToDevice));
   std::vector<std::int32_t> ids(static_cast<std::size_t>(blocks));
@@ -88,8 +102,13 @@ void BM_compression_round(benchmark::State& state) {
   std::int32_t* d_seq = upload(seq_ids);
   std::int32_t* d_prompts = upload(std::vector<std::int32_t>(static_cast<std::size_t>(batch), 0));
   std::int64_t* d_t0 = upload(std::vector<std::int64_t>(static_cast<std::size_t>(batch), 41000));
-  const auto view = KvCacheView<T, std::int32_t>::contiguous(data, static_cast<std::int64_t>(blocks) * bl.block_elems(),
-                                                              bl, kL, blocks, batch, per_seq, d_tables, d_lens);
+  auto view = KvCacheView<T, std::int32_t>::contiguous(data, static_cast<std::int64_t>(blocks) * bl.block_elems(), bl,
+                                                        kL, blocks, batch, per_seq, d_tables, d_lens);
+  float* d_scales = nullptr;  // fp8: one scale per (layer, K/V, head)
+  if constexpr (is_scaled_dtype<T>) {
+    d_scales = upload(std::vector<float>(2 * kL * kHkv, kFp8Scale));
+    view = view.with_scales(d_scales, kHkv);
+  }
   RopeConfig rope;
   rope.theta = 1e6;
   cuda::TriAttentionDeviceScorer scorer(random_stats(), rope, ScoringParams{}, kHkv);
@@ -161,13 +180,22 @@ void BM_compression_round(benchmark::State& state) {
   cudaStreamDestroy(stream);
   for (void* p : {static_cast<void*>(data), static_cast<void*>(pristine), static_cast<void*>(d_tables),
                   static_cast<void*>(d_lens), static_cast<void*>(d_seq), static_cast<void*>(d_prompts),
-                  static_cast<void*>(d_t0),
+                  static_cast<void*>(d_t0), static_cast<void*>(d_scales),
                   static_cast<void*>(kept), static_cast<void*>(keep), ws})
     cudaFree(p);
 }
 
+/// args: batch, variant, restore as above; fp8 (0 bf16 cache, 1 fp8 e4m3 with per-head scales)
+void BM_compression_round(benchmark::State& state) {
+  if (state.range(3) != 0)
+    compression_round_bench<fp8_e4m3_storage>(state);
+  else
+    compression_round_bench<bf16_storage>(state);
+}
+
 /// args: batch, layout (0 KvCache, 1 vLLM FlashAttention, 2 SGLang), variant (0 eager, 1 graph)
 void BM_paged_round(benchmark::State& state) {
+  using T = bf16_storage;
   const int batch = static_cast<int>(state.range(0));
   const int layout = static_cast<int>(state.range(1));
   const bool graph = state.range(2) != 0;
@@ -270,8 +298,8 @@ void BM_paged_round(benchmark::State& state) {
 }  // namespace
 
 BENCHMARK(BM_compression_round)
-    ->ArgNames({"batch", "variant", "restore"})
-    ->ArgsProduct({{1, 8, 32}, {0, 1, 2}, {0, 1}})
+    ->ArgNames({"batch", "variant", "restore", "fp8"})
+    ->ArgsProduct({{1, 8, 32}, {0, 1, 2}, {0, 1}, {0, 1}})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
 

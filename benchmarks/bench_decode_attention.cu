@@ -7,6 +7,8 @@
 // kernel, BM_memcpy_d2d copies them with cudaMemcpyAsync (counted read + write, vs 4.25 TB/s).
 // Batch 1 and 16. Counters: us_med (median iteration), TB/s (bytes / median). A table in GB/s
 // closes the output. Pick a subset with e.g. --benchmark_filter='decode_attention/batch:1/.*page:16/hnd:0'.
+// Argument `fp8`: 1 reads an fp8 (e4m3) cache with per-(K/V, head) scales (float queries and
+// output, the fp32 kernel); its bytes are the fp8 K + V (issue #46: >= 85% of the read bandwidth).
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -17,6 +19,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "common/cuda_event_timer.hpp"
@@ -27,7 +30,7 @@
 namespace {
 
 using namespace triattn;
-using T = bf16_storage;
+using T = bf16_storage;  // the context benchmarks' element (BM_read_kernel, BM_memcpy_d2d)
 using triattn::bench::L2Flush;
 using triattn::bench::L2Flusher;
 
@@ -44,6 +47,45 @@ __global__ void fill_random(std::uint16_t* p, std::size_t n, std::uint32_t seed)
     x ^= x >> 13;
     p[i] = static_cast<std::uint16_t>((x & 0x8000u) | ((126u + ((x >> 8) & 1u)) << 7) | (x & 0x7Fu));
   }
+}
+
+/// Floats in ±[0.5, 2) from the same hash (fp8 caches take float queries).
+__global__ void fill_random_f32(float* p, std::size_t n, std::uint32_t seed) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    std::uint32_t x = static_cast<std::uint32_t>(i) * 2654435761u ^ seed;
+    x ^= x >> 15;
+    x *= 2246822519u;
+    x ^= x >> 13;
+    p[i] = ((x & 0x8000u) ? -1.0f : 1.0f) * (0.5f + 1.5f * static_cast<float>(x & 0x7FFu) / 2048.0f);
+  }
+}
+
+/// fp8 e4m3 values in ±[0.5, 2) (stored; the view's scales multiply them).
+__global__ void fill_random_fp8(std::uint8_t* p, std::size_t n, std::uint32_t seed) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    std::uint32_t x = static_cast<std::uint32_t>(i) * 2654435761u ^ seed;
+    x ^= x >> 15;
+    x *= 2246822519u;
+    x ^= x >> 13;
+    p[i] = static_cast<std::uint8_t>((x & 0x80u) | ((6u + ((x >> 8) & 1u)) << 3) | (x & 0x7u));  // exponent 6/7: 2^-1, 2^0
+  }
+}
+
+template <class V>
+void fill_values(V* p, std::size_t n, std::uint32_t seed, int blocks) {
+  if constexpr (std::is_same_v<V, float>) fill_random_f32<<<blocks, 256>>>(p, n, seed);
+  else if constexpr (std::is_same_v<V, fp8_e4m3_storage>) fill_random_fp8<<<blocks, 256>>>(reinterpret_cast<std::uint8_t*>(p), n, seed);
+  else fill_random<<<blocks, 256>>>(reinterpret_cast<std::uint16_t*>(p), n, seed);
+}
+
+double to_double(float x) { return x; }
+double to_double(bf16_storage x) {
+  const std::uint32_t u = static_cast<std::uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
 }
 
 template <class U>
@@ -118,8 +160,11 @@ void report(benchmark::State& state, const std::string& label, double bytes, dou
 L2Flush flush_mode(std::int64_t arg) { return arg ? L2Flush::kClean : L2Flush::kDirty; }
 const char* flush_name(std::int64_t arg) { return arg ? " clean-L2" : " dirty-L2"; }
 
-/// args: batch, seq_len, block_size, layout (0 NHD, 1 HND), flush
-void BM_decode_attention(benchmark::State& state) {
+/// args: batch, seq_len, block_size, layout (0 NHD, 1 HND), flush, fp8; Tc the cache's element
+template <class Tc>
+void decode_attention_bench(benchmark::State& state) {
+  using Q = cuda::query_type_t<Tc>;
+  using O = std::conditional_t<is_scaled_dtype<Tc>, float, Tc>;
   const int batch = static_cast<int>(state.range(0));
   const int len = static_cast<int>(state.range(1));
   const int bs = static_cast<int>(state.range(2));
@@ -128,8 +173,8 @@ void BM_decode_attention(benchmark::State& state) {
   const int blocks = batch * per_seq;
   const BlockLayout bl{layout, bs, kKvHeads, kHeadDim};
   const std::size_t elems = 2ull * blocks * static_cast<std::size_t>(bl.block_elems());
-  T* data = device_alloc<T>(elems);
-  fill_random<<<1024, 256>>>(reinterpret_cast<std::uint16_t*>(data), elems, 1);
+  Tc* data = device_alloc<Tc>(elems);
+  fill_values(data, elems, 1, 1024);
   std::vector<std::int32_t> ids(static_cast<std::size_t>(blocks));
   std::iota(ids.begin(), ids.end(), 0);
   std::shuffle(ids.begin(), ids.end(), std::mt19937(5));
@@ -138,16 +183,24 @@ void BM_decode_attention(benchmark::State& state) {
   std::int32_t* d_lens = device_alloc<std::int32_t>(lens.size());
   TRIATTN_BENCH_CUDA(cudaMemcpy(d_tables, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
   TRIATTN_BENCH_CUDA(cudaMemcpy(d_lens, lens.data(), lens.size() * 4, cudaMemcpyHostToDevice));
-  const auto view = KvCacheView<T, std::int32_t>::contiguous(data, static_cast<std::int64_t>(blocks) * bl.block_elems(),
-                                                              bl, 1, blocks, batch, per_seq, d_tables, d_lens);
+  auto view = KvCacheView<Tc, std::int32_t>::contiguous(data, static_cast<std::int64_t>(blocks) * bl.block_elems(), bl,
+                                                         1, blocks, batch, per_seq, d_tables, d_lens);
+  float* d_scales = nullptr;  // fp8: one scale per (K/V, head), distinct so a wrong index shows in the check
+  if constexpr (is_scaled_dtype<Tc>) {
+    std::vector<float> sc(2 * kKvHeads);
+    for (std::size_t i = 0; i < sc.size(); ++i) sc[i] = 0.5f + 0.0625f * static_cast<float>(i);
+    d_scales = device_alloc<float>(sc.size());
+    TRIATTN_BENCH_CUDA(cudaMemcpy(d_scales, sc.data(), sc.size() * 4, cudaMemcpyHostToDevice));
+    view = view.with_scales(d_scales, kKvHeads);
+  }
   const std::size_t q_elems = static_cast<std::size_t>(batch) * kQHeads * kHeadDim;
-  T* q = device_alloc<T>(q_elems);
-  T* out = device_alloc<T>(q_elems);
-  fill_random<<<64, 256>>>(reinterpret_cast<std::uint16_t*>(q), q_elems, 2);
+  Q* q = device_alloc<Q>(q_elems);
+  O* out = device_alloc<O>(q_elems);
+  fill_values(q, q_elems, 2, 64);
 
   int resident = 0;
-  TRIATTN_BENCH_CUDA(cuda::decode_attention::resident_ctas<T>(kHeadDim, &resident));
-  const auto plan = cuda::decode_attention::make_plan(DType::kBF16, batch, kKvHeads, kQHeads / kKvHeads, len, resident);
+  TRIATTN_BENCH_CUDA(cuda::decode_attention::resident_ctas<Tc>(kHeadDim, &resident));
+  const auto plan = cuda::decode_attention::make_plan(dtype_of<Tc>, batch, kKvHeads, kQHeads / kKvHeads, len, resident);
   const std::size_t ws_bytes = cuda::decode_attention::workspace_size(plan, batch, kQHeads, kHeadDim);
   void* ws = ws_bytes ? device_alloc<char>(ws_bytes) : nullptr;
   const float scale = ref::default_sm_scale(kHeadDim);
@@ -169,40 +222,35 @@ void BM_decode_attention(benchmark::State& state) {
   TRIATTN_BENCH_CUDA(cudaStreamSynchronize(stream));
   TRIATTN_BENCH_CUDA(cudaGetLastError());
   report(state,
-         "decode_attention batch " + std::to_string(batch) + " page " + std::to_string(bs) +
-             (layout == KvLayout::kHND ? " HND" : " NHD") + flush_name(state.range(4)),
+         std::string(is_scaled_dtype<Tc> ? "decode_attention fp8" : "decode_attention") + " batch " +
+             std::to_string(batch) + " page " + std::to_string(bs) + (layout == KvLayout::kHND ? " HND" : " NHD") +
+             flush_name(state.range(4)),
          static_cast<double>(
-             cuda::decode_attention::bytes_read(static_cast<std::int64_t>(batch) * len, kKvHeads, kHeadDim, sizeof(T))),
+             cuda::decode_attention::bytes_read(static_cast<std::int64_t>(batch) * len, kKvHeads, kHeadDim, sizeof(Tc))),
          kReadRoofline, us);
   state.counters["splits"] = plan.num_splits;
   state.counters["resident_ctas"] = resident;
 
   // Same function with one split (no combine kernel) on these inputs: relative L2 difference of
-  // the bf16 outputs (both rounded to bf16: expect ~1e-3, far under 1e-2).
+  // the outputs (bf16: both rounded to bf16, expect ~1e-3, far under 1e-2; fp8: float outputs).
   {
     auto plan0 = plan;
     plan0.num_splits = 1;
     plan0.tokens_per_split = len;
     const std::size_t ws0_bytes = cuda::decode_attention::workspace_size(plan0, batch, kQHeads, kHeadDim);
     void* ws0 = ws0_bytes ? device_alloc<char>(ws0_bytes) : nullptr;
-    T* out0 = device_alloc<T>(q_elems);
+    O* out0 = device_alloc<O>(q_elems);
     TRIATTN_BENCH_CUDA(cuda::decode_attention::run(plan0, view, 0, q, out0, batch, kQHeads, nullptr, scale, ws0,
                                                    ws0_bytes, stream));
     TRIATTN_BENCH_CUDA(cudaStreamSynchronize(stream));
-    std::vector<std::uint16_t> a(q_elems), r(q_elems);
-    TRIATTN_BENCH_CUDA(cudaMemcpy(a.data(), out, q_elems * 2, cudaMemcpyDeviceToHost));
-    TRIATTN_BENCH_CUDA(cudaMemcpy(r.data(), out0, q_elems * 2, cudaMemcpyDeviceToHost));
-    auto f32 = [](std::uint16_t x) {
-      const std::uint32_t u = static_cast<std::uint32_t>(x) << 16;
-      float f;
-      std::memcpy(&f, &u, 4);
-      return static_cast<double>(f);
-    };
+    std::vector<O> a(q_elems), r(q_elems);
+    TRIATTN_BENCH_CUDA(cudaMemcpy(a.data(), out, q_elems * sizeof(O), cudaMemcpyDeviceToHost));
+    TRIATTN_BENCH_CUDA(cudaMemcpy(r.data(), out0, q_elems * sizeof(O), cudaMemcpyDeviceToHost));
     double num = 0, den = 0;
     for (std::size_t i = 0; i < q_elems; ++i) {
-      const double d = f32(a[i]) - f32(r[i]);
+      const double d = to_double(a[i]) - to_double(r[i]);
       num += d * d;
-      den += f32(r[i]) * f32(r[i]);
+      den += to_double(r[i]) * to_double(r[i]);
     }
     const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
     state.counters["err_vs_one_split"] = benchmark::Counter(rel);
@@ -215,8 +263,15 @@ void BM_decode_attention(benchmark::State& state) {
   }
   cudaStreamDestroy(stream);
   for (void* p : {static_cast<void*>(data), static_cast<void*>(d_tables), static_cast<void*>(d_lens),
-                  static_cast<void*>(q), static_cast<void*>(out), ws})
+                  static_cast<void*>(q), static_cast<void*>(out), static_cast<void*>(d_scales), ws})
     cudaFree(p);
+}
+
+void BM_decode_attention(benchmark::State& state) {
+  if (state.range(5) != 0)
+    decode_attention_bench<fp8_e4m3_storage>(state);
+  else
+    decode_attention_bench<bf16_storage>(state);
 }
 
 /// Context: a plain streaming read of the K + V bytes of BM_decode_attention/<batch>/<len>.
@@ -267,8 +322,8 @@ void BM_memcpy_d2d(benchmark::State& state) {
 }  // namespace
 
 BENCHMARK(BM_decode_attention)
-    ->ArgNames({"batch", "len", "page", "hnd", "flush"})
-    ->ArgsProduct({{1, 16}, {32768}, {16, 64}, {0, 1}, {0, 1}})
+    ->ArgNames({"batch", "len", "page", "hnd", "flush", "fp8"})
+    ->ArgsProduct({{1, 16}, {32768}, {16, 64}, {0, 1}, {0, 1}, {0, 1}})
     ->UseManualTime()
     ->Iterations(200)
     ->Unit(benchmark::kMicrosecond);

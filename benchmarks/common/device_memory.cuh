@@ -6,6 +6,7 @@
 #pragma once
 
 #include <benchmark/benchmark.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstddef>
@@ -65,6 +66,19 @@ __global__ void fill_gaussian_bf16(std::uint16_t* p, std::size_t n, std::uint32_
     const float v = (static_cast<float>(x >> 16) + 0.5f) / 65536.0f;
     const float g = sqrtf(-2.0f * logf(u)) * cospif(2.0f * v) * 1.5f;
     p[i] = static_cast<std::uint16_t>(__float_as_uint(g) >> 16);
+  }
+}
+
+/// fp8 e4m3 values from the same N(0, 1.5) / `scale` (saturating): stored values of a cache whose
+/// dequantisation scale is `scale`. @param p [n] e4m3 bytes
+__global__ void fill_gaussian_fp8(std::uint8_t* p, std::size_t n, std::uint32_t seed, float scale) {
+  for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    const std::uint32_t x = hash_index(i, seed);
+    const float u = (static_cast<float>(x & 0xffffu) + 0.5f) / 65536.0f;
+    const float v = (static_cast<float>(x >> 16) + 0.5f) / 65536.0f;
+    const float g = sqrtf(-2.0f * logf(u)) * cospif(2.0f * v) * 1.5f;
+    p[i] = static_cast<std::uint8_t>(__nv_cvt_float_to_fp8(g / scale, __NV_SATFINITE, __NV_E4M3));
   }
 }
 
