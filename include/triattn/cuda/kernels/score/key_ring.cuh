@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Shared device primitives of the two ring scorers (score_mean_mma_kernel, score_max_mma_pipe_kernel):
 // their shape, the per-warp cp.async key rings (KeySliceFeed, run_key_ring), the row inputs loaded
-// ahead (RowFoldInputs) and the compute cursor over the CTA's (row, tile) items (RingRowCursor).
+// ahead (RowFoldInputs) and the compute cursor over the CTA's (row, tile) items (take_ring_item).
 #pragma once
 
 #include <triattn/cuda/kernels/score/mma_fragments.cuh>
@@ -296,6 +296,34 @@ struct RowFoldInputs {
     }
   }
 };
+
+/// The compute cursor over a CTA's (row, tile) items: takes the item at (c_rid, c_tile), returns it
+/// in (rid, tile) and advances the cursor, making the item's row current in (row, len, seen_row)
+/// (from `pre` when loaded ahead, else loaded now). Returns false when the item holds no key (its
+/// tile starts past the row's length, as do the row's later tiles; uniform across the CTA); with
+/// kLoadAhead the next row's inputs are then loaded ahead, unless `pre` already moved past this row.
+template <bool kLoadAhead, int kTile, class Pre, class LoadPre>
+__device__ __forceinline__ bool take_ring_item(long long& c_rid, int& c_tile, int tiles_per_row, long long last_row,
+                                               long long& seen_row, ScoreRow& row, int& len, Pre& pre,
+                                               const LoadPre& load_pre, long long& rid, int& tile) {
+  rid = c_rid;
+  tile = c_tile;
+  if (++c_tile == tiles_per_row) {
+    c_tile = 0;
+    ++c_rid;
+  }
+  if (rid != seen_row) {
+    if (pre.rid != rid) load_pre(rid);  // not loaded ahead (a skipped row)
+    row = pre.row;
+    len = pre.len;
+    seen_row = rid;
+  }
+  if (tile * kTile >= len) {
+    if (kLoadAhead && pre.rid == rid && rid < last_row) load_pre(rid + 1);
+    return false;
+  }
+  return true;
+}
 
 /// Runs one warp's ring over the CTA's n_items items: item k's slice sits in stage k % kStages.
 /// Commit group g of the loop holds the slice of item g + kStages - 1 and the table fetch of item

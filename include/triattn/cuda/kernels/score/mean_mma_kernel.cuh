@@ -172,22 +172,11 @@ __global__ void __launch_bounds__(32 * (kWarps + kProducers), kMinCtas)
   const long long last_row = (it_end - 1) / tiles_per_row;  // the last row whose inputs may be loaded ahead
   int key0 = 0;  // this warp's first key of the current item (set by prepare)
   const auto prepare = [&]() -> bool {  // the item at the compute cursor, then advance it
-    const long long rid = c_rid;
-    const int tile = c_tile;
-    if (++c_tile == tiles_per_row) {
-      c_tile = 0;
-      ++c_rid;
-    }
-    if (rid != seen_row) {
-      if (pre.rid != rid) load_pre(rid);  // not loaded ahead (a skipped row)
-      row = pre.row;
-      len = pre.len;
-      seen_row = rid;
-    }
-    if (tile * Shape::kTile >= len) {  // no key in this item, nor in the row's later ones (uniform across the CTA)
-      if (kLoadAhead && pre.rid == rid && rid < last_row) load_pre(rid + 1);
+    long long rid;
+    int tile;
+    if (!detail::take_ring_item<kLoadAhead, Shape::kTile>(c_rid, c_tile, tiles_per_row, last_row, seen_row, row, len, pre,
+                                                 load_pre, rid, tile))
       return false;
-    }
     if (rid != w_row) {  // first item of a row with keys (uniform): its weights
       consumers_sync();  // every warp is done with the previous row's weights
       if (row.b != w_b) {
