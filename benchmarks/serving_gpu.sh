@@ -22,8 +22,10 @@
 # Request counts (estimates from decode steps of ~6 ms at batch 1, ~16 ms at 64, ~23 ms at 128
 # with 2K-token KV, prefill 5-10K tok/s): table 1 about 2.5 min, table 2 about 1.3 min, table 3
 # about 2.5 min, plus ~20 s of start-up (weights, CUDA graphs) per table: about 7-8 minutes on
-# one H100. Env: REQ_REASONING (160), REQ_SHARED (192), REQ_SWEEP (48), RATES (3,6,12),
-# BUILD (build-gpu), EXTRA_CMAKE_ARGS, DEPS (as benchmarks/run_gpu.sh).
+# one H100; measured on one H100 at eef7f76: table 1 took 269 s. Env: TABLES (which tables, default
+# "reasoning shared poisson": one per device call keeps each under a 10-minute limit),
+# REQ_REASONING (160), REQ_SHARED (192), REQ_SWEEP (48), RATES (3,6,12), BUILD (build-gpu),
+# EXTRA_CMAKE_ARGS, DEPS (as benchmarks/run_gpu.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -65,12 +67,18 @@ stage() {
   "$BIN" "${COMMON[@]}" "$@" | tee "$OUT/$(echo "$name" | tr ' ' '_').md"
   echo "($name: $((SECONDS - t0)) s)"
 }
-stage "reasoning offline" --workload reasoning --requests "$REQ_REASONING" --rates 0 \
-      --configs full,tri,full+prefix,tri+prefix --json "$OUT/serving_reasoning_offline.json"
-stage "shared prompt offline" --workload shared --requests "$REQ_SHARED" --rates 0 \
-      --configs full,tri,full+prefix,tri+prefix --json "$OUT/serving_shared_offline.json"
-stage "reasoning poisson" --workload reasoning --requests "$REQ_SWEEP" --rates "$RATES" \
-      --configs full,tri --json "$OUT/serving_reasoning_poisson.json"
+TABLES=${TABLES:-reasoning shared poisson}
+for t in $TABLES; do
+  case $t in
+    reasoning) stage "reasoning offline" --workload reasoning --requests "$REQ_REASONING" --rates 0 \
+                     --configs full,tri,full+prefix,tri+prefix --json "$OUT/serving_reasoning_offline.json" ;;
+    shared) stage "shared prompt offline" --workload shared --requests "$REQ_SHARED" --rates 0 \
+                  --configs full,tri,full+prefix,tri+prefix --json "$OUT/serving_shared_offline.json" ;;
+    poisson) stage "reasoning poisson" --workload reasoning --requests "$REQ_SWEEP" --rates "$RATES" \
+                   --configs full,tri --json "$OUT/serving_reasoning_poisson.json" ;;
+    *) echo "TABLES: unknown table '$t' (reasoning, shared, poisson)" >&2; exit 2 ;;
+  esac
+done
 
 python3 examples/serving/plot.py "$OUT/plots" "$OUT"/serving_*.json | tee "$OUT/summary.txt"
 echo "total: $SECONDS s; results in $OUT"
