@@ -79,4 +79,8 @@ prefill = min(full["prefill_tok_s"], tri["prefill_tok_s"])
 print(f"prefill: {prefill / 3291:.1f}x the issue's 3,291 tok/s (target >= 30x)")
 print(f"decode with compression: {tri['decode_tok_s'] / full['decode_tok_s']:.2f}x without (target >= 2x)")
 print(f"KV resident / live at the end, compressed: {tri['kv_resident_over_live']:.3f} (target <= 1.1)")
+if "kv_vmm_slabs_mapped" in tri:
+    print(f"compressed VMM pool: {tri['kv_vmm_slabs_mapped']:.0f} slabs of {tri['kv_vmm_slab_bytes'] / 2**20:.0f} MiB "
+          f"mapped at the end, {tri['kv_vmm_blocks_relocated']:.0f} blocks relocated in "
+          f"{tri['kv_vmm_relocations']:.0f} passes, {tri['kv_vmm_slabs_unmapped']:.0f} slabs unmapped")
 EOF

@@ -456,6 +456,24 @@ void write_run_json(const Options& o, ModelT& model, const Cache& cache, std::si
   num("kv_bytes_in_used_blocks", static_cast<double>(m.bytes_in_used_blocks));
   num("kv_bytes_resident", static_cast<double>(m.bytes_resident));
   num("kv_resident_over_live", m.bytes_live > 0 ? static_cast<double>(m.bytes_resident) / static_cast<double>(m.bytes_live) : 0.0);
+  num("kv_blocks_used", static_cast<double>(m.blocks_used));
+  num("kv_blocks_total", static_cast<double>(m.blocks_total));
+  if constexpr (requires { cache.allocator().stats().counters.blocks_relocated; }) {
+    // The VMM pool: its unit of mapping (a slab: whole blocks over every layer's K and V ranges),
+    // how many are mapped now, and what trims and relocations did over the run.
+    const auto vs = cache.allocator().stats();
+    num("kv_vmm_slab_bytes", static_cast<double>(vs.slab_bytes));
+    num("kv_vmm_blocks_per_slab", vs.blocks_per_slab);
+    num("kv_vmm_slabs_mapped", static_cast<double>(vs.slabs_mapped));
+    num("kv_vmm_bytes_pending", static_cast<double>(vs.bytes_pending));
+    num("kv_vmm_pages_mapped", static_cast<double>(vs.counters.pages_mapped));
+    num("kv_vmm_pages_unmapped", static_cast<double>(vs.counters.pages_unmapped));
+    num("kv_vmm_slabs_unmapped", static_cast<double>(vs.counters.slabs_unmapped));
+    num("kv_vmm_trims", static_cast<double>(vs.counters.trims));
+    num("kv_vmm_relocations", static_cast<double>(vs.counters.relocations));
+    num("kv_vmm_blocks_relocated", static_cast<double>(vs.counters.blocks_relocated));
+    num("kv_vmm_slabs_evacuated", static_cast<double>(vs.counters.slabs_evacuated));
+  }
 #if defined(TRIATTN_EXAMPLE_CUDA)
   if constexpr (std::is_same_v<typename ModelT::backend_type, ex::CudaBackend>) {
     model.backend().synchronize();
@@ -546,6 +564,9 @@ int run(ModelT& model, Cache& cache, const TextCodec& codec, const std::vector<s
 
   std::vector<ex::SequenceResult> res = ex::generate(model, cache, std::span<const std::vector<int>>(prompts),
                                                      std::span<ex::Sampler>(samplers), go, cb, &st);
+  // An elastic pool: the last step's trim unmaps once the stream passed it; wait for it so that
+  // the resident bytes reported below are what the driver holds.
+  if constexpr (requires { cache.allocator().synchronize(); }) cache.allocator().synchronize();
   const double total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
   if (stream) std::printf("\n");
   if (rank.kv != nullptr) (*rank.kv)[static_cast<std::size_t>(rank.rank)] = cache.memory();
@@ -694,6 +715,16 @@ int run_gpu_with(const Options& o, ex::Model<ex::CudaBackend>& model, ex::CudaBa
                  human_bytes(static_cast<double>(std::max(peak_used, used))).c_str(),
                  human_bytes(static_cast<double>(cache.memory().bytes_resident)).c_str(),
                  kVmm ? "VMM: mapped pages" : "static pool");
+    if constexpr (kVmm) {
+      const auto vs = cache.allocator().stats();
+      std::fprintf(stderr, "VMM: %zu slabs of %s mapped; %llu slabs unmapped by %llu trims; %llu blocks relocated in %llu "
+                           "passes, emptying %llu slabs\n",
+                   vs.slabs_mapped, human_bytes(static_cast<double>(vs.slab_bytes)).c_str(),
+                   static_cast<unsigned long long>(vs.counters.slabs_unmapped), static_cast<unsigned long long>(vs.counters.trims),
+                   static_cast<unsigned long long>(vs.counters.blocks_relocated),
+                   static_cast<unsigned long long>(vs.counters.relocations),
+                   static_cast<unsigned long long>(vs.counters.slabs_evacuated));
+    }
   };
   if (!compress) {
     PlainT cache(cfg, triattn::cuda::DeviceCompactor(backend.stream()));
@@ -711,9 +742,13 @@ int run_gpu_with(const Options& o, ex::Model<ex::CudaBackend>& model, ex::CudaBa
   const int rc = run(model, cache, codec, prompts, o, nullptr, [&](std::span<const triattn::SeqId> live) {
     auto done = rounds.compress_if_needed_and_wait(live, backend.stream());
     if constexpr (kVmm) {
-      // Pages the rounds emptied go back once the stream passes them; two empty slabs stay
-      // mapped for regrowth (the lazy release bench_decode_step measures).
-      (void)cache.allocator().trim(backend.stream(), 2 * cache.allocator().stats().slab_bytes);
+      // Compaction keeps each sequence's first blocks, so a round leaves survivors of a few
+      // sequences in every slab: move them into fuller slabs (device copies on the stream), then
+      // give the emptied slabs back once the stream passes them. Empty slabs stay mapped for
+      // regrowth only up to 5% of the live KV (at most two), so resident stays within 1.1x of live.
+      if (!done.empty()) (void)cache.relocate_blocks();
+      const std::size_t slab = cache.allocator().stats().slab_bytes;
+      (void)cache.allocator().trim(backend.stream(), std::min(2 * slab, cache.memory().bytes_live / 20));
     }
     peak_used = std::max(peak_used, ex::device_memory_used());
     return done;

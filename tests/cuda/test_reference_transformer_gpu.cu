@@ -15,6 +15,8 @@
 //     scorer + host selector (KvCache::compress's path) and from the CPU scorer + selector on the
 //     same keys (downloaded) are compared: device vs host selection exactly, device vs CPU scores
 //     up to near-ties (the scores agree to ~1e-6); rounds of several sequences at once
+//   * the same rounds over the VMM pool with KvCache::relocate_blocks after each (the engine's
+//     hook): the tokens of the static pool, and only the fewest slabs that hold the blocks mapped
 //   * serving requests that share a system prompt (serve_shared.hpp) over the device pool with
 //     the prefix cache on gives bitwise the tokens of the same run with it off, device rounds on
 // Data come from TRIATTN_SHARED_DATA_DIR/models; a missing file fails the test. No GPU: fails.
@@ -490,6 +492,90 @@ TEST_CASE("TriAttention on the GPU: device rounds keep exactly what the CPU scor
                                      << plan_mismatch << " rounds (" << swapped << " of " << kept_total
                                      << " kept slots); graphs captured " << be.stats().graph_captures);
   }
+}
+
+TEST_CASE("TriAttention on the GPU over VMM: relocation after rounds packs the slabs and keeps the tokens") {
+  triattn::test::require_device();
+  const ex::ModelConfig c = small_config(64, 512);
+  const ex::ModelWeights w = ex::make_synthetic_weights(c, 2024);
+  const triattn::QueryStats stats = calibrated_stats(w);
+  const triattn::RopeConfig rope = rope_of(c);
+  // reference_transformer's serving run in small: long prompts prefilled in order in chunks, every
+  // prompt token competing for the budget, then rounds during decode. bf16 blocks of 16 x 2 heads x
+  // 64 = 4 KiB: 512 per 2 MiB page, so 24 prompts of 1,000 tokens fill 3 slabs and their
+  // survivors (16 blocks each) sit in all of them.
+  constexpr int kBudget = 256, kDivide = 32, kSteps = 80, kSeqs = 24, kPrompt = 1000;
+  triattn::SelectionParams sel;
+  sel.budget = kBudget;
+  sel.divide_length = kDivide;
+  sel.prompt = triattn::PromptMode::kCompete;
+  auto cfg = cache_config(c, kPrompt + kDivide + 1, kSeqs, 16, DType::kBF16);
+  cfg.num_blocks = (cfg.num_blocks + 511) / 512 * 512;  // whole slabs: the packed count is exact
+  std::vector<std::vector<int>> prompts;
+  for (int i = 0; i < kSeqs; ++i) prompts.push_back(prompt_tokens(kPrompt, 40 + i, c.vocab_size));
+  ex::GenerationOptions opt;
+  opt.max_new_tokens = kSteps;
+  opt.stop_at_bos = false;
+  opt.prefill_chunk = 512;
+  auto samplers = [] {
+    std::vector<ex::Sampler> s;
+    for (int i = 0; i < kSeqs; ++i) s.emplace_back(0.8f, 0.95f, 300 + static_cast<std::uint64_t>(i));
+    return s;
+  };
+  auto run = [&](auto& cache, ex::Model<ex::CudaBackend>& model, ex::CudaBackend& be, auto&& after_round) {
+    using CacheT = std::remove_reference_t<decltype(cache)>;
+    triattn::cuda::DeviceRounds<CacheT> rounds(cache);
+    ex::GenerationCallbacks cb;
+    cb.after_step = [&](std::span<const SeqId> live) {
+      auto done = rounds.compress_if_needed_and_wait(live, be.stream());
+      after_round(done);
+      return done;
+    };
+    std::vector<ex::Sampler> s = samplers();
+    std::vector<std::vector<int>> tokens;
+    for (const auto& r : ex::generate(model, cache, std::span<const std::vector<int>>(prompts), std::span<ex::Sampler>(s),
+                                      opt, cb))
+      tokens.push_back(r.generated);
+    return tokens;
+  };
+
+  // The static pool without relocation: the tokens to reproduce.
+  std::vector<std::vector<int>> want;
+  {
+    ex::CudaBackend be;
+    ex::Model<ex::CudaBackend> model(w, be);
+    ex::GpuTriCache cache(cfg, triattn::cuda::DeviceCompactor(be.stream()),
+                          triattn::cuda::TriAttentionDeviceScorer(stats, rope, triattn::ScoringParams{}, c.n_kv_heads, be.stream()),
+                          triattn::TopKSelector(sel));
+    want = run(cache, model, be, [](const auto&) {});
+  }
+  // VMM with the engine's hook: relocate after a round, trim every empty slab.
+  ex::CudaBackend be;
+  ex::Model<ex::CudaBackend> model(w, be);
+  ex::GpuVmmTriCache cache(cfg, triattn::cuda::DeviceCompactor(be.stream()),
+                           triattn::cuda::TriAttentionDeviceScorer(stats, rope, triattn::ScoringParams{}, c.n_kv_heads, be.stream()),
+                           triattn::TopKSelector(sel));
+  const int per_slab = cache.allocator().geometry().blocks_per_slab;
+  REQUIRE(per_slab == 512);
+  int rounds = 0, packed = 0;
+  std::size_t moved = 0;
+  const auto got = run(cache, model, be, [&](const std::vector<triattn::CompressionReport>& done) {
+    if (done.empty()) return;
+    ++rounds;
+    moved += cache.relocate_blocks().blocks_moved;
+    (void)cache.allocator().trim(be.stream());
+    cache.allocator().synchronize();
+    const auto vs = cache.allocator().stats();
+    // The fewest slabs that can hold the blocks in use: nothing else stays mapped.
+    packed += vs.slabs_mapped == (vs.blocks_used + per_slab - 1) / per_slab;
+  });
+  CHECK(got == want);
+  CHECK(rounds >= 3);
+  CHECK(packed == rounds);
+  CHECK(moved > 0);
+  const triattn::MemoryStats m = cache.memory();
+  MESSAGE("VMM + relocation: " << rounds << " rounds, " << moved << " blocks moved; at the end " << m.bytes_resident
+                               << " B resident for " << m.bytes_live << " B live, " << m.blocks_used << " blocks in use");
 }
 
 TEST_CASE("GPU serving with the prefix cache gives the same tokens as without (compressed on the device)") {

@@ -6,7 +6,8 @@
 //  * pages really go back: cudaMemGetInfo's free memory rises by the trimmed bytes (within a
 //    page or two) and falls again on regrowth; pooled handles stay resident until released;
 //  * lowering the memory limit returns free pages and refuses growth beyond it;
-//  * blocks larger than a page.
+//  * blocks larger than a page;
+//  * KvCache::relocate_blocks after compaction: slabs empty, tokens stay bitwise.
 // Where no driver/GPU exists these tests FAIL (construction throws cuda_error), never skip.
 // ctest: RUN_SERIAL (free memory is device-wide: another test process would move it)
 #include "cuda_test_utils.cuh"
@@ -233,6 +234,60 @@ TEST_CASE_TEMPLATE("vmm gpu: cached tokens survive compaction and trim and regro
     }
     TRIATTN_TEST_CUDA(cudaStreamDestroy(stream));
   }
+}
+
+TEST_CASE("vmm gpu: relocation after compaction empties slabs and keeps every token (vs the host cache)") {
+  test::require_device();
+  const std::uint64_t seed = test::test_seed();
+  MESSAGE("seed = ", seed, " (set TRIATTN_TEST_SEED to replay)");
+  std::mt19937_64 rng(seed);
+  // bf16 16 KiB blocks, 128 per 2 MiB page: a slab is one page in each of 4 ranges, 128 blocks.
+  // 16 prompts of 60 blocks prefilled in order fill 7.5 slabs; each keeps 16 blocks (256 tokens),
+  // the first ones of its table, so every slab keeps survivors of two or three sequences.
+  const CacheConfig cfg = make_config(DType::kBF16, 128 * 16, 16);
+  cudaStream_t stream = nullptr;
+  TRIATTN_TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  {
+    HostCache host(cfg);
+    VmmCache dev(cfg, cuda::DeviceCompactor(stream));
+    REQUIRE(dev.allocator().geometry().blocks_per_slab == 128);
+    std::vector<std::pair<SeqId, SeqId>> seqs;
+    for (int i = 0; i < 16; ++i) {
+      const SeqId hs = host.add_sequence(), ds = dev.add_sequence();
+      append_both<bf16_storage>(rng, host, dev, hs, ds, 60 * 16, Phase::kPrefill, stream);
+      seqs.emplace_back(hs, ds);
+    }
+    for (auto [hs, ds] : seqs) {
+      const KeepPlan plan = random_plan(rng, cfg.model, host.physical_length(hs), 256);
+      host.apply_keep_plan(hs, plan);
+      cuda::publish(dev, stream);
+      dev.apply_keep_plan(ds, plan);
+    }
+    (void)dev.allocator().trim(stream);
+    dev.allocator().synchronize();
+    const std::size_t stuck = dev.memory().bytes_resident;
+    MESSAGE("after compaction + trim: " << stuck / kMiB << " MiB resident for " << dev.memory().bytes_live / kMiB << " MiB live");
+    CHECK(stuck >= 3 * dev.memory().bytes_live);  // the pattern: no slab emptied
+
+    const std::size_t used0 = device_used();
+    const RelocationReport rep = dev.relocate_blocks();
+    (void)dev.allocator().trim(stream);
+    dev.allocator().synchronize();
+    const std::size_t used1 = device_used();
+    MESSAGE("relocated " << rep.blocks_moved << " blocks in " << rep.copies << " copies, emptying " << rep.slabs_emptied
+                         << " slabs: " << dev.memory().bytes_resident / kMiB << " MiB resident");
+    CHECK(rep.slabs_emptied >= 5);
+    CHECK(dev.memory().bytes_resident == dev.memory().bytes_live);  // 256 blocks: exactly 2 slabs
+    CHECK(std::abs(diff(used0 - used1, stuck - dev.memory().bytes_resident)) <= static_cast<std::ptrdiff_t>(2 * dev.allocator().page_bytes()));
+    require_same_tokens<bf16_storage>(host, dev, seqs);
+    CHECK(dev.allocator().stats().blocks_used == host.memory().blocks_used);
+
+    // Decoding after the move: appends go through the republished tables into the new blocks.
+    for (int step = 0; step < 20; ++step)
+      for (auto [hs, ds] : seqs) append_both<bf16_storage>(rng, host, dev, hs, ds, 1, Phase::kDecode, stream);
+    require_same_tokens<bf16_storage>(host, dev, seqs);
+  }
+  TRIATTN_TEST_CUDA(cudaStreamDestroy(stream));
 }
 
 TEST_CASE("vmm gpu: trim returns pages to the driver and regrowth maps them again (cudaMemGetInfo)") {

@@ -44,6 +44,18 @@ void copy_block(const KvCacheView<T, Id>& view, Id src, Id dst) {
     }
 }
 
+/// Copies the `count` adjacent blocks from `src` to those from `dst` in every (layer, K|V) range
+/// (KvCache::relocate_blocks). The two runs must not overlap.
+template <class T, class Id>
+void copy_blocks(const KvCacheView<T, Id>& view, Id src, Id dst, Id count) {
+  const std::int64_t n = view.block.block_elems();
+  for (int l = 0; l < view.num_layers; ++l)
+    for (int kind = 0; kind < 2; ++kind) {
+      T* r = view.range(l, static_cast<KvKind>(kind));
+      std::memcpy(r + dst * n, r + src * n, sizeof(T) * static_cast<std::size_t>(n) * static_cast<std::size_t>(count));
+    }
+}
+
 /// CPU reference of append: writes n tokens' K and V for one layer at slots [first_slot,
 /// first_slot + n) of `seq`. k, v: [n, num_kv_heads, head_dim].
 template <class T, class Id>

@@ -76,6 +76,14 @@ struct MemoryStats {
   std::int64_t logical_tokens = 0;    ///< sum of logical positions
 };
 
+/// What KvCache::relocate_blocks() did.
+struct RelocationReport {
+  std::size_t blocks_moved = 0;   ///< blocks copied to a new place (table entries repointed)
+  std::size_t slabs_emptied = 0;  ///< allocator slabs left without a live block
+  std::size_t bytes_freed = 0;    ///< their mapped bytes, which the allocator's trim() gives back
+  std::size_t copies = 0;         ///< copy calls issued (runs of adjacent blocks go as one)
+};
+
 /// What one compression round did to one sequence.
 struct CompressionReport {
   SeqId seq = -1;
@@ -623,6 +631,81 @@ class KvCache {
   static constexpr bool copies_blocks =
       requires(compactor_type& c, const KvCacheView<float, index_type>& v, index_type b) { c.copy_block(v, b, b); };
 
+  // ---- relocation -----------------------------------------------------------------------------
+
+  /// True when the allocator can plan relocations (VmmAllocatorCore, cuda::VmmAllocator and
+  /// wrappers of them) and the compactor can copy blocks.
+  static constexpr bool relocates_blocks =
+      copies_blocks && requires(allocator_type& a, std::span<const index_type> m) { a.plan_relocation(m, std::size_t{1}); };
+
+  /// Moves blocks out of sparsely used allocator slabs so that whole slabs empty: compaction keeps
+  /// each sequence's first blocks, so after a round every slab may still hold a few survivors of
+  /// several sequences and nothing can be unmapped. Only blocks a single sequence holds alone
+  /// (reference count 1) move; shared prefix blocks and blocks only a prefix cache holds stay
+  /// where they are, and a slab holding one stays mapped. At most `max_blocks` blocks move. The
+  /// copies go through the compactor (on its stream for a device cache, a run of adjacent blocks
+  /// per call), the block tables are repointed and the old blocks released; the allocator's
+  /// trim(stream) afterwards gives the emptied slabs back once the copies are done. Lengths,
+  /// positions and blocks in use are unchanged. A device cache must publish its tables again
+  /// before kernels read them (cuda::publish; the next append does).
+  /// @throws logic_error (cache unchanged) on a device cache that tracks positions in device
+  /// memory (its position store is indexed by block); the compactor's error (tables unchanged,
+  /// the new blocks released) when a copy cannot be issued.
+  RelocationReport relocate_blocks(std::size_t max_blocks = std::numeric_limits<std::size_t>::max())
+    requires relocates_blocks
+  {
+    check_live("relocate_blocks");
+    TRIATTN_EXPECTS(!(config_.track_positions && tracks_positions_on_device),
+                    "relocate_blocks: this device cache tracks positions in device memory "
+                    "(CacheConfig::track_positions), indexed by block; relocation does not move them");
+    movable_.clear();
+    owner_of_.resize(static_cast<std::size_t>(config_.num_blocks), -1);
+    for (int q = 0; q < config_.max_seqs; ++q) {
+      if (!seqs_[idx(q)].active) continue;
+      const int nb = num_blocks_of(q);
+      for (int j = 0; j < nb; ++j) {
+        const std::size_t at = row(q) + static_cast<std::size_t>(j);
+        const index_type b = tables_[at];
+        if (allocator_.ref_count(b) != 1) continue;
+        movable_.push_back(b);
+        owner_of_[static_cast<std::size_t>(b)] = static_cast<std::int64_t>(at);
+      }
+    }
+    RelocationReport rep;
+    const auto plan = allocator_.plan_relocation(std::span<const index_type>(movable_), max_blocks);
+    if (plan.from.empty()) return rep;
+    try {
+      dispatch_dtype([&](auto tag) {
+        using T = typename decltype(tag)::type;
+        const KvCacheView<T, index_type> v = view<T>();
+        for (std::size_t i = 0; i < plan.from.size();) {
+          std::size_t n = 1;
+          if constexpr (requires { compactor_.copy_blocks(v, index_type{0}, index_type{0}, index_type{1}); }) {
+            while (i + n < plan.from.size() && plan.from[i + n] == plan.from[i] + static_cast<index_type>(n) &&
+                   plan.to[i + n] == plan.to[i] + static_cast<index_type>(n))
+              ++n;
+            compactor_.copy_blocks(v, plan.from[i], plan.to[i], static_cast<index_type>(n));
+          } else {
+            compactor_.copy_block(v, plan.from[i], plan.to[i]);
+          }
+          ++rep.copies;
+          i += n;
+        }
+      });
+    } catch (...) {
+      for (const index_type b : plan.to) allocator_.release(b);
+      throw;
+    }
+    for (std::size_t i = 0; i < plan.from.size(); ++i) {
+      tables_[static_cast<std::size_t>(owner_of_[static_cast<std::size_t>(plan.from[i])])] = plan.to[i];
+      allocator_.release(plan.from[i]);
+    }
+    rep.blocks_moved = plan.from.size();
+    rep.slabs_emptied = plan.slabs.size();
+    rep.bytes_freed = plan.bytes_freed;
+    return rep;
+  }
+
  private:
   struct SeqState {
     bool active = false;
@@ -1058,6 +1141,8 @@ class KvCache {
   std::vector<KeepPlan> plans_;         // commit_round's plans (tracked positions only)
   std::vector<std::int32_t> moved_;     // positions after a compaction (tracked positions only)
   std::vector<SeqId> round_seqs_;       // the sequences a scorer's compress_round compresses
+  std::vector<index_type> movable_;     // relocate_blocks: blocks one sequence holds alone
+  std::vector<std::int64_t> owner_of_;  // relocate_blocks: table entry of each such block [num_blocks]
   mutable std::vector<std::uint8_t> seen_;  // check_batch_ids' marks, all zero between calls
 };
 

@@ -16,13 +16,18 @@
 // room (ties: the lowest slab), lowest free block first; when mapped slabs cannot satisfy a
 // request, the lowest unmapped slabs are mapped. Full slabs stay full, and the blocks freed by
 // compaction are refilled before an emptier slab is touched, so slabs empty out whole.
+// Placement alone cannot empty a slab that still holds a few survivors of several sequences
+// (compaction keeps each sequence's first blocks); pick_evacuees() chooses slabs whose blocks
+// the owner moves into the free room of fuller slabs (VmmAllocatorCore::plan_relocation).
 #pragma once
 
+#include <algorithm>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <numeric>
 #include <set>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -138,11 +143,17 @@ class SlabLedger {
   /// scheduled unmap, which only needs the state change done here).
   std::int32_t take_best(bool* revived = nullptr) {
     TRIATTN_EXPECTS(!room_.empty(), "SlabLedger::take_best: no mapped slab has room");
-    const int s = room_.begin()->second;
+    return take_from(room_.begin()->second, revived);
+  }
+
+  /// Takes the lowest free block of slab `s`, which must be mapped (or pending) with room.
+  std::int32_t take_from(int s, bool* revived = nullptr) {
+    TRIATTN_EXPECTS(s >= 0 && s < g_.num_slabs && is_allocatable_state(s) && used(s) < g_.blocks_in(s),
+                    "SlabLedger::take_from: slab " + std::to_string(s) + " is not a mapped slab with a free block");
     const std::int32_t b = lowest_free(s);
     if (revived) *revived = state(s) == SlabState::kPending;
     if (state(s) == SlabState::kPending) set_state(s, SlabState::kMapped);
-    room_.erase(room_.begin());
+    room_.erase({-used(s), s});
     set_free(b, false);
     ref_[static_cast<std::size_t>(b)] = 1;
     ++used_[static_cast<std::size_t>(s)];
@@ -163,6 +174,38 @@ class SlabLedger {
     }
     if (got < blocks) plan.clear();
     return plan;
+  }
+
+  /// The slabs a relocation empties: `movable[s]` of slab s's live blocks can be moved, and a
+  /// slab qualifies only when all of them can. The emptiest qualifying slabs (ties: the highest)
+  /// are taken while their blocks, at most `max_blocks` in all, still fit into the free blocks of
+  /// the non-empty mapped slabs that stay. Empty slabs need no moves (trim() takes them) and are
+  /// never destinations, so the slabs left hold the live blocks as densely as the free room
+  /// allows. Ascending.
+  [[nodiscard]] std::vector<int> pick_evacuees(std::span<const std::int32_t> movable, std::size_t max_blocks) const {
+    TRIATTN_EXPECTS(movable.size() == static_cast<std::size_t>(g_.num_slabs),
+                    "SlabLedger::pick_evacuees: " + std::to_string(movable.size()) + " counts for " +
+                        std::to_string(g_.num_slabs) + " slabs");
+    std::vector<std::pair<int, int>> cand;  // (used, -slab)
+    std::size_t room = 0;                   // free blocks on non-empty mapped slabs
+    for (int s = 0; s < g_.num_slabs; ++s) {
+      if (state(s) != SlabState::kMapped || used(s) == 0) continue;
+      room += static_cast<std::size_t>(g_.blocks_in(s) - used(s));
+      if (movable[static_cast<std::size_t>(s)] == used(s)) cand.emplace_back(used(s), -s);
+    }
+    std::sort(cand.begin(), cand.end());
+    std::vector<int> out;
+    std::size_t moves = 0;
+    for (const auto& [u, neg_s] : cand) {
+      const std::size_t own_room = static_cast<std::size_t>(g_.blocks_in(-neg_s) - u);
+      const std::size_t next = moves + static_cast<std::size_t>(u);
+      if (next > max_blocks || next > room - own_room) continue;
+      moves = next;
+      room -= own_room;
+      out.push_back(-neg_s);
+    }
+    std::sort(out.begin(), out.end());
+    return out;
   }
 
   /// Empty slabs in state kMapped (candidates for unmapping), ascending.

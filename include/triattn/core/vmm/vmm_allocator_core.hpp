@@ -18,6 +18,11 @@
 // handle, and handles are one page each so any page can go back alone; the access grant costs
 // far more than a map, see docs/memory.md).
 //
+// Relocation: compaction keeps each sequence's first blocks, so a slab holding the survivors of a
+// few sequences stays mapped however much of it was freed. plan_relocation() picks the emptiest
+// slabs whose blocks the owner can move into the free room of fuller ones (KvCache::
+// relocate_blocks copies them and repoints its tables), so those slabs empty and trim() unmaps them.
+//
 // Reclaim is GPU-ordered: release() only updates the ledger. trim(stream) records an event on the
 // caller's stream for the empty slabs it gives back and unmaps them once that event completed
 // (checked at trim/poll/synchronize; never under in-flight kernels). Unmapped handles return to
@@ -101,6 +106,9 @@ struct VmmCounters {
   std::uint64_t slabs_unmapped = 0;
   std::uint64_t slabs_revived = 0;     ///< pending slabs taken back by allocate() (unmap cancelled)
   std::uint64_t trims = 0;
+  std::uint64_t relocations = 0;       ///< plan_relocation calls that planned moves
+  std::uint64_t blocks_relocated = 0;  ///< blocks those plans moved
+  std::uint64_t slabs_evacuated = 0;   ///< slabs those plans emptied
   std::uint64_t rollbacks = 0;
   std::uint64_t fail_no_blocks = 0;
   std::uint64_t fail_memory_limit = 0;
@@ -135,6 +143,15 @@ struct TrimResult {
   std::size_t bytes_scheduled = 0;
   std::size_t bytes_unmapped = 0;   ///< unmapped during this call (event already complete)
   std::size_t bytes_pending = 0;    ///< still waiting for their event after this call
+};
+
+/// What plan_relocation() decided: move from[i] to to[i] for every i, which empties `slabs`.
+struct RelocationPlan {
+  std::vector<std::int32_t> from;  ///< live blocks to move, ascending
+  std::vector<std::int32_t> to;    ///< their new places: fresh blocks (reference count 1) on slabs that stay
+  std::vector<int> slabs;          ///< slabs the moves empty, ascending
+  std::size_t bytes_freed = 0;     ///< mapped bytes of those slabs (all ranges): what trim() can then give back
+  [[nodiscard]] bool empty() const noexcept { return from.empty(); }
 };
 
 struct LimitResult {
@@ -331,6 +348,64 @@ class VmmAllocatorCore {
     }
     if (f.code) s.drv.raise(f.call, f.code, f.what);
     return before - bytes_resident();
+  }
+
+  /// Plans moving live blocks out of sparsely used slabs so that whole slabs empty and trim()
+  /// can unmap them: placement never moves a block, so after a compaction a slab that keeps a
+  /// few survivors of several sequences stays mapped. `movable` lists live blocks the caller can
+  /// move (it holds their only reference and can repoint every table entry that names them); a
+  /// slab with any other live block stays. The emptiest slabs are emptied while their blocks (at
+  /// most `max_blocks`) fit into the free blocks of the fuller mapped slabs (best fit, fullest
+  /// first); empty slabs are never destinations. The destinations are taken now (reference
+  /// count 1, no driver call). The caller then copies every from[i] to to[i] (ordered before
+  /// anything reuses from[i]), repoints its tables and releases from[i]; to abandon the plan it
+  /// releases every to[i] instead.
+  /// @return an empty plan when no slab can be emptied this way.
+  /// @throws logic_error (nothing changed) on a foreign, free, shared or repeated block in `movable`.
+  [[nodiscard]] RelocationPlan plan_relocation(std::span<const std::int32_t> movable,
+                                               std::size_t max_blocks = std::numeric_limits<std::size_t>::max()) {
+    State& s = st();
+    const SlabGeometry& g = s.geo;
+    std::vector<std::int32_t> per_slab(static_cast<std::size_t>(g.num_slabs), 0);
+    std::vector<std::uint8_t> seen(static_cast<std::size_t>(g.num_blocks), 0);
+    for (const std::int32_t b : movable) {
+      TRIATTN_EXPECTS(b >= 0 && b < g.num_blocks && s.ledger.ref_count(b) == 1 && !seen[static_cast<std::size_t>(b)],
+                      "VmmAllocator::plan_relocation: block " + std::to_string(b) +
+                          " is not a live block with one reference listed once (ref count " +
+                          std::to_string(s.ledger.ref_count(b)) + ")");
+      seen[static_cast<std::size_t>(b)] = 1;
+      ++per_slab[static_cast<std::size_t>(g.slab_of(b))];
+    }
+    RelocationPlan plan;
+    plan.slabs = s.ledger.pick_evacuees(per_slab, max_blocks);
+    if (plan.slabs.empty()) return plan;
+    std::vector<std::uint8_t> leaving(static_cast<std::size_t>(g.num_slabs), 0);
+    for (const int slab : plan.slabs) {
+      leaving[static_cast<std::size_t>(slab)] = 1;
+      plan.bytes_freed += static_cast<std::size_t>(g.slab_bytes_all_ranges(slab));
+      for (int b = g.first_block(slab); b < g.first_block(slab) + g.blocks_in(slab); ++b)
+        if (s.ledger.ref_count(b) > 0) plan.from.push_back(b);
+    }
+    // Destinations: the staying non-empty slabs, fullest first (ties: lowest), lowest block first.
+    std::vector<std::pair<int, int>> stay;  // (-used, slab)
+    for (int slab = 0; slab < g.num_slabs; ++slab)
+      if (s.ledger.state(slab) == SlabState::kMapped && s.ledger.used(slab) > 0 && !leaving[static_cast<std::size_t>(slab)] &&
+          s.ledger.used(slab) < g.blocks_in(slab))
+        stay.emplace_back(-s.ledger.used(slab), slab);
+    std::sort(stay.begin(), stay.end());
+    plan.to.reserve(plan.from.size());
+    for (std::size_t i = 0; i < stay.size() && plan.to.size() < plan.from.size(); ++i)
+      while (plan.to.size() < plan.from.size() && s.ledger.used(stay[i].second) < g.blocks_in(stay[i].second))
+        plan.to.push_back(s.ledger.take_from(stay[i].second));
+    if (plan.to.size() != plan.from.size()) {  // pick_evacuees counted the room: never happens
+      for (const std::int32_t b : plan.to) (void)s.ledger.release(b);
+      TRIATTN_FAIL("VmmAllocator::plan_relocation: found " + std::to_string(plan.to.size()) + " destinations for " +
+                   std::to_string(plan.from.size()) + " blocks");
+    }
+    ++s.counters.relocations;
+    s.counters.blocks_relocated += plan.from.size();
+    s.counters.slabs_evacuated += plan.slabs.size();
+    return plan;
   }
 
   /// Waits (host-blocking) for every scheduled trim's event, then unmaps.

@@ -98,15 +98,27 @@ class DeviceCompactor {
     TRIATTN_CUDA_TRY(compact::run(v, params, 1, stream_));
   }
 
-  /// Stream the kernels run on.
   /// Copies block `src` to `dst` in every (layer, K|V) range with one 2D copy on the stream
   /// (KvCache's copy-on-write of a shared block). @throws cuda_error when the copy fails.
   template <class T, class Id>
   void copy_block(const KvCacheView<T, Id>& view, Id src, Id dst) {
-    const std::size_t bytes = sizeof(T) * static_cast<std::size_t>(view.block.block_elems());
+    copy_blocks(view, src, dst, Id{1});
+  }
+
+  /// Copies the n adjacent blocks from `src` to the n adjacent blocks from `dst` (runs that do
+  /// not overlap) in every (layer, K|V) range with one 2D copy on the stream (KvCache::
+  /// relocate_blocks). @throws logic_error on a bad run, cuda_error when the copy fails.
+  template <class T, class Id>
+  void copy_blocks(const KvCacheView<T, Id>& view, Id src, Id dst, Id n) {
+    TRIATTN_EXPECTS(n > 0 && src >= 0 && dst >= 0 && src + n <= view.num_blocks && dst + n <= view.num_blocks &&
+                        (src + n <= dst || dst + n <= src),
+                    "DeviceCompactor::copy_blocks: runs [" + std::to_string(src) + ", +" + std::to_string(n) + ") -> [" +
+                        std::to_string(dst) + ", +" + std::to_string(n) + ") overlap or leave the pool of " +
+                        std::to_string(view.num_blocks) + " blocks");
+    const std::size_t bytes = sizeof(T) * static_cast<std::size_t>(view.block.block_elems()) * static_cast<std::size_t>(n);
     // KvCache's own layout: every (layer, K|V) range kind_stride apart, so one 2D copy does all.
     TRIATTN_EXPECTS(view.ranges == nullptr && view.layer_stride == 2 * view.kind_stride,
-                    "DeviceCompactor::copy_block: needs KvCache's contiguous view (no per-range pointers, "
+                    "DeviceCompactor::copy_blocks: needs KvCache's contiguous view (no per-range pointers, "
                     "layer_stride = 2 * kind_stride)");
     const std::size_t pitch = sizeof(T) * static_cast<std::size_t>(view.kind_stride);
     TRIATTN_CUDA_TRY(cudaMemcpy2DAsync(view.data + static_cast<std::int64_t>(dst) * view.block.block_elems(), pitch,
@@ -115,6 +127,7 @@ class DeviceCompactor {
                                        stream_));
   }
 
+  /// Stream the kernels run on.
   [[nodiscard]] cudaStream_t stream() const noexcept { return stream_; }
   /// Waits for everything issued on the compactor's stream.
   void synchronize() const { TRIATTN_CUDA_TRY(cudaStreamSynchronize(stream_)); }
