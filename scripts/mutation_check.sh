@@ -34,6 +34,8 @@ MUTANTS=(
 "moved-from-cache-unguarded|include/triattn/core/kv_cache.hpp|    check_live(op);\n|\n|test_core_test_kv_cache_limits|limits: every query on a moved-from KvCache*"
 "serving-rows-mixed|examples/serving/serving_loop.hpp|std::span<const float>(logits + c * static_cast<std::size_t>(vocab),|std::span<const float>(logits + (c + 1) % chunks.size() * static_cast<std::size_t>(vocab),|test_core_test_serving_loop|serving loop on the CPU: without compression*"
 "serving-round-on-neighbour|examples/serving/serving_loop.hpp|cache.needs_compression(st[i].seq)) due.push_back(st[i].seq);|cache.needs_compression(st[i].seq)) due.push_back(st[running[(std::find(running.begin(), running.end(), i) - running.begin() + 1) % running.size()]].seq);|test_core_test_serving_loop|serving loop on the CPU: with TriAttention rounds*"
+"relocation-keeps-old-table|include/triattn/core/kv_cache.hpp|      tables_[static_cast<std::size_t>(owner_of_[static_cast<std::size_t>(plan.from[i])])] = plan.to[i];\n|\n|test_core_test_vmm_relocation|vmm relocation: 64 prompts prefilled in order*"
+"relocation-moves-shared|include/triattn/core/kv_cache.hpp|        if (allocator_.ref_count(b) != 1) continue;|        if (allocator_.ref_count(b) < 1) continue;|test_core_test_vmm_relocation|vmm relocation: a prefix shared by 64*"
 )
 
 t0=$(date +%s)
