@@ -34,6 +34,7 @@ MUTANTS=(
 "moved-from-cache-unguarded|include/triattn/core/kv_cache.hpp|    check_live(op);\n|\n|test_core_test_kv_cache_limits|limits: every query on a moved-from KvCache*"
 "serving-rows-mixed|examples/serving/serving_loop.hpp|std::span<const float>(logits + c * static_cast<std::size_t>(vocab),|std::span<const float>(logits + (c + 1) % chunks.size() * static_cast<std::size_t>(vocab),|test_core_test_serving_loop|serving loop on the CPU: without compression*"
 "serving-round-on-neighbour|examples/serving/serving_loop.hpp|cache.needs_compression(st[i].seq)) due.push_back(st[i].seq);|cache.needs_compression(st[i].seq)) due.push_back(st[running[(std::find(running.begin(), running.end(), i) - running.begin() + 1) % running.size()]].seq);|test_core_test_serving_loop|serving loop on the CPU: with TriAttention rounds*"
+"serving-round-credited-nowhere|examples/serving/serving_loop.hpp|      owner_of[static_cast<std::size_t>(s.seq)] = i;|      if (!prefix) owner_of[static_cast<std::size_t>(s.seq)] = i;|test_core_test_serving_loop|serving loop on the CPU: with TriAttention rounds*"
 )
 
 t0=$(date +%s)
