@@ -23,7 +23,10 @@
 # with 2K-token KV, prefill 5-10K tok/s): table 1 about 2.5 min, table 2 about 1.3 min, table 3
 # about 2.5 min, plus ~20 s of start-up (weights, CUDA graphs) per table: about 7-8 minutes on
 # one H100. Env: REQ_REASONING (160), REQ_SHARED (192), REQ_SWEEP (48), RATES (3,6,12),
-# BUILD (build-gpu), EXTRA_CMAKE_ARGS, DEPS (as benchmarks/run_gpu.sh).
+# BUILD (build-gpu), EXTRA_CMAKE_ARGS, DEPS (as benchmarks/run_gpu.sh). ITL_ABLATION=1 adds a
+# fourth table (about 4 more minutes): the reasoning workload, offline, TriAttention only, with the
+# rounds on their own stream or on the model's and the KV pages mapped ahead or in the step's
+# extend: what the decode ITL p99 owes to each (every JSON carries the per-step attribution).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -71,6 +74,16 @@ stage "shared prompt offline" --workload shared --requests "$REQ_SHARED" --rates
       --configs full,tri,full+prefix,tri+prefix --json "$OUT/serving_shared_offline.json"
 stage "reasoning poisson" --workload reasoning --requests "$REQ_SWEEP" --rates "$RATES" \
       --configs full,tri --json "$OUT/serving_reasoning_poisson.json"
+
+if [ "${ITL_ABLATION:-0}" = 1 ]; then
+  for rs in side engine; do
+    for ma in ahead step; do
+      extra=(); [ "$ma" = step ] && extra=(--no-map-ahead)
+      stage "itl rounds $rs pages $ma" --workload reasoning --requests "$REQ_REASONING" --rates 0 --configs tri \
+            --round-stream "$rs" ${extra[@]+"${extra[@]}"} --json "$OUT/serving_itl_${rs}_${ma}.json"
+    done
+  done
+fi
 
 python3 examples/serving/plot.py "$OUT/plots" "$OUT"/serving_*.json | tee "$OUT/summary.txt"
 echo "total: $SECONDS s; results in $OUT"
