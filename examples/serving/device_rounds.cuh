@@ -55,10 +55,12 @@ class DeviceRoundsAdapter {
   DeviceRoundsAdapter(const DeviceRoundsAdapter&) = delete;
   DeviceRoundsAdapter& operator=(const DeviceRoundsAdapter&) = delete;
   ~DeviceRoundsAdapter() {
-    if (rounds_.pending()) triattn::cuda::report_error(cudaEventSynchronize(end_), "DeviceRoundsAdapter: waiting for a round");
+    if (rounds_.pending())
+      triattn::cuda::report_error(cudaEventSynchronize(end_), "DeviceRoundsAdapter: waiting for a round");
     triattn::cuda::report_error(cudaEventDestroy(begin_), "DeviceRoundsAdapter: cudaEventDestroy");
     triattn::cuda::report_error(cudaEventDestroy(end_), "DeviceRoundsAdapter: cudaEventDestroy");
-    if (side_ != nullptr) triattn::cuda::report_error(cudaStreamDestroy(side_), "DeviceRoundsAdapter: cudaStreamDestroy");
+    if (side_ != nullptr)
+      triattn::cuda::report_error(cudaStreamDestroy(side_), "DeviceRoundsAdapter: cudaStreamDestroy");
   }
 
   [[nodiscard]] const std::vector<triattn::CompressionReport>& poll() {

@@ -261,7 +261,8 @@ Options parse_args(int argc, char** argv) {
 #endif
   if (o.device == "cpu" && (o.weights_bf16 || o.batch_invariant || o.no_graphs))
     throw triattn::logic_error("--weight-dtype bf16, --batch-invariant and --no-graphs apply to --device gpu only");
-  if (o.device == "cpu" && !gpu_only.empty()) throw triattn::logic_error(gpu_only.front() + " applies to --device gpu only");
+  if (o.device == "cpu" && !gpu_only.empty())
+    throw triattn::logic_error(gpu_only.front() + " applies to --device gpu only");
   if (o.device == "gpu" && !kv_dtype_set) o.kv_dtype = triattn::DType::kBF16;
   if (!o.trace_path.empty() && !rates_set) o.rates = {-1.0};  // a trace keeps its own arrival times
   for (double r : o.rates)
@@ -497,7 +498,8 @@ void run_gpu(const Options& o, ex::Model<ex::CudaBackend>& model, ex::CudaBacken
                  triattn::cuda::TriAttentionDeviceScorer(stats, ex::rope_config(mc), triattn::ScoringParams{}, mc.n_kv_heads,
                                                          stream),
                  triattn::TopKSelector(selection(o)));
-    sv::DeviceRoundsAdapter<GpuTri> rounds(cache, stream, o.rounds_on_engine ? sv::RoundStream::kEngine : sv::RoundStream::kSide);
+    sv::DeviceRoundsAdapter<GpuTri> rounds(cache, stream,
+                                           o.rounds_on_engine ? sv::RoundStream::kEngine : sv::RoundStream::kSide);
     return sv::serve(model, cache, rounds, reqs, lo, hooks_for(cache));
   };
   run_all(o, model, run_plain, run_tri, "cuda");

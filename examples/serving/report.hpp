@@ -85,7 +85,9 @@ struct Summary {
 };
 
 /// The steps the decode ITL counts: decode rows and no prefill chunk.
-[[nodiscard]] inline bool decode_only(const StepRecord& st) noexcept { return st.prefill_tokens == 0 && st.decode_rows > 0; }
+[[nodiscard]] inline bool decode_only(const StepRecord& st) noexcept {
+  return st.prefill_tokens == 0 && st.decode_rows > 0;
+}
 
 /// The power-of-two batch bucket of n rows (1, 2, 4, ...): the GPU backend's decode graphs.
 [[nodiscard]] inline int rows_bucket(int n) noexcept {
@@ -228,8 +230,8 @@ inline void print_itl_breakdown(std::FILE* f, const Summary& s) {
   for (const auto* side : {&t.tail, &t.all}) {
     const bool tail = side == &t.tail;
     std::fprintf(f,
-                 "  %s %zu steps: rows %.0f, gap %.2f ms = sched %.2f (round wait %.2f, rounds host %.2f) + enqueue %.2f + "
-                 "during %.2f + sync %.2f + post %.2f; device %.2f, round device %.2f; with round launched %zu, "
+                 "  %s %zu steps: rows %.0f, gap %.2f ms = sched %.2f (round wait %.2f, rounds host %.2f) + "
+                 "enqueue %.2f + during %.2f + sync %.2f + post %.2f; device %.2f, round device %.2f; with round launched %zu, "
                  "committed %zu, in flight %zu, waited %zu; slabs mapped %zu, unmapped %zu; graph captured %zu; "
                  "after prefill %zu; bucket changed %zu; admitted %zu; preempted %zu\n",
                  tail ? "ITL tail (>= p99)" : "all decode-only ", side->steps, side->rows, side->gap * 1e3,
@@ -255,7 +257,8 @@ inline std::string tail_side(const ItlTail::Side& s) {
   auto z = [](std::size_t v) { return std::to_string(v); };
   return "{\"steps\": " + z(s.steps) + ", \"round_launched\": " + z(s.round_launched) + ", \"round_committed\": " +
          z(s.round_committed) + ", \"round_in_flight\": " + z(s.round_in_flight) + ", \"round_waited\": " +
-         z(s.round_waited) + ", \"slabs_mapped\": " + z(s.slabs_mapped) + ", \"slabs_unmapped\": " + z(s.slabs_unmapped) +
+         z(s.round_waited) + ", \"slabs_mapped\": " + z(s.slabs_mapped) + ", \"slabs_unmapped\": " +
+         z(s.slabs_unmapped) +
          ", \"graph_captured\": " + z(s.graph_captured) + ", \"after_prefill\": " + z(s.after_prefill) +
          ", \"bucket_changed\": " + z(s.bucket_changed) + ", \"admitted\": " + z(s.admitted) + ", \"preempted\": " +
          z(s.preempted) + ", \"mean_s\": {\"gap\": " + num(s.gap) + ", \"sched\": " + num(s.sched) +
