@@ -25,7 +25,11 @@
 # one H100; measured on one H100 at eef7f76: table 1 took 269 s. Env: TABLES (which tables, default
 # "reasoning shared poisson": one per device call keeps each under a 10-minute limit),
 # REQ_REASONING (160), REQ_SHARED (192), REQ_SWEEP (48), RATES (3,6,12), BUILD (build-gpu),
-# EXTRA_CMAKE_ARGS, DEPS (as benchmarks/run_gpu.sh).
+# EXTRA_CMAKE_ARGS, DEPS (as benchmarks/run_gpu.sh). ITL_ABLATION=1 adds a further table (about 4
+# more minutes; TABLES="" ITL_ABLATION=1 runs it alone): the reasoning workload, offline,
+# TriAttention only, with the rounds on their own stream or on the model's and the KV pages mapped
+# ahead or in the step's extend: what the decode ITL p99 owes to each (every JSON carries the
+# per-step attribution).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -67,7 +71,7 @@ stage() {
   "$BIN" "${COMMON[@]}" "$@" | tee "$OUT/$(echo "$name" | tr ' ' '_').md"
   echo "($name: $((SECONDS - t0)) s)"
 }
-TABLES=${TABLES:-reasoning shared poisson}
+TABLES=${TABLES-reasoning shared poisson}  # set but empty: none
 for t in $TABLES; do
   case $t in
     reasoning) stage "reasoning offline" --workload reasoning --requests "$REQ_REASONING" --rates 0 \
@@ -79,6 +83,16 @@ for t in $TABLES; do
     *) echo "TABLES: unknown table '$t' (reasoning, shared, poisson)" >&2; exit 2 ;;
   esac
 done
+
+if [ "${ITL_ABLATION:-0}" = 1 ]; then
+  for rs in side engine; do
+    for ma in ahead step; do
+      extra=(); [ "$ma" = step ] && extra=(--no-map-ahead)
+      stage "itl rounds $rs pages $ma" --workload reasoning --requests "$REQ_REASONING" --rates 0 --configs tri \
+            --round-stream "$rs" ${extra[@]+"${extra[@]}"} --json "$OUT/serving_itl_${rs}_${ma}.json"
+    done
+  done
+fi
 
 python3 examples/serving/plot.py "$OUT/plots" "$OUT"/serving_*.json | tee "$OUT/summary.txt"
 echo "total: $SECONDS s; results in $OUT"

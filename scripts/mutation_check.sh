@@ -36,6 +36,7 @@ MUTANTS=(
 "serving-round-on-neighbour|examples/serving/serving_loop.hpp|cache.needs_compression(st[i].seq)) due.push_back(st[i].seq);|cache.needs_compression(st[i].seq)) due.push_back(st[running[(std::find(running.begin(), running.end(), i) - running.begin() + 1) % running.size()]].seq);|test_core_test_serving_loop|serving loop on the CPU: with TriAttention rounds*"
 "relocation-keeps-old-table|include/triattn/core/kv_cache.hpp|      tables_[static_cast<std::size_t>(owner_of_[static_cast<std::size_t>(plan.from[i])])] = plan.to[i];\n|\n|test_core_test_vmm_relocation|vmm relocation: 64 prompts prefilled in order*"
 "relocation-moves-shared|include/triattn/core/kv_cache.hpp|        if (allocator_.ref_count(b) != 1) continue;|        if (allocator_.ref_count(b) < 1) continue;|test_core_test_vmm_relocation|vmm relocation: a prefix shared by 64*"
+"serving-round-credited-nowhere|examples/serving/serving_loop.hpp|      owner_of[static_cast<std::size_t>(s.seq)] = i;|      if (!prefix) owner_of[static_cast<std::size_t>(s.seq)] = i;|test_core_test_serving_loop|serving loop on the CPU: with TriAttention rounds*"
 )
 
 t0=$(date +%s)

@@ -11,6 +11,7 @@
 // Compiled as C++ for the CPU (host rounds: KvCache::compress_if_needed) and through main_gpu.cu
 // as CUDA (--device gpu: CudaBackend, the KV pool in CUDA virtual memory, rounds on the device
 // with cuda::DeviceRounds overlapped with the next decode steps).
+#include <algorithm>
 #include <charconv>
 #include <cmath>
 #include <cstdint>
@@ -18,9 +19,11 @@
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <random>
 #include <string>
 #include <system_error>
+#include <type_traits>
 #include <vector>
 
 #include <triattn/core/file_io.hpp>
@@ -62,6 +65,9 @@ struct Options {
   int synthetic_layers = 0, synthetic_vocab = 0;
   std::string device = "cpu";
   bool weights_bf16 = false, batch_invariant = false, no_graphs = false, stop_at_eos = false;
+  bool rounds_on_engine = false, map_ahead = true;  // gpu: --round-stream engine, --no-map-ahead
+  int trim_every = 16;                              // gpu: steps between VMM trims
+  int step_log = 20000;                             // steps in each run's JSON step log (0: none)
   triattn::DType kv_dtype = triattn::DType::kF32;
   int block_size = 16, max_seqs = 256, prefill_chunk = 2048, budget = 2048, divide_length = 128;
   sv::WorkloadSpec workload;
@@ -87,6 +93,11 @@ void usage() {
       "                          a row's arithmetic never depends on the batch (slower; for equality checks)\n"
       "  --no-graphs             gpu: launch decode steps kernel by kernel (no CUDA graphs; a changing\n"
       "                          batch composition captures a new graph whenever it changes)\n"
+      "  --round-stream S        gpu: side (default: rounds on a stream of their own, overlapping the next\n"
+      "                          decode steps) | engine (on the model's stream, between two steps)\n"
+      "  --no-map-ahead          gpu: map KV pages when a step's extend needs them (default: while the\n"
+      "                          device runs the previous step, for the blocks the next one may take)\n"
+      "  --trim-every N          gpu: give empty KV slabs back every N steps, 2 kept (default 16)\n"
       "workload:\n"
       "  --workload W            reasoning (default) | longqa | shared\n"
       "  --trace PATH            replay a JSONL trace instead ({\"arrival\", \"prompt\" | \"prompt_len\",\n"
@@ -113,7 +124,8 @@ void usage() {
       "  --temperature T, --top-p P   sampling (default greedy)\n"
       "  --stop-at-eos           end a request at EOS/BOS (default: ignore them, fixed lengths)\n"
       "output:\n"
-      "  --json PATH             write every run (summary, per request, timeline) as JSON\n"
+      "  --json PATH             write every run (summary, per request, timeline, step log) as JSON\n"
+      "  --step-log N            steps per run in the JSON step log (default 20000, every k-th beyond; 0 = none)\n"
       "  --note TEXT             stored in the JSON (e.g. how lengths were scaled)\n"
       "  --progress S            progress line every S seconds (default 5; 0 = off)\n",
       TRIATTN_SHARED_DATA_DIR);
@@ -161,6 +173,7 @@ std::uint64_t to_bytes(const std::string& flag, const std::string& v) {
 Options parse_args(int argc, char** argv) {
   Options o;
   bool kv_dtype_set = false, rates_set = false;
+  std::vector<std::string> gpu_only;  // options that apply to --device gpu only
   auto need = [&](int& i) -> std::string {
     if (i + 1 >= argc) throw triattn::logic_error(std::string("option ") + argv[i] + " needs a value");
     return argv[++i];
@@ -194,6 +207,18 @@ Options parse_args(int argc, char** argv) {
       else throw triattn::logic_error("--kv-dtype: '" + v + "' is not f32, bf16 or f16");
     } else if (a == "--batch-invariant") o.batch_invariant = true;
     else if (a == "--no-graphs") o.no_graphs = true;
+    else if (a == "--round-stream") {
+      const std::string v = need(i);
+      if (v != "side" && v != "engine") throw triattn::logic_error("--round-stream: '" + v + "' is not side or engine");
+      o.rounds_on_engine = v == "engine";
+      gpu_only.push_back(a);
+    } else if (a == "--no-map-ahead") {
+      o.map_ahead = false;
+      gpu_only.push_back(a);
+    } else if (a == "--trim-every") {
+      o.trim_every = to_int(a, need(i), 1, kMax);
+      gpu_only.push_back(a);
+    } else if (a == "--step-log") o.step_log = to_int(a, need(i), 0, kMax);
     else if (a == "--workload") o.workload.kind = need(i);
     else if (a == "--trace") o.trace_path = need(i);
     else if (a == "--requests") o.workload.requests = to_int(a, need(i), 1, 1 << 20);
@@ -236,6 +261,8 @@ Options parse_args(int argc, char** argv) {
 #endif
   if (o.device == "cpu" && (o.weights_bf16 || o.batch_invariant || o.no_graphs))
     throw triattn::logic_error("--weight-dtype bf16, --batch-invariant and --no-graphs apply to --device gpu only");
+  if (o.device == "cpu" && !gpu_only.empty())
+    throw triattn::logic_error(gpu_only.front() + " applies to --device gpu only");
   if (o.device == "gpu" && !kv_dtype_set) o.kv_dtype = triattn::DType::kBF16;
   if (!o.trace_path.empty() && !rates_set) o.rates = {-1.0};  // a trace keeps its own arrival times
   for (double r : o.rates)
@@ -321,7 +348,10 @@ struct JsonSink {
                      std::to_string(static_cast<std::int64_t>(cfg.num_blocks) * cfg.block_bytes_all_ranges()) +
                      ", \"kv_dtype\": \"" + triattn::dtype_name(cfg.dtype) + "\", \"block_size\": " + std::to_string(cfg.block_size) +
                      ", \"budget\": " + std::to_string(o.budget) + ", \"divide_length\": " + std::to_string(o.divide_length) +
-                     ", \"prefill_chunk\": " + std::to_string(o.prefill_chunk) + ", \"admission\": \"" +
+                     ", \"prefill_chunk\": " + std::to_string(o.prefill_chunk) +
+                     ", \"round_stream\": \"" + (o.rounds_on_engine ? "engine" : "side") + "\", \"map_ahead\": " +
+                     (o.map_ahead ? "true" : "false") + ", \"trim_every\": " + std::to_string(o.trim_every) +
+                     ", \"admission\": \"" +
                      (o.admission == sv::Admission::kExact ? "exact" : "optimistic") + "\", \"runs\": [\n";
     for (std::size_t i = 0; i < runs.size(); ++i) s += (i ? ",\n" : "") + runs[i];
     s += "\n]}\n";
@@ -357,7 +387,8 @@ void run_all(const Options& o, ModelT& model, const RunPlain& run_plain, const R
       rows.push_back(s);
       sv::print_table_header(stderr);
       sv::print_table_row(stderr, s);
-      sink.runs.push_back(sv::run_json(s, res));
+      sv::print_itl_breakdown(stderr, s);
+      sink.runs.push_back(sv::run_json(s, res, 2000, static_cast<std::size_t>(o.step_log)));
     }
   }
   std::printf("\n%s, %s backend, KV %s, %d-token blocks\n", mc.name.c_str(), backend, triattn::dtype_name(o.kv_dtype),
@@ -408,13 +439,52 @@ void run_gpu(const Options& o, ex::Model<ex::CudaBackend>& model, ex::CudaBacken
                                    std::to_string(mc.head_dim));
   const triattn::QueryStats stats = stats_for(o, mc);
   const cudaStream_t stream = backend.stream();
-  // Device memory in use after every step; every 16 steps the VMM pool gives back the pages of
-  // released requests (two empty slabs stay mapped), so the timeline follows what is live.
-  auto hooks_for = [&](auto& cache) {
+  // Per step: two events on the model's stream around the step's own work (its device time); while
+  // the device runs the step, the VMM upkeep: the pages of the blocks the next step may take
+  // mapped ahead (so no step's extend maps them on the host's critical path), and every
+  // --trim-every steps the empty slabs beyond two given back (their unmap waits for an event
+  // behind the step). Rounds no longer trim when they commit: the slabs they empty go back here.
+  struct StepEvents {
+    cudaEvent_t begin = nullptr, end = nullptr;
+    StepEvents() {
+      TRIATTN_CUDA_TRY(cudaEventCreate(&begin));
+      TRIATTN_CUDA_TRY(cudaEventCreate(&end));
+    }
+    StepEvents(const StepEvents&) = delete;
+    StepEvents& operator=(const StepEvents&) = delete;
+    ~StepEvents() {
+      triattn::cuda::report_error(cudaEventDestroy(begin), "serving: cudaEventDestroy");
+      triattn::cuda::report_error(cudaEventDestroy(end), "serving: cudaEventDestroy");
+    }
+  };
+  auto events = std::make_shared<StepEvents>();
+  auto hooks_for = [&, events](auto& cache) {
+    using Inner = typename std::remove_reference_t<decltype(cache.allocator())>::inner_type;
     sv::LoopHooks h;
     h.device_bytes = [] { return ex::device_memory_used(); };
-    h.after_step = [&cache, stream, n = std::size_t{0}]() mutable {
-      if (++n % 16 == 0) (void)cache.allocator().trim(stream, 2 * cache.allocator().stats().slab_bytes);
+    h.before_step = [events, stream] { TRIATTN_CUDA_TRY(cudaEventRecord(events->begin, stream)); };
+    h.during_step = [&cache, &o, events, stream, n = std::size_t{0}](std::int64_t next_blocks) mutable {
+      TRIATTN_CUDA_TRY(cudaEventRecord(events->end, stream));
+      auto& a = cache.allocator();
+      // Trim first: it unmaps slabs whose earlier trim completed, which ensure_mapped counts as mapped.
+      if (++n % static_cast<std::size_t>(o.trim_every) == 0) (void)a.trim(stream, 2 * a.stats().slab_bytes);
+      if (o.map_ahead && next_blocks > 0) {  // within the free block ids: asking for more maps nothing
+        const auto ids = static_cast<std::int64_t>(static_cast<const Inner&>(a).num_free());
+        (void)a.ensure_mapped(static_cast<std::size_t>(std::min(next_blocks, ids)));
+      }
+    };
+    h.step_device_s = [events] {
+      float ms = 0.0f;
+      TRIATTN_CUDA_TRY(cudaEventElapsedTime(&ms, events->begin, events->end));
+      return static_cast<double>(ms) * 1e-3;
+    };
+    h.counters = [&cache, &backend] {
+      const triattn::cuda::VmmStats v = cache.allocator().stats();
+      sv::HostCounters c;
+      c.graph_captures = static_cast<std::int64_t>(backend.stats().graph_captures);
+      c.slabs_mapped = static_cast<std::int64_t>(v.counters.slabs_mapped);
+      c.slabs_unmapped = static_cast<std::int64_t>(v.counters.slabs_unmapped);
+      return c;
     };
     return h;
   };
@@ -428,7 +498,8 @@ void run_gpu(const Options& o, ex::Model<ex::CudaBackend>& model, ex::CudaBacken
                  triattn::cuda::TriAttentionDeviceScorer(stats, ex::rope_config(mc), triattn::ScoringParams{}, mc.n_kv_heads,
                                                          stream),
                  triattn::TopKSelector(selection(o)));
-    sv::DeviceRoundsAdapter<GpuTri> rounds(cache, stream);
+    sv::DeviceRoundsAdapter<GpuTri> rounds(cache, stream,
+                                           o.rounds_on_engine ? sv::RoundStream::kEngine : sv::RoundStream::kSide);
     return sv::serve(model, cache, rounds, reqs, lo, hooks_for(cache));
   };
   run_all(o, model, run_plain, run_tri, "cuda");

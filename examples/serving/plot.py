@@ -9,8 +9,13 @@ Writes, when matplotlib is installed:
                            per configuration (runs with a rate > 0)
   timeline_<file>.png      per run of each file: requests running and waiting, KV bytes held and
                            device memory in use over time
-Without matplotlib it prints the same numbers as text (the table rows and, per rate, the highest
-rate whose TTFT p99 is at most --ttft-slo seconds).
+  itl_<file>.png           per run of each file (from its step log): the inter-token latency of
+                           every decode-only step over time, with its p50 and p99; steps that
+                           mapped or unmapped KV slabs, waited for a round or captured a CUDA
+                           graph marked apart
+Without matplotlib it prints the same numbers as text (the table rows, the decode ITL by batch
+size and what its tail had, and per rate the highest rate whose TTFT p99 is at most --ttft-slo
+seconds).
 """
 import argparse
 import json
@@ -51,6 +56,23 @@ def print_text(files, slo):
                   f"{r['itl_decode_only_s']['p50'] * 1e3:.1f}/{r['itl_decode_only_s']['p99'] * 1e3:.1f} ms  "
                   f"peak KV {r['peak_kv_bytes'] / 2**30:.2f} GiB  device {r['peak_device_bytes'] / 2**30:.2f} GiB  "
                   f"max running {r['max_running']}  preemptions {r['preemptions']}")
+            bands = r.get("itl_bands")
+            if bands:
+                print("      decode ITL by decode rows (steps: p50/p99 ms): " + "  ".join(
+                    f"[{b['rows_lo']}-{b['rows_hi']}] {b['steps']}: {b['p50'] * 1e3:.2f}/{b['p99'] * 1e3:.2f}"
+                    for b in bands))
+            tail = r.get("itl_tail")
+            if tail and tail["tail"]["steps"]:
+                for side in ("tail", "all"):
+                    t = tail[side]
+                    m = t["mean_s"]
+                    print(f"      {'tail (>= p99)' if side == 'tail' else 'all decode-only'}: {t['steps']} steps, "
+                          f"rows {t['mean_rows']:.0f}, gap {m['gap'] * 1e3:.2f} ms = sched {m['sched'] * 1e3:.2f} "
+                          f"(round wait {m['round_wait'] * 1e3:.2f}) + enqueue {m['enqueue'] * 1e3:.2f} + during "
+                          f"{m['during'] * 1e3:.2f} + sync {m['sync'] * 1e3:.2f} + post {m['post'] * 1e3:.2f}; device "
+                          f"{m['device'] * 1e3:.2f}; round launched {t['round_launched']}, waited {t['round_waited']}, "
+                          f"slabs mapped {t['slabs_mapped']} / unmapped {t['slabs_unmapped']}, graph captured "
+                          f"{t['graph_captured']}, after prefill {t['after_prefill']}, bucket changed {t['bucket_changed']}")
         for cfg, rate in sustained(doc["runs"], slo).items():
             print(f"  highest rate with TTFT p99 <= {slo:g} s, {cfg}: {rate if rate is not None else 'none measured'}")
 
@@ -95,6 +117,48 @@ def plot(files, out_dir, plt):
         plt.close(fig)
 
 
+def decode_only_steps(run):
+    """(time, gap, flagged) of the decode-only steps in a run's step log (flagged: a step that
+    mapped or unmapped KV slabs, waited for a round or captured a graph); [] without a log."""
+    log = run.get("step_log")
+    if not log:
+        return []
+    out = []
+    for i in range(1, len(log["gap_us"])):
+        if log["decode_rows"][i] > 0 and log["prefill_tokens"][i] == 0:
+            flagged = (log["slabs_mapped"][i] or log["slabs_unmapped"][i] or log["round_waits"][i]
+                       or log["graph_captures"][i])
+            out.append((log["start_us"][i] * 1e-6, log["gap_us"][i] * 1e-6, bool(flagged)))
+    return out
+
+
+def plot_itl(files, out_dir, plt):
+    for name, doc in files:
+        runs = [r for r in doc["runs"] if decode_only_steps(r)]
+        if not runs:
+            continue
+        fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.6 * len(runs)), squeeze=False)
+        for ax, r in zip(axes[:, 0], runs):
+            pts = decode_only_steps(r)
+            plain = [(t, g * 1e3) for t, g, f in pts if not f]
+            marked = [(t, g * 1e3) for t, g, f in pts if f]
+            ax.scatter([p[0] for p in plain], [p[1] for p in plain], s=2, label="decode-only step")
+            if marked:
+                ax.scatter([p[0] for p in marked], [p[1] for p in marked], s=6, color="red",
+                           label="mapped/unmapped slabs, waited for a round or captured a graph")
+            itl = r["itl_decode_only_s"]
+            ax.axhline(itl["p50"] * 1e3, color="gray", linestyle="--", linewidth=0.8, label="p50")
+            ax.axhline(itl["p99"] * 1e3, color="black", linestyle=":", linewidth=0.8, label="p99")
+            label = r["config"] + ("" if r["rate"] <= 0 else f" @{r['rate']:g}/s")
+            ax.set_title(label, fontsize=9)
+            ax.set_ylabel("ITL (ms)")
+            ax.legend(fontsize=6, loc="upper right")
+        axes[-1, 0].set_xlabel("time (s)")
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "itl_" + os.path.splitext(name)[0] + ".png"), dpi=120)
+        plt.close(fig)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out_dir")
@@ -111,6 +175,7 @@ def main():
         print("matplotlib not installed: text only", file=sys.stderr)
         return 0
     plot(files, a.out_dir, plt)
+    plot_itl(files, a.out_dir, plt)
     print(f"plots written to {a.out_dir}")
     return 0
 

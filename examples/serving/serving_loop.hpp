@@ -17,6 +17,9 @@
 // it runs alone (rounds are due after a step, before the next one extends it), so the tokens
 // equal a run of that request alone whenever the backend's arithmetic of a row does not depend
 // on the batch (the CPU backend; the GPU backend with ServingOptions of batch_invariant()).
+// Every step's StepRecord says where its inter-token latency went (host scheduling, rounds
+// launched, committed or waited for, the device's time, memory upkeep), so a latency tail can be
+// attributed from the JSON alone (report.hpp).
 #pragma once
 
 #include <algorithm>
@@ -30,6 +33,7 @@
 #include <string>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <triattn/core/admission.hpp>
@@ -89,17 +93,42 @@ struct RequestResult {
   }
 };
 
-/// One step of the loop.
+/// One step of the loop. "Since the previous step" = between the previous step's sampled tokens
+/// and this step's: what the gap (the inter-token latency) contains.
 struct StepRecord {
-  double start_s = 0.0, seconds = 0.0;  ///< wall time from composing to the sampled tokens
+  double start_s = 0.0, seconds = 0.0;  ///< wall time from the forward's launch to the sampled tokens
   /// Since the previous step's tokens: the inter-token latency of this step's decode rows (rounds
   /// launched or committed in between and the host's scheduling included).
+  /// gap_s = sched_s + enqueue_s + during_s + sync_s + post_s.
   double gap_s = 0.0;
   int decode_rows = 0;                  ///< decode tokens in the step
   int prefill_tokens = 0;               ///< prompt tokens in the step
-  int running = 0, waiting = 0;         ///< admitted requests, arrived requests not admitted
+  int prefill_chunks = 0;               ///< prompt chunks in the step (requests prefilling in it)
+  int held_rows = 0;                    ///< decoding requests sitting the step out (their round in flight or due)
+  int running = 0, waiting = 0;         ///< admitted requests, arrived requests not admitted (after the step)
+  int admitted = 0, preempted = 0;      ///< since the previous step
   std::size_t kv_bytes = 0;             ///< KV blocks held (in use or cached) * block bytes
   std::size_t device_bytes = 0;         ///< device memory in use (LoopHooks::device_bytes; 0 on the CPU)
+  // Rounds since the previous step.
+  int round_launched = 0;               ///< sequences launched into a round
+  int round_committed = 0;              ///< sequences whose round was committed (poll or wait)
+  bool round_in_flight = false;         ///< a round was in flight on the device while this step ran
+  int round_waits = 0;                  ///< times the host blocked on a round (Rounds::wait)
+  double round_wait_s = 0.0;            ///< host time blocked on rounds (part of sched_s)
+  double round_host_s = 0.0;            ///< host time polling, launching and committing rounds (part of sched_s; the
+                                        ///< whole round on the CPU)
+  double round_device_s = 0.0;          ///< device time of the rounds committed (Rounds::last_device_s; 0: unknown)
+  // Where the gap went (host clock).
+  double sched_s = 0.0;    ///< previous step's tokens -> this step's forward: hooks, rounds, admission, composing
+  double enqueue_s = 0.0;  ///< the forward and the device argmax launched (all of the step's compute on the CPU)
+  double during_s = 0.0;   ///< LoopHooks::during_step (memory upkeep while the device runs the step)
+  double sync_s = 0.0;     ///< waiting for the step's tokens (or logits) to reach the host
+  double post_s = 0.0;     ///< sampling, bookkeeping, releasing finished requests
+  double device_s = 0.0;   ///< device time of the step's own work (LoopHooks::step_device_s; 0 on the CPU)
+  // Counters of the surroundings since the previous step (LoopHooks::counters; 0 on the CPU).
+  std::int64_t graph_captures = 0;  ///< CUDA graphs captured (a new batch bucket or plan)
+  std::int64_t slabs_mapped = 0;    ///< VMM slabs mapped (pages mapped, access granted)
+  std::int64_t slabs_unmapped = 0;  ///< VMM slabs unmapped
 };
 
 struct Progress {
@@ -137,10 +166,23 @@ class HostRounds {
   std::vector<triattn::CompressionReport> done_;
 };
 
-/// What the loop asks of its surroundings besides the model and the cache.
+/// Cumulative counters of the loop's surroundings; StepRecord keeps their growth per step.
+struct HostCounters {
+  std::int64_t graph_captures = 0, slabs_mapped = 0, slabs_unmapped = 0;
+};
+
+/// What the loop asks of its surroundings besides the model and the cache (all optional).
 struct LoopHooks {
   std::function<std::size_t()> device_bytes;  ///< device memory in use now (GPU); empty: 0
-  std::function<void()> after_step;           ///< after every step (e.g. give unused pages back)
+  std::function<void()> after_step;           ///< after every step's tokens
+  std::function<void()> before_step;          ///< just before a step's forward (e.g. record a start event)
+  /// After the step is launched (forward and device argmax queued), before the host waits for its
+  /// tokens, with the KV blocks the next step may take (a decoding request at a block boundary:
+  /// one; prompts still prefilling or waiting: their next chunk's): work that may overlap the
+  /// device's, e.g. mapping those pages ahead so that no step maps them itself.
+  std::function<void(std::int64_t next_blocks)> during_step;
+  std::function<double()> step_device_s;  ///< after the tokens are back: the step's device time (s)
+  std::function<HostCounters()> counters;  ///< cumulative counters (graph captures, VMM slabs)
 };
 
 template <class Cache>
@@ -227,6 +269,8 @@ LoopResult serve(ModelT& model, Cache& cache, Rounds& rounds, std::span<const Re
   std::deque<std::size_t> queue;        // arrived, not admitted (a preempted request re-enters at the front)
   std::size_t next_arrival = 0;         // into `order`
   std::vector<std::size_t> running;     // admission order
+  constexpr std::size_t kNone = std::numeric_limits<std::size_t>::max();
+  std::vector<std::size_t> owner_of(static_cast<std::size_t>(cfg.max_seqs), kNone);  // sequence slot -> request
   std::size_t finished = 0;
   std::int64_t generated = 0;
   bool admission_held = false;          // after a preemption: admit nothing until a request finishes
@@ -253,8 +297,10 @@ LoopResult serve(ModelT& model, Cache& cache, Rounds& rounds, std::span<const Re
     opt.on_progress(p);
   };
 
+  StepRecord acc;  // what happened since the previous step's tokens (rounds, admission, waits)
   auto release = [&](std::size_t i) {
     cache.release(st[i].seq);
+    owner_of[static_cast<std::size_t>(st[i].seq)] = kNone;
     st[i].seq = -1;
     running.erase(std::find(running.begin(), running.end(), i));
   };
@@ -270,6 +316,7 @@ LoopResult serve(ModelT& model, Cache& cache, Rounds& rounds, std::span<const Re
     out.requests[i].tokens_evicted = 0;
     ++out.requests[i].preemptions;
     ++out.preemptions;
+    ++acc.preempted;
     queue.push_front(i);
     admission_held = true;
   };
@@ -324,21 +371,36 @@ LoopResult serve(ModelT& model, Cache& cache, Rounds& rounds, std::span<const Re
         }
       }
       if (!prefix) s.seq = cache.add_sequence();
+      TRIATTN_EXPECTS(s.seq >= 0 && s.seq < cfg.max_seqs && owner_of[static_cast<std::size_t>(s.seq)] == kNone,
+                      "serve: the cache gave request " + std::to_string(i) + " sequence " + std::to_string(s.seq) +
+                          ", not a free slot below max_seqs");
+      owner_of[static_cast<std::size_t>(s.seq)] = i;
+      ++acc.admitted;
       s.phase = Phase::kPrefill;
       if (out.requests[i].admitted_s < 0) out.requests[i].admitted_s = now();
       running.push_back(i);
     }
   };
+  // O(reports): a report names its sequence, owner_of its request (in flight: never released).
   auto commit = [&](const std::vector<triattn::CompressionReport>& reps) {
     if (reps.empty()) return;
     ++out.rounds;
-    for (const triattn::CompressionReport& rep : reps)
-      for (std::size_t i : running)
-        if (st[i].seq == rep.seq) {
-          ++out.requests[i].rounds;
-          out.requests[i].tokens_evicted += rep.length_before - rep.length_after;
-          ++out.sequences_compressed;
-        }
+    acc.round_committed += static_cast<int>(reps.size());
+    if constexpr (requires { rounds.last_device_s(); }) acc.round_device_s += rounds.last_device_s();
+    for (const triattn::CompressionReport& rep : reps) {
+      const std::size_t i = rep.seq >= 0 && rep.seq < cfg.max_seqs ? owner_of[static_cast<std::size_t>(rep.seq)] : kNone;
+      if (i == kNone) continue;
+      ++out.requests[i].rounds;
+      out.requests[i].tokens_evicted += rep.length_before - rep.length_after;
+      ++out.sequences_compressed;
+    }
+  };
+  // Rounds::wait (the host blocks on the device): counted and timed.
+  auto wait_rounds = [&] {
+    const double t = now();
+    ++acc.round_waits;
+    commit(rounds.wait());
+    acc.round_wait_s += now() - t;
   };
   // Whether request i sits this step out: its round is in flight, or due while another round
   // runs (it waits for its own at this length, as it would alone).
@@ -353,11 +415,37 @@ LoopResult serve(ModelT& model, Cache& cache, Rounds& rounds, std::span<const Re
   std::vector<std::size_t> owner;
   std::vector<SeqId> due;
   std::vector<int> picked;
+  int held_rows = 0;
+  // An upper estimate of the blocks the next step takes (see LoopHooks::during_step), O(running).
+  auto next_blocks = [&] {
+    std::int64_t decode = 0, prompt = 0, chunks_next = 0;
+    for (std::size_t i : running) {
+      if (st[i].phase == Phase::kDecode) {
+        decode += cache.blocks_to_extend(st[i].seq, 1);
+      } else if (st[i].phase == Phase::kPrefill) {
+        prompt += static_cast<std::int64_t>(requests[i].prompt.size() - st[i].next) / cfg.block_size + 1;
+        ++chunks_next;
+      }
+    }
+    if (!queue.empty()) {
+      prompt += static_cast<std::int64_t>(requests[queue.front()].prompt.size()) / cfg.block_size + 1;
+      ++chunks_next;
+    }
+    if (opt.prefill_chunk > 0)  // a chunk's blocks, plus a partial one per prompt it touches
+      prompt = std::min<std::int64_t>(prompt, opt.prefill_chunk / cfg.block_size + chunks_next);
+    return decode + prompt;
+  };
+  HostCounters counted = hooks.counters ? hooks.counters() : HostCounters{};
   auto compose = [&] {
     chunks.clear();
     owner.clear();
+    held_rows = 0;
     for (std::size_t i : running)
-      if (st[i].phase == Phase::kDecode && !held(i)) {
+      if (st[i].phase == Phase::kDecode) {
+        if (held(i)) {
+          ++held_rows;
+          continue;
+        }
         chunks.push_back(ex::Chunk{st[i].seq, std::span<const int>(&st[i].last, 1), triattn::Phase::kDecode});
         owner.push_back(i);
       }
@@ -382,14 +470,17 @@ LoopResult serve(ModelT& model, Cache& cache, Rounds& rounds, std::span<const Re
       queue.push_back(order[next_arrival++]);
     // Rounds: commit what finished, launch what is due.
     if constexpr (kCompresses<Cache>) {
+      const double t_rounds = now();
       commit(rounds.poll());
       if (!rounds.busy()) {
         due.clear();
         for (std::size_t i : running)
           if (st[i].phase == Phase::kDecode && cache.needs_compression(st[i].seq)) due.push_back(st[i].seq);
         if (!due.empty()) rounds.launch(std::span<const SeqId>(due));
+        acc.round_launched += static_cast<int>(due.size());
         commit(rounds.poll());
       }
+      acc.round_host_s += now() - t_rounds;
     }
     admit();
     compose();
@@ -403,7 +494,7 @@ LoopResult serve(ModelT& model, Cache& cache, Rounds& rounds, std::span<const Re
         }
       if (victim == requests.size() || (running.size() == 1 && !rounds.busy())) {
         if (rounds.busy()) {
-          commit(rounds.wait());
+          wait_rounds();  // memory: every request that could give way has its round in flight
         } else {
           throw triattn::logic_error("serve: request " + std::to_string(running.empty() ? 0 : running.front()) +
                                      " does not fit the KV pool (" + std::to_string(cfg.num_blocks) +
@@ -416,7 +507,7 @@ LoopResult serve(ModelT& model, Cache& cache, Rounds& rounds, std::span<const Re
     }
     if (chunks.empty()) {
       if (rounds.busy()) {
-        commit(rounds.wait());
+        wait_rounds();  // every running request sits out for a round: nothing else to run
         continue;
       }
       if (running.empty() && queue.empty() && next_arrival < order.size()) {
@@ -431,32 +522,48 @@ LoopResult serve(ModelT& model, Cache& cache, Rounds& rounds, std::span<const Re
     }
 
     // The step.
-    StepRecord rec;
-    rec.start_s = now();
+    StepRecord rec = std::exchange(acc, StepRecord{});
+    rec.held_rows = held_rows;
+    rec.round_in_flight = rounds.busy();
     for (std::size_t c = 0; c < chunks.size(); ++c) {
-      if (chunks[c].phase == triattn::Phase::kDecode) ++rec.decode_rows;
-      else rec.prefill_tokens += static_cast<int>(chunks[c].tokens.size());
+      if (chunks[c].phase == triattn::Phase::kDecode) {
+        ++rec.decode_rows;
+      } else {
+        ++rec.prefill_chunks;
+        rec.prefill_tokens += static_cast<int>(chunks[c].tokens.size());
+      }
     }
+    if (hooks.before_step) hooks.before_step();
+    rec.start_s = now();
+    rec.sched_s = out.steps.empty() ? 0.0 : rec.start_s - last_end;
     const int rows = model.forward(cache, std::span<const ex::Chunk>(chunks), ex::LogitsFor::kLastOfEachChunk);
     picked.assign(static_cast<std::size_t>(rows), -1);
     bool greedy = opt.temperature == 0.0f;
-    if constexpr (requires(typename ModelT::backend_type& b, int* ids) {
-                    b.argmax(ids, model.logits(), rows, vocab);
-                    b.download(ids, ids, std::size_t{0});
+    [[maybe_unused]] int* ids = nullptr;  // device argmax output
+    if constexpr (requires(typename ModelT::backend_type& b, int* p) {
+                    b.argmax(p, model.logits(), rows, vocab);
+                    b.download(p, p, std::size_t{0});
                   }) {
       if (greedy) {  // a device argmax: only the ids come back
         auto& be = model.backend();
         if (be.size(ids_buf) < static_cast<std::size_t>(rows)) ids_buf = be.alloc(static_cast<std::size_t>(rows));
-        int* ids = reinterpret_cast<int*>(be.data(ids_buf));
+        ids = reinterpret_cast<int*>(be.data(ids_buf));
         be.argmax(ids, model.logits(), rows, vocab);
-        be.download(picked.data(), ids, static_cast<std::size_t>(rows) * sizeof(int));
       }
     } else {
       greedy = false;
     }
+    const double t_enqueued = now();
+    rec.enqueue_s = t_enqueued - rec.start_s;
+    if (hooks.during_step) hooks.during_step(next_blocks());
+    const double t_during = now();
+    rec.during_s = t_during - t_enqueued;
+    if constexpr (requires(typename ModelT::backend_type& b, int* p) { b.download(p, p, std::size_t{0}); })
+      if (greedy) model.backend().download(picked.data(), ids, static_cast<std::size_t>(rows) * sizeof(int));
     const float* logits = greedy ? nullptr
                                  : model.backend().host_view(model.logits(), static_cast<std::size_t>(rows) * vocab);
     const double t_tok = now();
+    rec.sync_s = t_tok - t_during;
     for (std::size_t c = 0; c < chunks.size(); ++c) {
       const std::size_t i = owner[c];
       State& s = st[i];
@@ -488,9 +595,19 @@ LoopResult serve(ModelT& model, Cache& cache, Rounds& rounds, std::span<const Re
         admission_held = false;
       }
     }
-    rec.seconds = now() - rec.start_s;
-    rec.gap_s = out.steps.empty() ? rec.seconds : rec.start_s + rec.seconds - last_end;
-    last_end = rec.start_s + rec.seconds;
+    const double t_end = now();
+    rec.post_s = t_end - t_tok;
+    rec.seconds = t_end - rec.start_s;
+    rec.gap_s = out.steps.empty() ? rec.seconds : t_end - last_end;
+    last_end = t_end;
+    if (hooks.step_device_s) rec.device_s = hooks.step_device_s();
+    if (hooks.counters) {
+      const HostCounters c = hooks.counters();
+      rec.graph_captures = c.graph_captures - counted.graph_captures;
+      rec.slabs_mapped = c.slabs_mapped - counted.slabs_mapped;
+      rec.slabs_unmapped = c.slabs_unmapped - counted.slabs_unmapped;
+      counted = c;
+    }
     rec.running = static_cast<int>(running.size());
     rec.waiting = static_cast<int>(queue.size());
     rec.kv_bytes = blocks_held(cache) * static_cast<std::size_t>(block_bytes);

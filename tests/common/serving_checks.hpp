@@ -30,10 +30,20 @@
 namespace triattn::test {
 
 /// The tokens request `r` generates alone in `cache` (fresh, empty), sampling as the loop does
-/// for request `index` (seed + index); `compress` runs the rounds (empty: none).
+/// for request `index` (seed + index); `compress_fn` runs the rounds (empty: none). `rounds`, when
+/// given, receives how many rounds compressed the request's sequence.
 template <class ModelT, class Cache>
 std::vector<int> tokens_alone(ModelT& model, Cache& cache, const triattn_serving::Request& r, std::size_t index,
-                              const triattn_serving::LoopOptions& lo, const triattn_example::CompressFn& compress) {
+                              const triattn_serving::LoopOptions& lo, const triattn_example::CompressFn& compress_fn,
+                              std::size_t* rounds = nullptr) {
+  std::size_t counted = 0;
+  triattn_example::CompressFn compress;
+  if (compress_fn)
+    compress = [&counted, &compress_fn](std::span<const SeqId> live) {
+      std::vector<CompressionReport> reps = compress_fn(live);
+      counted += reps.size();
+      return reps;
+    };
   std::vector<triattn_example::Sampler> samplers{triattn_example::Sampler(lo.temperature, lo.top_p, lo.seed + index)};
   triattn_example::GenerationOptions go;
   go.max_new_tokens = r.max_new_tokens;
@@ -44,6 +54,7 @@ std::vector<int> tokens_alone(ModelT& model, Cache& cache, const triattn_serving
     const triattn_example::ServeReport rep =
         triattn_example::serve_shared(model, cache, std::span<const std::vector<int>>(prompts),
                                       std::span<triattn_example::Sampler>(samplers), go, true, 1, compress);
+    if (rounds != nullptr) *rounds = counted;
     return rep.requests.at(0).generated;
   }
   triattn_example::GenerationCallbacks cb;
@@ -51,7 +62,28 @@ std::vector<int> tokens_alone(ModelT& model, Cache& cache, const triattn_serving
   const std::vector<triattn_example::SequenceResult> res = triattn_example::generate(
       model, cache, std::span<const std::vector<int>>(prompts), std::span<triattn_example::Sampler>(samplers), go, cb);
   cache.release(res.at(0).seq);
+  if (rounds != nullptr) *rounds = counted;
   return res.at(0).generated;
+}
+
+/// Every step's record adds up: its gap is the sum of its parts, and the rounds launched and
+/// committed over the steps are the sequences compressed.
+inline void check_step_records(const triattn_serving::LoopResult& res) {
+  std::int64_t launched = 0, committed = 0;
+  for (std::size_t i = 0; i < res.steps.size(); ++i) {
+    const triattn_serving::StepRecord& st = res.steps[i];
+    CAPTURE(i);
+    CHECK(st.decode_rows + st.prefill_chunks >= 1);
+    CHECK((st.prefill_tokens > 0) == (st.prefill_chunks > 0));
+    for (double x : {st.gap_s, st.sched_s, st.enqueue_s, st.during_s, st.sync_s, st.post_s, st.round_wait_s, st.round_host_s})
+      CHECK(x >= 0.0);
+    if (i > 0) CHECK(st.gap_s == doctest::Approx(st.sched_s + st.enqueue_s + st.during_s + st.sync_s + st.post_s).epsilon(1e-6));
+    CHECK(st.round_wait_s <= st.sched_s + 1e-9);
+    launched += st.round_launched;
+    committed += st.round_committed;
+  }
+  CHECK(launched == res.sequences_compressed);
+  CHECK(committed == res.sequences_compressed);
 }
 
 /// Every request's tokens equal `alone[i]`, and the run was a real batch: requests ran together,
@@ -171,11 +203,19 @@ int check_serving_traces(ModelT& model, const MakeCache& make_cache, const MakeR
         triattn_serving::serve(model, *cache, *rounds, std::span<const triattn_serving::Request>(reqs), lo);
     CHECK(cache->num_active() == 0);
     std::vector<std::vector<int>> alone;
+    std::vector<std::size_t> alone_rounds(reqs.size(), 0);
     for (std::size_t i = 0; i < reqs.size(); ++i) {
       auto fresh = make_cache();
-      alone.push_back(tokens_alone(model, *fresh, reqs[i], i, lo, alone_compress(*fresh)));
+      alone.push_back(tokens_alone(model, *fresh, reqs[i], i, lo, alone_compress(*fresh), &alone_rounds[i]));
     }
     check_same_tokens(res, alone);
+    check_step_records(res);
+    // Each round is credited to its own request (the loop's commit finds it by sequence slot):
+    // as many as alone (a preempted request's count restarts with its recompute).
+    for (std::size_t i = 0; i < reqs.size(); ++i) {
+      CAPTURE(i);
+      CHECK(static_cast<std::size_t>(res.requests[i].rounds) == alone_rounds[i]);
+    }
     if (t.admission == triattn_serving::Admission::kExact) CHECK(res.preemptions == 0);
     if (t.prefix) CHECK(res.prefix.hit_blocks > 0);
     if (compressed) CHECK(res.sequences_compressed >= static_cast<std::int64_t>(reqs.size()));

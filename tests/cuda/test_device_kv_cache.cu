@@ -47,6 +47,11 @@ static_assert(!cuda::DeviceRoundCache<cuda::DeviceKvCache<>>);
 static_assert(!cuda::DeviceRoundCache<KvCache<StaticAllocator<cuda::DeviceBackend>, cuda::DeviceCompactor,
                                               cuda::TriAttentionDeviceScorer, TopKSelector>>);  // no device tables
 
+/// Spins until *flag is set (holds a stream back until another stream sets the flag).
+__global__ void spin_until_set(const volatile int* flag) {
+  while (*flag == 0) __nanosleep(256);
+}
+
 using HostCache = KvCache<>;
 using DevCache = KvCache<StaticAllocator<cuda::DeviceBackend>, cuda::DeviceCompactor>;
 
@@ -485,6 +490,101 @@ TEST_SUITE("gpu") {
       }
       TRIATTN_TEST_CUDA(cudaStreamDestroy(stream));
     }
+  }
+
+  // launch_beside: the round runs on its own stream over a copy of the tables, while the engine
+  // keeps extending and publishing on its stream. The round is held back (a kernel spinning on a
+  // flag) until the engine has decoded another sequence and overwritten the published lengths with
+  // garbage: a round that read the published mirror would refuse it (its device checks read every
+  // row); over its copy it compacts exactly as the host twin does with the same plan. Nothing
+  // that may synchronise the device (cudaFree, a first allocation) runs while the kernel spins.
+  TEST_CASE("device rounds: launch_beside runs beside the engine's stream over a copy of the tables") {
+    test::require_device();
+    const std::uint64_t seed = test::test_seed();
+    MESSAGE("seed = ", seed);
+    std::mt19937_64 rng(seed ^ 0xb351deULL);
+    using T = bf16_storage;
+    CacheConfig cfg;
+    cfg.model = ModelGeometry{2, 8, 2, 64};
+    cfg.block_size = 16;
+    cfg.num_blocks = 40;
+    cfg.max_seqs = 4;
+    cfg.max_blocks_per_seq = 12;
+    cfg.dtype = DType::kBF16;
+    SelectionParams sp;
+    sp.budget = 64;
+    sp.divide_length = 16;
+    sp.window = 8;
+    cudaStream_t engine = nullptr, side = nullptr;
+    TRIATTN_TEST_CUDA(cudaStreamCreateWithFlags(&engine, cudaStreamNonBlocking));
+    TRIATTN_TEST_CUDA(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+    {
+      DeviceBuffer<int> flag(std::vector<int>{0});
+      std::mt19937 srng(static_cast<unsigned>(seed));
+      const QueryStats stats = random_query_stats(srng, cfg.model.num_layers, cfg.model.num_q_heads, cfg.model.head_dim);
+      cuda::DeviceKvCache<cuda::TriAttentionDeviceScorer, TopKSelector> dev(
+          cfg, cuda::DeviceCompactor(engine),
+          cuda::TriAttentionDeviceScorer(stats, RopeConfig{}, ScoringParams{}, cfg.model.num_kv_heads, engine),
+          TopKSelector(sp));
+      HostCache host(cfg);
+      auto add = [&](SeqId s, int n, Phase phase) {
+        const auto k = tokens<T>(rng, cfg, n);
+        const auto v = tokens<T>(rng, cfg, n);
+        REQUIRE(host.append<T>(s, k, v, n, phase).ok());
+        DeviceBuffer<T> dk(k), dv(v);
+        REQUIRE(cuda::append_tokens(dev, s, dk.get(), dv.get(), n, engine, phase).ok());
+        TRIATTN_TEST_CUDA(cudaStreamSynchronize(engine));
+      };
+      const SeqId a = host.add_sequence();
+      REQUIRE(dev.add_sequence() == a);
+      const SeqId c = host.add_sequence();
+      REQUIRE(dev.add_sequence() == c);
+      add(a, 30, Phase::kPrefill);
+      add(a, 70, Phase::kDecode);  // 100 slots: due (budget 64 + 16)
+      add(c, 20, Phase::kPrefill);
+      const std::vector<SeqId> seqs{a};
+      cuda::DeviceRounds<decltype(dev)> rounds(dev);
+      rounds.set_keep_plans(true);
+      // Buffers for any round of one sequence, and a first round beside the engine (its table
+      // copy): the gated round below allocates nothing.
+      rounds.reserve(1, cfg.max_blocks_per_seq * cfg.block_size);
+      rounds.launch_beside(seqs, engine, side);
+      REQUIRE(rounds.wait().at(0).status == RoundStatus::kCompressed);
+      host.apply_keep_plan(a, rounds.last_plan(0));
+      add(a, 20, Phase::kDecode);  // due again
+      const int want_keep = keep_counts_unchecked(dev.physical_length(a), dev.prompt_length(a), sp, 0).keep;
+      REQUIRE(want_keep < dev.physical_length(a));
+      const auto ck = tokens<T>(rng, cfg, 9);
+      const auto cv = tokens<T>(rng, cfg, 9);
+      DeviceBuffer<T> dck(ck), dcv(cv);
+
+      spin_until_set<<<1, 1, 0, side>>>(flag.get());  // holds the side stream back
+      TRIATTN_TEST_CUDA(cudaGetLastError());
+      rounds.launch_beside(seqs, engine, side);
+      CHECK(rounds.in_flight(a));
+      // The engine decodes another sequence (extend + publish + append on its stream) ...
+      REQUIRE(host.append<T>(c, ck, cv, 9, Phase::kDecode).ok());
+      REQUIRE(cuda::append_tokens(dev, c, dck.get(), dcv.get(), 9, engine, Phase::kDecode).ok());
+      // ... and the published lengths turn to garbage before the round reads anything.
+      TRIATTN_TEST_CUDA(cudaMemsetAsync(const_cast<std::int32_t*>(dev.allocator().published_lengths()), 0x7f,
+                                        static_cast<std::size_t>(cfg.max_seqs) * sizeof(std::int32_t), engine));
+      TRIATTN_TEST_CUDA(cudaMemsetAsync(flag.get(), 1, sizeof(int), engine));  // now the round may run
+      const std::vector<CompressionReport> done = rounds.wait();  // throws if the round read the garbage
+      REQUIRE(done.size() == 1);
+      REQUIRE(done[0].status == RoundStatus::kCompressed);
+      CHECK(dev.physical_length(a) == want_keep);
+      host.apply_keep_plan(a, rounds.last_plan(0));
+      TRIATTN_TEST_CUDA(cudaStreamSynchronize(engine));
+      // The commit published on the engine's stream: the mirror holds the new lengths again.
+      std::vector<std::int32_t> lens(static_cast<std::size_t>(cfg.max_seqs));
+      TRIATTN_TEST_CUDA(cudaMemcpy(lens.data(), dev.allocator().published_lengths(), lens.size() * sizeof(std::int32_t),
+                                   cudaMemcpyDeviceToHost));
+      CHECK(lens[static_cast<std::size_t>(a)] == want_keep);
+      CHECK(lens[static_cast<std::size_t>(c)] == 29);
+      require_same<T>(host, dev);  // a compacted as the host twin, c's decode intact, bit for bit
+    }
+    TRIATTN_TEST_CUDA(cudaStreamDestroy(side));
+    TRIATTN_TEST_CUDA(cudaStreamDestroy(engine));
   }
 
   // The device scorer with its host-span score() counted: KvCache::compress on a device cache must

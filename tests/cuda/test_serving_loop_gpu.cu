@@ -3,9 +3,11 @@
 // The serving loop (examples/serving/serving_loop.hpp) on the GPU with SmolLM2-135M (float32
 // weights and KV cache, the pool in CUDA virtual memory behind the prefix cache, TriAttention
 // rounds on the device through cuda::DeviceRounds launched without waiting, their sequences
-// sitting out while the others decode): the traces of tests/common/serving_checks.hpp, and every
-// request's tokens must equal those of the request run alone (generate() / serve_shared() with
-// rounds that wait), without compression and with compression.
+// sitting out while the others decode; the rounds on a stream of their own beside the decode
+// steps (DeviceRounds::launch_beside, the default) and on the model's stream): the traces of
+// tests/common/serving_checks.hpp, and every request's tokens must equal those of the request run
+// alone (generate() / serve_shared() with rounds that wait), without compression and with
+// compression, and each request must be credited with as many rounds as alone.
 //
 // Bitwise equality needs a row's arithmetic not to depend on the batch. The default GPU path does
 // not give that: matmuls of 4+ rows run through cuBLAS, of fewer through the GEMV kernels, the
@@ -60,22 +62,25 @@ TEST_CASE("serving loop on the GPU: SmolLM2 f32 with device rounds: every reques
   ex::Model<ex::CudaBackend> model(s.weights, be);
   const cudaStream_t stream = be.stream();
   const triattn::QueryStats qs = triattn::test::serving_stats(mc);
-  (void)triattn::test::check_serving_traces(
-      model,
-      [&] {
-        return std::make_unique<sv::GpuTriCache>(
-            triattn::test::serving_pool(mc), triattn::cuda::DeviceCompactor(stream),
-            triattn::cuda::TriAttentionDeviceScorer(qs, ex::rope_config(mc), triattn::ScoringParams{}, mc.n_kv_heads, stream),
-            triattn::TopKSelector(triattn::test::serving_selection()));
-      },
-      [&](sv::GpuTriCache& c) { return std::make_unique<sv::DeviceRoundsAdapter<sv::GpuTriCache>>(c, stream); },
-      [&](sv::GpuTriCache& c) {  // the reference's rounds wait: launch, wait, commit after every step
-        auto r = std::make_shared<triattn::cuda::DeviceRounds<sv::GpuTriCache>>(c);
-        return ex::CompressFn([r, stream](std::span<const triattn::SeqId> live) {
-          return r->compress_if_needed_and_wait(live, stream);
-        });
-      },
-      /*compressed=*/true);
+  for (const sv::RoundStream where : {sv::RoundStream::kSide, sv::RoundStream::kEngine}) {
+    CAPTURE(where == sv::RoundStream::kSide ? "rounds on a side stream" : "rounds on the model's stream");
+    (void)triattn::test::check_serving_traces(
+        model,
+        [&] {
+          return std::make_unique<sv::GpuTriCache>(
+              triattn::test::serving_pool(mc), triattn::cuda::DeviceCompactor(stream),
+              triattn::cuda::TriAttentionDeviceScorer(qs, ex::rope_config(mc), triattn::ScoringParams{}, mc.n_kv_heads, stream),
+              triattn::TopKSelector(triattn::test::serving_selection()));
+        },
+        [&](sv::GpuTriCache& c) { return std::make_unique<sv::DeviceRoundsAdapter<sv::GpuTriCache>>(c, stream, where); },
+        [&](sv::GpuTriCache& c) {  // the reference's rounds wait: launch, wait, commit after every step
+          auto r = std::make_shared<triattn::cuda::DeviceRounds<sv::GpuTriCache>>(c);
+          return ex::CompressFn([r, stream](std::span<const triattn::SeqId> live) {
+            return r->compress_if_needed_and_wait(live, stream);
+          });
+        },
+        /*compressed=*/true);
+  }
 }
 
 }  // TEST_SUITE("gpu")

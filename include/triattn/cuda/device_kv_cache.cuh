@@ -113,6 +113,9 @@ concept DeviceRoundCache =
 /// Other sequences may be extended meanwhile (their appends publish tables the round does not read
 /// after it started). One round is in flight at a time: compress_if_needed first polls and, while
 /// the previous round is still running, launches nothing (the trigger fires again next step).
+/// launch_beside() runs the round on a stream of its own beside the engine's (its kernels overlap
+/// the engine's next decode steps instead of running between them) over a private copy of the
+/// device tables.
 /// Steady state allocates nothing, on the device or the host: buffers grow to the largest round
 /// seen (reserve() sizes them up front), and the reports returned by reference are reused. A
 /// sequence with non-finite scores is reported kNonFinite and left unchanged (NonFinitePolicy::kRefuse).
@@ -131,7 +134,8 @@ class DeviceRounds {
       if (pending_) report_error(cudaEventSynchronize(event_), "DeviceRounds: waiting for a round at destruction");
       report_error(cudaEventDestroy(event_), "DeviceRounds: cudaEventDestroy");
     }
-    for (void* p : {dev_, ws_, static_cast<void*>(positions_)})
+    if (snap_ready_ != nullptr) report_error(cudaEventDestroy(snap_ready_), "DeviceRounds: cudaEventDestroy");
+    for (void* p : {dev_, ws_, static_cast<void*>(positions_), static_cast<void*>(snap_)})
       report_error(p != nullptr ? cudaFree(p) : cudaSuccess, "DeviceRounds: cudaFree");
     report_error(host_ != nullptr ? cudaFreeHost(host_) : cudaSuccess, "DeviceRounds: cudaFreeHost");
   }
@@ -166,7 +170,24 @@ class DeviceRounds {
 
   /// Launches a round for every sequence of `seqs` (due or not: each is brought to its keep
   /// count, as KvCache::compress). @throws logic_error when a round is still in flight.
-  void launch(std::span<const SeqId> seqs, cudaStream_t stream) {
+  void launch(std::span<const SeqId> seqs, cudaStream_t stream) { launch_on(seqs, stream, stream, false); }
+
+  /// launch() with the round's kernels on `side`, beside an engine that goes on decoding other
+  /// sequences on `engine`. The tables are published on `engine` and copied there into the round's
+  /// own device buffer, which is all the round reads of them: the engine's next publishes rewrite
+  /// the mirror while the round runs, and the round's device checks read every table row, so the
+  /// mirror itself could be seen half rewritten. `side` waits for that copy (an event) and for
+  /// nothing else of `engine`; poll()/wait() commit as for launch() and publish on `engine`.
+  /// Until then the launched sequences must not be extended, forked or released (in_flight()).
+  /// @throws as launch().
+  void launch_beside(std::span<const SeqId> seqs, cudaStream_t engine, cudaStream_t side) {
+    launch_on(seqs, engine, side, true);
+  }
+
+ private:
+  // Publishes on `engine` and runs the round on `side` (the same stream for launch()); with
+  // `snapshot` the round reads a copy of the device tables taken on `engine`.
+  void launch_on(std::span<const SeqId> seqs, cudaStream_t engine, cudaStream_t side, bool snapshot) {
     TRIATTN_EXPECTS(!pending_, "DeviceRounds::launch: a round is still in flight (poll() or wait() first)");
     if (seqs.empty()) return;
     const CacheConfig& cfg = cache_->config();
@@ -214,7 +235,22 @@ class DeviceRounds {
       h_explicit[b] = ps.explicit_len;
       h_old[b] = cache_->physical_length(s);
     }
-    publish(*cache_, stream);  // the round reads the device mirror of the tables and lengths
+    publish(*cache_, engine);  // the round reads the device mirror of the tables and lengths
+    const std::int32_t* tables = cache_->allocator().published_tables();
+    const std::int32_t* lens = cache_->allocator().published_lengths();
+    if (snapshot) {
+      const std::size_t S = static_cast<std::size_t>(cfg.max_seqs);
+      const std::size_t T = S * static_cast<std::size_t>(cfg.blocks_per_seq());
+      if (snap_ready_ == nullptr) TRIATTN_CUDA_TRY(cudaEventCreateWithFlags(&snap_ready_, cudaEventDisableTiming));
+      if (snap_ == nullptr) TRIATTN_CUDA_TRY(cudaMalloc(&snap_, (S + T) * sizeof(std::int32_t)));  // lengths, tables
+      TRIATTN_CUDA_TRY(cudaMemcpyAsync(snap_, lens, S * sizeof(std::int32_t), cudaMemcpyDeviceToDevice, engine));
+      TRIATTN_CUDA_TRY(cudaMemcpyAsync(snap_ + S, tables, T * sizeof(std::int32_t), cudaMemcpyDeviceToDevice, engine));
+      TRIATTN_CUDA_TRY(cudaEventRecord(snap_ready_, engine));
+      TRIATTN_CUDA_TRY(cudaStreamWaitEvent(side, snap_ready_, 0));
+      lens = snap_;
+      tables = snap_ + S;
+    }
+    const cudaStream_t stream = side;
     TRIATTN_CUDA_TRY(cudaMemcpyAsync(d, h, lay.inputs, cudaMemcpyHostToDevice, stream));
     const RoundBatch rb{reinterpret_cast<const std::int32_t*>(d + lay.ids), reinterpret_cast<const std::int64_t*>(d + lay.t0),
                         reinterpret_cast<const std::int32_t*>(d + lay.prompts), batch, max_len,
@@ -233,15 +269,15 @@ class DeviceRounds {
             return cudaErrorUnknown;
           }
         };
-        paged_round(cache_->template view<T>(), cache_->scorer().device_model(), sp, RoundTrigger::kAlways, rb, out,
-                    ws_, ws_bytes, agree, stream);
+        paged_round(cache_->template view<T>().with_tables(tables, lens), cache_->scorer().device_model(), sp,
+                    RoundTrigger::kAlways, rb, out, ws_, ws_bytes, agree, stream);
       } else {
-        paged_round(cache_->template view<T>(), cache_->scorer().device_model(), sp, RoundTrigger::kAlways, rb, out,
-                    ws_, ws_bytes, stream);
+        paged_round(cache_->template view<T>().with_tables(tables, lens), cache_->scorer().device_model(), sp,
+                    RoundTrigger::kAlways, rb, out, ws_, ws_bytes, stream);
       }
     };
     cuda::dispatch_dtype(cfg.dtype, "the device compression round", run);
-    if (cfg.track_positions) map_positions(d, lay, rb, out, stream);
+    if (cfg.track_positions) map_positions(d, lay, rb, out, tables, stream);
     TRIATTN_CUDA_TRY(cudaMemcpyAsync(h + lay.outputs, d + lay.outputs, lay.err - lay.outputs, cudaMemcpyDeviceToHost,
                                      stream));
     // The device checks' verdict (all clear for a consistent cache; commit() throws otherwise).
@@ -252,12 +288,13 @@ class DeviceRounds {
     batch_ = batch;
     rows_ = rows;
     max_keep_ = max_keep;
-    stream_ = stream;
+    stream_ = engine;  // the commit publishes where the engine's kernels read the tables
     pending_ = true;
   }
 
+ public:
   /// Commits the round in flight if its event has completed (no wait): updates the cache and
-  /// publishes its tables on the round's stream. Returns its reports (empty if none was
+  /// publishes its tables on the stream launch() published on (the engine's for launch_beside). Returns its reports (empty if none was
   /// committed), valid until the next call of this object.
   const std::vector<CompressionReport>& poll() {
     reports_.clear();
@@ -390,6 +427,7 @@ class DeviceRounds {
         RoundShape{cfg.model.num_layers, cfg.model.num_q_heads, cfg.model.num_kv_heads}, sp.mode, batch, max_len,
         cfg.max_seqs, cfg.num_blocks);
     if (event_ == nullptr) TRIATTN_CUDA_TRY(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+
     if (io > io_bytes_) {
       if (dev_ != nullptr) TRIATTN_CUDA_TRY(cudaFree(dev_));
       if (host_ != nullptr) TRIATTN_CUDA_TRY(cudaFreeHost(host_));
@@ -420,7 +458,8 @@ class DeviceRounds {
   }
 
   // The tracked positions' two passes behind the round (positions_kernel.cuh).
-  void map_positions(char* d, const Layout& lay, const RoundBatch& rb, const RoundOutputs& out, cudaStream_t stream) {
+  void map_positions(char* d, const Layout& lay, const RoundBatch& rb, const RoundOutputs& out,
+                     const std::int32_t* tables, cudaStream_t stream) {
     const CacheConfig& cfg = cache_->config();
     PositionPass p;
     p.store = cache_->allocator().position_store(cfg.model.num_layers * cfg.model.num_kv_heads);
@@ -430,7 +469,6 @@ class DeviceRounds {
     p.old_lens = reinterpret_cast<const std::int32_t*>(d + lay.old_lens);
     p.rows = cfg.model.num_layers * cfg.model.num_kv_heads;
     p.num_kv_heads = cfg.model.num_kv_heads;
-    const std::int32_t* tables = cache_->allocator().published_tables();
     const dim3 grid(static_cast<unsigned>(rb.batch), static_cast<unsigned>(std::min(p.rows, 64)));
     map_kept_positions_kernel<<<grid, 256, 0, stream>>>(tables, cfg.blocks_per_seq(), cfg.block_size, rb, out, p);
     TRIATTN_CUDA_TRY(check_launch(stream));
@@ -459,6 +497,8 @@ class DeviceRounds {
   void* ws_ = nullptr;
   std::size_t io_bytes_ = 0, ws_bytes_ = 0, positions_bytes_ = 0;
   std::int32_t* positions_ = nullptr;  // the last round's kept positions [batch, rows, max_keep]
+  std::int32_t* snap_ = nullptr;       // launch_beside's copy of the device lengths and tables
+  cudaEvent_t snap_ready_ = nullptr;   // recorded on the engine's stream behind that copy
   cudaEvent_t event_ = nullptr;
   cudaStream_t stream_ = nullptr;
   bool pending_ = false;
