@@ -264,7 +264,7 @@ class CudaBackend {
     s.flush(FlushReason::kOther);
     s.ensure_host(n * sizeof(float));
     TRIATTN_CUDA_TRY(cudaMemcpyAsync(s.host_buf.get(), p, n * sizeof(float), cudaMemcpyDeviceToHost, s.stream));
-    TRIATTN_CUDA_TRY(cudaStreamSynchronize(s.stream));
+    s.finish_step_and_wait();
     return static_cast<const float*>(s.host_buf.get());
   }
 
@@ -475,13 +475,34 @@ class CudaBackend {
     if (n <= 0) return;
     s.launch(gpu::argmax_kernel, dim3(static_cast<unsigned>(n)), dim3(gpu::kArgmaxThreads), 0, ids, logits, vocab);
   }
+  /// ids_host[r] = argmax of logits row r ([n, vocab], device; the first index on ties, as
+  /// Sampler::argmax): the argmax runs on the device after pending work and only the n ids cross
+  /// to the host, with one wait. What generate() uses for greedy decode steps.
+  void argmax_host(int* ids_host, const float* logits, int n, int vocab) const {
+    State& s = *s_;
+    TRIATTN_EXPECTS(n >= 0 && vocab > 0, "CudaBackend::argmax_host: n = " + std::to_string(n) + ", vocab = " +
+                                             std::to_string(vocab) + " (need n >= 0, vocab > 0)");
+    s.flush(FlushReason::kOther);
+    if (n == 0) return;
+    const std::size_t bytes = static_cast<std::size_t>(n) * sizeof(int);
+    int* ids = static_cast<int*>(s.ids_scratch(bytes));
+    s.launch(gpu::argmax_kernel, dim3(static_cast<unsigned>(n)), dim3(gpu::kArgmaxThreads), 0, ids, logits, vocab);
+    void* pinned = s.ids_pinned(bytes);
+    TRIATTN_CUDA_TRY(cudaMemcpyAsync(pinned, ids, bytes, cudaMemcpyDeviceToHost, s.stream));
+    s.finish_step_and_wait();
+    std::memcpy(ids_host, pinned, bytes);
+  }
   /// Copies device memory to the host after pending work, and waits.
   void download(void* host, const void* dev, std::size_t bytes) const {
     State& s = *s_;
     s.flush(FlushReason::kOther);
     TRIATTN_CUDA_TRY(cudaMemcpyAsync(host, dev, bytes, cudaMemcpyDeviceToHost, s.stream));
-    TRIATTN_CUDA_TRY(cudaStreamSynchronize(s.stream));
+    s.finish_step_and_wait();
   }
+  /// Device time of the steps so far whose results came to the host (host_view, download,
+  /// argmax_host): CUDA events from each step's first launch to the end of that copy. A step
+  /// whose results never came back (a prefill chunk without logits) is not counted.
+  [[nodiscard]] double device_seconds() const noexcept { return s_->stats.device_seconds; }
 
   using Stats = cuda_detail::RecorderStats;
   [[nodiscard]] Stats stats() const noexcept { return s_->stats; }

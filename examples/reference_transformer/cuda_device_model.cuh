@@ -57,12 +57,8 @@ class DeviceDecoder {
   }
   /// Greedy tokens of the last step (device argmax; only the ids cross PCIe).
   [[nodiscard]] std::vector<int> argmax() {
-    const std::size_t n = static_cast<std::size_t>(rows_);
-    if (CudaBackend::size(ids_) < n) ids_ = backend().alloc(n);
-    int* ids = reinterpret_cast<int*>(CudaBackend::data(ids_));
-    backend().argmax(ids, logits(), rows_, config().vocab_size);
-    std::vector<int> h(n);
-    backend().download(h.data(), ids, n * sizeof(int));
+    std::vector<int> h(static_cast<std::size_t>(rows_));
+    backend().argmax_host(h.data(), logits(), rows_, config().vocab_size);
     return h;
   }
 
@@ -70,7 +66,6 @@ class DeviceDecoder {
   Model<CudaBackend> model_;
   std::vector<Chunk> chunks_;
   int rows_ = 0;
-  CudaBackend::Buffer ids_;
 };
 
 }  // namespace triattn_example

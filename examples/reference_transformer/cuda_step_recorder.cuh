@@ -329,6 +329,10 @@ struct RecorderStats {
   std::uint64_t eager_flushes = 0;   ///< flushes launched kernel by kernel
   std::uint64_t kernels = 0;         ///< kernels the backend launched itself (outside replays)
   std::uint64_t prefill_attention = 0;  ///< attention ops run by the tensor-core prefill kernel
+  /// Device time of the timed steps (CUDA events: a step's first launch to its results on the
+  /// host, see StepRecorder::finish_step_and_wait) and how many steps were timed.
+  double device_seconds = 0.0;
+  std::uint64_t timed_steps = 0;
 };
 
 /// Tensor parallelism: an in-place sum of `count` device floats over the ranks on `stream`.
@@ -350,7 +354,7 @@ class StepRecorder {
  public:
   using Options = CudaBackendOptions;
   static constexpr int kPlanGranule = 512;
-  enum ScratchId : int { kQt = 0, kKt, kVt, kWorkspace, kXt, kScratchCount };
+  enum ScratchId : int { kQt = 0, kKt, kVt, kWorkspace, kXt, kIds, kScratchCount };
 
   struct RowInfo {
     long long pos = -1, seq = -1, slot = -1;
@@ -398,6 +402,13 @@ class StepRecorder {
   std::vector<cuda_detail::DeviceMem> retired;
   cuda_detail::HostMem host_buf;
   std::size_t host_bytes = 0;
+  cuda_detail::HostMem ids_buf;  // pinned: argmax_host's token ids
+  std::size_t ids_bytes = 0;
+  // Step timing: begin_step arms, the step's first launch records ev_begin, the copy of its
+  // results to the host records ev_end (finish_step_and_wait).
+  enum class StepClock { kIdle, kArmed, kRunning };
+  StepClock clock = StepClock::kIdle;
+  cudaEvent_t ev_begin = nullptr, ev_end = nullptr;
   std::vector<Graph> graphs;
   std::uint64_t tick = 0;
   std::map<std::pair<int, int>, int> resident;
@@ -418,6 +429,8 @@ class StepRecorder {
   StepRecorder& operator=(const StepRecorder&) = delete;
   ~StepRecorder() {
     triattn::cuda::report_error(cudaStreamSynchronize(stream), "CudaBackend: cudaStreamSynchronize");
+    if (ev_begin != nullptr) triattn::cuda::report_error(cudaEventDestroy(ev_begin), "CudaBackend: cudaEventDestroy");
+    if (ev_end != nullptr) triattn::cuda::report_error(cudaEventDestroy(ev_end), "CudaBackend: cudaEventDestroy");
     for (Graph& g : graphs) triattn::cuda::report_error(cudaGraphExecDestroy(g.exec), "CudaBackend: cudaGraphExecDestroy");
     graphs.clear();
     cublas.reset();  // before its stream
@@ -440,6 +453,42 @@ class StepRecorder {
     step_open = true;
     mid_flush = false;
     spare_cache = nullptr;
+    clock = StepClock::kArmed;
+  }
+
+  /// The step's first launch: its device time starts here (not at begin_step: the device idles
+  /// while the host records the layers).
+  void start_clock() {
+    if (clock != StepClock::kArmed) return;
+    if (ev_begin == nullptr) TRIATTN_CUDA_TRY(cudaEventCreate(&ev_begin));
+    if (ev_end == nullptr) TRIATTN_CUDA_TRY(cudaEventCreate(&ev_end));
+    TRIATTN_CUDA_TRY(cudaEventRecord(ev_begin, stream));
+    clock = StepClock::kRunning;
+  }
+
+  /// After the copy of a step's results to the host was enqueued: waits for the stream (the
+  /// step's only wait) and adds the step's device time to stats.
+  void finish_step_and_wait() {
+    const bool timed = clock == StepClock::kRunning;
+    if (timed) TRIATTN_CUDA_TRY(cudaEventRecord(ev_end, stream));
+    TRIATTN_CUDA_TRY(cudaStreamSynchronize(stream));
+    if (!timed) return;
+    clock = StepClock::kIdle;
+    float ms = 0.0f;
+    TRIATTN_CUDA_TRY(cudaEventElapsedTime(&ms, ev_begin, ev_end));
+    stats.device_seconds += static_cast<double>(ms) * 1e-3;
+    ++stats.timed_steps;
+  }
+
+  /// Device buffer for n token ids (argmax_host).
+  void* ids_scratch(std::size_t bytes) { return scratch(kIds, bytes); }
+  /// Pinned host buffer for token ids (argmax_host).
+  void* ids_pinned(std::size_t bytes) {
+    if (bytes > ids_bytes) {
+      ids_buf = cuda_detail::host_alloc(bytes);
+      ids_bytes = bytes;
+    }
+    return ids_buf.get();
   }
 
   /// After the arena was rebuilt (pad_decode_step): later calls of the step push their rows again.
@@ -628,6 +677,7 @@ class StepRecorder {
       const std::vector<unsigned char> sig = signature();
       for (Graph& g : graphs)
         if (g.sig == sig) {
+          start_clock();
           arena.upload(stream);
           g.used = ++tick;
           TRIATTN_CUDA_TRY(cudaGraphLaunch(g.exec, stream));
@@ -638,6 +688,7 @@ class StepRecorder {
     }
     std::vector<std::function<void()>> items;
     plan(items);
+    start_clock();
     arena.upload(stream);
     if (graphable) {
       capture(items, signature());  // after planning: it may have replaced scratch buffers

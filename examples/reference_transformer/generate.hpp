@@ -4,9 +4,13 @@
 // unfinished sequences together, one token each per step. After every
 // step an optional hook may run compression rounds (the engine's scheduler decides; see
 // docs/integration.md). This is the worked example of where an engine calls what.
+// A decode step's logits stay in the backend's memory: when every sampler is greedy and nobody
+// asks for the logits, a backend with a device argmax (CudaBackend::argmax_host) sends back only
+// the token ids; otherwise the samplers read the backend's host view of the logits in place.
 #pragma once
 
 #include <chrono>
+#include <concepts>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -47,6 +51,15 @@ struct GenerationStats {
   std::int64_t prefill_tokens = 0;
   std::int64_t decode_tokens = 0;  ///< tokens run through decode steps
   int decode_steps = 0;
+  /// decode_seconds split by host clock: in Model::forward (recording and launching a step, or
+  /// computing it on the CPU), and from its return to the sampled tokens (waiting for the device,
+  /// copies, sampling). The rest of decode_seconds is the loop's own bookkeeping.
+  double decode_forward_seconds = 0.0;
+  double decode_sample_seconds = 0.0;
+  /// Device time of the decode steps (backends with device_seconds(): CUDA events from a step's
+  /// first launch to its results on the host); -1 when the backend does not measure it.
+  double decode_device_seconds = -1.0;
+  int decode_device_argmax_steps = 0;  ///< decode steps whose tokens came from a device argmax
 };
 
 /// Runs the compression rounds that are due for `seqs` and returns what they did (e.g.
@@ -57,6 +70,9 @@ struct GenerationCallbacks {
   /// After each sampled token of prompt `index`; `pos` is the logical position whose logits were
   /// sampled (the prompt's last position for the first token).
   std::function<void(int index, int token, std::int64_t pos, std::span<const float> logits)> on_token;
+  /// Whether on_token reads its `logits` (false: it gets an empty span, so greedy decode steps
+  /// need no logits on the host). Without on_token no logits are needed either.
+  bool token_logits = true;
   /// After each step, with the sequences still decoding (compression rounds).
   CompressFn after_step;
   /// After each decode step (1-based count), for progress output; `results` so far.
@@ -161,35 +177,73 @@ std::vector<SequenceResult> generate(ModelT& model, Cache& cache, std::span<cons
   st.prefill_seconds += std::chrono::duration<double>(clock::now() - t0).count();
   if (cb.after_prefill) cb.after_prefill(std::span<const SequenceResult>(res));
   if (opt.max_new_tokens <= 0) return res;
+  const bool want_logits = cb.on_token && cb.token_logits;
   for (std::size_t i = 0; i < prompts.size(); ++i)
-    accept(i, samplers[i].sample(last_logits[i]), static_cast<std::int64_t>(prompts[i].size()) - 1, last_logits[i]);
+    accept(i, samplers[i].sample(last_logits[i]), static_cast<std::int64_t>(prompts[i].size()) - 1,
+           want_logits ? std::span<const float>(last_logits[i]) : std::span<const float>{});
   compress();
 
-  // Decode: one token per unfinished sequence per step.
+  // Decode: one token per unfinished sequence per step. The logits stay in the backend's memory
+  // (Model::forward); only what sampling needs comes to the host.
+  const std::size_t V = static_cast<std::size_t>(mc.vocab_size);
+  constexpr bool kDeviceArgmax = requires(typename ModelT::backend_type& b, int* ids, const float* l) {
+    b.argmax_host(ids, l, 1, 1);
+  };
+  constexpr bool kDeviceClock = requires(typename ModelT::backend_type& b) {
+    { b.device_seconds() } -> std::convertible_to<double>;
+  };
+  double device0 = 0.0;
+  if constexpr (kDeviceClock) device0 = model.backend().device_seconds();
   std::vector<std::size_t> idx;
   std::vector<int> last(prompts.size());
+  std::vector<int> ids;
   for (;;) {
     chunks.clear();
     idx.clear();
+    bool greedy = !want_logits;
     for (std::size_t i = 0; i < res.size(); ++i) {
       if (done[i]) continue;
       last[i] = res[i].generated.back();
       chunks.push_back(Chunk{res[i].seq, std::span<const int>(&last[i], 1), triattn::Phase::kDecode});
       idx.push_back(i);
+      greedy = greedy && samplers[i].greedy();
     }
     if (chunks.empty()) break;
     t0 = clock::now();
-    const StepOutput out = model.step(cache, chunks, LogitsFor::kLastOfEachChunk);
-    for (std::size_t j = 0; j < idx.size(); ++j) {
-      const std::size_t i = idx[j];
-      accept(i, samplers[i].sample(out.row(static_cast<int>(j))), out.rows[j].pos, out.row(static_cast<int>(j)));
+    const int n = model.forward(cache, chunks, LogitsFor::kLastOfEachChunk);
+    const auto t1 = clock::now();
+    const std::span<const TokenInfo> rows = model.rows();  // one row per chunk: row j is chunk j
+    TRIATTN_EXPECTS(n == static_cast<int>(idx.size()) && rows.size() == idx.size(),
+                    "generate: a decode step returned " + std::to_string(n) + " logit rows for " +
+                        std::to_string(idx.size()) + " sequences");
+    auto& be = model.backend();
+    bool sampled = false;
+    if constexpr (kDeviceArgmax) {
+      if (greedy) {  // argmax on the device: n token ids cross to the host, one wait
+        ids.resize(idx.size());
+        be.argmax_host(ids.data(), model.logits(), n, mc.vocab_size);
+        for (std::size_t j = 0; j < idx.size(); ++j) accept(idx[j], ids[j], rows[j].pos, {});
+        ++st.decode_device_argmax_steps;
+        sampled = true;
+      }
     }
-    st.decode_seconds += std::chrono::duration<double>(clock::now() - t0).count();
+    if (!sampled) {  // the backend's host view of the logits, read in place (no copy per step)
+      const float* host = be.host_view(model.logits(), static_cast<std::size_t>(n) * V);
+      for (std::size_t j = 0; j < idx.size(); ++j) {
+        const std::span<const float> row(host + j * V, V);
+        accept(idx[j], samplers[idx[j]].sample(row), rows[j].pos, want_logits ? row : std::span<const float>{});
+      }
+    }
+    const auto t2 = clock::now();
+    st.decode_forward_seconds += std::chrono::duration<double>(t1 - t0).count();
+    st.decode_sample_seconds += std::chrono::duration<double>(t2 - t1).count();
+    st.decode_seconds += std::chrono::duration<double>(t2 - t0).count();
     st.decode_tokens += static_cast<std::int64_t>(idx.size());
     ++st.decode_steps;
     compress();
     if (cb.on_step) cb.on_step(st.decode_steps, std::span<const SequenceResult>(res));
   }
+  if constexpr (kDeviceClock) st.decode_device_seconds = model.backend().device_seconds() - device0;
   return res;
 }
 

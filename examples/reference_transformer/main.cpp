@@ -449,6 +449,16 @@ void write_run_json(const Options& o, ModelT& model, const Cache& cache, std::si
   num("decode_steps", st.decode_steps);
   num("decode_seconds", st.decode_seconds);
   num("decode_tok_s", rate(static_cast<double>(st.decode_tokens), st.decode_seconds));
+  // Where a decode step's time goes (per step, milliseconds): host time in Model::forward
+  // (recording and launching), host time from there to the tokens (waiting for the device,
+  // copies, sampling), and on the GPU the device time from the step's first launch to its
+  // tokens on the host (CUDA events).
+  const double steps = st.decode_steps > 0 ? static_cast<double>(st.decode_steps) : 1.0;
+  num("decode_ms_per_step", 1e3 * st.decode_seconds / steps);
+  num("decode_forward_host_ms_per_step", 1e3 * st.decode_forward_seconds / steps);
+  num("decode_wait_sample_ms_per_step", 1e3 * st.decode_sample_seconds / steps);
+  if (st.decode_device_seconds >= 0) num("decode_device_ms_per_step", 1e3 * st.decode_device_seconds / steps);
+  num("decode_device_argmax_steps", st.decode_device_argmax_steps);
   num("compress_seconds", st.compress_seconds);
   num("generated_tokens", static_cast<double>(generated));
   num("total_seconds", total_s);
@@ -542,6 +552,7 @@ int run(ModelT& model, Cache& cache, const TextCodec& codec, const std::vector<s
     }
     prev[static_cast<std::size_t>(i)] = token;
   };
+  cb.token_logits = false;  // greedy decode steps then copy only the token ids from the GPU
   if constexpr (kCompress) {
     // After every step: a TriAttention round for each sequence whose cache reached B + D.
     if (compress_fn) cb.after_step = compress_fn;
@@ -618,6 +629,14 @@ int run(ModelT& model, Cache& cache, const TextCodec& codec, const std::vector<s
                static_cast<long long>(st.decode_tokens), st.decode_steps, st.decode_seconds,
                st.decode_seconds > 0 ? static_cast<double>(st.decode_tokens) / st.decode_seconds : 0.0,
                st.compress_seconds);
+  if (st.decode_steps > 0) {
+    const double per = 1e3 / st.decode_steps;
+    std::fprintf(stderr, "decode step: %.3f ms = forward (host) %.3f + wait and sample %.3f + loop %.3f", st.decode_seconds * per,
+                 st.decode_forward_seconds * per, st.decode_sample_seconds * per,
+                 (st.decode_seconds - st.decode_forward_seconds - st.decode_sample_seconds) * per);
+    if (st.decode_device_seconds >= 0) std::fprintf(stderr, "; device %.3f ms", st.decode_device_seconds * per);
+    std::fprintf(stderr, "; %d of %d steps sampled by a device argmax\n", st.decode_device_argmax_steps, st.decode_steps);
+  }
   std::fprintf(stderr, "total: %lld tokens generated in %.3f s\n", static_cast<long long>(generated), total_s);
 #if defined(TRIATTN_EXAMPLE_CUDA)
   if constexpr (std::is_same_v<typename ModelT::backend_type, ex::CudaBackend>) {

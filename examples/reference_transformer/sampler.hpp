@@ -29,6 +29,9 @@ class Sampler {
     TRIATTN_EXPECTS(top_p > 0.0f && std::isfinite(top_p), "Sampler: top_p must be finite and > 0");
   }
 
+  /// Whether sample() is argmax (temperature 0): a device argmax may pick for it.
+  [[nodiscard]] bool greedy() const noexcept { return temperature_ == 0.0f; }
+
   /// Index of the largest value (the first one on ties, as run.c).
   [[nodiscard]] static int argmax(std::span<const float> x) {
     int best = 0;

@@ -408,6 +408,79 @@ TEST_CASE("synthetic model: batch of 3 is deterministic and equals each sequence
   }
 }
 
+TEST_CASE("generate: without logits for on_token the same tokens come out, sampled from the logits in place") {
+  // Decode steps read the logits where the backend keeps them (no StepOutput copy); with
+  // token_logits off on_token gets empty spans (on the GPU greedy steps then take a device argmax).
+  const ex::ModelWeights w = ex::make_synthetic_weights(ex::synthetic_config("tiny"), 77);
+  const std::vector<std::vector<int>> prompts = {{1, 40, 41, 42, 43}, {1, 7}, {1, 300, 301, 302}};
+  constexpr int kSteps = 24;
+  struct Out {
+    std::vector<std::vector<int>> tokens, seen;          // generated; what on_token saw
+    std::vector<std::vector<std::int64_t>> pos;          // on_token's positions
+    std::vector<std::vector<std::vector<float>>> logits; // non-empty spans on_token got
+    std::size_t empty_spans = 0;
+    ex::GenerationStats st;
+  };
+  auto run = [&](const std::vector<float>& temperatures, bool token_logits) {
+    PlainCache cache(cache_config(w.config, 64 + kSteps, static_cast<int>(prompts.size())));
+    ex::Model<> model(w);
+    std::vector<ex::Sampler> samplers;
+    for (std::size_t i = 0; i < prompts.size(); ++i) samplers.emplace_back(temperatures[i], 0.9f, 5 + i);
+    ex::GenerationOptions opt;
+    opt.max_new_tokens = kSteps;
+    opt.stop_at_bos = false;
+    Out o;
+    o.seen.resize(prompts.size());
+    o.pos.resize(prompts.size());
+    o.logits.resize(prompts.size());
+    ex::GenerationCallbacks cb;
+    cb.token_logits = token_logits;
+    cb.on_token = [&](int i, int token, std::int64_t pos, std::span<const float> l) {
+      const auto k = static_cast<std::size_t>(i);
+      o.seen[k].push_back(token);
+      o.pos[k].push_back(pos);
+      if (l.empty()) ++o.empty_spans;
+      else o.logits[k].emplace_back(l.begin(), l.end());
+    };
+    for (const auto& r : ex::generate(model, cache, std::span<const std::vector<int>>(prompts),
+                                      std::span<ex::Sampler>(samplers), opt, cb, &o.st))
+      o.tokens.push_back(r.generated);
+    return o;
+  };
+  for (const std::vector<float>& temps : {std::vector<float>{0.0f, 0.0f, 0.0f}, std::vector<float>{0.0f, 0.8f, 0.0f}}) {
+    INFO("temperatures " << temps[0] << ", " << temps[1] << ", " << temps[2]);
+    const Out with = run(temps, true);
+    const Out without = run(temps, false);
+    CHECK(without.tokens == with.tokens);
+    CHECK(without.seen == with.seen);
+    CHECK(without.pos == with.pos);
+    CHECK(without.empty_spans == prompts.size() * kSteps);
+    CHECK(with.empty_spans == 0);
+    for (std::size_t i = 0; i < prompts.size(); ++i) {
+      REQUIRE(with.tokens[i].size() == kSteps);
+      REQUIRE(with.logits[i].size() == kSteps);
+      for (std::size_t t = 0; t < kSteps; ++t) {
+        CHECK(with.pos[i][t] == static_cast<std::int64_t>(prompts[i].size() - 1 + t));
+        REQUIRE(with.logits[i][t].size() == static_cast<std::size_t>(w.config.vocab_size));
+        if (temps[i] == 0.0f) CHECK(with.tokens[i][t] == ex::Sampler::argmax(with.logits[i][t]));
+      }
+    }
+    // Each sequence of the batch samples what it samples alone (a step's logit rows are not mixed up).
+    for (std::size_t i = 0; i < prompts.size(); ++i) {
+      const RunOut alone = run_synthetic(w, {prompts[i]}, {5 + i}, kSteps, temps[i], 0.9f);
+      CHECK(alone.tokens[0] == without.tokens[i]);
+    }
+    // Step timing: host forward + wait-and-sample within the step; the CPU backend has no device clock.
+    const ex::GenerationStats& st = without.st;
+    CHECK(st.decode_steps == kSteps - 1);
+    CHECK(st.decode_forward_seconds > 0.0);
+    CHECK(st.decode_sample_seconds >= 0.0);
+    CHECK(st.decode_forward_seconds + st.decode_sample_seconds <= st.decode_seconds * (1 + 1e-9) + 1e-12);
+    CHECK(st.decode_device_seconds == -1.0);
+    CHECK(st.decode_device_argmax_steps == 0);
+  }
+}
+
 TEST_CASE("synthetic model: prefill in one step equals token-by-token decode and observers see the right shapes") {
   const ex::ModelWeights w = ex::make_synthetic_weights(ex::synthetic_config("tiny"), 5);
   const ex::ModelConfig& mc = w.config;
