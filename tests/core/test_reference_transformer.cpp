@@ -408,7 +408,7 @@ TEST_CASE("synthetic model: batch of 3 is deterministic and equals each sequence
   }
 }
 
-TEST_CASE("generate: without logits for on_token the same tokens come out, sampled from the logits in place") {
+TEST_CASE("generate: without logits for on_token the same tokens come out (sampled from the logits in place)") {
   // Decode steps read the logits where the backend keeps them (no StepOutput copy); with
   // token_logits off on_token gets empty spans (on the GPU greedy steps then take a device argmax).
   const ex::ModelWeights w = ex::make_synthetic_weights(ex::synthetic_config("tiny"), 77);
