@@ -21,6 +21,7 @@
 #include <span>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "harness.hpp"
@@ -75,12 +76,18 @@ class DocumentPolicy {
   [[nodiscard]] virtual int budget() const = 0;
 };
 
+/// A cache without a selector never compresses: it runs the model in its own KV format (e.g. fp8
+/// KV without eviction), compared row by row with the full-KV reference.
 template <class ModelT, class Cache>
 class DocumentPolicyImpl final : public DocumentPolicy {
  public:
-  DocumentPolicyImpl(ModelT& model, std::string name, int budget, std::unique_ptr<Cache> cache)
-      : model_(model), name_(std::move(name)), budget_(budget), cache_(std::move(cache)), rotator_(model.config()),
-        held_(model.config().n_layers, model.config().n_kv_heads) {}
+  /// count_from < 0: rows are compared after the first round (before it the cache equals the
+  /// reference's); otherwise every row at position >= count_from is (a cache whose KV format
+  /// differs from the reference's differs from the first token on).
+  DocumentPolicyImpl(ModelT& model, std::string name, int budget, std::unique_ptr<Cache> cache,
+                     std::int64_t count_from = -1)
+      : model_(model), name_(std::move(name)), budget_(budget), count_from_(count_from), cache_(std::move(cache)),
+        rotator_(model.config()), held_(model.config().n_layers, model.config().n_kv_heads) {}
   ~DocumentPolicyImpl() override {
     if (seq_ >= 0) cache_->release(seq_);
   }
@@ -111,8 +118,9 @@ class DocumentPolicyImpl final : public DocumentPolicy {
     const ex::StepOutput out = model_.step(*cache_, std::span<const ex::Chunk>(&ch, 1), ex::LogitsFor::kAllRows);
     model_.set_query_observer({});
     held_.append(p0, n);
-    if (full != nullptr && stats_.rounds > 0) {
+    if (full != nullptr && (count_from_ >= 0 || stats_.rounds > 0)) {
       for (int r = 0; r < n; ++r) {
+        if (count_from_ >= 0 && p0 + r < count_from_) continue;
         const std::span<const float> mine = out.row(r), ref = full->row(r);
         stats_.pos.push_back(p0 + r);
         stats_.kl.push_back(kl_divergence(ref, mine));
@@ -125,12 +133,14 @@ class DocumentPolicyImpl final : public DocumentPolicy {
                                            : attention_recall(pr, mc.n_heads, static_cast<int>(p0 + r + 1), held_, true));
       }
     }
-    if (cache_->needs_compression(seq_)) {
-      const triattn::KeepPlan plan = compress_round(*cache_, seq_, scores_);
-      held_.apply(plan);
-      TRIATTN_EXPECTS(held_.length() == cache_->physical_length(seq_), "DocumentPolicy: position tracker out of step");
-      stats_.max_kept = std::max(stats_.max_kept, cache_->physical_length(seq_));
-      if (stats_.rounds++ == 0) stats_.first_round_pos = p0 + n - 1;
+    if constexpr (!std::is_same_v<typename Cache::selector_type, triattn::NoSelector>) {
+      if (cache_->needs_compression(seq_)) {
+        const triattn::KeepPlan plan = compress_round(*cache_, seq_, scores_);
+        held_.apply(plan);
+        TRIATTN_EXPECTS(held_.length() == cache_->physical_length(seq_), "DocumentPolicy: position tracker out of step");
+        stats_.max_kept = std::max(stats_.max_kept, cache_->physical_length(seq_));
+        if (stats_.rounds++ == 0) stats_.first_round_pos = p0 + n - 1;
+      }
     }
     const std::span<const float> last = out.row(n - 1);
     return {last.begin(), last.end()};
@@ -144,6 +154,7 @@ class DocumentPolicyImpl final : public DocumentPolicy {
   ModelT& model_;
   std::string name_;
   int budget_;
+  std::int64_t count_from_;
   std::unique_ptr<Cache> cache_;
   QueryRotator rotator_;
   PositionTracker held_;
@@ -152,11 +163,13 @@ class DocumentPolicyImpl final : public DocumentPolicy {
   std::vector<float> scores_, qbuf_;
 };
 
-/// The full-KV side of a lock-step run: one uncompressed cache, attention recorded per chunk.
+/// The full-KV side of a lock-step run: one uncompressed cache (float32 unless `kv` says
+/// otherwise), attention recorded per chunk.
 template <class ModelT>
 class FullDocument {
  public:
-  FullDocument(ModelT& model, int max_tokens) : model_(model), cache_(cache_config(model.config(), 1, max_tokens)) {}
+  FullDocument(ModelT& model, int max_tokens, const KvFormat& kv = {})
+      : model_(model), cache_(cache_config(model.config(), 1, max_tokens, 16, kv)) {}
   void start() {
     if (seq_ >= 0) cache_.release(seq_);
     seq_ = cache_.add_sequence();
@@ -187,6 +200,8 @@ class FullDocument {
     out.vocab = o.vocab;
     out.logits = std::move(o.logits);
   }
+  /// Largest |K| and |V| per layer over the tokens fed so far ([num_layers, 2], kv_abs_max).
+  [[nodiscard]] std::vector<float> kv_abs_max() const { return triattn_fidelity::kv_abs_max(cache_, seq_); }
 
  private:
   ModelT& model_;

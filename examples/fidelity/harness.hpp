@@ -14,6 +14,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -23,6 +24,7 @@
 #include <vector>
 
 #include <triattn/core/cache_config.hpp>
+#include <triattn/core/dtype.hpp>
 #include <triattn/core/error.hpp>
 #include <triattn/core/keep_plan.hpp>
 #include <triattn/core/kv_cache.hpp>
@@ -50,12 +52,22 @@ template <class Scorer>
 using HostCache =
     triattn::KvCache<triattn::StaticAllocator<triattn::HostBackend>, triattn::HostCompactor, Scorer, triattn::TopKSelector>;
 
-/// float32 NHD cache for `max_seqs` sequences of up to `max_tokens` cached tokens each.
-inline triattn::CacheConfig cache_config(const ex::ModelConfig& mc, int max_seqs, int max_tokens, int block_size = 16) {
+/// How a cache stores K/V: its dtype and, for fp8, the per-layer dequantisation scales
+/// ([num_layers, 2 (K, V)], CacheConfig::kv_scales; empty means 1).
+struct KvFormat {
+  triattn::DType dtype = triattn::DType::kF32;
+  std::vector<float> scales;
+};
+
+/// NHD cache in `kv`'s format (float32 by default) for `max_seqs` sequences of up to
+/// `max_tokens` cached tokens each.
+inline triattn::CacheConfig cache_config(const ex::ModelConfig& mc, int max_seqs, int max_tokens, int block_size = 16,
+                                         const KvFormat& kv = {}) {
   triattn::CacheConfig cfg;
   cfg.model = mc.geometry();
   cfg.block_size = block_size;
-  cfg.dtype = triattn::DType::kF32;
+  cfg.dtype = kv.dtype;
+  cfg.kv_scales = kv.scales;
   cfg.layout = triattn::KvLayout::kNHD;
   cfg.max_seqs = max_seqs;
   cfg.max_blocks_per_seq = (max_tokens + block_size - 1) / block_size + 1;
@@ -89,6 +101,48 @@ class QueryRotator {
   ex::CpuBackend backend_;
   std::vector<ex::TokenInfo> rows_;
 };
+
+/// Largest |K| and |V| (dequantised) that `seq` holds per layer, [num_layers, 2 (K, V)]: what an
+/// engine measures on calibration data to choose fp8 scales.
+template <class Cache>
+std::vector<float> kv_abs_max(const Cache& cache, triattn::SeqId seq) {
+  const triattn::ModelGeometry& g = cache.config().model;
+  std::vector<float> out(static_cast<std::size_t>(g.num_layers) * 2, 0.0f);
+  const int len = cache.physical_length(seq);
+  triattn::dispatch_dtype(cache.config().dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const auto view = cache.template view<T>();
+    for (int l = 0; l < g.num_layers; ++l)
+      for (int kind = 0; kind < 2; ++kind) {
+        const auto kk = kind == 0 ? triattn::KvKind::kKey : triattn::KvKind::kValue;
+        float& m = out[static_cast<std::size_t>(l) * 2 + static_cast<std::size_t>(kind)];
+        for (int h = 0; h < g.num_kv_heads; ++h) {
+          const float s = view.scale(l, kk, h);
+          for (int t = 0; t < len; ++t) {
+            const T* x = view.token(l, kk, seq, t, h);
+            for (int i = 0; i < g.head_dim; ++i) m = std::max(m, std::abs(triattn::dequantize(x[i], s)));
+          }
+        }
+      }
+  });
+  return out;
+}
+
+/// Per-layer fp8 e4m3 scales from measured maxima ([num_layers, 2] of kv_abs_max): amax *
+/// headroom / 448, so values up to `headroom` times the largest calibration value stay below
+/// e4m3's largest finite code instead of saturating (a zero maximum gives 1). A power-of-two
+/// headroom leaves the rounding of every value in e4m3's normal range unchanged.
+inline std::vector<float> fp8_scales_from_amax(std::span<const float> amax, float headroom = 1.0f) {
+  TRIATTN_EXPECTS(std::isfinite(headroom) && headroom >= 1.0f,
+                  "fp8_scales_from_amax: headroom " + std::to_string(headroom) + " must be finite and >= 1");
+  std::vector<float> out(amax.size());
+  for (std::size_t i = 0; i < amax.size(); ++i) {
+    TRIATTN_EXPECTS(std::isfinite(amax[i]) && amax[i] >= 0.0f, "fp8_scales_from_amax: amax[" + std::to_string(i) +
+                                                                   "] = " + std::to_string(amax[i]) + " is not finite and >= 0");
+    out[i] = amax[i] > 0.0f ? amax[i] * headroom / 448.0f : 1.0f;
+  }
+  return out;
+}
 
 /// The full-KV reference of one prompt: its greedy continuation, every pass's logits and the
 /// attention probabilities of every decode query over all earlier tokens.
@@ -150,7 +204,10 @@ triattn::KeepPlan compress_round(Cache& cache, triattn::SeqId seq, std::vector<f
   const triattn::ModelGeometry& g = cache.config().model;
   const int len = cache.physical_length(seq);
   scores.resize(static_cast<std::size_t>(g.num_layers) * g.num_q_heads * static_cast<std::size_t>(len));
-  cache.scorer().score(cache.template view<float>(), seq, len, cache.logical_position(seq), std::span<float>(scores));
+  triattn::dispatch_dtype(cache.config().dtype, [&](auto tag) {  // the scorer dequantises bf16 / fp8 itself
+    cache.scorer().score(cache.template view<typename decltype(tag)::type>(), seq, len, cache.logical_position(seq),
+                         std::span<float>(scores));
+  });
   triattn::KeepPlan plan = cache.selector().select(std::span<const float>(scores), g, len, cache.prompt_length(seq));
   cache.apply_keep_plan(seq, plan);
   return plan;

@@ -6,6 +6,7 @@
 //   triattn_fidelity                                  # stories260K and synthetic
 //   triattn_fidelity --models stories --prompts 2 --gen 128 --md out.md --csv out.csv
 //   triattn_fidelity --models smollm2 --doc-tokens 2048 --doc-csv doc.csv   # real text (document.hpp)
+//   triattn_fidelity --models smollm2 --kv-dtypes bf16,fp8 --doc-policies triattention  # fp8 KV stacked
 //
 // Per model: TriAttention statistics are calibrated first, on calibration prompts that are not
 // evaluation prompts. Then per evaluation prompt: one full-KV greedy run (the reference: its
@@ -113,6 +114,11 @@ struct Options {
   std::vector<std::string> retrieval_policies = {"triattention", "recency+sinks", "snapkv", "key_norm", "random"};
   int threads = 2;
   std::string doc_csv_path;
+  // KV formats of the SmolLM2 runs: the first is the full-KV reference's (and the calibration's);
+  // every scorer runs in each, and each later one also runs without eviction.
+  std::vector<std::string> kv_dtypes = {"f32"};
+  std::string fp8_scales = "calib";  // calib: per-layer calibration max * headroom / 448; unit: every scale 1
+  int fp8_headroom = 2;
   // shared
   int divide_length = 32;
   std::uint64_t random_seed = 1234;
@@ -148,6 +154,12 @@ void usage() {
       "                           snapkv,key_norm,random)\n"
       "  --threads N              threads over the compressed runs (default 2)\n"
       "  --doc-csv PATH           the SmolLM2 numbers as CSV (scripts/fidelity_plot.py --smollm2 reads it)\n"
+      "  --kv-dtypes LIST         KV dtypes of the SmolLM2 runs, of f32,f16,bf16,fp8 (default f32); the first\n"
+      "                           is the full-KV reference's (not fp8); every scorer and budget runs in each,\n"
+      "                           each later dtype also without eviction ('no eviction' rows)\n"
+      "  --fp8-scales MODE        fp8 K/V scales per layer: calib (calibration max |K|, |V| * headroom / 448;\n"
+      "                           default) or unit (all 1)\n"
+      "  --fp8-headroom N         calib: room for values N times the calibration max (default 2)\n"
       "  --random-seed N          seed of the random scorer (default 1234)\n"
       "  --md PATH                write the markdown tables there\n"
       "  --csv PATH               write the numbers as CSV there (scripts/fidelity_plot.py reads it)\n",
@@ -173,6 +185,15 @@ std::vector<std::string> split(const std::string& s) {
   while (std::getline(ss, item, ','))
     if (!item.empty()) out.push_back(item);
   return out;
+}
+
+/// The KV dtype of a --kv-dtypes entry.
+triattn::DType parse_kv_dtype(const std::string& v) {
+  if (v == "f32") return triattn::DType::kF32;
+  if (v == "f16") return triattn::DType::kF16;
+  if (v == "bf16") return triattn::DType::kBF16;
+  if (v == "fp8") return triattn::DType::kFP8E4M3;
+  throw std::runtime_error("--kv-dtypes: '" + v + "' is not f32, f16, bf16 or fp8");
 }
 
 Options parse_args(int argc, char** argv) {
@@ -213,6 +234,9 @@ Options parse_args(int argc, char** argv) {
     else if (a == "--retrieval-policies") o.retrieval_policies = split(need(i));
     else if (a == "--threads") o.threads = to_int(a, need(i));
     else if (a == "--doc-csv") o.doc_csv_path = need(i);
+    else if (a == "--kv-dtypes") o.kv_dtypes = split(need(i));
+    else if (a == "--fp8-scales") o.fp8_scales = need(i);
+    else if (a == "--fp8-headroom") o.fp8_headroom = to_int(a, need(i));
     else if (a == "--random-seed") o.random_seed = static_cast<std::uint64_t>(to_int(a, need(i)));
     else if (a == "--md") o.md_path = need(i);
     else if (a == "--csv") o.csv_path = need(i);
@@ -227,6 +251,19 @@ Options parse_args(int argc, char** argv) {
     for (const std::string& p : *list)
       if (std::find(known.begin(), known.end(), p) == known.end())
         throw std::runtime_error("unknown scorer '" + p + "' (--doc-policies / --retrieval-policies)");
+  if (o.kv_dtypes.empty()) throw std::runtime_error("--kv-dtypes: empty list");
+  for (std::size_t i = 0; i < o.kv_dtypes.size(); ++i) {
+    (void)parse_kv_dtype(o.kv_dtypes[i]);
+    if (std::find(o.kv_dtypes.begin(), o.kv_dtypes.begin() + static_cast<std::ptrdiff_t>(i), o.kv_dtypes[i]) !=
+        o.kv_dtypes.begin() + static_cast<std::ptrdiff_t>(i))
+      throw std::runtime_error("--kv-dtypes: '" + o.kv_dtypes[i] + "' given twice");
+  }
+  if (parse_kv_dtype(o.kv_dtypes.front()) == triattn::DType::kFP8E4M3)
+    throw std::runtime_error("--kv-dtypes: the first dtype is the reference's and calibration's; fp8 needs scales "
+                             "from that calibration, so put it later (e.g. bf16,fp8)");
+  if (o.fp8_scales != "calib" && o.fp8_scales != "unit")
+    throw std::runtime_error("--fp8-scales: '" + o.fp8_scales + "' is not calib or unit");
+  if (o.fp8_headroom < 1) throw std::runtime_error("--fp8-headroom must be >= 1");
   if (o.doc_divide < 1 || o.docs < 1 || o.doc_tokens < 2 || o.threads < 1 || o.doc_calib_tokens < 1)
     throw std::runtime_error("--doc-divide, --docs, --threads, --doc-calib-tokens must be >= 1, --doc-tokens >= 2");
   for (const auto* list : {&o.doc_budgets, &o.retrieval_budgets})
@@ -505,20 +542,40 @@ std::vector<int> excerpt_tokens(const ex::BpeTokenizer& tok, const std::string& 
 
 using SmolModel = ex::Model<ex::CpuBackend>;
 
-/// A compressing cache for `name` at `budget` (document setting: no prompt, chunks of `divide`).
+/// A compressing cache for `name` at `budget` in KV format `kv` (document setting: no prompt,
+/// chunks of `divide`); count_from as DocumentPolicyImpl's.
 std::unique_ptr<fid::DocumentPolicy> make_doc_policy(const std::string& name, int budget, int divide,
                                                      const triattn::QueryStats& stats, SmolModel& model,
-                                                     std::uint64_t random_seed) {
+                                                     std::uint64_t random_seed, const fid::KvFormat& kv = {},
+                                                     std::int64_t count_from = -1) {
   triattn::SelectionParams sel;
   sel.budget = budget;
   sel.divide_length = divide;
   std::unique_ptr<fid::DocumentPolicy> out;
-  make_cache(name, fid::cache_config(model.config(), 1, budget + divide), sel, 0, stats, model.config(), random_seed,
-             [&](auto cache) {
+  make_cache(name, fid::cache_config(model.config(), 1, budget + divide, 16, kv), sel, 0, stats, model.config(),
+             random_seed, [&](auto cache) {
                using C = typename decltype(cache)::element_type;
-               out = std::make_unique<fid::DocumentPolicyImpl<SmolModel, C>>(model, name, budget, std::move(cache));
+               out = std::make_unique<fid::DocumentPolicyImpl<SmolModel, C>>(model, name, budget, std::move(cache),
+                                                                             count_from);
              });
   return out;
+}
+
+/// A cache in KV format `kv` that never evicts (room for `tokens`), compared on every position.
+std::unique_ptr<fid::DocumentPolicy> make_plain_doc_policy(SmolModel& model, int tokens, const fid::KvFormat& kv) {
+  return std::make_unique<fid::DocumentPolicyImpl<SmolModel, fid::PlainCache>>(
+      model, "no eviction", 0, std::make_unique<fid::PlainCache>(fid::cache_config(model.config(), 1, tokens, 16, kv)), 0);
+}
+
+/// Short name of a KV dtype for the tables (the --kv-dtypes spelling).
+std::string kv_label(triattn::DType t) {
+  switch (t) {
+    case triattn::DType::kF32: return "f32";
+    case triattn::DType::kF16: return "f16";
+    case triattn::DType::kBF16: return "bf16";
+    case triattn::DType::kFP8E4M3: return "fp8";
+  }
+  return "?";
 }
 
 /// Standard error of the mean of `v` over consecutive blocks of `block` values (neighbouring
@@ -552,18 +609,28 @@ void run_smollm2(const Options& o, Report& rep) {
   std::fprintf(stderr, "\n=== SmolLM2-135M-Instruct: %d layers, dim %d, %d q / %d kv heads, head_dim %d, theta %g ===\n",
                mc.n_layers, mc.dim, mc.n_heads, mc.n_kv_heads, mc.head_dim, mc.rope_theta);
 
-  // 1. Calibration: pre-RoPE queries of Shakespeare (never evaluated on), 2,048-token passages.
+  // KV formats: [0] is the reference's and the calibration's; fp8 scales come from calibration.
+  std::vector<fid::KvFormat> kvs;
+  for (const std::string& name : o.kv_dtypes) kvs.push_back(fid::KvFormat{parse_kv_dtype(name), {}});
+  const fid::KvFormat& ref_kv = kvs.front();
+  const bool multi_kv = kvs.size() > 1;
+
+  // 1. Calibration: pre-RoPE queries of Shakespeare (never evaluated on), 2,048-token passages;
+  // the same prefills give the largest |K| and |V| per layer, from which fp8 scales are chosen.
   auto t0 = clk::now();
   const std::string calib_text = read_text(data + "/text/shakespeare.txt");
   triattn::Calibrator cal(mc.n_layers, mc.n_heads, mc.head_dim, mc.rope_style, mc.name);
+  std::vector<float> calib_amax(static_cast<std::size_t>(mc.n_layers) * 2, 0.0f);
   model.set_query_observer([&](int layer, const float* q, int n) { cal.add(layer, q, n); });
   for (int done = 0, k = 0; done < o.doc_calib_tokens; ++k) {
     const int n = std::min(2048, o.doc_calib_tokens - done);
     const std::vector<int> ids = excerpt_tokens(tok, calib_text, 0.1 + 0.2 * k, n);
-    fid::PlainCache cache(fid::cache_config(mc, 1, n));
+    fid::PlainCache cache(fid::cache_config(mc, 1, n, 16, ref_kv));
     const triattn::SeqId seq = cache.add_sequence();
     ex::Chunk ch{seq, ids, triattn::Phase::kPrefill};
     (void)model.step(cache, std::span<const ex::Chunk>(&ch, 1), ex::LogitsFor::kNone);
+    const std::vector<float> amax = fid::kv_abs_max(cache, seq);
+    for (std::size_t i = 0; i < amax.size(); ++i) calib_amax[i] = std::max(calib_amax[i], amax[i]);
     cache.release(seq);
     done += n;
   }
@@ -571,25 +638,52 @@ void run_smollm2(const Options& o, Report& rep) {
   const triattn::QueryStats stats = cal.finish();
   const double calib_s = since(t0);
   std::fprintf(stderr, "[smollm2] calibration: %d Shakespeare tokens, %.1f s\n", o.doc_calib_tokens, calib_s);
+  for (fid::KvFormat& kv : kvs)
+    if (kv.dtype == triattn::DType::kFP8E4M3 && o.fp8_scales == "calib") kv.scales = fid::fp8_scales_from_amax(calib_amax, static_cast<float>(o.fp8_headroom));
 
-  // 2. Documents: full KV and every (scorer, budget) in lock step.
+  // 2. Documents: full KV and every (scorer, KV dtype, budget) in lock step, plus every later KV
+  // dtype without eviction. All rows of a budget count the same positions: those after the
+  // budget's first round (it fires once budget + divide tokens are cached, for every scorer),
+  // or every position when the document ends before it.
   const std::string eval_text = read_text(data + "/text/pride_and_prejudice.txt");
+  auto count_from = [&](int budget) -> std::int64_t {
+    return budget + o.doc_divide < o.doc_tokens ? budget + o.doc_divide : 0;
+  };
+  struct Arm {
+    std::string policy;  // "no eviction": a cache of kvs[kv] that keeps everything
+    std::size_t kv = 0;
+    int budget = 0;
+  };
+  std::vector<Arm> arms;
+  for (std::size_t k = 1; k < kvs.size(); ++k) arms.push_back({"no eviction", k, 0});
+  for (const std::string& name : o.doc_policies)
+    for (std::size_t k = 0; k < kvs.size(); ++k)
+      for (int b : o.doc_budgets) arms.push_back({name, k, b});
+  struct Row {
+    std::size_t arm;
+    int budget;
+  };
+  std::vector<Row> rows;  // the table's order: per budget, no-eviction rows then scorer x dtype
+  for (int b : o.doc_budgets)
+    for (std::size_t a = 0; a < arms.size(); ++a)
+      if (arms[a].budget == 0 || arms[a].budget == b) rows.push_back({a, b});
   struct DocCell {
     std::vector<double> kl, recall, nll, nll_full;
     std::size_t top1 = 0, counted = 0;
-    double first_round = 0;
-    int max_kept = 0;
   };
-  const std::size_t nb = o.doc_budgets.size();
-  std::vector<DocCell> cells(o.doc_policies.size() * nb);
+  std::vector<DocCell> cells(rows.size());
+  std::vector<float> eval_amax(static_cast<std::size_t>(mc.n_layers) * 2, 0.0f);
   double doc_s = 0;
   for (int d = 0; d < o.docs; ++d) {
     const std::vector<int> doc = excerpt_tokens(tok, eval_text, (d + 1.0) / (o.docs + 1.0), o.doc_tokens);
     std::vector<std::unique_ptr<fid::DocumentPolicy>> pols;
-    for (const std::string& name : o.doc_policies)
-      for (int b : o.doc_budgets)
-        pols.push_back(make_doc_policy(name, b, o.doc_divide, stats, *models[pols.size() % models.size()], o.random_seed));
-    fid::FullDocument<SmolModel> full(model, o.doc_tokens);
+    for (const Arm& a : arms) {
+      SmolModel& m = *models[pols.size() % models.size()];
+      pols.push_back(a.budget == 0 ? make_plain_doc_policy(m, o.doc_tokens, kvs[a.kv])
+                                   : make_doc_policy(a.policy, a.budget, o.doc_divide, stats, m, o.random_seed,
+                                                     kvs[a.kv], count_from(a.budget)));
+    }
+    fid::FullDocument<SmolModel> full(model, o.doc_tokens, ref_kv);
     t0 = clk::now();
     auto t_report = clk::now();
     fid::run_document(full, std::span<const std::unique_ptr<fid::DocumentPolicy>>(pols), o.threads, doc, o.doc_divide, true,
@@ -600,18 +694,28 @@ void run_smollm2(const Options& o, Report& rep) {
                                      static_cast<long long>(pos), o.doc_tokens, since(t0));
                       });
     doc_s += since(t0);
+    const std::vector<float> amax = full.kv_abs_max();
+    for (std::size_t i = 0; i < amax.size(); ++i) eval_amax[i] = std::max(eval_amax[i], amax[i]);
     for (std::size_t i = 0; i < pols.size(); ++i) {
       const fid::DocumentStats& st = pols[i]->stats();
-      DocCell& c = cells[i];
-      c.kl.insert(c.kl.end(), st.kl.begin(), st.kl.end());
-      c.recall.insert(c.recall.end(), st.recall.begin(), st.recall.end());
-      c.nll.insert(c.nll.end(), st.nll.begin(), st.nll.end());
-      c.nll_full.insert(c.nll_full.end(), st.nll_full.begin(), st.nll_full.end());
-      for (char t : st.top1) c.top1 += t != 0 ? 1 : 0;
-      c.counted += st.top1.size();
-      c.first_round += static_cast<double>(st.first_round_pos) / o.docs;
-      c.max_kept = std::max(c.max_kept, st.max_kept);
       TRIATTN_EXPECTS(st.max_kept <= pols[i]->budget(), pols[i]->name() + " kept more than its budget");
+      TRIATTN_EXPECTS(st.rounds == 0 || st.first_round_pos + 1 == count_from(arms[i].budget),
+                      pols[i]->name() + ": first round at position " + std::to_string(st.first_round_pos) +
+                          ", not where budget + divide tokens are cached");
+    }
+    for (std::size_t r = 0; r < rows.size(); ++r) {
+      const fid::DocumentStats& st = pols[rows[r].arm]->stats();
+      DocCell& c = cells[r];
+      const std::int64_t from = count_from(rows[r].budget);
+      for (std::size_t j = 0; j < st.pos.size(); ++j) {
+        if (st.pos[j] < from) continue;
+        c.kl.push_back(st.kl[j]);
+        c.recall.push_back(st.recall[j]);
+        c.nll.push_back(st.nll[j]);
+        c.nll_full.push_back(st.nll_full[j]);
+        c.top1 += st.top1[j] != 0 ? 1 : 0;
+        ++c.counted;
+      }
     }
   }
   const double doc_tokens_total = static_cast<double>(o.docs) * o.doc_tokens;
@@ -624,26 +728,55 @@ void run_smollm2(const Options& o, Report& rep) {
      << " s). Evaluation: " << o.docs << " excerpt(s) of Pride and Prejudice of " << o.doc_tokens
      << " tokens each, teacher-forced in chunks of " << o.doc_divide << " (= divide_length). Prompt setting: the whole "
      << "document competes for the budget (no pinned prompt); rounds whenever the cache reaches budget + "
-     << o.doc_divide << ". Metrics over every position after a cell's first round; ± is the standard error over "
+     << o.doc_divide << ". Metrics over every position after the budget's first round (every position when the "
+     << "document ends before it), the same positions for every row of a budget; ± is the standard error over "
      << "256-position blocks. Lock-step run " << fmt("%.0f", doc_s) << " s on " << o.threads << " thread(s).\n\n";
-  md << "| scorer | budget | KL full‖comp (nats) | top-1 = full | PPL comp / full | ΔPPL | attention recall | positions |\n";
-  md << "|---|---:|---:|---:|---:|---:|---:|---:|\n";
-  for (std::size_t bi = 0; bi < nb; ++bi)
-    for (std::size_t pi = 0; pi < o.doc_policies.size(); ++pi) {
-      const DocCell& c = cells[pi * nb + bi];
-      const std::vector<double> nll = finite(c.nll), nll_full = finite(c.nll_full);
-      const double ppl = std::exp(fid::mean(nll)), ppl_full = std::exp(fid::mean(nll_full));
-      const double top1 = c.counted ? static_cast<double>(c.top1) / static_cast<double>(c.counted) : 1.0;
-      md << "| " << o.doc_policies[pi] << " | " << o.doc_budgets[bi] << " | " << fmt("%.4f", fid::mean(c.kl)) << " ± "
-         << fmt("%.4f", blocked_se(c.kl, 256)) << " | " << fmt("%.3f", top1) << " | " << fmt("%.2f", ppl) << " / "
-         << fmt("%.2f", ppl_full) << " | " << fmt("%+.1f%%", 100.0 * (ppl / ppl_full - 1.0)) << " | "
-         << fmt("%.3f", fid::mean(c.recall)) << " ± " << fmt("%.3f", blocked_se(c.recall, 256)) << " | " << c.counted
-         << " |\n";
-      rep.doc_csv << "doc," << o.doc_policies[pi] << "," << o.doc_budgets[bi] << "," << fmt("%.6f", fid::mean(c.kl)) << ","
-                  << fmt("%.6f", blocked_se(c.kl, 256)) << "," << fmt("%.6f", top1) << "," << fmt("%.4f", ppl) << ","
-                  << fmt("%.4f", ppl_full) << "," << fmt("%.6f", fid::mean(c.recall)) << ","
-                  << fmt("%.6f", blocked_se(c.recall, 256)) << "," << c.counted << "," << o.doc_tokens << "\n";
+  if (multi_kv) {
+    md << "KV caches: the full-KV reference and the calibration in " << kv_label(ref_kv.dtype) << "; rows in";
+    for (std::size_t k = 0; k < kvs.size(); ++k) md << (k ? ", " : " ") << kv_label(kvs[k].dtype);
+    md << "; 'no eviction' rows keep every token in their dtype.";
+    for (const fid::KvFormat& kv : kvs) {
+      if (kv.dtype != triattn::DType::kFP8E4M3) continue;
+      if (kv.scales.empty()) {
+        md << " fp8 e4m3 scales: 1 for every layer.";
+        continue;
+      }
+      float kmin = 1e30f, kmax = 0, vmin = 1e30f, vmax = 0, over = 0;
+      for (int l = 0; l < mc.n_layers; ++l) {
+        const std::size_t ik = static_cast<std::size_t>(l) * 2, iv = ik + 1;
+        kmin = std::min(kmin, kv.scales[ik]);
+        kmax = std::max(kmax, kv.scales[ik]);
+        vmin = std::min(vmin, kv.scales[iv]);
+        vmax = std::max(vmax, kv.scales[iv]);
+        over = std::max({over, eval_amax[ik] / (448.0f * kv.scales[ik]), eval_amax[iv] / (448.0f * kv.scales[iv])});
+      }
+      md << " fp8 e4m3 scales per layer = calibration max |K|, |V| × " << o.fp8_headroom << " / 448: K " << fmt("%.4g", kmin) << " … "
+         << fmt("%.4g", kmax) << ", V " << fmt("%.4g", vmin) << " … " << fmt("%.4g", vmax)
+         << "; the evaluation text's largest |K|, |V| (reference cache) reach at most " << fmt("%.3f", over)
+         << " of a layer's fp8 range (above 1: values saturated).";
     }
+    md << "\n\n";
+  }
+  md << (multi_kv ? "| scorer | KV | budget |" : "| scorer | budget |")
+     << " KL full‖comp (nats) | top-1 = full | PPL comp / full | ΔPPL | attention recall | positions |\n";
+  md << (multi_kv ? "|---|---|---:|" : "|---|---:|") << "---:|---:|---:|---:|---:|---:|\n";
+  for (std::size_t r = 0; r < rows.size(); ++r) {
+    const DocCell& c = cells[r];
+    const Arm& a = arms[rows[r].arm];
+    const std::vector<double> nll = finite(c.nll), nll_full = finite(c.nll_full);
+    const double ppl = std::exp(fid::mean(nll)), ppl_full = std::exp(fid::mean(nll_full));
+    const double top1 = c.counted ? static_cast<double>(c.top1) / static_cast<double>(c.counted) : 1.0;
+    const std::string kv = kv_label(kvs[a.kv].dtype);
+    md << "| " << a.policy << " | " << (multi_kv ? kv + " | " : "") << rows[r].budget << " | "
+       << fmt("%.4f", fid::mean(c.kl)) << " ± " << fmt("%.4f", blocked_se(c.kl, 256)) << " | " << fmt("%.3f", top1)
+       << " | " << fmt("%.2f", ppl) << " / " << fmt("%.2f", ppl_full) << " | "
+       << fmt("%+.1f%%", 100.0 * (ppl / ppl_full - 1.0)) << " | " << fmt("%.3f", fid::mean(c.recall)) << " ± "
+       << fmt("%.3f", blocked_se(c.recall, 256)) << " | " << c.counted << " |\n";
+    rep.doc_csv << "doc," << a.policy << "," << rows[r].budget << "," << fmt("%.6f", fid::mean(c.kl)) << ","
+                << fmt("%.6f", blocked_se(c.kl, 256)) << "," << fmt("%.6f", top1) << "," << fmt("%.4f", ppl) << ","
+                << fmt("%.4f", ppl_full) << "," << fmt("%.6f", fid::mean(c.recall)) << ","
+                << fmt("%.6f", blocked_se(c.recall, 256)) << "," << c.counted << "," << o.doc_tokens << "," << kv << "\n";
+  }
   md << "\n";
 
   // 3. Retrieval: a fact at depth 10 / 50 / 90 % of a document, asked about at the end.
@@ -672,7 +805,7 @@ void run_smollm2(const Options& o, Report& rep) {
       ctx.insert(ctx.end(), fact.begin(), fact.end());
       ctx.insert(ctx.end(), filler.begin() + at, filler.end());
       ctx.insert(ctx.end(), question.begin(), question.end());
-      fid::FullDocument<SmolModel> full(model, o.retrieval_tokens + answer_len);
+      fid::FullDocument<SmolModel> full(model, o.retrieval_tokens + answer_len, ref_kv);
       full.start();
       fid::FullChunk fc;
       const std::vector<int> ref = fid::answer_greedy(ctx, o.doc_divide, answer_len, [&](std::span<const int> t, std::int64_t p0) {
@@ -686,7 +819,8 @@ void run_smollm2(const Options& o, Report& rep) {
       std::vector<std::unique_ptr<fid::DocumentPolicy>> pols;
       for (const std::string& name : o.retrieval_policies)
         for (int b : o.retrieval_budgets)
-          pols.push_back(make_doc_policy(name, b, o.doc_divide, stats, *models[pols.size() % models.size()], o.random_seed));
+          pols.push_back(
+              make_doc_policy(name, b, o.doc_divide, stats, *models[pols.size() % models.size()], o.random_seed, ref_kv));
       std::vector<std::vector<int>> answers(pols.size());
       fid::parallel_for(static_cast<int>(pols.size()), o.threads, [&](int, int i) {
         fid::DocumentPolicy& p = *pols[static_cast<std::size_t>(i)];
@@ -721,13 +855,13 @@ void run_smollm2(const Options& o, Report& rep) {
         md << "| " << o.retrieval_policies[pi] << " | " << o.retrieval_budgets[bi] << " | " << c.equal << " | "
            << c.has_fact << " | " << answers << " |\n";
         rep.doc_csv << "retrieval," << o.retrieval_policies[pi] << "," << o.retrieval_budgets[bi] << "," << c.equal << ","
-                    << c.has_fact << ",,,,,,," << o.retrieval_tokens << "\n";
+                    << c.has_fact << ",,,,,,," << o.retrieval_tokens << "," << kv_label(ref_kv.dtype) << "\n";
       }
     md << "\n";
   }
   md << "SmolLM2 CPU path: " << fmt("%.1f", 1000.0 * doc_s / doc_tokens_total)
-     << " ms of wall time per document token for the whole lock-step run (full KV + " << o.doc_policies.size() * nb
-     << " compressed caches on " << o.threads << " thread(s)). Total " << fmt("%.0f", since(t_model)) << " s.\n\n";
+     << " ms of wall time per document token for the whole lock-step run (full KV + " << arms.size()
+     << " other caches on " << o.threads << " thread(s)). Total " << fmt("%.0f", since(t_model)) << " s.\n\n";
   std::fprintf(stderr, "[smollm2] done in %.1f s\n", since(t_model));
 }
 
@@ -738,7 +872,7 @@ int real_main(int argc, char** argv) {
   Report rep;
   rep.csv << "model,scorer,budget,recall,agreement,first_div_mean,first_div_median,censored,kl,tf_top1,prompts,gen,"
              "first_round_mean,recency_overlap,recall_se,kl_se,seconds\n";
-  rep.doc_csv << "task,scorer,budget,kl,kl_se,top1,ppl,ppl_full,recall,recall_se,positions,tokens\n";
+  rep.doc_csv << "task,scorer,budget,kl,kl_se,top1,ppl,ppl_full,recall,recall_se,positions,tokens,kv\n";
   for (const std::string& m : o.models) {
     if (m == "smollm2") {
       run_smollm2(o, rep);

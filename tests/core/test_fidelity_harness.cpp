@@ -5,8 +5,9 @@
 // model, that its runs measure what they claim: recall 1 and KL 0 when nothing is evicted, the
 // tracked positions of kept slots are the tokens really in the cache, and the post-RoPE queries
 // given to SnapKV are the ones attention uses. Long-document runs (document.hpp): chunked
-// teacher forcing equals token-by-token, rounds fall where single steps put them, and recall
-// ignores later rows of a chunk.
+// teacher forcing equals token-by-token, rounds fall where single steps put them, recall
+// ignores later rows of a chunk, and caches in bf16 / fp8 KV run against a bf16 reference (bf16
+// without eviction is exact, fp8 finite, rounds on the fp8 cache); fp8 scales from K/V maxima.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -426,6 +427,128 @@ TEST_CASE("retrieval answers: a cache that evicts nothing answers like the full 
   CHECK(other.size() == 6u);
   CHECK(tight.stats().rounds > 0);
   CHECK(tight.stats().max_kept == 8);
+}
+
+TEST_CASE("kv_abs_max reads dequantised K and V per layer and fp8 scales follow from it") {
+  const ex::ModelConfig mc = ex::synthetic_config("tiny");  // 2 layers, 2 KV heads, head_dim 16
+  const int kv_dim = mc.n_kv_heads * mc.head_dim;
+  std::vector<float> k(static_cast<std::size_t>(2 * kv_dim), 0.5f), v(k.size(), -0.25f);
+  k[static_cast<std::size_t>(kv_dim + 17)] = -3.0f;  // token 1, KV head 1, element 1
+  fid::PlainCache f32(fid::cache_config(mc, 1, 8));
+  const triattn::SeqId s = f32.add_sequence();
+  REQUIRE(f32.extend(s, 2).ok());
+  f32.write_values(s, 0, 0, k.data(), v.data(), 2);
+  std::vector<float> k1(k.size(), 0.125f), v1(k.size(), 2.0f);
+  f32.write_values(s, 1, 0, k1.data(), v1.data(), 2);
+  CHECK(fid::kv_abs_max(f32, s) == std::vector<float>{3.0f, 0.25f, 0.125f, 2.0f});
+
+  const std::vector<float> scales = fid::fp8_scales_from_amax(std::vector<float>{3.0f, 0.25f, 0.0f, 2.0f}, 2.0f);
+  CHECK(scales == std::vector<float>{6.0f / 448.0f, 0.5f / 448.0f, 1.0f, 4.0f / 448.0f});
+  CHECK(fid::fp8_scales_from_amax(std::vector<float>{448.0f})[0] == 1.0f);
+  CHECK_THROWS((void)fid::fp8_scales_from_amax(std::vector<float>{-1.0f}));
+  CHECK_THROWS((void)fid::fp8_scales_from_amax(std::vector<float>{std::nanf("")}));
+  CHECK_THROWS((void)fid::fp8_scales_from_amax(std::vector<float>{1.0f}, 0.5f));
+
+  // An fp8 cache stores codes: kv_abs_max applies each layer's scale (3 / s = 224 is a code).
+  fid::KvFormat fp8{triattn::DType::kFP8E4M3, {6.0f / 448.0f, 0.5f / 448.0f, 1.0f, 4.0f / 448.0f}};
+  fid::PlainCache q(fid::cache_config(mc, 1, 8, 16, fp8));
+  const triattn::SeqId t = q.add_sequence();
+  REQUIRE(q.extend(t, 2).ok());
+  q.write_values(t, 0, 0, k.data(), v.data(), 2);
+  q.write_values(t, 1, 0, k1.data(), v1.data(), 2);
+  const std::vector<float> m = fid::kv_abs_max(q, t);
+  CHECK(m[0] == doctest::Approx(3.0f).epsilon(1e-6));
+  CHECK(m[1] == doctest::Approx(0.25f).epsilon(1e-6));
+  CHECK(m[2] == 0.125f);
+  CHECK(m[3] == doctest::Approx(2.0f).epsilon(1e-6));
+}
+
+TEST_CASE("document runs in bf16 and fp8 KV: bf16 against a bf16 reference is exact and fp8 finite") {
+  const ex::ModelWeights w = ex::make_synthetic_weights(ex::synthetic_config("tiny"), 42);
+  ex::Model<ex::CpuBackend> model(w);
+  const ex::ModelConfig& mc = model.config();
+  const int n = 48, divide = 8, budget = 16;
+  std::vector<int> doc, calib;
+  for (int i = 0; i < n; ++i) doc.push_back(3 + (i * 37) % (mc.vocab_size - 3));
+  for (int i = 0; i < 32; ++i) calib.push_back(3 + (i * 53 + 7) % (mc.vocab_size - 3));
+  const fid::KvFormat bf16{triattn::DType::kBF16, {}};
+  // fp8 scales as the fidelity program chooses them: a bf16 calibration prefill's max |K|, |V|.
+  fid::PlainCache cal(fid::cache_config(mc, 1, 32, 16, bf16));
+  const triattn::SeqId cs = cal.add_sequence();
+  ex::Chunk ch{cs, calib, triattn::Phase::kPrefill};
+  (void)model.step(cal, std::span<const ex::Chunk>(&ch, 1), ex::LogitsFor::kNone);
+  const fid::KvFormat fp8{triattn::DType::kFP8E4M3, fid::fp8_scales_from_amax(fid::kv_abs_max(cal, cs), 2.0f)};
+  REQUIRE(fp8.scales.size() == static_cast<std::size_t>(2 * mc.n_layers));
+
+  using M = ex::Model<ex::CpuBackend>;
+  using C = fid::HostCache<triattn::KeyNormScorer>;
+  triattn::SelectionParams sel;
+  sel.budget = budget;
+  sel.divide_length = divide;
+  auto plain = [&](const fid::KvFormat& kv) -> std::unique_ptr<fid::DocumentPolicy> {
+    return std::make_unique<fid::DocumentPolicyImpl<M, fid::PlainCache>>(
+        model, "no eviction", 0, std::make_unique<fid::PlainCache>(fid::cache_config(mc, 1, n, 16, kv)), 0);
+  };
+  auto compressed = [&](const fid::KvFormat& kv, std::int64_t from) -> std::unique_ptr<fid::DocumentPolicy> {
+    return std::make_unique<fid::DocumentPolicyImpl<M, C>>(
+        model, "key_norm", budget, std::make_unique<C>(fid::cache_config(mc, 1, budget + divide, 16, kv), triattn::TopKSelector(sel)),
+        from);
+  };
+  std::vector<std::unique_ptr<fid::DocumentPolicy>> pols;
+  pols.push_back(plain(bf16));
+  pols.push_back(plain(fp8));
+  pols.push_back(compressed(bf16, budget + divide));
+  pols.push_back(compressed(fp8, budget + divide));
+  pols.push_back(compressed(bf16, 0));
+  fid::FullDocument<M> full(model, n, bf16);
+  fid::run_document(full, std::span<const std::unique_ptr<fid::DocumentPolicy>>(pols), 1, doc, divide, true);
+
+  // bf16 without eviction is the reference itself: every position, KL exactly 0.
+  const fid::DocumentStats& same = pols[0]->stats();
+  REQUIRE(same.pos.size() == static_cast<std::size_t>(n));
+  CHECK(same.rounds == 0);
+  for (std::size_t i = 0; i < same.pos.size(); ++i) {
+    CHECK(same.kl[i] == 0.0);
+    CHECK(same.top1[i] == 1);
+    CHECK(same.recall[i] == doctest::Approx(1.0).epsilon(1e-5));
+  }
+  // fp8 without eviction: every position, finite metrics, KL above 0 somewhere but small.
+  const fid::DocumentStats& q = pols[1]->stats();
+  REQUIRE(q.pos.size() == static_cast<std::size_t>(n));
+  bool differs = false;
+  for (std::size_t i = 0; i < q.pos.size(); ++i) {
+    CHECK(std::isfinite(q.kl[i]));
+    CHECK(q.kl[i] < 0.05);
+    CHECK(q.recall[i] == doctest::Approx(1.0).epsilon(1e-5));
+    CHECK((i + 1 == q.pos.size() || std::isfinite(q.nll[i])));
+    differs = differs || q.kl[i] > 0.0;
+  }
+  CHECK(differs);
+  // Compressed in either dtype: rounds from budget + divide on, counted from there, finite;
+  // the fp8 scorer's rounds ran on the fp8 cache (compress_round dispatches on its dtype).
+  for (int p : {2, 3}) {
+    const fid::DocumentStats& c = pols[static_cast<std::size_t>(p)]->stats();
+    CHECK(c.rounds == (n - budget) / divide);
+    CHECK(c.first_round_pos == budget + divide - 1);
+    REQUIRE(c.pos.size() == static_cast<std::size_t>(n - budget - divide));
+    CHECK(c.pos.front() == budget + divide);
+    CHECK(c.max_kept == budget);
+    for (double x : c.kl) CHECK(std::isfinite(x));
+    for (double x : c.recall) CHECK((x > 0.0 && x <= 1.0 + 1e-6));
+  }
+  CHECK(pols[2]->stats().kl != pols[3]->stats().kl);
+  // Counted from 0, a bf16 cache equals the reference exactly until its first round.
+  const fid::DocumentStats& early = pols[4]->stats();
+  REQUIRE(early.pos.size() == static_cast<std::size_t>(n));
+  bool after = false;
+  for (std::size_t i = 0; i < early.pos.size(); ++i) {
+    if (early.pos[i] < budget + divide) CHECK(early.kl[i] == 0.0);
+    else after = after || early.kl[i] > 0.0;
+  }
+  CHECK(after);
+  CHECK(early.kl[static_cast<std::size_t>(budget + divide)] == pols[2]->stats().kl.front());
+  // The reference's own K/V maxima (the saturation check of the fidelity program).
+  for (float x : full.kv_abs_max()) CHECK((std::isfinite(x) && x > 0.0f));
 }
 
 }  // TEST_SUITE
