@@ -38,13 +38,19 @@ constexpr int kQHeads = 32, kKvHeads = 8, kHeadDim = 128;
 constexpr double kReadRoofline = 4.49e12;  // bytes/s, pure read
 constexpr double kCopyRoofline = 4.25e12;  // bytes/s, read + write
 
+/// The fills' bits of (index, seed).
+__device__ __forceinline__ std::uint32_t fill_hash(std::size_t i, std::uint32_t seed) {
+  std::uint32_t x = static_cast<std::uint32_t>(i) * 2654435761u ^ seed;
+  x ^= x >> 15;
+  x *= 2246822519u;
+  x ^= x >> 13;
+  return x;
+}
+
 __global__ void fill_random(std::uint16_t* p, std::size_t n, std::uint32_t seed) {
   for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    std::uint32_t x = static_cast<std::uint32_t>(i) * 2654435761u ^ seed;
-    x ^= x >> 15;
-    x *= 2246822519u;
-    x ^= x >> 13;
+    const std::uint32_t x = fill_hash(i, seed);
     p[i] = static_cast<std::uint16_t>((x & 0x8000u) | ((126u + ((x >> 8) & 1u)) << 7) | (x & 0x7Fu));
   }
 }
@@ -53,10 +59,7 @@ __global__ void fill_random(std::uint16_t* p, std::size_t n, std::uint32_t seed)
 __global__ void fill_random_f32(float* p, std::size_t n, std::uint32_t seed) {
   for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    std::uint32_t x = static_cast<std::uint32_t>(i) * 2654435761u ^ seed;
-    x ^= x >> 15;
-    x *= 2246822519u;
-    x ^= x >> 13;
+    const std::uint32_t x = fill_hash(i, seed);
     p[i] = ((x & 0x8000u) ? -1.0f : 1.0f) * (0.5f + 1.5f * static_cast<float>(x & 0x7FFu) / 2048.0f);
   }
 }
@@ -65,10 +68,7 @@ __global__ void fill_random_f32(float* p, std::size_t n, std::uint32_t seed) {
 __global__ void fill_random_fp8(std::uint8_t* p, std::size_t n, std::uint32_t seed) {
   for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    std::uint32_t x = static_cast<std::uint32_t>(i) * 2654435761u ^ seed;
-    x ^= x >> 15;
-    x *= 2246822519u;
-    x ^= x >> 13;
+    const std::uint32_t x = fill_hash(i, seed);
     p[i] = static_cast<std::uint8_t>((x & 0x80u) | ((6u + ((x >> 8) & 1u)) << 3) | (x & 0x7u));  // exponent 6/7: 2^-1, 2^0
   }
 }

@@ -56,16 +56,20 @@ __global__ void fill_random_bf16(std::uint16_t* p, std::size_t n, std::uint32_t 
   }
 }
 
+/// Roughly N(0, 1.5) from one Box-Muller draw on the hash of (index, seed).
+__device__ __forceinline__ float gaussian_at(std::size_t i, std::uint32_t seed) {
+  const std::uint32_t x = hash_index(i, seed);
+  const float u = (static_cast<float>(x & 0xffffu) + 0.5f) / 65536.0f;
+  const float v = (static_cast<float>(x >> 16) + 0.5f) / 65536.0f;
+  return sqrtf(-2.0f * logf(u)) * cospif(2.0f * v) * 1.5f;
+}
+
 /// bf16 values roughly N(0, 1.5) (Box-Muller on a hash of (index, seed)): key-like data.
 /// @param p [n] bf16 bit patterns
 __global__ void fill_gaussian_bf16(std::uint16_t* p, std::size_t n, std::uint32_t seed) {
   for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    const std::uint32_t x = hash_index(i, seed);
-    const float u = (static_cast<float>(x & 0xffffu) + 0.5f) / 65536.0f;
-    const float v = (static_cast<float>(x >> 16) + 0.5f) / 65536.0f;
-    const float g = sqrtf(-2.0f * logf(u)) * cospif(2.0f * v) * 1.5f;
-    p[i] = static_cast<std::uint16_t>(__float_as_uint(g) >> 16);
+    p[i] = static_cast<std::uint16_t>(__float_as_uint(gaussian_at(i, seed)) >> 16);
   }
 }
 
@@ -74,11 +78,7 @@ __global__ void fill_gaussian_bf16(std::uint16_t* p, std::size_t n, std::uint32_
 __global__ void fill_gaussian_fp8(std::uint8_t* p, std::size_t n, std::uint32_t seed, float scale) {
   for (std::size_t i = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
-    const std::uint32_t x = hash_index(i, seed);
-    const float u = (static_cast<float>(x & 0xffffu) + 0.5f) / 65536.0f;
-    const float v = (static_cast<float>(x >> 16) + 0.5f) / 65536.0f;
-    const float g = sqrtf(-2.0f * logf(u)) * cospif(2.0f * v) * 1.5f;
-    p[i] = static_cast<std::uint8_t>(__nv_cvt_float_to_fp8(g / scale, __NV_SATFINITE, __NV_E4M3));
+    p[i] = static_cast<std::uint8_t>(__nv_cvt_float_to_fp8(gaussian_at(i, seed) / scale, __NV_SATFINITE, __NV_E4M3));
   }
 }
 
