@@ -22,7 +22,7 @@
 # Request counts (estimates from decode steps of ~6 ms at batch 1, ~16 ms at 64, ~23 ms at 128
 # with 2K-token KV, prefill 5-10K tok/s): table 1 about 2.5 min, table 2 about 1.3 min, table 3
 # about 2.5 min, plus ~20 s of start-up (weights, CUDA graphs) per table: about 7-8 minutes on
-# one H100; measured on one H100 at eef7f76: table 1 took 269 s. Env: TABLES (which tables, default
+# one H100; measured on one H100 at b720504: table 1 took 269 s. Env: TABLES (which tables, default
 # "reasoning shared poisson": one per device call keeps each under a 10-minute limit),
 # REQ_REASONING (160), REQ_SHARED (192), REQ_SWEEP (48), RATES (3,6,12), BUILD (build-gpu),
 # EXTRA_CMAKE_ARGS, DEPS (as benchmarks/run_gpu.sh). ITL_ABLATION=1 adds a further table (about 4
