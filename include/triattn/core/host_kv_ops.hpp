@@ -32,20 +32,9 @@ void compact(const KvCacheView<T, Id>& view, int seq, const KeepPlan& plan) {
       }
 }
 
-/// Copies block `src` into block `dst` in every (layer, K|V) range (copy-on-write of a shared
-/// block). Whole blocks: slots past a sequence's length are copied too and never read.
-template <class T, class Id>
-void copy_block(const KvCacheView<T, Id>& view, Id src, Id dst) {
-  const std::int64_t n = view.block.block_elems();
-  for (int l = 0; l < view.num_layers; ++l)
-    for (int kind = 0; kind < 2; ++kind) {
-      T* r = view.range(l, static_cast<KvKind>(kind));
-      std::memcpy(r + dst * n, r + src * n, sizeof(T) * static_cast<std::size_t>(n));
-    }
-}
-
 /// Copies the `count` adjacent blocks from `src` to those from `dst` in every (layer, K|V) range
-/// (KvCache::relocate_blocks). The two runs must not overlap.
+/// (KvCache::relocate_blocks). The two runs must not overlap. Whole blocks: slots past a
+/// sequence's length are copied too and never read.
 template <class T, class Id>
 void copy_blocks(const KvCacheView<T, Id>& view, Id src, Id dst, Id count) {
   const std::int64_t n = view.block.block_elems();
@@ -54,6 +43,13 @@ void copy_blocks(const KvCacheView<T, Id>& view, Id src, Id dst, Id count) {
       T* r = view.range(l, static_cast<KvKind>(kind));
       std::memcpy(r + dst * n, r + src * n, sizeof(T) * static_cast<std::size_t>(n) * static_cast<std::size_t>(count));
     }
+}
+
+/// Copies block `src` into block `dst` in every (layer, K|V) range (copy-on-write of a shared
+/// block).
+template <class T, class Id>
+void copy_block(const KvCacheView<T, Id>& view, Id src, Id dst) {
+  copy_blocks(view, src, dst, Id{1});
 }
 
 /// CPU reference of append: writes n tokens' K and V for one layer at slots [first_slot,

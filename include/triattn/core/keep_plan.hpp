@@ -103,4 +103,16 @@ struct KeepPlan {
   }
 };
 
+/// Checks a compactor's block copy (KvCache::relocate_blocks): the runs [src, src + count) and
+/// [dst, dst + count) lie in a pool of `num_blocks` and do not overlap. @throws logic_error naming
+/// `who` and the runs.
+inline void check_block_runs(std::int64_t src, std::int64_t dst, std::int64_t count, std::int64_t num_blocks,
+                             const char* who) {
+  TRIATTN_EXPECTS(count > 0 && src >= 0 && dst >= 0 && src + count <= num_blocks && dst + count <= num_blocks &&
+                      (src + count <= dst || dst + count <= src),
+                  std::string(who) + ": runs [" + std::to_string(src) + ", +" + std::to_string(count) + ") -> [" +
+                      std::to_string(dst) + ", +" + std::to_string(count) + ") overlap or leave the pool of " +
+                      std::to_string(num_blocks) + " blocks");
+}
+
 }  // namespace triattn

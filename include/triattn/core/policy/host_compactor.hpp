@@ -2,10 +2,7 @@
 // Compactor policy of the CPU path: applies a KeepPlan to host memory through host::compact.
 #pragma once
 
-#include <string>
-
 #include <triattn/core/concepts.hpp>
-#include <triattn/core/error.hpp>
 #include <triattn/core/keep_plan.hpp>
 #include <triattn/core/kv_view.hpp>
 #include <triattn/core/host_kv_ops.hpp>
@@ -31,11 +28,7 @@ struct HostCompactor {
   /// @throws logic_error when the runs overlap or leave the pool.
   template <class T, class Id>
   void copy_blocks(const KvCacheView<T, Id>& view, Id src, Id dst, Id count) const {
-    TRIATTN_EXPECTS(count > 0 && src >= 0 && dst >= 0 && src + count <= view.num_blocks && dst + count <= view.num_blocks &&
-                        (src + count <= dst || dst + count <= src),
-                    "HostCompactor::copy_blocks: runs [" + std::to_string(src) + ", +" + std::to_string(count) + ") -> [" +
-                        std::to_string(dst) + ", +" + std::to_string(count) + ") overlap or leave the pool of " +
-                        std::to_string(view.num_blocks) + " blocks");
+    check_block_runs(src, dst, count, view.num_blocks, "HostCompactor::copy_blocks");
     host::copy_blocks(view, src, dst, count);
   }
 };

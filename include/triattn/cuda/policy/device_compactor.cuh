@@ -110,11 +110,7 @@ class DeviceCompactor {
   /// relocate_blocks). @throws logic_error on a bad run, cuda_error when the copy fails.
   template <class T, class Id>
   void copy_blocks(const KvCacheView<T, Id>& view, Id src, Id dst, Id n) {
-    TRIATTN_EXPECTS(n > 0 && src >= 0 && dst >= 0 && src + n <= view.num_blocks && dst + n <= view.num_blocks &&
-                        (src + n <= dst || dst + n <= src),
-                    "DeviceCompactor::copy_blocks: runs [" + std::to_string(src) + ", +" + std::to_string(n) + ") -> [" +
-                        std::to_string(dst) + ", +" + std::to_string(n) + ") overlap or leave the pool of " +
-                        std::to_string(view.num_blocks) + " blocks");
+    check_block_runs(src, dst, n, view.num_blocks, "DeviceCompactor::copy_blocks");
     const std::size_t bytes = sizeof(T) * static_cast<std::size_t>(view.block.block_elems()) * static_cast<std::size_t>(n);
     // KvCache's own layout: every (layer, K|V) range kind_stride apart, so one 2D copy does all.
     TRIATTN_EXPECTS(view.ranges == nullptr && view.layer_stride == 2 * view.kind_stride,
