@@ -35,6 +35,8 @@
 #include <utility>
 #include <vector>
 
+#include <nvtx3/nvToolsExt.h>  // header-only: a no-op unless a profiler (ncu --nvtx) is attached
+
 #include <triattn/core/dtype.hpp>
 #include <triattn/core/error.hpp>
 #include <triattn/core/kv_cache.hpp>
@@ -648,15 +650,23 @@ class StepRecorder {
       return;
     }
     // A decode step (one token per chunk): its launches repeat step after step.
-    bool graphable = opt.graphs && why == FlushReason::kLayersDone && step_open && !mid_flush &&
-                     ops.front().kind == cuda_detail::OpKind::kEmbed;
+    bool decode_step = why == FlushReason::kLayersDone && step_open && ops.front().kind == cuda_detail::OpKind::kEmbed;
     bool any_write = false;
     for (const cuda_detail::Op& o : ops)
       if (o.kind == cuda_detail::OpKind::kWriteKv) {
         any_write = true;
-        graphable = graphable && o.n == 1;
+        decode_step = decode_step && o.n == 1;
       }
-    graphable = graphable && any_write;
+    decode_step = decode_step && any_write;
+    bool graphable = opt.graphs && decode_step && !mid_flush;
+    // Names a decode step's launches for a profiler: ncu --nvtx --nvtx-include "decode_step/".
+    struct NvtxRange {
+      bool on;
+      explicit NvtxRange(bool b) : on(b) { if (on) nvtxRangePushA("decode_step"); }
+      ~NvtxRange() { if (on) nvtxRangePop(); }
+      NvtxRange(const NvtxRange&) = delete;
+      NvtxRange& operator=(const NvtxRange&) = delete;
+    } nvtx_range(decode_step);
     if (why == FlushReason::kLayersDone) step_open = false;
     else if (step_open) mid_flush = true;
 

@@ -11,9 +11,10 @@ target_link_libraries(triattn_example_model INTERFACE triattn::core)
 
 if(TRIATTN_ENABLE_CUDA)
   # The CUDA backend (cuda_backend.cuh, cuda_device_model.cuh, ...): also header-only; its link
-  # needs triattn::cuda and cuBLAS for the matmuls of many rows (gemm_cublas.cuh; runtime only,
-  # no libcuda). Every target that includes cuda_backend.cuh links this.
+  # needs triattn::cuda, cuBLAS for the matmuls of many rows (gemm_cublas.cuh; runtime only, no
+  # libcuda) and the NVTX headers (decode steps named for a profiler). Every target that includes
+  # cuda_backend.cuh links this.
   add_library(triattn_example_cuda INTERFACE)
   target_link_libraries(triattn_example_cuda INTERFACE triattn_example_model triattn::cuda
-                        CUDA::cublas CUDA::cublasLt)
+                        CUDA::cublas CUDA::cublasLt CUDA::nvtx3)
 endif()
