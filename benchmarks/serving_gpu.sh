@@ -29,7 +29,8 @@
 # more minutes; TABLES="" ITL_ABLATION=1 runs it alone): the reasoning workload, offline,
 # TriAttention only, with the rounds on their own stream or on the model's and the KV pages mapped
 # ahead or in the step's extend: what the decode ITL p99 owes to each (every JSON carries the
-# per-step attribution).
+# per-step attribution); TABLES=itl runs only its first row (the defaults: rounds beside the
+# steps, pages mapped ahead), the decode ITL of TriAttention alone in about 50 s.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -78,9 +79,11 @@ for t in $TABLES; do
                      --configs full,tri,full+prefix,tri+prefix --json "$OUT/serving_reasoning_offline.json" ;;
     shared) stage "shared prompt offline" --workload shared --requests "$REQ_SHARED" --rates 0 \
                   --configs full,tri,full+prefix,tri+prefix --json "$OUT/serving_shared_offline.json" ;;
+    itl) stage "itl rounds side pages ahead" --workload reasoning --requests "$REQ_REASONING" --rates 0 --configs tri \
+               --json "$OUT/serving_itl_side_ahead.json" ;;
     poisson) stage "reasoning poisson" --workload reasoning --requests "$REQ_SWEEP" --rates "$RATES" \
                    --configs full,tri --json "$OUT/serving_reasoning_poisson.json" ;;
-    *) echo "TABLES: unknown table '$t' (reasoning, shared, poisson)" >&2; exit 2 ;;
+    *) echo "TABLES: unknown table '$t' (reasoning, shared, poisson, itl)" >&2; exit 2 ;;
   esac
 done
 
