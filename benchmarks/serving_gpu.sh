@@ -2,7 +2,9 @@
 # The GPU tables of issue #44 (a serving loop under load), through examples/serving on one GPU:
 #   1. reasoning workload, offline, all four configurations (full, tri, full+prefix, tri+prefix)
 #      at one KV memory limit;
-#   2. shared-system-prompt workload, offline, all four configurations;
+#   2. shared-system-prompt workload, offline, all four configurations; the prompt (4,096 shared
+#      + 256 own tokens, longer than the budget) pinned on top of the budget: TriAttention keeps
+#      2,048 generated tokens beside it (pinned inside the budget it would keep nothing else);
 #   3. a Poisson-rate sweep of the reasoning workload, full KV and TriAttention (the prefix
 #      configurations find nothing to share in its random prompts).
 # Model: the Qwen3-8B-shape synthetic model, bf16 weights generated on the device, bf16 KV.
@@ -78,7 +80,8 @@ for t in $TABLES; do
     reasoning) stage "reasoning offline" --workload reasoning --requests "$REQ_REASONING" --rates 0 \
                      --configs full,tri,full+prefix,tri+prefix --json "$OUT/serving_reasoning_offline.json" ;;
     shared) stage "shared prompt offline" --workload shared --requests "$REQ_SHARED" --rates 0 \
-                  --configs full,tri,full+prefix,tri+prefix --json "$OUT/serving_shared_offline.json" ;;
+                  --configs full,tri,full+prefix,tri+prefix --prompt-mode pinned_on_top \
+                  --json "$OUT/serving_shared_offline.json" ;;
     itl) stage "itl rounds side pages ahead" --workload reasoning --requests "$REQ_REASONING" --rates 0 --configs tri \
                --json "$OUT/serving_itl_side_ahead.json" ;;
     poisson) stage "reasoning poisson" --workload reasoning --requests "$REQ_SWEEP" --rates "$RATES" \

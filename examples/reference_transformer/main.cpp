@@ -238,13 +238,7 @@ Options parse_args(int argc, char** argv) {
     else if (a == "--prompt") o.prompts.push_back(need(i));
     else if (a == "--prompt-file") o.prompts.push_back(read_text_file(need(i)));
     else if (a == "--no-chat") o.chat = false;
-    else if (a == "--prompt-mode") {
-      const std::string v = need(i);
-      if (v == "pinned_in_budget") o.prompt_mode = triattn::PromptMode::kPinnedInBudget;
-      else if (v == "pinned_on_top") o.prompt_mode = triattn::PromptMode::kPinnedOnTop;
-      else if (v == "compete") o.prompt_mode = triattn::PromptMode::kCompete;
-      else throw std::runtime_error("--prompt-mode: '" + v + "' is not pinned_in_budget, pinned_on_top or compete");
-    }
+    else if (a == "--prompt-mode") o.prompt_mode = triattn::prompt_mode_from_string(need(i), "--prompt-mode");
     else if (a == "--steps") o.steps = to_int(a, need(i), 0, kIntMax);
     else if (a == "--temperature") o.temperature = to_float(a, need(i));
     else if (a == "--top-p") o.top_p = to_float(a, need(i));

@@ -70,6 +70,7 @@ struct Options {
   int step_log = 20000;                             // steps in each run's JSON step log (0: none)
   triattn::DType kv_dtype = triattn::DType::kF32;
   int block_size = 16, max_seqs = 256, prefill_chunk = 2048, budget = 2048, divide_length = 128;
+  triattn::PromptMode prompt_mode = triattn::PromptMode::kPinnedInBudget;
   sv::WorkloadSpec workload;
   std::vector<double> rates{0.0};
   std::vector<std::string> configs{"full"};
@@ -119,6 +120,9 @@ void usage() {
       "  --block-size N          tokens per KV block (default 16)\n"
       "  --budget B              TriAttention budget (default 2048)\n"
       "  --divide-length D       compress when a sequence reaches B + D (default 128)\n"
+      "  --prompt-mode M         pinned_in_budget (default) | pinned_on_top | compete: prompt tokens\n"
+      "                          kept inside the budget, kept on top of it, or scored like the rest\n"
+      "                          (pinned_on_top for prompts longer than B, e.g. a shared system prompt)\n"
       "  --stats PATH            TriAttention statistics (.pt / .safetensors); default: random ones\n"
       "                          (the rounds' cost does not depend on their values)\n"
       "  --temperature T, --top-p P   sampling (default greedy)\n"
@@ -247,6 +251,7 @@ Options parse_args(int argc, char** argv) {
     else if (a == "--block-size") o.block_size = to_int(a, need(i), 1, 1 << 16);
     else if (a == "--budget") o.budget = to_int(a, need(i), 1, kMax);
     else if (a == "--divide-length") o.divide_length = to_int(a, need(i), 1, kMax);
+    else if (a == "--prompt-mode") o.prompt_mode = triattn::prompt_mode_from_string(need(i), "--prompt-mode");
     else if (a == "--stats") o.stats_path = need(i);
     else if (a == "--temperature") o.temperature = static_cast<float>(to_double(a, need(i)));
     else if (a == "--top-p") o.top_p = static_cast<float>(to_double(a, need(i)));
@@ -303,6 +308,7 @@ triattn::SelectionParams selection(const Options& o) {
   triattn::SelectionParams sel;
   sel.budget = o.budget;
   sel.divide_length = o.divide_length;
+  sel.prompt = o.prompt_mode;
   return sel;
 }
 
@@ -348,6 +354,7 @@ struct JsonSink {
                      std::to_string(static_cast<std::int64_t>(cfg.num_blocks) * cfg.block_bytes_all_ranges()) +
                      ", \"kv_dtype\": \"" + triattn::dtype_name(cfg.dtype) + "\", \"block_size\": " + std::to_string(cfg.block_size) +
                      ", \"budget\": " + std::to_string(o.budget) + ", \"divide_length\": " + std::to_string(o.divide_length) +
+                     ", \"prompt_mode\": \"" + triattn::to_string(o.prompt_mode) + "\"" +
                      ", \"prefill_chunk\": " + std::to_string(o.prefill_chunk) +
                      ", \"round_stream\": \"" + (o.rounds_on_engine ? "engine" : "side") + "\", \"map_ahead\": " +
                      (o.map_ahead ? "true" : "false") + ", \"trim_every\": " + std::to_string(o.trim_every) +

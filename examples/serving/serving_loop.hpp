@@ -5,7 +5,8 @@
 // requests already running, decode one token per step, are compressed by TriAttention rounds when
 // their trigger fires, and leave when done. Per step:
 //   1. commit finished compression rounds (Rounds::poll) and launch rounds for the sequences whose
-//      trigger fired; a sequence whose round is in flight (or still waiting for one) sits out;
+//      trigger fired and that decoded since their last round (one round per length, as alone); a
+//      sequence whose round is in flight (or still waiting for one) sits out;
 //   2. admit arrived requests, front of the queue first (exact worst case or optimistic);
 //   3. compose the step: one decode token per running request, then prompt chunks of the
 //      requests still prefilling, at most `prefill_chunk` prompt tokens in all;
@@ -239,6 +240,11 @@ LoopResult serve(ModelT& model, Cache& cache, Rounds& rounds, std::span<const Re
     std::size_t next = 0;  // prompt tokens cached so far
     int last = 0;          // last sampled token (the next decode input)
     int worst_blocks = 0;
+    // A round ran (or runs) at the sequence's current length: not due again until a decode step
+    // extends it. A round may leave a sequence at its trigger (a pinned prompt of budget +
+    // divide_length tokens or more keeps every prompt token): alone it gets one round per decode
+    // step, never two at one length, and relaunching it after its commit would hold it forever.
+    bool rounded = false;
     std::size_t emitted = 0;  // tokens emitted before a preemption (their times stand)
     ex::Sampler sampler;
   };
@@ -310,6 +316,7 @@ LoopResult serve(ModelT& model, Cache& cache, Rounds& rounds, std::span<const Re
     s.emitted = std::max(s.emitted, out.requests[i].generated.size());
     s.phase = Phase::kWaiting;
     s.next = 0;
+    s.rounded = false;
     s.sampler = ex::Sampler(opt.temperature, opt.top_p, opt.seed + i);  // recompute draws the same tokens
     out.requests[i].generated.clear();
     out.requests[i].rounds = 0;
@@ -402,11 +409,19 @@ LoopResult serve(ModelT& model, Cache& cache, Rounds& rounds, std::span<const Re
     commit(rounds.wait());
     acc.round_wait_s += now() - t;
   };
+  // Whether request i's round is due: it decodes, its trigger fired, and no round ran at its
+  // current length (State::rounded).
+  auto due_round = [&](std::size_t i) {
+    if constexpr (kCompresses<Cache>)
+      return st[i].phase == Phase::kDecode && !st[i].rounded && cache.needs_compression(st[i].seq);
+    else
+      return false;
+  };
   // Whether request i sits this step out: its round is in flight, or due while another round
   // runs (it waits for its own at this length, as it would alone).
   auto held = [&](std::size_t i) {
     if constexpr (kCompresses<Cache>)
-      return rounds.in_flight(st[i].seq) || (rounds.busy() && cache.needs_compression(st[i].seq));
+      return rounds.in_flight(st[i].seq) || (rounds.busy() && due_round(i));
     else
       return false;
   };
@@ -475,7 +490,10 @@ LoopResult serve(ModelT& model, Cache& cache, Rounds& rounds, std::span<const Re
       if (!rounds.busy()) {
         due.clear();
         for (std::size_t i : running)
-          if (st[i].phase == Phase::kDecode && cache.needs_compression(st[i].seq)) due.push_back(st[i].seq);
+          if (due_round(i)) {
+            due.push_back(st[i].seq);
+            st[i].rounded = true;
+          }
         if (!due.empty()) rounds.launch(std::span<const SeqId>(due));
         acc.round_launched += static_cast<int>(due.size());
         commit(rounds.poll());
@@ -568,6 +586,7 @@ LoopResult serve(ModelT& model, Cache& cache, Rounds& rounds, std::span<const Re
       const std::size_t i = owner[c];
       State& s = st[i];
       RequestResult& rr = out.requests[i];
+      if (chunks[c].phase == triattn::Phase::kDecode) s.rounded = false;  // a new length: due again when it fires
       if (s.phase == Phase::kPrefill) {
         s.next += chunks[c].tokens.size();
         // Each chunk's full blocks enter the prefix cache at once: requests admitted while this

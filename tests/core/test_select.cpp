@@ -377,3 +377,17 @@ TEST_CASE("bad inputs are rejected") {
   CHECK_THROWS_AS((void)ref::select_keep(s.data(), 1, 1, 1, -1, 0, sp), logic_error);
 }
 }
+
+TEST_CASE("prompt_mode_from_string inverts to_string and names a bad value") {
+  using triattn::PromptMode;
+  for (PromptMode m : {PromptMode::kPinnedInBudget, PromptMode::kPinnedOnTop, PromptMode::kCompete})
+    CHECK(triattn::prompt_mode_from_string(triattn::to_string(m)) == m);
+  try {
+    (void)triattn::prompt_mode_from_string("pinned", "--prompt-mode");
+    FAIL("a bad prompt mode was accepted");
+  } catch (const triattn::logic_error& e) {
+    const std::string what = e.what();
+    CHECK(what.find("--prompt-mode") != std::string::npos);
+    CHECK(what.find("'pinned'") != std::string::npos);
+  }
+}

@@ -9,7 +9,10 @@
 // ctest: TIMEOUT 300
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -37,6 +40,49 @@ namespace {
 using Alloc = triattn::PrefixCachingAllocator<triattn::StaticAllocator<triattn::HostBackend>>;
 using Plain = triattn::KvCache<Alloc, triattn::HostCompactor>;
 using Tri = triattn::KvCache<Alloc, triattn::HostCompactor, triattn::TriAttentionScorer, triattn::TopKSelector>;
+
+/// DeviceRounds' schedule on the host (the loop's scheduling, not its arithmetic): launch() only
+/// records the sequences (in flight, busy); the round runs (KvCache::compress_if_needed) when
+/// poll() sees it a second time, after the step the loop ran beside it, or at wait(). `steps`
+/// counts the loop's steps (LoopHooks::after_step): rounds are due after a step, so a launch with
+/// no step since the previous launch means the loop relaunches the same sequences at the same
+/// lengths, forever (it throws instead of hanging).
+template <class Cache>
+class DeferredRounds {
+ public:
+  DeferredRounds(Cache& cache, const std::int64_t& steps) : cache_(&cache), steps_(&steps) {}
+  [[nodiscard]] std::vector<triattn::CompressionReport> poll() {
+    if (seqs_.empty() || ++polls_ < 2) return {};
+    return run();
+  }
+  [[nodiscard]] bool busy() const noexcept { return !seqs_.empty(); }
+  [[nodiscard]] bool in_flight(triattn::SeqId s) const noexcept {
+    return std::find(seqs_.begin(), seqs_.end(), s) != seqs_.end();
+  }
+  void launch(std::span<const triattn::SeqId> seqs) {
+    if (seqs.empty()) return;
+    if (!seqs_.empty()) throw triattn::logic_error("DeferredRounds: a round launched while one is in flight");
+    if (launched_at_ == *steps_)
+      throw triattn::logic_error("DeferredRounds: a round launched at step " + std::to_string(*steps_) +
+                                 " again, no step since: the loop relaunches rounds without making progress");
+    launched_at_ = *steps_;
+    seqs_.assign(seqs.begin(), seqs.end());
+    polls_ = 0;
+  }
+  std::vector<triattn::CompressionReport> wait() { return seqs_.empty() ? std::vector<triattn::CompressionReport>{} : run(); }
+
+ private:
+  std::vector<triattn::CompressionReport> run() {
+    std::vector<triattn::CompressionReport> r = cache_->compress_if_needed(std::span<const triattn::SeqId>(seqs_));
+    seqs_.clear();
+    return r;
+  }
+  Cache* cache_;
+  const std::int64_t* steps_;
+  std::int64_t launched_at_ = -1;
+  std::vector<triattn::SeqId> seqs_;
+  int polls_ = 0;
+};
 }  // namespace
 
 TEST_CASE("serving loop on the CPU: without compression every request generates what it generates alone") {
@@ -64,6 +110,58 @@ TEST_CASE("serving loop on the CPU: with TriAttention rounds every request gener
       [](Tri& c) { return std::make_unique<sv::HostRounds<Tri>>(c); },
       [](Tri& c) { return ex::CompressFn([&c](std::span<const triattn::SeqId> live) { return c.compress_if_needed(live); }); },
       /*compressed=*/true);
+}
+
+// The GPU run of benchmarks/serving_gpu.sh's shared-prompt table hung in `tri`: prompts (544
+// tokens) longer than budget + divide_length (272), pinned in the budget, so a round leaves every
+// sequence at its trigger; with rounds in flight across steps the loop relaunched them after each
+// commit without a step between (all sequences sat out, no progress). Each sequence must get one
+// round per decode step, as alone.
+TEST_CASE("serving loop: with rounds in flight across steps and prompts longer than the trigger each sequence gets one round per decode step") {
+  const Stories& s = Stories::get();
+  const ex::ModelConfig& mc = s.weights.config;
+  ex::Model<> model(s.weights);
+  const triattn::QueryStats qs = triattn::test::serving_stats(mc);
+  const triattn::SelectionParams sel = triattn::test::serving_selection();
+  auto make_cache = [&] {
+    return std::make_unique<Tri>(triattn::test::serving_pool(mc),
+                                 triattn::TriAttentionScorer(qs, ex::rope_config(mc), triattn::ScoringParams{}, mc.n_kv_heads),
+                                 triattn::TopKSelector(sel));
+  };
+  sv::WorkloadSpec w;
+  w.kind = "shared";
+  w.requests = 8;
+  w.scale = 0.02;  // 82 shared + 5 own prompt tokens (> 48 + 16), 82 generated
+  w.seed = 7;
+  const std::vector<sv::Request> reqs = sv::make_workload(w, mc.vocab_size, mc.bos_id);
+  REQUIRE(static_cast<int>(reqs[0].prompt.size()) > sel.budget + sel.divide_length);
+  sv::LoopOptions lo;
+  lo.admission = sv::Admission::kExact;
+  lo.prefill_chunk = 24;
+  auto cache = make_cache();
+  std::int64_t steps = 0;
+  DeferredRounds<Tri> rounds(*cache, steps);
+  sv::LoopHooks hooks;
+  hooks.after_step = [&steps] { ++steps; };
+  const sv::LoopResult res = sv::serve(model, *cache, rounds, std::span<const sv::Request>(reqs), lo, hooks);
+  CHECK(cache->num_active() == 0);
+  std::vector<std::vector<int>> alone;
+  std::vector<std::size_t> alone_rounds(reqs.size(), 0);
+  for (std::size_t i = 0; i < reqs.size(); ++i) {
+    auto fresh = make_cache();
+    Tri& c = *fresh;
+    alone.push_back(triattn::test::tokens_alone(
+        model, c, reqs[i], i, lo,
+        ex::CompressFn([&c](std::span<const triattn::SeqId> live) { return c.compress_if_needed(live); }), &alone_rounds[i]));
+  }
+  triattn::test::check_same_tokens(res, alone);
+  triattn::test::check_step_records(res);
+  for (std::size_t i = 0; i < reqs.size(); ++i) {
+    CAPTURE(i);
+    CHECK(static_cast<std::size_t>(res.requests[i].rounds) == alone_rounds[i]);
+    CHECK(alone_rounds[i] + 2 >= static_cast<std::size_t>(reqs[i].max_new_tokens));  // a round (nearly) every decode step
+  }
+  CHECK(res.preemptions == 0);
 }
 
 TEST_CASE("serving loop: a request that can never fit the pool is refused naming it") {

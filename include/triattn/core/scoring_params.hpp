@@ -5,6 +5,7 @@
 #pragma once
 
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <triattn/core/error.hpp>
@@ -68,6 +69,13 @@ enum class PromptMode : int {
     case PromptMode::kCompete: return "compete";
   }
   return "<invalid PromptMode>";
+}
+/// The PromptMode that to_string() names `name`.
+/// @throws triattn::logic_error naming `what` and the three names otherwise.
+[[nodiscard]] inline PromptMode prompt_mode_from_string(std::string_view name, std::string_view what = "prompt mode") {
+  for (PromptMode m : {PromptMode::kPinnedInBudget, PromptMode::kPinnedOnTop, PromptMode::kCompete})
+    if (name == to_string(m)) return m;
+  throw logic_error(std::string(what) + ": '" + std::string(name) + "' is not pinned_in_budget, pinned_on_top or compete");
 }
 
 /// How a cached key is scored (spec §3).
