@@ -214,6 +214,47 @@ TEST_CASE("prefix cache: prefix_hit reports what admit_prompt shares and changes
   c.release(b.seq);
 }
 
+// Two requests with one prompt prefilled at once (neither hits: nothing is cached yet) compute it
+// twice. Publishing the second must share the first's cached blocks (its own go back to the
+// pool), so that both prompts are cached and protected from rounds as each would be alone.
+TEST_CASE("prefix cache: a prompt computed twice is shared at publish and its duplicate blocks freed") {
+  Cache c(config(32));
+  std::vector<std::int32_t> prompt = iota_tokens(10, 3);  // 2 full blocks + 2 tokens
+  const auto a = serve(c, prompt, 0, false);
+  const auto b = serve(c, prompt, 0, false);
+  REQUIRE(a.cached_tokens == 0);
+  REQUIRE(b.cached_tokens == 0);
+  const std::vector<std::int32_t> a_blocks(c.block_table(a.seq).begin(), c.block_table(a.seq).end());
+  const std::vector<std::int32_t> b_blocks(c.block_table(b.seq).begin(), c.block_table(b.seq).end());
+  CHECK(c.memory().blocks_free == 32 - 6);
+  CHECK(triattn::publish_prompt(c, a.seq, prompt) == 2);
+  CHECK(c.shared_prefix(a.seq) == 2 * kBs);  // the prefix cache holds its two full blocks
+  CHECK(c.shared_prefix(b.seq) == 0);
+  CHECK(triattn::publish_prompt(c, b.seq, prompt) == 2);
+  const auto now = c.block_table(b.seq);
+  CHECK(now[0] == a_blocks[0]);
+  CHECK(now[1] == a_blocks[1]);
+  CHECK(now[2] == b_blocks[2]);  // the partial block stays its own
+  CHECK(c.shared_prefix(b.seq) == 2 * kBs);
+  CHECK(c.allocator().ref_count(a_blocks[0]) == 3);  // a, b and the prefix cache
+  CHECK(c.allocator().ref_count(b_blocks[0]) == 0);
+  CHECK(c.allocator().ref_count(b_blocks[1]) == 0);
+  CHECK(c.memory().blocks_free == 32 - 4);
+  CHECK(holds(c, b.seq, prompt, 10));
+  // Publishing again changes nothing.
+  CHECK(triattn::publish_prompt(c, b.seq, prompt) == 2);
+  CHECK(c.memory().blocks_free == 32 - 4);
+  // share_block refuses what it cannot do, and changes nothing then.
+  CHECK_THROWS_AS(c.share_block(b.seq, 2, a_blocks[2]), triattn::logic_error);   // block 2 is not full
+  CHECK_THROWS_AS(c.share_block(b.seq, -1, a_blocks[0]), triattn::logic_error);
+  CHECK_THROWS_AS(c.share_block(b.seq, 0, b_blocks[0]), triattn::logic_error);  // a free block
+  CHECK_THROWS_AS(c.share_block(b.seq, 0, 32), triattn::logic_error);
+  CHECK(c.block_table(b.seq)[0] == a_blocks[0]);
+  c.release(a.seq);
+  c.release(b.seq);
+  CHECK(c.memory().blocks_free == 32);  // the two cached blocks are idle, so they count as free
+}
+
 TEST_CASE("prefix cache: idle blocks are evicted least recently used and leaves first only when needed") {
   Cache c(config(12));
   auto& pc = c.allocator();

@@ -324,8 +324,12 @@ class Soak {
       std::vector<std::int32_t> pre(q.toks.begin(), q.toks.begin() + (j + 1) * bs);
       const std::int32_t b = tab[static_cast<std::size_t>(j)];
       if (const auto it = by_chain_.find({q.key, pre}); it != by_chain_.end()) {
-        if (it->second != b) break;
-        parent = b;
+        if (it->second != b) {  // computed twice: the sequence shares the cached block instead
+          ++refs_[static_cast<std::size_t>(it->second)];
+          m_release(b);
+          ++shared_on_publish_;
+        }
+        parent = it->second;
         continue;
       }
       REQUIRE(!cached(b));
@@ -461,10 +465,10 @@ class Soak {
     CHECK(share_.allocator().inner_type::num_free() == static_cast<std::size_t>(cfg_.num_blocks));
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::printf("[prefix soak] %s: %d ops in %.1f s; hit tokens %llu, computed prompt tokens %llu, evicted %llu, "
-                "copy-on-write %llu, rounds %llu, refused %llu, driver faults %llu\n",
+                "copy-on-write %llu, shared at publish %llu, rounds %llu, refused %llu, driver faults %llu\n",
                 name, ops, s, static_cast<unsigned long long>(hits_), static_cast<unsigned long long>(computed_),
                 static_cast<unsigned long long>(evictions_), static_cast<unsigned long long>(cows_),
-                static_cast<unsigned long long>(rounds_), static_cast<unsigned long long>(refused_),
+                static_cast<unsigned long long>(shared_on_publish_), static_cast<unsigned long long>(rounds_), static_cast<unsigned long long>(refused_),
                 static_cast<unsigned long long>(faults_));
     if constexpr (!kStatic) {
       const auto c = share_.allocator().stats().counters;
@@ -477,6 +481,7 @@ class Soak {
     CHECK(hits_ > 0);
     CHECK(evictions_ > 0);
     CHECK(cows_ > 0);
+    CHECK(shared_on_publish_ > 0);
     CHECK(rounds_ > 0);
   }
 
@@ -492,6 +497,7 @@ class Soak {
   std::vector<std::vector<std::int32_t>> systems_;
   std::vector<std::pair<std::uint64_t, std::vector<std::int32_t>>> done_prompts_;
   std::uint64_t clock_ = 0, hits_ = 0, computed_ = 0, evictions_ = 0, cows_ = 0, rounds_ = 0, refused_ = 0, faults_ = 0;
+  std::uint64_t shared_on_publish_ = 0;  // prompt blocks computed twice, shared at publish_prompt
   int op_ = 0;
 
  public:

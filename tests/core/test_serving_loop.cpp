@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <random>
 #include <span>
 #include <string>
 #include <vector>
@@ -162,6 +163,106 @@ TEST_CASE("serving loop: with rounds in flight across steps and prompts longer t
     CHECK(alone_rounds[i] + 2 >= static_cast<std::size_t>(reqs[i].max_new_tokens));  // a round (nearly) every decode step
   }
   CHECK(res.preemptions == 0);
+}
+
+// No input makes the loop hang: random small workloads (prompts below, at and beyond the
+// trigger, with and without a shared system prompt), every prompt mode, budgets, prefill chunks,
+// both admissions, the prefix cache, fewer running than the pool holds, greedy and sampled, and
+// rounds in flight across steps (DeferredRounds) or committed at once (HostRounds). Each run must
+// finish within a step bound linear in its tokens, and every request must generate the tokens
+// and get the rounds it gets alone.
+TEST_CASE("serving loop soak: random workloads and options finish and every request matches its run alone") {
+  const Stories& s = Stories::get();
+  const ex::ModelConfig& mc = s.weights.config;
+  ex::Model<> model(s.weights);
+  const triattn::QueryStats qs = triattn::test::serving_stats(mc);
+  const triattn::PromptMode modes[] = {triattn::PromptMode::kPinnedInBudget, triattn::PromptMode::kPinnedOnTop,
+                                       triattn::PromptMode::kCompete};
+  for (std::uint64_t seed = 1; seed <= 12; ++seed) {
+    std::mt19937_64 rng(seed);
+    auto pick = [&rng](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+    triattn::SelectionParams sel;
+    sel.budget = pick(0, 1) != 0 ? 32 : 48;
+    sel.divide_length = pick(0, 1) != 0 ? 8 : 16;
+    sel.prompt = modes[pick(0, 2)];
+    sv::LoopOptions lo;
+    lo.admission = pick(0, 1) != 0 ? sv::Admission::kExact : sv::Admission::kOptimistic;
+    const int chunks[] = {0, 7, 24, 64};
+    lo.prefill_chunk = chunks[pick(0, 3)];
+    lo.prefix_cache = pick(0, 1) != 0;
+    lo.max_running = pick(0, 1) != 0 ? 0 : 3;
+    lo.temperature = pick(0, 1) != 0 ? 0.0f : 0.8f;
+    lo.top_p = 0.9f;
+    lo.seed = 100 + seed;
+    const bool deferred = pick(0, 1) != 0;
+    // Prompts of 2-100 tokens (around budget + divide_length), after a shared system prompt of
+    // 16-60 tokens in half the runs; 1-90 generated.
+    std::vector<int> system{mc.bos_id};
+    if (pick(0, 1) != 0) {
+      const int n = pick(16, 60);
+      for (int t = 0; t < n; ++t) system.push_back(pick(3, mc.vocab_size - 1));
+    }
+    std::vector<sv::Request> reqs(static_cast<std::size_t>(pick(3, 6)));
+    std::int64_t tokens = 0;
+    for (sv::Request& r : reqs) {
+      r.prompt = system;
+      const int own = pick(system.size() > 1 ? 1 : 1, system.size() > 1 ? 40 : 99);
+      for (int t = 0; t < own; ++t) r.prompt.push_back(pick(3, mc.vocab_size - 1));
+      r.max_new_tokens = pick(1, 90);
+      tokens += static_cast<std::int64_t>(r.prompt.size()) + r.max_new_tokens;
+    }
+    CAPTURE(seed);
+    const std::string mode = triattn::to_string(sel.prompt);
+    CAPTURE(mode);
+    CAPTURE(system.size());
+    CAPTURE(sel.budget);
+    CAPTURE(sel.divide_length);
+    CAPTURE(lo.prefill_chunk);
+    CAPTURE(lo.prefix_cache);
+    CAPTURE(static_cast<int>(lo.admission));
+    CAPTURE(lo.max_running);
+    CAPTURE(deferred);
+    auto make_cache = [&] {
+      return std::make_unique<Tri>(triattn::test::serving_pool(mc),
+                                   triattn::TriAttentionScorer(qs, ex::rope_config(mc), triattn::ScoringParams{}, mc.n_kv_heads),
+                                   triattn::TopKSelector(sel));
+    };
+    auto cache = make_cache();
+    std::int64_t steps = 0;
+    const std::int64_t max_steps = 4 * tokens + 64;  // a step runs at least one token of some request
+    sv::LoopHooks hooks;
+    hooks.after_step = [&steps, max_steps] {
+      if (++steps > max_steps)
+        throw triattn::logic_error("serving loop soak: " + std::to_string(steps) + " steps, more than " +
+                                   std::to_string(max_steps) + " for the workload's tokens (no progress)");
+    };
+    sv::LoopResult res;
+    if (deferred) {
+      DeferredRounds<Tri> rounds(*cache, steps);
+      res = sv::serve(model, *cache, rounds, std::span<const sv::Request>(reqs), lo, hooks);
+    } else {
+      sv::HostRounds<Tri> rounds(*cache);
+      res = sv::serve(model, *cache, rounds, std::span<const sv::Request>(reqs), lo, hooks);
+    }
+    CHECK(cache->num_active() == 0);
+    std::vector<std::vector<int>> alone;
+    std::vector<std::size_t> alone_rounds(reqs.size(), 0);
+    for (std::size_t i = 0; i < reqs.size(); ++i) {
+      auto fresh = make_cache();
+      Tri& c = *fresh;
+      alone.push_back(triattn::test::tokens_alone(
+          model, c, reqs[i], i, lo,
+          ex::CompressFn([&c](std::span<const triattn::SeqId> live) { return c.compress_if_needed(live); }), &alone_rounds[i]));
+    }
+    triattn::test::check_step_records(res);
+    REQUIRE(res.requests.size() == reqs.size());
+    for (std::size_t i = 0; i < reqs.size(); ++i) {
+      CAPTURE(i);
+      CAPTURE(res.requests[i].cached_prompt_tokens);
+      CHECK(res.requests[i].generated == alone[i]);
+      CHECK(static_cast<std::size_t>(res.requests[i].rounds) == alone_rounds[i]);
+    }
+  }
 }
 
 TEST_CASE("serving loop: a request that can never fit the pool is refused naming it") {

@@ -251,6 +251,28 @@ class KvCache {
     return open_shared(blocks, tokens, tokens, false);
   }
 
+  /// Points block `j` of `seq` at `block`, a live block that holds the same tokens at the same
+  /// positions (e.g. the prefix cache's copy of a prompt block this sequence computed again; see
+  /// publish_prompt). The sequence's own block loses its reference (freed if it was the last);
+  /// from then on the block is shared like a prefix hit: never rewritten, protected from rounds.
+  /// @throws logic_error (nothing changed) unless block j is full and its slots still hold the
+  /// sequence's tokens in order, and `block` is a live block of this cache.
+  void share_block(SeqId seq, int j, index_type block) {
+    const SeqState& s = state(seq, "share_block");
+    const int bs = config_.block_size;
+    const int in_place = std::min(lens_[idx(seq)], s.in_place);
+    TRIATTN_EXPECTS(j >= 0 && static_cast<std::int64_t>(j + 1) * bs <= in_place,
+                    "share_block: block " + std::to_string(j) + " of sequence " + std::to_string(seq) +
+                        " is not a full block of its first " + std::to_string(in_place) + " tokens in order");
+    TRIATTN_EXPECTS(block >= 0 && static_cast<std::size_t>(block) < allocator_.capacity() && allocator_.ref_count(block) > 0,
+                    "share_block: block " + std::to_string(block) + " is not a live block of this cache");
+    index_type& slot = tables_[row(seq) + static_cast<std::size_t>(j)];
+    if (slot == block) return;
+    allocator_.retain(block);
+    allocator_.release(slot);
+    slot = block;
+  }
+
   /// Leading tokens of `seq` that sit in blocks it shares (reference count > 1: another sequence
   /// or the prefix cache holds them). Compression rounds protect them: they are never selected
   /// away, moved or rewritten.

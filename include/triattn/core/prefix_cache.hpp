@@ -86,6 +86,9 @@ PrefixAdmission admit_prompt(Cache& cache, std::span<const std::int32_t> prompt,
 /// Enters the full blocks of `seq`'s prompt that still hold it in place (never blocks a round
 /// compacted) into the prefix cache under `key`; `prompt` must be the tokens the sequence was
 /// prefilled with. Call it after the prompt's K/V are written (e.g. after the prefill step).
+/// Leading blocks already cached in other blocks (the prompt computed twice, e.g. by two requests
+/// prefilled at once) are shared instead (KvCache::share_block): the duplicates go back to the
+/// pool, and the prompt ends up cached and protected from rounds as if it had been prefilled alone.
 /// @return prompt blocks of `seq` that are cached now
 /// @throws logic_error (nothing changed) on an unknown sequence or a prompt shorter than its
 ///         cached prompt.
@@ -97,7 +100,11 @@ int publish_prompt(Cache& cache, SeqId seq, std::span<const std::int32_t> prompt
                       std::to_string(cache.prompt_length(seq)) + " prompt tokens but the prompt has " +
                       std::to_string(prompt.size()));
   auto& pc = cache.allocator();
-  return pc.insert(prompt, key, cache.block_table(seq), in_place / pc.block_size());
+  const int nblocks = in_place / pc.block_size();
+  const PrefixMatch m = pc.match(prompt.first(static_cast<std::size_t>(nblocks) * static_cast<std::size_t>(pc.block_size())), key);
+  const int twice = std::min(m.num_blocks(), nblocks);
+  for (int j = 0; j < twice; ++j) cache.share_block(seq, j, m.blocks[static_cast<std::size_t>(j)]);
+  return pc.insert(prompt, key, cache.block_table(seq), nblocks);
 }
 
 }  // namespace triattn
