@@ -84,6 +84,23 @@ class DeferredRounds {
   std::vector<triattn::SeqId> seqs_;
   int polls_ = 0;
 };
+
+/// Each request run alone in a fresh cache of make_cache() with its rounds: the tokens, and in
+/// `rounds` how many rounds compressed it.
+template <class ModelT, class MakeCache>
+std::vector<std::vector<int>> tri_alone(ModelT& model, const MakeCache& make_cache, const std::vector<sv::Request>& reqs,
+                                        const sv::LoopOptions& lo, std::vector<std::size_t>& rounds) {
+  std::vector<std::vector<int>> alone;
+  rounds.assign(reqs.size(), 0);
+  for (std::size_t i = 0; i < reqs.size(); ++i) {
+    auto fresh = make_cache();
+    Tri& c = *fresh;
+    alone.push_back(triattn::test::tokens_alone(
+        model, c, reqs[i], i, lo,
+        ex::CompressFn([&c](std::span<const triattn::SeqId> live) { return c.compress_if_needed(live); }), &rounds[i]));
+  }
+  return alone;
+}
 }  // namespace
 
 TEST_CASE("serving loop on the CPU: without compression every request generates what it generates alone") {
@@ -146,15 +163,8 @@ TEST_CASE("serving loop: with rounds in flight across steps and prompts longer t
   hooks.after_step = [&steps] { ++steps; };
   const sv::LoopResult res = sv::serve(model, *cache, rounds, std::span<const sv::Request>(reqs), lo, hooks);
   CHECK(cache->num_active() == 0);
-  std::vector<std::vector<int>> alone;
-  std::vector<std::size_t> alone_rounds(reqs.size(), 0);
-  for (std::size_t i = 0; i < reqs.size(); ++i) {
-    auto fresh = make_cache();
-    Tri& c = *fresh;
-    alone.push_back(triattn::test::tokens_alone(
-        model, c, reqs[i], i, lo,
-        ex::CompressFn([&c](std::span<const triattn::SeqId> live) { return c.compress_if_needed(live); }), &alone_rounds[i]));
-  }
+  std::vector<std::size_t> alone_rounds;
+  const std::vector<std::vector<int>> alone = tri_alone(model, make_cache, reqs, lo, alone_rounds);
   triattn::test::check_same_tokens(res, alone);
   triattn::test::check_step_records(res);
   for (std::size_t i = 0; i < reqs.size(); ++i) {
@@ -257,15 +267,8 @@ TEST_CASE("serving loop soak: random workloads and options finish and every requ
       res = sv::serve(model, *cache, rounds, std::span<const sv::Request>(reqs), lo, hooks);
     }
     CHECK(cache->num_active() == 0);
-    std::vector<std::vector<int>> alone;
-    std::vector<std::size_t> alone_rounds(reqs.size(), 0);
-    for (std::size_t i = 0; i < reqs.size(); ++i) {
-      auto fresh = make_cache();
-      Tri& c = *fresh;
-      alone.push_back(triattn::test::tokens_alone(
-          model, c, reqs[i], i, lo,
-          ex::CompressFn([&c](std::span<const triattn::SeqId> live) { return c.compress_if_needed(live); }), &alone_rounds[i]));
-    }
+    std::vector<std::size_t> alone_rounds;
+    const std::vector<std::vector<int>> alone = tri_alone(model, make_cache, reqs, lo, alone_rounds);
     triattn::test::check_step_records(res);
     REQUIRE(res.requests.size() == reqs.size());
     for (std::size_t i = 0; i < reqs.size(); ++i) {
