@@ -3,8 +3,11 @@
 // memory (fp32), weights are uploaded once (fp32, or bf16 for the matrices), the K/V go into a
 // device KvCache (cuda::DeviceAllocator: published device block tables) through triattn's append
 // kernel, decode rows attend through triattn's paged decode attention, prefill rows of 16-bit
-// caches through the tensor-core prefill kernel (prefill_attention.cuh), and the rest (fp32
-// caches, head dims it does not compile, e.g. stories260K's 8) through attention_rows_kernel.
+// caches through the tensor-core prefill kernel (prefill_attention.cuh), and the rest (fp32 and
+// fp8 caches, head dims it does not compile, e.g. stories260K's 8) through attention_rows_kernel.
+// Every cache dtype runs, fp8 e4m3 included: its K/V are quantised with the cache's scales
+// (CacheConfig::kv_scales, uploaded with the cache; the same values and rounding as the CPU
+// backend's KvCache::write_values) and dequantised in every attention kernel's loads.
 //
 // How calls become kernels: the backend records each call as an op and launches a step's ops
 // at a flush, fused and captured into a CUDA graph when it is a decode step
@@ -93,7 +96,7 @@ using GpuPrefixTriCache = triattn::KvCache<GpuPrefixAllocator, triattn::cuda::De
 class CudaBackend {
  public:
   static constexpr const char* kName = "cuda";
-  /// Cache dtypes it runs on (fp8 is refused by name, see cuda_detail::kv_storage_types).
+  /// Cache dtypes it runs on: all of them, fp8 e4m3 with its scales (cuda_detail::kv_storage_types).
   using kv_storage_types = cuda_detail::kv_storage_types;
   using Options = CudaBackendOptions;
 
@@ -404,11 +407,14 @@ class CudaBackend {
       o.spare_seq = s.spare_seq(cache);  // what its padding rows attend to
       o.workspace_bytes = triattn::cuda::decode_attention::workspace_size(o.plan, n, c.n_heads, c.head_dim);
       o.workspace = o.workspace_bytes > 0 ? s.scratch(State::kWorkspace, o.workspace_bytes) : nullptr;
-      if constexpr (!std::is_same_v<T, float>)
+      // 16-bit caches take q converted to the cache type; fp32 and fp8 (float queries) the q itself
+      if constexpr (!std::is_same_v<triattn::cuda::query_type_t<T>, float>)
         o.q_t = s.scratch(State::kQt, static_cast<std::size_t>(n) * c.q_dim() * sizeof(T));
     } else if (!s.opt.row_attention &&
                gpu::prefill_attention_refusal(cache.template view<T>(), c.head_dim, c.group_size()).empty()) {
       // Prefill (or mixed) rows of a 16-bit cache: the tensor-core kernel over the row tiles.
+      // fp32 and fp8 caches are refused there and stay on attention_rows_kernel (fp8: K/V
+      // dequantised by the view's scales in its loads, fp32 arithmetic).
       o.flag = cuda_detail::kAttnPrefill;
       const State::RowInfo ti = s.prefill_tiles(c.group_size());
       o.arena_c = ti.tiles;

@@ -15,9 +15,15 @@
 //                           pairing) in place, plus converted copies for triattn's kernels or a
 //                           direct write of K/V into the paged cache
 //   attention_rows_kernel   causal paged attention, one warp per (row, query head), any head_dim:
-//                           fp32 caches and head dims prefill_attention.cuh does not compile
+//                           fp32 and fp8 caches and head dims prefill_attention.cuh does not compile
 //                           (16-bit caches with head_dim 64 / 128 go to its tensor-core kernel)
 //   write_kv_kernel         K/V rows -> paged cache at explicit slots (any head_dim, converting)
+//
+// fp8 e4m3 caches: what these kernels write is quantised by triattn::cuda::quant (x / the view's
+// scale of its layer, K|V and head, nearest even, saturating: the library append's and
+// KvCache::write_values' rounding), and what they read is dequantised (code * scale); the other
+// dtypes never read a scale. They write fp8 only for head dims triattn's append does not compile
+// (the backend sends the others to its quantising append, cuda_step_recorder.cuh).
 //   add/bias/swiglu/convert element-wise ops; argmax_kernel greedy token per row
 //   synth_fill_kernel       synthetic.hpp's counter-based weight generator, on the device
 //
@@ -30,15 +36,18 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <type_traits>
 
+#include <triattn/core/dtype.hpp>
 #include <triattn/core/hash.hpp>
 #include <triattn/core/kv_view.hpp>
 #include <triattn/core/rope_types.hpp>
 #include <triattn/cuda/griddep.cuh>
+#include <triattn/cuda/types.cuh>
 
 namespace triattn_example::gpu {
 
@@ -64,11 +73,44 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
 __device__ __forceinline__ float ld_f32(const float* p) { return *p; }
 __device__ __forceinline__ float ld_f32(const __nv_bfloat16* p) { return __bfloat162float(*p); }
 __device__ __forceinline__ float ld_f32(const __half* p) { return __half2float(*p); }
+/// The fp8 code's value before its scale (exact).
+__device__ __forceinline__ float ld_f32(const __nv_fp8_e4m3* p) { return static_cast<float>(*p); }
 
 template <class T> __device__ __forceinline__ T cvt_from_f32(float x);
 template <> __device__ __forceinline__ float cvt_from_f32<float>(float x) { return x; }
 template <> __device__ __forceinline__ __nv_bfloat16 cvt_from_f32<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 template <> __device__ __forceinline__ __half cvt_from_f32<__half>(float x) { return __float2half_rn(x); }
+
+// ---- cache elements (the kernels below are templated on the cache's device type) ---------------
+
+/// Storage type (core/dtype.hpp) of a cache's device type: the inverse of triattn::cuda::device_type_t.
+template <class T> struct storage_of { using type = T; };
+template <> struct storage_of<__half> { using type = triattn::f16_storage; };
+template <> struct storage_of<__nv_bfloat16> { using type = triattn::bf16_storage; };
+template <> struct storage_of<__nv_fp8_e4m3> { using type = triattn::fp8_e4m3_storage; };
+/// True for a device type whose codes carry a scale (fp8).
+template <class T> inline constexpr bool is_scaled_v = triattn::is_scaled_dtype<typename storage_of<T>::type>;
+
+/// Dequantisation scale of (layer, kind, head) of a cache of device type T: the view's for fp8,
+/// a compile-time 1 otherwise (no load).
+template <class T>
+__device__ __forceinline__ float cache_scale(const KvCacheView<T, std::int32_t>& view, int layer, KvKind kind, int head) {
+  if constexpr (is_scaled_v<T>) return view.scale(layer, kind, head);
+  else return 1.0f;
+}
+/// Cache element of value x under `scale`: triattn::cuda::quant (fp8: x / scale, nearest even,
+/// saturating, bit for bit the library append's and the CPU's quantize), a plain rounding otherwise.
+template <class T>
+__device__ __forceinline__ T to_cache(float x, float scale) {
+  if constexpr (is_scaled_v<T>) return triattn::cuda::quant<typename storage_of<T>::type>(x, scale);
+  else return cvt_from_f32<T>(x);
+}
+/// Value of cache element *p under `scale` (fp8: code * scale, as the CPU's dequantize).
+template <class T>
+__device__ __forceinline__ float from_cache(const T* p, float scale) {
+  if constexpr (is_scaled_v<T>) return ld_f32(p) * scale;
+  else return ld_f32(p);
+}
 
 /// 16 bytes of weights as floats: 4 (fp32) or 8 (bf16) values.
 __device__ __forceinline__ void unpack16(const uint4& v, float (&f)[4]) {
@@ -484,8 +526,10 @@ __global__ void __launch_bounds__(kGemvMmaWarps * 32) gemv_mma_kernel(const __gr
 // ---- RoPE (+ KV write) --------------------------------------------------------------------------
 
 /// RoPE of q ([n, hq, d]) and k ([n, hkv, d]) in place at each row's logical position, and what
-/// triattn's kernels need next: q_t / k_t / v_t converted copies (T = the cache type), or, with
-/// `direct`, K and V written straight into the paged cache at slots[r] (vLLM slot mapping).
+/// triattn's kernels need next: q_t / k_t / v_t converted copies (T = a 16-bit cache type; fp32
+/// and fp8 caches take the floats themselves, fp8 has no unscaled copy), or, with `direct`, K and
+/// V written straight into the paged cache at slots[r] (vLLM slot mapping; fp8: quantised with
+/// the view's scales).
 template <class T>
 struct RopeKvParams {
   float* q = nullptr;
@@ -550,21 +594,26 @@ __global__ void __launch_bounds__(256) rope_kv_kernel(const RopeKvParams<T> p) {
     x[iim] = im;
     const long long e0 = (static_cast<long long>(r) * nh + head) * p.d;
     if (is_q) {
-      if (p.q_t != nullptr) {
-        p.q_t[e0 + ire] = cvt_from_f32<T>(re);
-        p.q_t[e0 + iim] = cvt_from_f32<T>(im);
+      if constexpr (!is_scaled_v<T>) {
+        if (p.q_t != nullptr) {
+          p.q_t[e0 + ire] = cvt_from_f32<T>(re);
+          p.q_t[e0 + iim] = cvt_from_f32<T>(im);
+        }
       }
     } else {
-      if (p.k_t != nullptr) {
-        p.k_t[e0 + ire] = cvt_from_f32<T>(re);
-        p.k_t[e0 + iim] = cvt_from_f32<T>(im);
+      if constexpr (!is_scaled_v<T>) {
+        if (p.k_t != nullptr) {
+          p.k_t[e0 + ire] = cvt_from_f32<T>(re);
+          p.k_t[e0 + iim] = cvt_from_f32<T>(im);
+        }
       }
       if (p.direct) {
         const long long slot = p.slots[r];
         if (slot >= 0) {
           T* dst = cache_slot_ptr(p.view, p.layer, KvKind::kKey, slot, head);
-          dst[ire] = cvt_from_f32<T>(re);
-          dst[iim] = cvt_from_f32<T>(im);
+          const float s = cache_scale(p.view, p.layer, KvKind::kKey, head);
+          dst[ire] = to_cache<T>(re, s);
+          dst[iim] = to_cache<T>(im, s);
         }
       }
     }
@@ -574,15 +623,22 @@ __global__ void __launch_bounds__(256) rope_kv_kernel(const RopeKvParams<T> p) {
     const int r = static_cast<int>(e / per_row);
     const int rest = static_cast<int>(e - static_cast<long long>(r) * per_row);
     const float val = p.v[e];
-    if (p.v_t != nullptr) p.v_t[e] = cvt_from_f32<T>(val);
+    if constexpr (!is_scaled_v<T>) {
+      if (p.v_t != nullptr) p.v_t[e] = cvt_from_f32<T>(val);
+    }
     if (p.direct) {
       const long long slot = p.slots[r];
-      if (slot >= 0) cache_slot_ptr(p.view, p.layer, KvKind::kValue, slot, rest / p.d)[rest % p.d] = cvt_from_f32<T>(val);
+      if (slot >= 0) {
+        const int head = rest / p.d;
+        cache_slot_ptr(p.view, p.layer, KvKind::kValue, slot, head)[rest % p.d] =
+            to_cache<T>(val, cache_scale(p.view, p.layer, KvKind::kValue, head));
+      }
     }
   }
 }
 
-/// K and V rows ([n, hkv, d] float) -> the paged cache at slots[r] (-1 skips), converted to T.
+/// K and V rows ([n, hkv, d] float) -> the paged cache at slots[r] (-1 skips), converted to T
+/// (fp8: quantised with the view's scales).
 template <class T>
 __global__ void __launch_bounds__(256) write_kv_kernel(KvCacheView<T, std::int32_t> view, int layer,
                                                        const float* __restrict__ k, const float* __restrict__ v,
@@ -596,8 +652,11 @@ __global__ void __launch_bounds__(256) write_kv_kernel(KvCacheView<T, std::int32
   const int rest = static_cast<int>(idx - static_cast<long long>(r) * per_row);
   const long long slot = slots[r];
   if (slot < 0) return;
-  cache_slot_ptr(view, layer, KvKind::kKey, slot, rest / d)[rest % d] = cvt_from_f32<T>(k[idx]);
-  cache_slot_ptr(view, layer, KvKind::kValue, slot, rest / d)[rest % d] = cvt_from_f32<T>(v[idx]);
+  const int head = rest / d;
+  cache_slot_ptr(view, layer, KvKind::kKey, slot, head)[rest % d] =
+      to_cache<T>(k[idx], cache_scale(view, layer, KvKind::kKey, head));
+  cache_slot_ptr(view, layer, KvKind::kValue, slot, head)[rest % d] =
+      to_cache<T>(v[idx], cache_scale(view, layer, KvKind::kValue, head));
 }
 
 // ---- attention over rows (prefill, or head dims without a compiled decode kernel) ---------------
@@ -608,6 +667,8 @@ inline constexpr int kAttnMaxDimsPerLane = 8;  // head_dim <= 256
 /// Row r (sequence row_seq[r]) attends, with query head h, to slots [0, row_slot[r]] of its
 /// sequence through the block table (KV head h / (hq / hkv)); online softmax in fp32 with the
 /// logits divided by sqrt(d) as run.c does. One warp per (row, head). out, q: [n, hq, d] float.
+/// fp8 caches: each K and V element is dequantised (code * the view's scale of its layer, K|V
+/// and KV head) before it is used, as the CPU backend does.
 template <class T>
 __global__ void __launch_bounds__(kAttnRowWarps * 32)
     attention_rows_kernel(float* __restrict__ out, const float* __restrict__ q, KvCacheView<T, std::int32_t> view,
@@ -628,6 +689,8 @@ __global__ void __launch_bounds__(kAttnRowWarps * 32)
   const std::int32_t* table = view.block_tables + static_cast<long long>(seq) * view.max_blocks_per_seq;
   const T* kbase = view.range(layer, KvKind::kKey);
   const T* vbase = view.range(layer, KvKind::kValue);
+  const float ks = cache_scale(view, layer, KvKind::kKey, kvh);
+  const float vs = cache_scale(view, layer, KvKind::kValue, kvh);
 
   float o[kAttnMaxDimsPerLane];
 #pragma unroll
@@ -639,7 +702,7 @@ __global__ void __launch_bounds__(kAttnRowWarps * 32)
     if (t < len) {
       const T* kp = kbase + view.block.offset(table[t / bs], t % bs, kvh);
       float dot = 0.0f;
-      for (int e = 0; e < d; ++e) dot += qh[e] * ld_f32(kp + e);
+      for (int e = 0; e < d; ++e) dot += qh[e] * from_cache(kp + e, ks);
       sc = dot / sqrt_d;
     }
     const float mnew = fmaxf(m, warp_max(sc));  // finite: token t0 < len exists
@@ -656,7 +719,7 @@ __global__ void __launch_bounds__(kAttnRowWarps * 32)
 #pragma unroll
       for (int j = 0; j < kAttnMaxDimsPerLane; ++j) {
         const int e = lane + 32 * j;
-        if (e < d) o[j] += pj * ld_f32(vp + e);
+        if (e < d) o[j] += pj * from_cache(vp + e, vs);
       }
     }
     m = mnew;

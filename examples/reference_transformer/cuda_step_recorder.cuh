@@ -17,6 +17,11 @@
 // the block tables are published (cuda::publish) at the step's first write_kv. Kernels are
 // launched with programmatic dependent launch: each GEMV fetches its first weights while the
 // previous kernel drains. The GEMV kernels live in cuda_kernels.cuh and gemv_stream_kernel.cuh.
+// fp8 e4m3 caches (kv_storage_types below) take the float K/V through triattn's quantising append
+// (x / the view's scale, saturating) and float queries into its decode attention; their prefill
+// rows go to attention_rows_kernel, which dequantises with the view's scales (the tensor-core
+// prefill kernel is for 16-bit caches). Head dims triattn's append does not compile (stories260K's
+// 8) are written by the backend's own kernels, which quantise fp8 with the same triattn::cuda::quant.
 #pragma once
 
 #include <algorithm>
@@ -251,7 +256,7 @@ class Arena {
 enum class OpKind : std::uint8_t { kEmbed = 1, kRmsNorm, kMatmul, kBias, kRope, kWriteKv, kAttention, kSwiglu, kAdd, kAllReduce };
 /// Op::flag of an attention: which kernel runs it.
 enum AttnKernel : std::uint8_t {
-  kAttnRows = 0,     // gpu::attention_rows_kernel (fp32 caches, other head dims)
+  kAttnRows = 0,     // gpu::attention_rows_kernel (fp32 and fp8 caches, other head dims)
   kAttnDecode = 1,   // triattn's paged decode attention (one row per sequence at its last slot)
   kAttnPrefill = 2,  // gpu::prefill_attention_kernel (tensor cores, 16-bit caches)
 };
@@ -281,7 +286,7 @@ struct Op {
   triattn::KvCacheView<float, std::int32_t> view;  // type-erased cache view (write_kv, attention)
   triattn::cuda::DecodeAttentionPlan plan;
   int spare_seq;        // attention (decode): a sequence slot of length 0 for padding rows, -1: none
-  void* q_t;            // attention (decode, 16-bit cache): q converted to the cache type
+  void* q_t;            // attention (decode, 16-bit cache): q converted to the cache type (fp32, fp8: null)
   void* workspace;
   std::size_t workspace_bytes;
 };
@@ -305,9 +310,11 @@ triattn::KvCacheView<T, std::int32_t> typed_view(const triattn::KvCacheView<floa
   return std::bit_cast<triattn::KvCacheView<T, std::int32_t>>(v);
 }
 
-/// Cache dtypes the CUDA backend runs on (CudaBackend::kv_storage_types): fp8 is refused by name
-/// until its attention takes float queries and its appends quantise (the kernels load fp8).
-using kv_storage_types = triattn::unscaled_storage_types;
+/// Cache dtypes the CUDA backend runs on (CudaBackend::kv_storage_types): every dtype triattn's
+/// kernels load, fp8 e4m3 included (its appends quantise float K/V with the view's scales, its
+/// decode attention takes float queries; see the file comment). The one list every dtype switch
+/// of the backend goes through (dispatch_cache_type).
+using kv_storage_types = triattn::device_storage_types;
 
 /// Calls f(type_identity<storage T>, type_identity<device T>) for a cache dtype.
 template <class F>
@@ -316,6 +323,46 @@ void dispatch_cache_type(triattn::DType dt, F&& f) {
     using T = typename decltype(tag)::type;
     f(tag, std::type_identity<triattn::cuda::device_type_t<T>>{});
   });
+}
+
+/// True when triattn's decode attention over a cache of `dt` takes q converted to the cache type
+/// (16-bit caches: the backend converts it first, into Op::q_t), false when it takes the float q
+/// itself (fp32; fp8, whose queries stay float: triattn::cuda::query_type_t).
+inline bool converts_query(triattn::DType dt) {
+  bool r = false;
+  dispatch_cache_type(dt, [&](auto st, auto) {
+    using ST = typename decltype(st)::type;
+    r = !std::is_same_v<triattn::cuda::query_type_t<ST>, float>;
+  });
+  return r;
+}
+
+/// True when the codes of a cache of `dt` carry a scale (fp8).
+inline bool scaled_cache(triattn::DType dt) {
+  bool r = false;
+  dispatch_cache_type(dt, [&](auto st, auto) { r = triattn::is_scaled_dtype<typename decltype(st)::type>; });
+  return r;
+}
+
+/// True when K/V of a cache of `dt` with `head_dim` go through triattn's append kernel, false
+/// when the backend's own kernels write them (the RoPE kernel's direct write, write_kv_kernel):
+/// head dims triattn's append does not compile, or CudaBackendOptions::direct_kv_write. A scaled
+/// (fp8) cache takes the library's quantising append wherever it compiles the head_dim, whatever
+/// direct_kv_write says.
+inline bool library_append(triattn::DType dt, int head_dim, bool direct_kv_write) {
+  return triattn::cuda::is_supported_head_dim(head_dim) && (!direct_kv_write || scaled_cache(dt));
+}
+
+/// True when triattn's append takes the float K/V as they are for a cache of storage type ST
+/// (fp32: a copy; fp8: quantised by the view's scales), false when it copies K/V converted to the
+/// cache type first (16-bit caches: the RoPE kernel writes those copies into scratch).
+template <class ST>
+inline constexpr bool append_takes_float_v = std::is_same_v<ST, float> || triattn::is_scaled_dtype<ST>;
+/// append_takes_float_v of a cache dtype.
+inline bool append_takes_float(triattn::DType dt) {
+  bool r = false;
+  dispatch_cache_type(dt, [&](auto st, auto) { r = append_takes_float_v<typename decltype(st)::type>; });
+  return r;
 }
 
 inline bool aligned16(const void* p) noexcept { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
@@ -953,7 +1000,9 @@ class StepRecorder {
       else w0 = nullptr;
     }
     const triattn::DType dt = w0 != nullptr ? static_cast<triattn::DType>(w0->dtype) : triattn::DType::kF32;
-    const bool lib_ok = w0 != nullptr && !opt.direct_kv_write && triattn::cuda::is_supported_head_dim(w0->d);
+    // K/V through triattn's append (fp8: always where it compiles the head_dim, quantising the
+    // float K/V), else written by the RoPE kernel itself (fp8: quantised with the view's scales)
+    const bool lib_ok = w0 != nullptr && cuda_detail::library_append(dt, w0->d, opt.direct_kv_write);
     // q in the cache type for the decode attention right after
     void* q_t = nullptr;
     if (w0 != nullptr && wend < ops.size() && ops[wend].kind == OpKind::kAttention && ops[wend].x == rq.y &&
@@ -963,7 +1012,7 @@ class StepRecorder {
     }
     void* k_t = nullptr;
     void* v_t = nullptr;
-    if (lib_ok && dt != triattn::DType::kF32) {
+    if (lib_ok && !cuda_detail::append_takes_float(dt)) {  // 16-bit caches: converted copies to append
       const std::size_t bytes = static_cast<std::size_t>(rk->n) * w0->a * triattn::dtype_size(dt);
       k_t = scratch(kKt, bytes);
       v_t = scratch(kVt, bytes);
@@ -979,7 +1028,7 @@ class StepRecorder {
         gpu::RopeKvParams<DT> p;
         p.q = rq.y;
         p.k = has_k ? rkc.y : nullptr;
-        p.v = has_kv && (!lib_ok || v_t != nullptr) ? wk.x2 : nullptr;  // fp32 + append: V is read in place
+        p.v = has_kv && (!lib_ok || v_t != nullptr) ? wk.x2 : nullptr;  // fp32 / fp8 + append: V is read in place
         p.n = rq.n;
         p.hq = rq.a;
         p.hkv = has_k ? rkc.a : 0;
@@ -1004,11 +1053,15 @@ class StepRecorder {
         launch(gpu::rope_kv_kernel<DT>, dim3(static_cast<unsigned>((threads + 255) / 256)), dim3(256), 0, p);
         if (has_kv && lib_ok) {
           const auto view = cuda_detail::typed_view<ST>(wk.view);
-          const ST* ks = std::is_same_v<ST, float> ? reinterpret_cast<const ST*>(p.k) : static_cast<const ST*>(k_t);
-          const ST* vs = std::is_same_v<ST, float> ? reinterpret_cast<const ST*>(wk.x2) : static_cast<const ST*>(v_t);
-          TRIATTN_CUDA_TRY(triattn::cuda::append::run_slots(view, wk.layer, 1, ks, vs,
-                                                            reinterpret_cast<const std::int64_t*>(arena.dev<long long>(wk.arena_a)),
-                                                            rq.n, stream));
+          const auto* slots = reinterpret_cast<const std::int64_t*>(arena.dev<long long>(wk.arena_a));
+          if constexpr (cuda_detail::append_takes_float_v<ST>) {
+            // fp32: copied; fp8: quantised by the view's scales (the roped K, V as computed)
+            TRIATTN_CUDA_TRY(triattn::cuda::append::run_slots(view, wk.layer, 1, static_cast<const float*>(p.k), wk.x2,
+                                                              slots, rq.n, stream));
+          } else {
+            TRIATTN_CUDA_TRY(triattn::cuda::append::run_slots(view, wk.layer, 1, static_cast<const ST*>(k_t),
+                                                              static_cast<const ST*>(v_t), slots, rq.n, stream));
+          }
         }
       });
     });
@@ -1072,35 +1125,52 @@ class StepRecorder {
       case OpKind::kAllReduce:
         items.push_back([this, o] { all_reduce(o.y, static_cast<std::size_t>(o.count), stream); });
         break;
-      case OpKind::kWriteKv:
-        items.push_back([this, o, blocks] {
-          cuda_detail::dispatch_cache_type(static_cast<triattn::DType>(o.dtype), [&](auto, auto dtag) {
+      case OpKind::kWriteKv: {
+        const triattn::DType dt = static_cast<triattn::DType>(o.dtype);
+        // fp8: triattn's quantising append where it compiles the head_dim (never an unscaled
+        // write); write_kv_kernel otherwise (it quantises fp8 with the view's scales too)
+        const bool lib = cuda_detail::scaled_cache(dt) && cuda_detail::library_append(dt, o.d, opt.direct_kv_write);
+        items.push_back([this, o, blocks, dt, lib] {
+          cuda_detail::dispatch_cache_type(dt, [&](auto st, auto dtag) {
+            using ST = typename decltype(st)::type;
             using DT = typename decltype(dtag)::type;
+            if constexpr (cuda_detail::append_takes_float_v<ST>) {
+              if (lib) {
+                TRIATTN_CUDA_TRY(triattn::cuda::append::run_slots(
+                    cuda_detail::typed_view<ST>(o.view), o.layer, 1, o.x, o.x2,
+                    reinterpret_cast<const std::int64_t*>(arena.dev<long long>(o.arena_a)), o.n, stream));
+                return;
+              }
+            }
             launch(gpu::write_kv_kernel<DT>, blocks(static_cast<long long>(o.n) * o.a, 256), dim3(256), 0,
                    cuda_detail::typed_view<DT>(o.view), o.layer, o.x, o.x2, arena.dev<long long>(o.arena_a), o.n,
                    o.b, o.d);
           });
         });
         break;
+      }
       case OpKind::kAttention:
         items.push_back([this, o, blocks, q_ready] {
           cuda_detail::dispatch_cache_type(static_cast<triattn::DType>(o.dtype), [&](auto st, auto dtag) {
             using ST = typename decltype(st)::type;
             using DT = typename decltype(dtag)::type;
             if (o.flag == cuda_detail::kAttnDecode) {
-              const ST* q = reinterpret_cast<const ST*>(o.x);
-              if constexpr (!std::is_same_v<ST, float>) {
+              // 16-bit caches take q in the cache type; fp32 and fp8 the float q (fp8: K/V
+              // dequantised by the view's scales, float out)
+              using QT = triattn::cuda::query_type_t<ST>;
+              const QT* q = reinterpret_cast<const QT*>(o.x);
+              if constexpr (!std::is_same_v<QT, float>) {
                 if (!q_ready) {
                   const long long cnt = static_cast<long long>(o.n) * o.a * o.d;
                   launch(gpu::convert_kernel<DT>, blocks(cnt, 256), dim3(256), 0, static_cast<DT*>(o.q_t), o.x, cnt);
                 }
-                q = static_cast<const ST*>(o.q_t);
+                q = static_cast<const QT*>(o.q_t);
               }
               TRIATTN_CUDA_TRY(triattn::cuda::decode_attention::run(
                   o.plan, cuda_detail::typed_view<ST>(o.view), o.layer, q, o.y, o.n, o.a,
                   arena.dev<std::int32_t>(o.arena_a), 1.0f / std::sqrt(static_cast<float>(o.d)), o.workspace,
                   o.workspace_bytes, stream));
-            } else if (o.flag == cuda_detail::kAttnPrefill) {
+            } else if (o.flag == cuda_detail::kAttnPrefill) {  // 16-bit caches only (prefill_attention_refusal)
               gpu::PrefillAttentionParams<ST> p;
               p.out = o.y;
               p.q = o.x;
@@ -1116,7 +1186,7 @@ class StepRecorder {
                                          [this](auto kernel, dim3 grid, dim3 block, std::size_t smem, auto&&... args) {
                                            launch(kernel, grid, block, smem, args...);
                                          });
-            } else {
+            } else {  // fp32 and fp8 caches (fp8 dequantised in its loads), other head dims, row_attention
               const long long warps = static_cast<long long>(o.n) * o.a;
               launch(gpu::attention_rows_kernel<DT>, blocks(warps, gpu::kAttnRowWarps), dim3(gpu::kAttnRowWarps * 32), 0,
                      o.y, o.x, cuda_detail::typed_view<DT>(o.view), o.layer, o.n, o.a, o.b, o.d,

@@ -172,7 +172,7 @@ template <class Recorder>
     if (k == 0 || a.workspace_bytes > ws_bytes) {
       ws_bytes = a.workspace_bytes;
       workspace = ws_bytes > 0 ? r.scratch(Recorder::kWorkspace, ws_bytes) : nullptr;
-      if (dt != triattn::DType::kF32)
+      if (converts_query(dt))  // 16-bit caches; fp32 and fp8 take the float q
         q_t = r.scratch(Recorder::kQt, static_cast<std::size_t>(B) * a.a * a.d * triattn::dtype_size(dt));
     }
   }
@@ -180,7 +180,7 @@ template <class Recorder>
     Op& a = out[k];
     a.workspace = a.workspace_bytes > 0 ? workspace : nullptr;
     if (a.workspace != nullptr) a.workspace_bytes = ws_bytes;
-    a.q_t = static_cast<triattn::DType>(a.dtype) != triattn::DType::kF32 ? q_t : nullptr;
+    a.q_t = converts_query(static_cast<triattn::DType>(a.dtype)) ? q_t : nullptr;
   }
   // 4. The per-row arrays at fixed offsets; the step's memos pointed into the old arena.
   r.arena.reset();

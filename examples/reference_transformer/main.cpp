@@ -20,6 +20,7 @@
 // shard of the weights, its own KvCache over its KV heads and its statistics slice; on the CPU
 // they all-reduce through triattn::tp::ThreadTeamCollective, on the GPU rank r runs on device r
 // and all-reduces through NCCL (tp_cuda.cuh).
+#include <algorithm>
 #include <charconv>
 #include <chrono>
 #include <cmath>
@@ -109,6 +110,7 @@ struct Options {
   std::string calibrate_out;
   bool no_compress = false;
   triattn::DType kv_dtype = triattn::DType::kF32;
+  std::vector<float> kv_scales;  // --kv-scales (fp8): 1, 2 or 2 * layers values; empty: every scale 1
   int block_size = 16;
   int report_every = 64;
   bool quiet = false;
@@ -161,7 +163,12 @@ void usage() {
       "  --pruning MODE        per_head (default) | per_layer_per_head | union\n"
       "  --calibrate OUT       record pre-RoPE query statistics over the run, save to OUT\n"
       "                        (.safetensors: triattn's native format; .pt: TriAttention's layout)\n"
-      "  --kv-dtype T          f32 (default) | bf16 | f16 | fp8 (e4m3, scales 1; CPU only for now)\n"
+      "  --kv-dtype T          f32 (default) | bf16 | f16 | fp8 (e4m3 with --kv-scales; cpu and gpu)\n"
+      "  --kv-scales LIST      fp8: dequantisation scales, comma-separated: 1 value (every layer's K\n"
+      "                        and V), 2 (K, V of every layer) or 2 x layers (layer 0 K, layer 0 V,\n"
+      "                        layer 1 K, ...); a stored code c means c * scale, values beyond\n"
+      "                        +-448 * scale saturate (default: every scale 1). E.g. max |K| / 448\n"
+      "                        per layer, as the fidelity harness calibrates them (--fp8-scales calib)\n"
       "  --block-size N        tokens per KV block (default 16)\n"
       "  --report-every N      status line every N decode steps (default 64; 0 = off)\n"
       "  --prefill-chunk N     prefill at most N prompt tokens per step (e.g. 512-2048; default 0:\n"
@@ -262,6 +269,19 @@ Options parse_args(int argc, char** argv) {
       else if (v == "f16") o.kv_dtype = triattn::DType::kF16;
       else if (v == "fp8") o.kv_dtype = triattn::DType::kFP8E4M3;
       else throw std::runtime_error("--kv-dtype: '" + v + "' is not f32, bf16, f16 or fp8");
+    } else if (a == "--kv-scales") {
+      const std::string v = need(i);
+      o.kv_scales.clear();
+      std::size_t start = 0;
+      for (;;) {
+        const std::size_t comma = v.find(',', start);
+        const std::string item = v.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+        const float x = to_float(a, item);
+        if (!(x > 0.0f)) throw std::runtime_error("option --kv-scales: '" + item + "' is not > 0");
+        o.kv_scales.push_back(x);
+        if (comma == std::string::npos) break;
+        start = comma + 1;
+      }
     } else if (a == "--block-size") o.block_size = to_int(a, need(i), 1, 1 << 16);
     else if (a == "--report-every") o.report_every = to_int(a, need(i), 0, kIntMax);
     else if (a == "--prefill-chunk") o.prefill_chunk = to_int(a, need(i), 0, kIntMax);
@@ -293,6 +313,8 @@ Options parse_args(int argc, char** argv) {
   if (o.temperature < 0) throw std::runtime_error("--temperature must be >= 0");
   if (!(o.top_p > 0)) throw std::runtime_error("--top-p must be > 0");
   if (o.block_size <= 0) throw std::runtime_error("--block-size must be positive");
+  if (!o.kv_scales.empty() && o.kv_dtype != triattn::DType::kFP8E4M3)
+    throw std::runtime_error("--kv-scales applies to --kv-dtype fp8 only (the other dtypes store values unscaled)");
   if (o.tp < 1) throw std::runtime_error("--tp must be >= 1");
   if (o.tp > 1 && !o.calibrate_out.empty())
     throw std::runtime_error("--calibrate records the whole model's query heads; run it with --tp 1");
@@ -355,14 +377,33 @@ std::string human_bytes(double b) {
   return buf;
 }
 
+/// CacheConfig::kv_scales ([layers, 2 (K, V)]) from --kv-scales: one value for every K and V,
+/// a (K, V) pair for every layer, or all 2 * layers values.
+std::vector<float> expand_kv_scales(const std::vector<float>& given, int layers) {
+  const std::size_t L = static_cast<std::size_t>(layers);
+  if (given.empty() || given.size() == 2 * L) return given;
+  if (given.size() != 1 && given.size() != 2)
+    throw std::runtime_error("--kv-scales: " + std::to_string(given.size()) + " values; give 1 (every K and V), 2 (K, V of " +
+                             "every layer) or 2 x " + std::to_string(layers) + " layers = " + std::to_string(2 * L) +
+                             " (layer 0 K, layer 0 V, ...)");
+  std::vector<float> s(2 * L);
+  for (std::size_t l = 0; l < L; ++l) {
+    s[2 * l] = given.front();
+    s[2 * l + 1] = given.back();
+  }
+  return s;
+}
+
 /// The cache configuration for these prompts: every sequence gets the blocks it can ever need
-/// (prompt + steps, or with compression the saw-tooth's peak max(prompt, B) + D + 1).
+/// (prompt + steps, or with compression the saw-tooth's peak max(prompt, B) + D + 1). fp8 caches
+/// get --kv-scales (the same CacheConfig, so the same scales, for --device cpu and gpu).
 triattn::CacheConfig make_cache_config(const ex::ModelConfig& mc, const std::vector<std::vector<int>>& prompts,
                                        const Options& o, bool compress) {
   triattn::CacheConfig cfg;
   cfg.model = mc.geometry();
   cfg.block_size = o.block_size;
   cfg.dtype = o.kv_dtype;
+  cfg.kv_scales = expand_kv_scales(o.kv_scales, mc.n_layers);
   cfg.layout = triattn::KvLayout::kNHD;
   // One slot more than prompts: never used, it is the empty sequence the padding rows of
   // bucketed decode graphs attend to (decode_graphs.cuh); it holds no block.
@@ -598,6 +639,14 @@ int run(ModelT& model, Cache& cache, const TextCodec& codec, const std::vector<s
   std::fprintf(stderr, "model %s (%d layers, dim %d, %d q / %d kv heads, d %d, vocab %d), backend %s, KV %s\n",
                full.name.c_str(), full.n_layers, full.dim, full.n_heads, full.n_kv_heads, full.head_dim,
                full.vocab_size, ModelT::backend_type::kName, triattn::dtype_name(cache.config().dtype));
+  if (cache.config().dtype == triattn::DType::kFP8E4M3) {
+    const std::vector<float>& sc = cache.config().kv_scales;
+    if (sc.empty()) std::fprintf(stderr, "fp8 scales: 1 (no --kv-scales)\n");
+    else
+      std::fprintf(stderr, "fp8 scales (--kv-scales): %zu values [layer, K|V] from %g to %g\n", sc.size(),
+                   static_cast<double>(*std::min_element(sc.begin(), sc.end())),
+                   static_cast<double>(*std::max_element(sc.begin(), sc.end())));
+  }
   if (model.tp().size > 1)
     std::fprintf(stderr, "tensor parallel: %d ranks, each %d q / %d kv heads and %d of %d MLP columns (KV below: rank 0)\n",
                  model.tp().size, model.config().n_heads, model.config().n_kv_heads, model.config().hidden_dim,

@@ -2,7 +2,10 @@
 // Causal prefill attention over the paged KV cache on tensor cores (FlashAttention-2 style),
 // for 16-bit caches (bf16, f16) and head_dim 64 / 128; the CUDA backend runs it for every
 // attention step that is not a decode step (cuda_backend.cuh), fp32 caches and other head dims
-// keep attention_rows_kernel (cuda_kernels.cuh).
+// keep attention_rows_kernel (cuda_kernels.cuh). So do fp8 e4m3 caches: attention_rows_kernel
+// dequantises each K/V element by the view's scale and works in fp32, the CPU backend's
+// arithmetic. Here fp8 would need its own staging (codes dequantised to bf16 in shared memory,
+// scales per KV head, or e4m3 MMAs with q quantised too); not written yet.
 //
 // Semantics are attention_rows_kernel's: row r of sequence seq attends, with query head h, to
 // the physical slots [0, row_slot[r]] of seq through its block table (KV head h / group). Slots

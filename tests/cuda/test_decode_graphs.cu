@@ -3,7 +3,8 @@
 // Decode under CUDA graphs per batch bucket (examples/reference_transformer/decode_graphs.cuh):
 // greedy decoding of 9 sequences whose batch shrinks 9 -> 7 -> 6 -> 5 -> 3 -> 2 -> 1 (sequences
 // finish and stay open, as in generate()) with graphs padded to power-of-two buckets gives the
-// tokens and logits of eager decoding (f32 weights, GEMV matmuls, f32 and bf16 KV), captures one
+// tokens and logits of eager decoding (f32 weights, GEMV matmuls, f32, bf16 and fp8 KV: fp8's
+// decode attention takes the float queries, no converted copy for the padded rows), captures one
 // graph per bucket (5), not one per batch size (7), and the padding rows change nothing. A cache
 // without an empty sequence slot for the padding rows to attend keeps exact graphs, same tokens.
 #include <doctest/doctest.h>
@@ -86,7 +87,7 @@ TEST_CASE("GPU decode graphs per batch bucket give the eager tokens as the batch
   }
   REQUIRE(buckets.size() == 5);
   REQUIRE(sizes.size() == 7);
-  for (const DType kv : {DType::kF32, DType::kBF16}) {
+  for (const DType kv : {DType::kF32, DType::kBF16, DType::kFP8E4M3}) {
     INFO("KV " << std::string(triattn::dtype_name(kv)));
     ex::CudaBackendOptions bucketed;
     bucketed.matmul_path = ex::MatmulPath::kGemv;  // a row's arithmetic never depends on the batch

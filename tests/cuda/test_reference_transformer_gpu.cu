@@ -19,6 +19,16 @@
 //     hook): the tokens of the static pool, and only the fewest slabs that hold the blocks mapped
 //   * serving requests that share a system prompt (serve_shared.hpp) over the device pool with
 //     the prefix cache on gives bitwise the tokens of the same run with it off, device rounds on
+//   * fp8 (e4m3) KV with distinct per-layer or per-head scales, the GPU against the CPU backend on
+//     the same CacheConfig: stories260K (head_dim 8: the backend's own quantising writes, fused
+//     and unfused, and its per-row attention) and a synthetic head_dim 64 model (triattn's
+//     quantising append, its decode attention with float queries, bucket-padded graphs): ragged
+//     prefill chunks (a prompt continued in a second step) and decode steps with forced tokens,
+//     logits and the cached codes within bounds derived above LogitGap (an emulation); greedy
+//     generation gives the CPU's tokens; the pool is poisoned (0xFF: an fp8 NaN) beforehand, so
+//     a slot the kernels never wrote shows up as non-finite logits. The options test above runs
+//     fp8 too (every option bitwise the same). Without a device: CudaBackend dispatches fp8 and
+//     picks the quantising paths (which append, float queries).
 // Data come from TRIATTN_SHARED_DATA_DIR/models; a missing file fails the test. No GPU: fails.
 #include <doctest/doctest.h>
 
@@ -161,7 +171,250 @@ triattn::RopeConfig rope_of(const ex::ModelConfig& c) {
   return rope;
 }
 
+// ---- fp8 KV: the GPU against the CPU backend ------------------------------------------------------
+
+/// fp8 scales of `c`: one per (layer, K|V, KV head) with per_head, else per (layer, K|V); distinct
+/// values in [0.25, 0.75], so every write divides by a scale that is not 1 and each layer, K / V
+/// and head reads its own (these models' K/V stay far inside ±448 · 0.25: nothing saturates).
+std::vector<float> fp8_scales(const ex::ModelConfig& c, bool per_head) {
+  const int n = 2 * c.n_layers * (per_head ? c.n_kv_heads : 1);
+  std::vector<float> s;
+  for (int i = 0; i < n; ++i) s.push_back(0.25f + 0.0625f * static_cast<float>((i * 5) % 9));
+  return s;
+}
+
+triattn::CacheConfig fp8_config(const ex::ModelConfig& c, int tokens_per_seq, int seqs, bool per_head, int block = 16,
+                                KvLayout layout = KvLayout::kNHD) {
+  triattn::CacheConfig cfg = cache_config(c, tokens_per_seq, seqs, block, DType::kFP8E4M3, layout);
+  cfg.kv_scales = fp8_scales(c, per_head);
+  return cfg;
+}
+
+/// A device cache whose pool is poisoned (every byte 0xFF: NaN in every dtype, fp8 included):
+/// a slot the kernels should have written but did not makes the logits non-finite.
+ex::GpuPlainCache poisoned_cache(const triattn::CacheConfig& cfg, ex::CudaBackend& be) {
+  ex::GpuPlainCache cache = plain_cache(cfg, be);
+  TRIATTN_TEST_CUDA(cudaMemset(cache.allocator().data(), 0xFF, cache.allocator().backend().bytes()));
+  TRIATTN_TEST_CUDA(cudaDeviceSynchronize());
+  return cache;
+}
+
+/// Prefill of `prompts` in two steps, the first split[i] tokens of prompt i and then the rest
+/// (ragged chunks; the second step's rows continue at slot split[i], after K/V of the first;
+/// every row's logits kept), then `steps` decode steps of one forced token per sequence (the same
+/// inputs for every backend). Returns the logits of each step.
+template <class ModelT, class Cache>
+std::vector<std::vector<float>> run_chunked(ModelT& model, Cache& cache, const std::vector<std::vector<int>>& prompts,
+                                            const std::vector<int>& split, int steps) {
+  REQUIRE(split.size() == prompts.size());
+  std::vector<SeqId> ids;
+  for (std::size_t i = 0; i < prompts.size(); ++i) ids.push_back(cache.add_sequence());
+  std::vector<std::vector<float>> all;
+  for (int part = 0; part < 2; ++part) {
+    std::vector<ex::Chunk> chunks;
+    for (std::size_t i = 0; i < prompts.size(); ++i) {
+      const std::span<const int> p(prompts[i]);
+      const std::size_t cut = static_cast<std::size_t>(split[i]);
+      const std::span<const int> t = part == 0 ? p.first(cut) : p.subspan(cut);
+      if (!t.empty()) chunks.push_back(ex::Chunk{ids[i], t, triattn::Phase::kPrefill});
+    }
+    REQUIRE(!chunks.empty());
+    all.push_back(model.step(cache, chunks, ex::LogitsFor::kAllRows).logits);
+  }
+  std::vector<int> tok(prompts.size());
+  for (int s = 0; s < steps; ++s) {
+    std::vector<ex::Chunk> chunks;
+    for (std::size_t i = 0; i < prompts.size(); ++i) {
+      tok[i] = (s * 13 + static_cast<int>(i) * 7 + 5) % model.config().vocab_size;
+      chunks.push_back(ex::Chunk{ids[i], std::span<const int>(&tok[i], 1), triattn::Phase::kDecode});
+    }
+    all.push_back(model.step(cache, chunks, ex::LogitsFor::kLastOfEachChunk).logits);
+  }
+  return all;
+}
+
+// Bounds of the fp8 comparisons (GPU against CPU, both fp8 with the same scales). Both backends
+// quantise with the same function (x / scale, nearest even, saturating: KvCache::write_values on
+// the CPU; triattn::cuda::quant in the append kernel and in the backend's own writes on the GPU),
+// so a cached code differs only where the two backends' float K/V, which differ in the last bits
+// (accumulation orders: GEMV / cuBLAS vs the CPU's 8 lanes; fp32 KV logits agree within 1e-4,
+// see above), straddle an e4m3 rounding boundary: that element moves by one code step (1/8
+// relative), and the change propagates to later layers and tokens (one early flip can move many
+// later codes). Emulated on the CPU: the CPU backend with every matmul and attention output moved
+// by random ±1 to ±16 ulps (±16 moves fp32-KV logits by up to 1.5e-4, more than the 1e-4 the GPU
+// is held to above), 60 seeds, these models, prompts, chunks and scales. At ±1 to ±4 ulps at most
+// 0.05% of the codes differed and max |Δlogit| was 0.035; at ±16 at most 1.6% of the codes, max
+// |Δlogit| 0.68 (3.6% of max |logit|), mean |Δlogit| 0.009 (4.8e-4 of max |logit|); no greedy
+// token changed in 50 runs each of these 3 sequences x 60 steps (stories260K) and 40 steps
+// (synthetic). The bugs these checks are for (a write that ignores the scale, every head reading
+// head 0's scale) made >= 98% of the codes differ, max |Δlogit| >= 3.8 (40% of max |logit|) and
+// mean |Δlogit| >= 0.5 (5% of max |logit|) in the same emulation. Bounds: <= 5% of the codes, max
+// |Δlogit| <= 10% and mean |Δlogit| <= 0.2% of the CPU's max |logit|; every GPU logit finite.
+struct LogitGap {
+  float max_abs = 0.0f;
+  double mean_abs = 0.0;
+  float scale = 0.0f;  // max |logit| of the CPU run
+  std::size_t non_finite = 0;
+};
+LogitGap logit_gap(const std::vector<std::vector<float>>& gpu, const std::vector<std::vector<float>>& cpu) {
+  REQUIRE(gpu.size() == cpu.size());
+  LogitGap g;
+  double sum = 0.0;
+  std::size_t count = 0;
+  for (std::size_t s = 0; s < cpu.size(); ++s) {
+    REQUIRE(gpu[s].size() == cpu[s].size());
+    for (std::size_t i = 0; i < cpu[s].size(); ++i) {
+      if (!std::isfinite(gpu[s][i])) {
+        ++g.non_finite;
+        continue;
+      }
+      const float d = std::fabs(gpu[s][i] - cpu[s][i]);
+      g.max_abs = std::max(g.max_abs, d);
+      g.scale = std::max(g.scale, std::fabs(cpu[s][i]));
+      sum += d;
+      ++count;
+    }
+  }
+  g.mean_abs = count > 0 ? sum / static_cast<double>(count) : 0.0;
+  return g;
+}
+void fp8_logits_near(const LogitGap& g) {
+  CHECK(g.non_finite == 0);
+  CHECK(g.scale > 1.0f);  // real logits, not zeros
+  CHECK_MESSAGE(g.max_abs <= 0.1f * g.scale, "max |GPU - CPU| logit " << g.max_abs << " vs max |logit| " << g.scale);
+  CHECK_MESSAGE(g.mean_abs <= 2e-3 * g.scale, "mean |GPU - CPU| logit " << g.mean_abs << " vs max |logit| " << g.scale);
+}
+
+/// Fraction of the fp8 codes of every cached slot (each sequence's physical length, every layer,
+/// K and V, KV head, element) that differ between the device cache and the CPU cache; the two
+/// must hold the same sequences at the same lengths.
+double fp8_code_mismatch(ex::GpuPlainCache& gpu, ex::CudaBackend& be, const triattn::KvCache<>& cpu,
+                         std::span<const SeqId> seqs) {
+  using F8 = triattn::fp8_e4m3_storage;
+  const Snapshot<F8> snap = snapshot<F8>(gpu, be);
+  const auto cv = cpu.view<F8>();
+  const triattn::ModelGeometry& m = cpu.config().model;
+  std::size_t total = 0, differ = 0;
+  for (const SeqId s : seqs) {
+    REQUIRE(gpu.physical_length(s) == cpu.physical_length(s));
+    for (int l = 0; l < m.num_layers; ++l)
+      for (const KvKind kind : {KvKind::kKey, KvKind::kValue})
+        for (int t = 0; t < cpu.physical_length(s); ++t)
+          for (int h = 0; h < m.num_kv_heads; ++h) {
+            const F8* g = snap.view.token(l, kind, s, t, h);
+            const F8* c = cv.token(l, kind, s, t, h);
+            for (int e = 0; e < m.head_dim; ++e) differ += g[e].bits != c[e].bits;
+            total += static_cast<std::size_t>(m.head_dim);
+          }
+  }
+  REQUIRE(total > 0);
+  return static_cast<double>(differ) / static_cast<double>(total);
+}
+
+/// run_chunked on the GPU (options o, a poisoned pool) and on the CPU with the same fp8 cache
+/// configuration; checks the logits and the cached codes (fp8_logits_near).
+void check_fp8_chunked(const ex::ModelWeights& w, const triattn::CacheConfig& cfg, const ex::CudaBackendOptions& o,
+                       const std::vector<std::vector<int>>& prompts, const std::vector<int>& split, int steps) {
+  ex::CudaBackend be(o);
+  ex::Model<ex::CudaBackend> gm(w, be);
+  ex::GpuPlainCache gc = poisoned_cache(cfg, be);
+  const auto g = run_chunked(gm, gc, prompts, split, steps);
+  ex::Model<> cm(w);
+  triattn::KvCache<> cc(cfg);
+  const auto c = run_chunked(cm, cc, prompts, split, steps);
+  const LogitGap gap = logit_gap(g, c);
+  fp8_logits_near(gap);
+  std::vector<SeqId> seqs;
+  for (std::size_t i = 0; i < prompts.size(); ++i) seqs.push_back(static_cast<SeqId>(i));
+  const double mismatch = fp8_code_mismatch(gc, be, cc, seqs);
+  CHECK_MESSAGE(mismatch <= 0.05, "fp8 codes differing between the GPU and the CPU cache: " << 100.0 * mismatch << "%");
+  MESSAGE("fp8 KV, " << w.config.name << ": max |GPU - CPU| logit " << gap.max_abs << ", mean " << gap.mean_abs
+                     << " (max |logit| " << gap.scale << "), codes differing " << 100.0 * mismatch << "%");
+}
+
+/// Greedy generation of `steps` tokens per prompt on the GPU (options o) and on the CPU, fp8 KV
+/// with `cfg`: the same tokens, and the logits of every sampled position within the fp8 bounds.
+void check_fp8_greedy(const ex::ModelWeights& w, const triattn::CacheConfig& cfg, const ex::CudaBackendOptions& o,
+                      const std::vector<std::vector<int>>& prompts, int steps) {
+  auto run = [&](bool gpu) {
+    std::vector<ex::Sampler> samplers(prompts.size());
+    ex::GenerationOptions opt;
+    opt.max_new_tokens = steps;
+    opt.stop_at_bos = false;
+    std::vector<std::vector<float>> logits;  // every sampled position, in callback order
+    ex::GenerationCallbacks cb;
+    cb.on_token = [&](int, int, std::int64_t, std::span<const float> l) { logits.emplace_back(l.begin(), l.end()); };
+    std::vector<std::vector<int>> toks;
+    if (gpu) {
+      ex::CudaBackend be(o);
+      ex::Model<ex::CudaBackend> model(w, be);
+      ex::GpuPlainCache cache = poisoned_cache(cfg, be);
+      for (const auto& r : ex::generate(model, cache, std::span<const std::vector<int>>(prompts), std::span<ex::Sampler>(samplers), opt, cb))
+        toks.push_back(r.generated);
+    } else {
+      ex::Model<> model(w);
+      triattn::KvCache<> cache(cfg);
+      for (const auto& r : ex::generate(model, cache, std::span<const std::vector<int>>(prompts), std::span<ex::Sampler>(samplers), opt, cb))
+        toks.push_back(r.generated);
+    }
+    return std::make_pair(toks, logits);
+  };
+  const auto g = run(true);
+  const auto c = run(false);
+  REQUIRE(g.first.size() == prompts.size());
+  for (std::size_t i = 0; i < prompts.size(); ++i) {
+    CAPTURE(i);
+    CHECK(g.first[i].size() == static_cast<std::size_t>(steps));
+    CHECK(g.first[i] == c.first[i]);
+  }
+  const LogitGap gap = logit_gap(g.second, c.second);
+  fp8_logits_near(gap);
+  MESSAGE("fp8 KV greedy, " << w.config.name << ": " << prompts.size() << " x " << steps << " tokens, max |GPU - CPU| logit "
+                            << gap.max_abs << ", mean " << gap.mean_abs);
+}
+
 }  // namespace
+
+TEST_CASE("CudaBackend takes fp8 KV through its one dtype dispatch and the quantising paths (no device needed)") {
+  namespace cd = ex::cuda_detail;
+  // Model<CudaBackend> dispatches over CudaBackend::kv_storage_types: fp8 reaches the layers.
+  bool fp8 = false;
+  triattn::dispatch_dtype_in(ex::CudaBackend::kv_storage_types{}, DType::kFP8E4M3, "test", [&](auto t) {
+    fp8 = std::is_same_v<typename decltype(t)::type, triattn::fp8_e4m3_storage>;
+  });
+  CHECK(fp8);
+  bool device_fp8 = false;
+  cd::dispatch_cache_type(DType::kFP8E4M3, [&](auto, auto d) {
+    device_fp8 = std::is_same_v<typename decltype(d)::type, __nv_fp8_e4m3>;
+  });
+  CHECK(device_fp8);
+  CHECK_THROWS_AS(cd::dispatch_cache_type(static_cast<DType>(9), [](auto, auto) {}), triattn::unsupported);
+  // Decode attention: 16-bit caches take q converted to the cache type, fp32 and fp8 the float q.
+  CHECK_FALSE(cd::converts_query(DType::kFP8E4M3));
+  CHECK_FALSE(cd::converts_query(DType::kF32));
+  CHECK(cd::converts_query(DType::kBF16));
+  CHECK(cd::converts_query(DType::kF16));
+  // Appends: fp32 and fp8 take the float K/V (fp8 quantised by the view's scales), 16-bit caches
+  // converted copies.
+  CHECK(cd::append_takes_float(DType::kFP8E4M3));
+  CHECK(cd::append_takes_float(DType::kF32));
+  CHECK_FALSE(cd::append_takes_float(DType::kBF16));
+  CHECK(cd::scaled_cache(DType::kFP8E4M3));
+  CHECK_FALSE(cd::scaled_cache(DType::kBF16));
+  // fp8 goes through triattn's append wherever it compiles the head_dim, direct_kv_write or not;
+  // other head dims (stories260K's 8) through the backend's own (quantising) writes.
+  for (const bool direct : {false, true}) {
+    CHECK(cd::library_append(DType::kFP8E4M3, 64, direct));
+    CHECK(cd::library_append(DType::kFP8E4M3, 128, direct));
+    CHECK_FALSE(cd::library_append(DType::kFP8E4M3, 8, direct));
+    CHECK(cd::library_append(DType::kBF16, 64, direct) == !direct);
+    CHECK(cd::library_append(DType::kF32, 128, direct) == !direct);
+  }
+  // Prefill rows of fp8 caches stay on the per-row kernel: the tensor-core kernel refuses them.
+  triattn::KvCacheView<triattn::fp8_e4m3_storage, std::int32_t> v;
+  v.block.head_dim = 64;
+  CHECK(ex::gpu::prefill_attention_refusal(v, 64, 1).find("fp8_e4m3") != std::string::npos);
+}
 
 TEST_SUITE("gpu") {
 
@@ -306,7 +559,9 @@ TEST_CASE("GPU generate: greedy decode steps through the device argmax give the 
 
 TEST_CASE("GPU backend options and DeviceDecoder give bitwise the same logits") {
   triattn::test::require_device();
-  for (const DType kv : {DType::kF32, DType::kBF16}) {
+  // fp8: triattn's quantising append (fused and not; direct_kv_write leaves it there), float
+  // queries into its decode attention, the per-row kernel for the prefill rows; per-head scales.
+  for (const DType kv : {DType::kF32, DType::kBF16, DType::kFP8E4M3}) {
     for (const int hd : {64, 128}) {
       INFO("KV " << std::string(triattn::dtype_name(kv)) << ", head_dim " << hd);
       const ex::ModelConfig c = small_config(hd);
@@ -314,7 +569,7 @@ TEST_CASE("GPU backend options and DeviceDecoder give bitwise the same logits") 
       const std::vector<std::vector<int>> prompts = {prompt_tokens(19, 1, c.vocab_size), prompt_tokens(3, 2, c.vocab_size),
                                                      prompt_tokens(40, 3, c.vocab_size)};
       constexpr int kSteps = 20;
-      const auto cfg = cache_config(c, 64 + kSteps, 3, 16, kv);
+      const auto cfg = kv == DType::kFP8E4M3 ? fp8_config(c, 64 + kSteps, 3, true) : cache_config(c, 64 + kSteps, 3, 16, kv);
       auto with = [&](ex::CudaBackendOptions o) {
         ex::CudaBackend be(o);
         ex::Model<ex::CudaBackend> model(w, be);
@@ -695,6 +950,62 @@ TEST_CASE("GPU serving with the prefix cache gives the same tokens as without (c
                                << on.computed_prompt_tokens << " of " << on.prompt_tokens << ", peak blocks held "
                                << on.peak_blocks_held << " (off: " << off.peak_blocks_held << ")");
   }
+}
+
+TEST_CASE("stories260K on the GPU with fp8 KV: ragged chunked prefill and decode stay near the CPU backend") {
+  // head_dim 8: triattn's append is not compiled for it, so the backend's own writes quantise
+  // (the RoPE kernel's direct write when fused, write_kv_kernel when not) and every attention,
+  // prefill and decode, runs attention_rows_kernel dequantising the codes.
+  triattn::test::require_device();
+  const Stories& s = Stories::get();
+  const ex::ModelConfig& mc = s.weights.config;
+  // Prompt 0 is prefilled 2 + 1 tokens, prompt 1 (one token) in the first step only, prompt 2
+  // 10 + 7: steps of several ragged chunks, rows continuing a sequence at slot > 0.
+  const std::vector<std::vector<int>> prompts = {{1, 403, 407}, {1},
+                                                 {1, 403, 407, 261, 378, 260, 375, 261, 300, 301, 302, 303, 304, 305, 306, 307, 308}};
+  const std::vector<int> split = {2, 1, 10};
+  constexpr int kSteps = 100;
+  SUBCASE("per-head scales, NHD block 16, fused RoPE + K/V write, graphs") {
+    check_fp8_chunked(s.weights, fp8_config(mc, 32 + kSteps, 3, true), ex::CudaBackendOptions{}, prompts, split, kSteps);
+  }
+  SUBCASE("per-layer scales, HND block 5, unfused write_kv_kernel, no graphs or PDL") {
+    ex::CudaBackendOptions o;
+    o.fuse = false;
+    o.graphs = false;
+    o.pdl = false;
+    check_fp8_chunked(s.weights, fp8_config(mc, 32 + kSteps, 3, false, 5, KvLayout::kHND), o, prompts, split, kSteps);
+  }
+}
+
+TEST_CASE("stories260K on the GPU with fp8 KV: greedy generation gives the CPU backend's tokens") {
+  triattn::test::require_device();
+  const Stories& s = Stories::get();
+  const std::vector<std::vector<int>> prompts = {{1, 403, 407}, {1}, {1, 403, 407, 261, 378, 260, 375, 261}};
+  constexpr int kSteps = 60;
+  check_fp8_greedy(s.weights, fp8_config(s.weights.config, 16 + kSteps, static_cast<int>(prompts.size()) + 1, true),
+                   ex::CudaBackendOptions{}, prompts, kSteps);
+}
+
+TEST_CASE("synthetic head_dim 64 on the GPU with fp8 KV: quantising append and decode attention stay near the CPU backend") {
+  // triattn's quantising append (after the fused RoPE, or as the unfused write), its decode
+  // attention with float queries (decode steps of 3 sequences padded to a graph bucket of 4: one
+  // spare sequence slot), the per-row kernel for the prefill rows.
+  triattn::test::require_device();
+  const ex::ModelConfig c = small_config(64);
+  const ex::ModelWeights w = ex::make_synthetic_weights(c, 77);
+  const std::vector<std::vector<int>> prompts = {prompt_tokens(19, 1, c.vocab_size), prompt_tokens(3, 2, c.vocab_size),
+                                                 prompt_tokens(40, 3, c.vocab_size)};
+  const std::vector<int> split = {7, 3, 33};
+  constexpr int kSteps = 100;
+  for (const bool fuse : {true, false}) {
+    INFO((fuse ? "fused RoPE + append, graphs" : "unfused append, no graphs"));
+    ex::CudaBackendOptions o;
+    o.fuse = fuse;
+    o.graphs = fuse;
+    check_fp8_chunked(w, fp8_config(c, 64 + kSteps, static_cast<int>(prompts.size()) + 1, fuse), o, prompts, split, kSteps);
+  }
+  check_fp8_greedy(w, fp8_config(c, 64 + 40, static_cast<int>(prompts.size()) + 1, true), ex::CudaBackendOptions{},
+                   {{1, 40, 41, 42}, {1, 7}, {1, 300, 301}}, 40);
 }
 
 }  // TEST_SUITE
