@@ -89,7 +89,8 @@ void usage() {
       "                          --synthetic-vocab N shrink it)\n"
       "  --device D              cpu (default) | gpu\n"
       "  --weight-dtype T        gpu: f32 | bf16 (default f32; bf16 for synthetic shapes on the gpu)\n"
-      "  --kv-dtype T            f32 (default on cpu) | bf16 (default on gpu) | f16\n"
+      "  --kv-dtype T            f32 (default on cpu) | bf16 (default on gpu) | f16 | fp8 (e4m3, every\n"
+      "                          scale 1: half the bytes of bf16, so --kv-limit holds twice the tokens)\n"
       "  --batch-invariant       gpu: GEMV matmuls and the per-row attention kernel for every step, so\n"
       "                          a row's arithmetic never depends on the batch (slower; for equality checks)\n"
       "  --no-graphs             gpu: launch decode steps kernel by kernel (no CUDA graphs; a changing\n"
@@ -208,7 +209,8 @@ Options parse_args(int argc, char** argv) {
       if (v == "f32") o.kv_dtype = triattn::DType::kF32;
       else if (v == "bf16") o.kv_dtype = triattn::DType::kBF16;
       else if (v == "f16") o.kv_dtype = triattn::DType::kF16;
-      else throw triattn::logic_error("--kv-dtype: '" + v + "' is not f32, bf16 or f16");
+      else if (v == "fp8") o.kv_dtype = triattn::DType::kFP8E4M3;
+      else throw triattn::logic_error("--kv-dtype: '" + v + "' is not f32, bf16, f16 or fp8");
     } else if (a == "--batch-invariant") o.batch_invariant = true;
     else if (a == "--no-graphs") o.no_graphs = true;
     else if (a == "--round-stream") {
