@@ -178,10 +178,10 @@ TEST_CASE("serving loop: with rounds in flight across steps and prompts longer t
 // No input makes the loop hang: random small workloads (prompts below, at and beyond the
 // trigger, with and without a shared system prompt), every prompt mode, budgets, prefill chunks,
 // both admissions, the prefix cache, fewer running than the pool holds, greedy and sampled, pools
-// of 24-60 blocks of 16 tokens (or the same memory in blocks of 4), and rounds in flight across
-// steps (DeferredRounds) or committed at once (HostRounds). Each run must
-// finish within a step bound linear in its tokens, and every request must generate the tokens
-// and get the rounds it gets alone.
+// of 24-60 blocks of 16 tokens (or the same memory in blocks of 4), f32 or fp8 KV, and rounds in
+// flight across steps (DeferredRounds) or committed at once (HostRounds). Each run must finish
+// within a step bound linear in its tokens, and every request must generate the tokens and get
+// the rounds it gets alone.
 TEST_CASE("serving loop soak: random workloads and options finish and every request matches its run alone") {
   const Stories& s = Stories::get();
   const ex::ModelConfig& mc = s.weights.config;
@@ -189,7 +189,7 @@ TEST_CASE("serving loop soak: random workloads and options finish and every requ
   const triattn::QueryStats qs = triattn::test::serving_stats(mc);
   const triattn::PromptMode modes[] = {triattn::PromptMode::kPinnedInBudget, triattn::PromptMode::kPinnedOnTop,
                                        triattn::PromptMode::kCompete};
-  for (std::uint64_t seed = 1; seed <= 40; ++seed) {  // 300 seeds pass too (15 s)
+  for (std::uint64_t seed = 1; seed <= 40; ++seed) {  // 300 seeds pass too (20 s)
     std::mt19937_64 rng(seed);
     auto pick = [&rng](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
     triattn::SelectionParams sel;
@@ -210,6 +210,7 @@ TEST_CASE("serving loop soak: random workloads and options finish and every requ
     const int pools[] = {24, 40, 60};  // from a few requests at a time to all of them
     pool.num_blocks = pools[pick(0, 2)];
     pool.max_blocks_per_seq = std::min(pool.max_blocks_per_seq, pool.num_blocks);
+    if (pick(0, 3) == 0) pool.dtype = triattn::DType::kFP8E4M3;  // e4m3, every scale 1
     if (pick(0, 2) == 0) {  // the same memory in blocks of 4 tokens
       pool.block_size = 4;
       pool.num_blocks *= 4;
@@ -244,6 +245,7 @@ TEST_CASE("serving loop soak: random workloads and options finish and every requ
     CAPTURE(deferred);
     CAPTURE(pool.num_blocks);
     CAPTURE(pool.block_size);
+    CAPTURE(triattn::dtype_name(pool.dtype));
     auto make_cache = [&] {
       return std::make_unique<Tri>(pool,
                                    triattn::TriAttentionScorer(qs, ex::rope_config(mc), triattn::ScoringParams{}, mc.n_kv_heads),
