@@ -96,14 +96,20 @@ inline void poisson_arrivals(std::vector<Request>& reqs, double rate, std::uint6
   }
 }
 
+/// Prompt tokens a trace may hold in all: "prompt_len" lines expand, so a small file could ask
+/// for more memory than any machine has (2^28 ids: 1 GiB).
+inline constexpr std::int64_t kMaxTraceTokens = std::int64_t{1} << 28;
+
 /// Requests of a JSONL trace (one object per line; blank lines skipped). A "prompt_len" prompt is
-/// BOS + random ids (seeded). @throws triattn::format_error naming the line on a bad record.
+/// BOS + random ids (seeded). @throws triattn::format_error naming the line on a bad record, or
+/// on the line where the prompts pass `max_tokens` in all.
 [[nodiscard]] inline std::vector<Request> parse_trace(std::string_view text, const std::string& name, int vocab, int bos,
-                                                      std::uint64_t seed) {
+                                                      std::uint64_t seed, std::int64_t max_tokens = kMaxTraceTokens) {
   using triattn::detail::JsonValue;
   std::mt19937_64 rng(seed);
   std::vector<Request> out;
   std::size_t line_no = 0;
+  std::int64_t total = 0;  // prompt tokens so far
   for (std::size_t pos = 0; pos <= text.size();) {
     std::size_t end = text.find('\n', pos);
     if (end == std::string_view::npos) end = text.size();
@@ -139,6 +145,10 @@ inline void poisson_arrivals(std::vector<Request>& reqs, double rate, std::uint6
     } else {
       throw bad("needs \"prompt\" or \"prompt_len\"");
     }
+    total += static_cast<std::int64_t>(q.prompt.size());
+    if (total > max_tokens)
+      throw bad("the trace's prompts pass " + std::to_string(max_tokens) + " tokens in all (" + std::to_string(total) +
+                " so far)");
     out.push_back(std::move(q));
   }
   if (out.empty()) throw triattn::format_error(name + ": the trace has no requests");

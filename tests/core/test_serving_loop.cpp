@@ -326,4 +326,10 @@ TEST_CASE("serving workloads: a JSONL trace replays through the loop and a bad l
   CHECK_THROWS_WITH_AS((void)sv::parse_trace("{\"arrival\": 0, \"max_new_tokens\": 3, \"prompt\": [1, 9999]}\n", "t.jsonl",
                                              mc.vocab_size, mc.bos_id, 3),
                        doctest::Contains("t.jsonl:1"), triattn::format_error);
+  // "prompt_len" lines expand: the prompts' total is capped (here 64 tokens: the third line passes it).
+  const std::string lens = "{\"arrival\": 0, \"max_new_tokens\": 1, \"prompt_len\": 30}\n";
+  CHECK(sv::parse_trace(lens + lens, "t.jsonl", mc.vocab_size, mc.bos_id, 3, 64).size() == 2);
+  CHECK_THROWS_WITH_AS((void)sv::parse_trace(lens + lens + lens, "t.jsonl", mc.vocab_size, mc.bos_id, 3, 64),
+                       doctest::Contains("t.jsonl:3: the trace's prompts pass 64 tokens in all (90 so far)"),
+                       triattn::format_error);
 }
