@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdint>
 #include <random>
 #include <string>
@@ -33,6 +34,11 @@ struct WorkloadSpec {
   double gen_scale = 1.0;          ///< generated lengths only
   std::uint64_t seed = 1;
 };
+
+/// Prompt tokens a workload or trace may hold in all: "prompt_len" lines expand and --scale
+/// multiplies, so a small file or a big factor could ask for more memory than any machine has
+/// (2^28 ids: 1 GiB).
+inline constexpr std::int64_t kMaxTraceTokens = std::int64_t{1} << 28;
 
 /// max(1, round(x * f)).
 [[nodiscard]] inline int scaled(int x, double f) { return std::max(1, static_cast<int>(std::lround(x * f))); }
@@ -64,6 +70,22 @@ inline void append_random_tokens(std::vector<int>& out, int n, int vocab, std::m
   } else {
     throw triattn::logic_error("make_workload: kind '" + spec.kind + "' is not reasoning, longqa or shared");
   }
+  // The longest prompt and generation the ranges can give, in range of an int, and all prompts
+  // at their longest within kMaxTraceTokens (a huge --scale would ask for more memory than any
+  // machine has).
+  const double longest_prompt = (r.p_hi + shared) * spec.scale, longest_gen = r.n_hi * spec.scale * spec.gen_scale;
+  auto g = [](double x) {
+    char b[32];
+    std::snprintf(b, sizeof b, "%.6g", x);
+    return std::string(b);
+  };
+  TRIATTN_EXPECTS(longest_prompt <= (1 << 24) && longest_gen <= (1 << 24),
+                  "make_workload: scale " + g(spec.scale) + " and gen_scale " + g(spec.gen_scale) + " make " + spec.kind +
+                      " prompts of up to " + g(longest_prompt) + " tokens and " + g(longest_gen) +
+                      " generated (at most 2^24 each)");
+  TRIATTN_EXPECTS(longest_prompt * spec.requests <= static_cast<double>(kMaxTraceTokens),
+                  "make_workload: " + std::to_string(spec.requests) + " requests of up to " + g(longest_prompt) +
+                      " prompt tokens could pass " + std::to_string(kMaxTraceTokens) + " tokens in all");
   std::mt19937_64 rng(spec.seed);
   std::vector<int> system{bos};
   if (shared > 0) append_random_tokens(system, scaled(shared, spec.scale) - 1, vocab, rng);
@@ -95,10 +117,6 @@ inline void poisson_arrivals(std::vector<Request>& reqs, double rate, std::uint6
     if (rate > 0) t += gap(rng);
   }
 }
-
-/// Prompt tokens a trace may hold in all: "prompt_len" lines expand, so a small file could ask
-/// for more memory than any machine has (2^28 ids: 1 GiB).
-inline constexpr std::int64_t kMaxTraceTokens = std::int64_t{1} << 28;
 
 /// Requests of a JSONL trace (one object per line; blank lines skipped). A "prompt_len" prompt is
 /// BOS + random ids (seeded). @throws triattn::format_error naming the line on a bad record, or
