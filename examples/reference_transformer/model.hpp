@@ -221,13 +221,13 @@ class Model {
                         std::to_string(m.num_layers) + ", " + std::to_string(m.num_q_heads) + ", " +
                         std::to_string(m.num_kv_heads) + ", " + std::to_string(m.head_dim) + ")");
     TRIATTN_EXPECTS(!chunks.empty(), "Model::step: no chunks");
+    seen_.assign(static_cast<std::size_t>(cache.config().max_seqs), 0);  // O(chunks) duplicate check
     for (std::size_t i = 0; i < chunks.size(); ++i) {
       const Chunk& ch = chunks[i];
       TRIATTN_EXPECTS(cache.is_active(ch.seq), "Model::step: sequence " + std::to_string(ch.seq) + " is not active");
       TRIATTN_EXPECTS(!ch.tokens.empty(), "Model::step: chunk " + std::to_string(i) + " has no tokens");
-      for (std::size_t j = 0; j < i; ++j)
-        TRIATTN_EXPECTS(chunks[j].seq != ch.seq,
-                        "Model::step: sequence " + std::to_string(ch.seq) + " appears in two chunks of one step");
+      TRIATTN_EXPECTS(seen_[static_cast<std::size_t>(ch.seq)]++ == 0,
+                      "Model::step: sequence " + std::to_string(ch.seq) + " appears in two chunks of one step");
       for (int t : ch.tokens)
         TRIATTN_EXPECTS(t >= 0 && t < config_.vocab_size, "Model::step: token id " + std::to_string(t) +
                                                               " outside [0, vocab_size = " +
@@ -370,6 +370,7 @@ class Model {
   std::vector<int> tokens_;      // [rows] host token ids of the current step
   std::vector<int> chunk_row_;   // first row of each chunk
   std::vector<int> chunk_slot_;  // first physical slot of each chunk
+  mutable std::vector<unsigned char> seen_;  // validate(): sequences met in this step's chunks
   typename Backend::Buffer x_, xb_, xb2_, q_, k_, v_, att_, h1_, h3_, logits_;
 };
 

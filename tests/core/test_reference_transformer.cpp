@@ -542,8 +542,18 @@ TEST_CASE("Model::step: argument errors and a full pool leave the cache unchange
   CHECK_THROWS_AS((void)m.step(cache, std::span<const ex::Chunk>(&cb, 1)), triattn::logic_error);
   const ex::Chunk twice[2] = {{a, std::span<const int>(five).first(1), triattn::Phase::kDecode},
                               {a, std::span<const int>(five).first(1), triattn::Phase::kDecode}};
-  CHECK_THROWS_AS((void)m.step(cache, std::span<const ex::Chunk>(twice, 2)), triattn::logic_error);
+  CHECK_THROWS_WITH_AS((void)m.step(cache, std::span<const ex::Chunk>(twice, 2)),
+                       doctest::Contains("appears in two chunks of one step"), triattn::logic_error);
+  const triattn::SeqId b = cache.add_sequence();
+  const ex::Chunk apart[3] = {{a, std::span<const int>(five).first(1), triattn::Phase::kDecode},
+                              {b, std::span<const int>(five).first(1), triattn::Phase::kPrefill},
+                              {a, std::span<const int>(five).first(1), triattn::Phase::kDecode}};
+  const std::string which = "sequence " + std::to_string(a) + " appears in two chunks";
+  CHECK_THROWS_WITH_AS((void)m.step(cache, std::span<const ex::Chunk>(apart, 3)), doctest::Contains(which.c_str()),
+                       triattn::logic_error);
   CHECK(cache.physical_length(a) == 8);
+  CHECK(cache.physical_length(b) == 0);
+  cache.release(b);
   // A cache of another geometry is refused.
   triattn::CacheConfig other = cfg;
   other.model.num_layers += 1;
