@@ -285,6 +285,8 @@ class DeviceRounds {
                                      stream));
     TRIATTN_CUDA_TRY(cudaEventRecord(event_, stream));
     in_flight_.assign(seqs.begin(), seqs.end());  // reuses its capacity
+    flight_.resize(static_cast<std::size_t>(cfg.max_seqs), 0);
+    for (SeqId s : seqs) flight_[static_cast<std::size_t>(s)] = 1;
     batch_ = batch;
     rows_ = rows;
     max_keep_ = max_keep;
@@ -364,8 +366,9 @@ class DeviceRounds {
   }
 
   [[nodiscard]] bool pending() const noexcept { return pending_; }
+  /// O(1): engines ask it of every sequence every step.
   [[nodiscard]] bool in_flight(SeqId s) const noexcept {
-    return pending_ && std::find(in_flight_.begin(), in_flight_.end(), s) != in_flight_.end();
+    return pending_ && s >= 0 && static_cast<std::size_t>(s) < flight_.size() && flight_[static_cast<std::size_t>(s)] != 0;
   }
 
  private:
@@ -481,6 +484,7 @@ class DeviceRounds {
     const Layout lay = layout(batch_, rows_, max_keep_);
     const RoundOutputs out = outputs(static_cast<char*>(host_), lay, batch_, rows_, max_keep_);
     pending_ = false;
+    for (SeqId s : in_flight_) flight_[static_cast<std::size_t>(s)] = 0;
     last_seqs_.swap(in_flight_);  // both keep their capacity
     in_flight_.clear();
     // A refused round wrote nothing: the cache stays as it was and the error names the input.
@@ -504,6 +508,7 @@ class DeviceRounds {
   bool pending_ = false;
   bool keep_plans_ = false;
   std::vector<SeqId> in_flight_, last_seqs_, due_;
+  std::vector<unsigned char> flight_;  // [max_seqs] 1 while the sequence's round is in flight
   std::vector<std::uint8_t> seen_;
   std::vector<CompressionReport> reports_;
   int batch_ = 0, rows_ = 0, max_keep_ = 0;
