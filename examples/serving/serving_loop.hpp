@@ -57,6 +57,9 @@ struct Request {
   int max_new_tokens = 1;
 };
 
+/// Latest arrival serve() waits for in real time (one day): a later one is refused, not slept for.
+inline constexpr double kMaxArrivalS = 86400.0;
+
 enum class Admission : int {
   kExact = 0,       ///< admit only what fits at its worst case (core/admission.hpp): never preempts
   kOptimistic = 1,  ///< admit while the prompt fits; preempt (recompute) when a step runs out
@@ -258,6 +261,10 @@ LoopResult serve(ModelT& model, Cache& cache, Rounds& rounds, std::span<const Re
     TRIATTN_EXPECTS(r.max_new_tokens >= 1, "serve: request " + std::to_string(i) + " has max_new_tokens " +
                                                std::to_string(r.max_new_tokens) + " (at least 1)");
     TRIATTN_EXPECTS(r.arrival_s >= 0.0, "serve: request " + std::to_string(i) + " arrives before 0");
+    // Waited for in real time: an arrival in other units (ms, or an epoch time) would sleep for years.
+    TRIATTN_EXPECTS(!opt.wall_clock || r.arrival_s <= kMaxArrivalS,
+                    "serve: request " + std::to_string(i) + " arrives at " + std::to_string(r.arrival_s) +
+                        " s, more than a day after the start (arrival times are seconds from the start)");
     for (int t : r.prompt)
       TRIATTN_EXPECTS(t >= 0 && t < vocab, "serve: request " + std::to_string(i) + " has token " + std::to_string(t) +
                                                " outside [0, " + std::to_string(vocab) + ")");

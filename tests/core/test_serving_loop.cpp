@@ -282,6 +282,23 @@ TEST_CASE("serving loop soak: random workloads and options finish and every requ
   }
 }
 
+TEST_CASE("serving loop: an arrival more than a day away is refused instead of slept for") {
+  const Stories& s = Stories::get();
+  ex::Model<> model(s.weights);
+  Plain cache(triattn::test::serving_pool(s.weights.config));
+  sv::HostRounds<Plain> rounds(cache);
+  std::vector<sv::Request> reqs(2);
+  for (sv::Request& r : reqs) r.prompt = {s.weights.config.bos_id, 5, 6};
+  reqs[1].arrival_s = 1.7e12;  // an epoch time in ms, say
+  CHECK_THROWS_WITH_AS((void)sv::serve(model, cache, rounds, std::span<const sv::Request>(reqs), sv::LoopOptions{}),
+                       doctest::Contains("request 1 arrives at"), triattn::logic_error);
+  CHECK(cache.num_active() == 0);
+  sv::LoopOptions offline;
+  offline.wall_clock = false;  // arrivals only order the queue: nothing is waited for
+  const sv::LoopResult res = sv::serve(model, cache, rounds, std::span<const sv::Request>(reqs), offline);
+  CHECK(res.requests[1].generated.size() == 1);
+}
+
 TEST_CASE("serving loop: a request that can never fit the pool is refused naming it") {
   const Stories& s = Stories::get();
   ex::Model<> model(s.weights);
