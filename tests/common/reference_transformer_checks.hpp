@@ -178,6 +178,22 @@ float reference_kv_diff(const Stories& s, const View& view, SeqId seq) {
   return kv_worst;
 }
 
+/// `steps` decode steps of one forced token per sequence of `ids` (the same inputs for every
+/// backend); appends each step's logits to `all`.
+template <class ModelT, class Cache>
+void forced_decode_steps(ModelT& model, Cache& cache, const std::vector<SeqId>& ids, int steps,
+                         std::vector<std::vector<float>>& all) {
+  std::vector<int> tok(ids.size());
+  for (int s = 0; s < steps; ++s) {
+    std::vector<triattn_example::Chunk> chunks;
+    for (std::size_t i = 0; i < ids.size(); ++i) {
+      tok[i] = (s * 13 + static_cast<int>(i) * 7 + 5) % model.config().vocab_size;
+      chunks.push_back(triattn_example::Chunk{ids[i], std::span<const int>(&tok[i], 1), triattn::Phase::kDecode});
+    }
+    all.push_back(model.step(cache, chunks, triattn_example::LogitsFor::kLastOfEachChunk).logits);
+  }
+}
+
 // --- tensor parallelism ----------------------------------------------------------------------
 
 /// BOS and len - 1 tokens derived from `salt`.

@@ -187,15 +187,7 @@ std::vector<std::vector<float>> run_chunked(ModelT& model, Cache& cache, const s
     more = !chunks.empty();
     if (more) all.push_back(model.step(cache, chunks, ex::LogitsFor::kLastOfEachChunk).logits);
   }
-  std::vector<int> tok(prompts.size());
-  for (int s = 0; s < steps; ++s) {
-    std::vector<ex::Chunk> chunks;
-    for (std::size_t i = 0; i < prompts.size(); ++i) {
-      tok[i] = (s * 13 + static_cast<int>(i) * 7 + 5) % model.config().vocab_size;
-      chunks.push_back(ex::Chunk{ids[i], std::span<const int>(&tok[i], 1), triattn::Phase::kDecode});
-    }
-    all.push_back(model.step(cache, chunks, ex::LogitsFor::kLastOfEachChunk).logits);
-  }
+  triattn::test::forced_decode_steps(model, cache, ids, steps, all);
   for (const triattn::SeqId id : ids) cache.release(id);
   return all;
 }

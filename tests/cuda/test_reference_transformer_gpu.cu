@@ -135,18 +135,8 @@ std::vector<std::vector<float>> run_forced(ModelT& model, Cache& cache, const st
     chunks.push_back(ex::Chunk{ids.back(), p, triattn::Phase::kPrefill});
   }
   std::vector<std::vector<float>> all;
-  ex::StepOutput out = model.step(cache, chunks, ex::LogitsFor::kLastOfEachChunk);
-  all.push_back(out.logits);
-  std::vector<int> tok(prompts.size());
-  for (int s = 0; s < steps; ++s) {
-    chunks.clear();
-    for (std::size_t i = 0; i < prompts.size(); ++i) {
-      tok[i] = (s * 13 + static_cast<int>(i) * 7 + 5) % model.config().vocab_size;
-      chunks.push_back(ex::Chunk{ids[i], std::span<const int>(&tok[i], 1), triattn::Phase::kDecode});
-    }
-    out = model.step(cache, chunks, ex::LogitsFor::kLastOfEachChunk);
-    all.push_back(out.logits);
-  }
+  all.push_back(model.step(cache, chunks, ex::LogitsFor::kLastOfEachChunk).logits);
+  triattn::test::forced_decode_steps(model, cache, ids, steps, all);
   return all;
 }
 
@@ -221,15 +211,7 @@ std::vector<std::vector<float>> run_chunked(ModelT& model, Cache& cache, const s
     REQUIRE(!chunks.empty());
     all.push_back(model.step(cache, chunks, ex::LogitsFor::kAllRows).logits);
   }
-  std::vector<int> tok(prompts.size());
-  for (int s = 0; s < steps; ++s) {
-    std::vector<ex::Chunk> chunks;
-    for (std::size_t i = 0; i < prompts.size(); ++i) {
-      tok[i] = (s * 13 + static_cast<int>(i) * 7 + 5) % model.config().vocab_size;
-      chunks.push_back(ex::Chunk{ids[i], std::span<const int>(&tok[i], 1), triattn::Phase::kDecode});
-    }
-    all.push_back(model.step(cache, chunks, ex::LogitsFor::kLastOfEachChunk).logits);
-  }
+  triattn::test::forced_decode_steps(model, cache, ids, steps, all);
   return all;
 }
 
