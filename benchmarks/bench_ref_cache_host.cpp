@@ -14,6 +14,10 @@
 //                                to 6,400 per row; P = 0 from new lengths and first moved slots,
 //                                P = 1 from every row's kept slots, positions reported per row.
 //                                Counter ms_per_round.
+//   BM_PublishPrompt/tokens:N    publish_prompt of an N-token prompt into the prefix cache at page
+//                                size 1 (SGLang's layout: a block per token), every block new;
+//                                linear in N (it was quadratic: each block searched the plan).
+//                                Counter ns_per_block.
 #include <benchmark/benchmark.h>
 
 #include <chrono>
@@ -21,8 +25,14 @@
 #include <span>
 #include <vector>
 
+#include <numeric>
+
 #include <triattn/core/keep_plan.hpp>
 #include <triattn/core/kv_cache.hpp>
+#include <triattn/core/policy/host_backend.hpp>
+#include <triattn/core/policy/prefix_caching_allocator.hpp>
+#include <triattn/core/policy/static_allocator.hpp>
+#include <triattn/core/prefix_cache.hpp>
 #include <triattn/engine/paged_round.hpp>
 #include <triattn/core/vmm/vmm_allocator_core.hpp>
 #include "common/vmm/fake_driver.hpp"
@@ -135,6 +145,32 @@ void BM_RoundCommit(benchmark::State& state) {
   state.counters["ms_per_round"] = n > 0 ? ms / static_cast<double>(n) : 0.0;
 }
 BENCHMARK(BM_RoundCommit)->ArgNames({"positions"})->Arg(0)->Arg(1)->Iterations(2)->Unit(benchmark::kMillisecond);
+
+void BM_PublishPrompt(benchmark::State& state) {
+  using PrefixCache = KvCache<PrefixCachingAllocator<StaticAllocator<HostBackend>>>;
+  const int n = static_cast<int>(state.range(0));
+  CacheConfig cfg;
+  cfg.model = {1, 1, 1, 8};  // the index's work does not depend on the KV geometry
+  cfg.block_size = 1;
+  cfg.max_seqs = 1;
+  cfg.max_blocks_per_seq = n;
+  cfg.num_blocks = n;
+  std::vector<std::int32_t> prompt(static_cast<std::size_t>(n));
+  std::iota(prompt.begin(), prompt.end(), 3);
+  double seconds = 0.0;
+  for (auto _ : state) {
+    PrefixCache cache(cfg);
+    const SeqId s = cache.add_sequence();
+    (void)cache.extend(s, n, Phase::kPrefill);
+    const auto t0 = std::chrono::steady_clock::now();
+    benchmark::DoNotOptimize(publish_prompt(cache, s, std::span<const std::int32_t>(prompt)));
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    state.SetIterationTime(dt);
+    seconds += dt;
+  }
+  state.counters["ns_per_block"] = seconds * 1e9 / (static_cast<double>(state.iterations()) * n);
+}
+BENCHMARK(BM_PublishPrompt)->ArgNames({"tokens"})->Arg(8192)->Arg(32768)->Arg(131072)->UseManualTime()->Iterations(3)->Unit(benchmark::kMillisecond);
 
 }  // namespace
 

@@ -23,6 +23,7 @@
 #include <span>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -177,6 +178,10 @@ class PrefixCachingAllocator : public Inner {
       std::size_t j;
     };
     std::vector<New> plan;
+    // Hashes and blocks the plan already takes: a repeat inside the chain is found in O(1), so an
+    // insert is linear in the chain (page size 1 makes chains of 10^5 blocks).
+    std::unordered_set<std::uint64_t> plan_hashes;
+    std::unordered_set<std::int32_t> plan_blocks;
     std::uint64_t parent_hash = kPrefixRootHash;
     int parent = -1;
     int cached = 0;
@@ -205,11 +210,12 @@ class PrefixCachingAllocator : public Inner {
         continue;
       }
       TRIATTN_EXPECTS(own < 0, "prefix cache insert: block " + std::to_string(b) + " is cached for other tokens");
-      if (std::any_of(plan.begin(), plan.end(), [&](const New& x) { return x.hash == h; }) ||
-          std::any_of(plan.begin(), plan.end(), [&](const New& x) { return blocks[x.j] == b; })) {
+      if (plan_hashes.count(h) != 0 || plan_blocks.count(b) != 0) {
         collided = true;  // a hash (or block) repeated inside this chain: stop like any collision
         break;
       }
+      plan_hashes.insert(h);
+      plan_blocks.insert(b);
       plan.push_back(New{h, parent, static_cast<std::size_t>(j)});
       parent = -static_cast<int>(plan.size()) - 1;
       parent_hash = h;
