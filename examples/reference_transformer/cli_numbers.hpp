@@ -1,12 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
 // Integer values of command-line options, parsed strictly: the whole value must be an integer (no
 // empty string, sign-only or '+' sign, spaces or trailing text) inside the option's range. One
-// parser for every integer option of reference_transformer, so they all refuse the same inputs.
+// parser for every integer option of reference_transformer, so they all refuse the same inputs;
+// split_list for the options that take a comma-separated list.
 #pragma once
 
 #include <charconv>
 #include <string>
 #include <system_error>
+#include <vector>
 
 #include <triattn/core/error.hpp>
 
@@ -25,6 +27,20 @@ namespace triattn_example {
     throw triattn::logic_error("option " + flag + ": " + value + " is outside [" + std::to_string(lo) + ", " +
                                std::to_string(hi) + "]");
   return x;
+}
+
+/// The comma-separated items of an option's value, empty ones kept (so a value parser refuses
+/// them by name): "a,,b" gives {"a", "", "b"}, "" gives {""}.
+[[nodiscard]] inline std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> out;
+  std::size_t pos = 0;
+  while (pos <= s.size()) {
+    std::size_t end = s.find(',', pos);
+    if (end == std::string::npos) end = s.size();
+    out.push_back(s.substr(pos, end - pos));
+    pos = end + 1;
+  }
+  return out;
 }
 
 }  // namespace triattn_example

@@ -73,8 +73,6 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
 __device__ __forceinline__ float ld_f32(const float* p) { return *p; }
 __device__ __forceinline__ float ld_f32(const __nv_bfloat16* p) { return __bfloat162float(*p); }
 __device__ __forceinline__ float ld_f32(const __half* p) { return __half2float(*p); }
-/// The fp8 code's value before its scale (exact).
-__device__ __forceinline__ float ld_f32(const __nv_fp8_e4m3* p) { return static_cast<float>(*p); }
 
 template <class T> __device__ __forceinline__ T cvt_from_f32(float x);
 template <> __device__ __forceinline__ float cvt_from_f32<float>(float x) { return x; }
@@ -83,33 +81,33 @@ template <> __device__ __forceinline__ __half cvt_from_f32<__half>(float x) { re
 
 // ---- cache elements (the kernels below are templated on the cache's device type) ---------------
 
-/// Storage type (core/dtype.hpp) of a cache's device type: the inverse of triattn::cuda::device_type_t.
+/// Storage type (core/dtype.hpp) of a cache's device type: the inverse of triattn::cuda::device_type_t,
+/// for the library's triattn::cuda::quant / dequant (what these kernels write and read of a cache).
 template <class T> struct storage_of { using type = T; };
 template <> struct storage_of<__half> { using type = triattn::f16_storage; };
 template <> struct storage_of<__nv_bfloat16> { using type = triattn::bf16_storage; };
 template <> struct storage_of<__nv_fp8_e4m3> { using type = triattn::fp8_e4m3_storage; };
+template <class T> using storage_of_t = typename storage_of<T>::type;
 /// True for a device type whose codes carry a scale (fp8).
-template <class T> inline constexpr bool is_scaled_v = triattn::is_scaled_dtype<typename storage_of<T>::type>;
+template <class T> inline constexpr bool is_scaled_v = triattn::is_scaled_dtype<storage_of_t<T>>;
 
 /// Dequantisation scale of (layer, kind, head) of a cache of device type T: the view's for fp8,
-/// a compile-time 1 otherwise (no load).
+/// a compile-time 1 otherwise (no load); triattn::cuda::kv_scale for a view typed by device type.
 template <class T>
 __device__ __forceinline__ float cache_scale(const KvCacheView<T, std::int32_t>& view, int layer, KvKind kind, int head) {
   if constexpr (is_scaled_v<T>) return view.scale(layer, kind, head);
   else return 1.0f;
 }
-/// Cache element of value x under `scale`: triattn::cuda::quant (fp8: x / scale, nearest even,
-/// saturating, bit for bit the library append's and the CPU's quantize), a plain rounding otherwise.
+/// Cache element of value x under `scale` (fp8: x / scale, nearest even, saturating; the library
+/// append's and the CPU's rounding).
 template <class T>
 __device__ __forceinline__ T to_cache(float x, float scale) {
-  if constexpr (is_scaled_v<T>) return triattn::cuda::quant<typename storage_of<T>::type>(x, scale);
-  else return cvt_from_f32<T>(x);
+  return triattn::cuda::quant<storage_of_t<T>>(x, scale);
 }
 /// Value of cache element *p under `scale` (fp8: code * scale, as the CPU's dequantize).
 template <class T>
 __device__ __forceinline__ float from_cache(const T* p, float scale) {
-  if constexpr (is_scaled_v<T>) return ld_f32(p) * scale;
-  else return ld_f32(p);
+  return triattn::cuda::dequant<storage_of_t<T>>(*p, scale);
 }
 
 /// 16 bytes of weights as floats: 4 (fp32) or 8 (bf16) values.

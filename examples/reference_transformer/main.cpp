@@ -270,17 +270,11 @@ Options parse_args(int argc, char** argv) {
       else if (v == "fp8") o.kv_dtype = triattn::DType::kFP8E4M3;
       else throw std::runtime_error("--kv-dtype: '" + v + "' is not f32, bf16, f16 or fp8");
     } else if (a == "--kv-scales") {
-      const std::string v = need(i);
       o.kv_scales.clear();
-      std::size_t start = 0;
-      for (;;) {
-        const std::size_t comma = v.find(',', start);
-        const std::string item = v.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+      for (const std::string& item : ex::split_list(need(i))) {
         const float x = to_float(a, item);
         if (!(x > 0.0f)) throw std::runtime_error("option --kv-scales: '" + item + "' is not > 0");
         o.kv_scales.push_back(x);
-        if (comma == std::string::npos) break;
-        start = comma + 1;
       }
     } else if (a == "--block-size") o.block_size = to_int(a, need(i), 1, 1 << 16);
     else if (a == "--report-every") o.report_every = to_int(a, need(i), 0, kIntMax);

@@ -136,17 +136,6 @@ void usage() {
       TRIATTN_SHARED_DATA_DIR);
 }
 
-std::vector<std::string> split(const std::string& s) {
-  std::vector<std::string> out;
-  std::size_t pos = 0;
-  while (pos <= s.size()) {
-    const std::size_t end = std::min(s.find(',', pos), s.size());
-    out.push_back(s.substr(pos, end - pos));
-    pos = end + 1;
-  }
-  return out;
-}
-
 double to_double(const std::string& flag, const std::string& v) {
   double x = 0;
   const char* end = v.data() + v.size();
@@ -234,11 +223,11 @@ Options parse_args(int argc, char** argv) {
     else if (a == "--rates") {
       rates_set = true;
       o.rates.clear();
-      for (const std::string& r : split(need(i))) o.rates.push_back(r == "trace" ? -1.0 : to_double("--rates", r));
+      for (const std::string& r : ex::split_list(need(i))) o.rates.push_back(r == "trace" ? -1.0 : to_double("--rates", r));
       for (double r : o.rates)
         if (r < 0 && r != -1.0) throw triattn::logic_error("--rates: a rate must be >= 0 (or 'trace')");
     } else if (a == "--configs") {
-      o.configs = split(need(i));
+      o.configs = ex::split_list(need(i));
       for (const std::string& c : o.configs)
         if (c != "full" && c != "tri" && c != "full+prefix" && c != "tri+prefix")
           throw triattn::logic_error("--configs: '" + c + "' is not full, tri, full+prefix or tri+prefix");
